@@ -1,0 +1,494 @@
+//! The CPU backend: plain Rust in f32, parallel over output rows, heads and experts
+//! with rayon. It is the reference every other backend is tested against.
+
+use rayon::prelude::*;
+use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, QuantView, Routing};
+use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
+use crate::error::{Error, Result};
+
+/// An f32 matrix `[rows, cols]`, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        CpuTensor { rows, cols, data }
+    }
+
+    fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    fn map2(&self, other: &CpuTensor, f: impl Fn(f32, f32) -> f32 + Sync) -> CpuTensor {
+        assert_eq!((self.rows, self.cols), (other.rows, other.cols), "elementwise shapes");
+        let data = self.data.iter().zip(&other.data).map(|(&a, &b)| f(a, b)).collect();
+        CpuTensor::new(self.rows, self.cols, data)
+    }
+}
+
+/// Keys and values `[len, kv_dim]` of one attention layer.
+#[derive(Clone, Debug, Default)]
+pub struct CpuKvCache {
+    kv_dim: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+/// The CPU backend. Stateless; cheap to construct.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+/// Rows of a weight matrix, produced one at a time into a scratch buffer.
+enum Rows<'a> {
+    Quant(QuantView<'a>),
+    Dense { data: &'a [f32], cols: usize },
+}
+
+impl<'a> Rows<'a> {
+    fn of(w: &'a LinearWeight) -> Self {
+        match w {
+            LinearWeight::Quantized(q) => Rows::Quant(QuantView {
+                spec: q.spec,
+                rows: q.rows,
+                cols: q.cols,
+                packed: bytemuck::cast_slice(&q.packed),
+                scales: Floats::f32(&q.scales),
+                biases: Floats::f32(&q.biases),
+            }),
+            LinearWeight::Dense(d) => Rows::Dense { data: &d.data, cols: d.cols },
+        }
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Rows::Quant(q) => (q.rows, q.cols),
+            Rows::Dense { data, cols } => (data.len() / cols, *cols),
+        }
+    }
+
+    /// Row `r`, dequantized into `buf` if needed.
+    fn row<'b>(&'b self, r: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        match self {
+            Rows::Quant(q) => {
+                dequantize_row(q, r, buf);
+                buf
+            }
+            Rows::Dense { data, cols } => &data[r * cols..(r + 1) * cols],
+        }
+    }
+}
+
+/// f32 dot product with eight partial sums (lets the compiler vectorize).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `log(1 + exp(x))` without overflow (mlx `nn.softplus` = `logaddexp(x, 0)`).
+#[inline]
+fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `x W^T` for `x` `[t, in]`: `[t, out]`. Output rows are split into blocks computed in
+/// parallel when `parallel`; each weight row is dequantized once and used for all tokens.
+fn matmul_rows(x: &[f32], t: usize, w: &Rows<'_>, parallel: bool) -> Vec<f32> {
+    const BLOCK: usize = 32;
+    let (out_dim, in_dim) = w.shape();
+    assert_eq!(x.len(), t * in_dim, "matmul input width");
+    let block = |b: usize| -> Vec<f32> {
+        let r0 = b * BLOCK;
+        let r1 = (r0 + BLOCK).min(out_dim);
+        let mut buf = vec![0.0f32; in_dim];
+        let mut local = vec![0.0f32; t * (r1 - r0)];
+        for r in r0..r1 {
+            let row = w.row(r, &mut buf);
+            for ti in 0..t {
+                local[ti * (r1 - r0) + (r - r0)] = dot(&x[ti * in_dim..(ti + 1) * in_dim], row);
+            }
+        }
+        local
+    };
+    let nblocks = out_dim.div_ceil(BLOCK);
+    let blocks: Vec<Vec<f32>> = if parallel {
+        (0..nblocks).into_par_iter().map(block).collect()
+    } else {
+        (0..nblocks).map(block).collect()
+    };
+    let mut out = vec![0.0f32; t * out_dim];
+    for (b, local) in blocks.iter().enumerate() {
+        let r0 = b * BLOCK;
+        let width = local.len() / t.max(1);
+        for ti in 0..t {
+            out[ti * out_dim + r0..ti * out_dim + r0 + width].copy_from_slice(&local[ti * width..(ti + 1) * width]);
+        }
+    }
+    out
+}
+
+/// A projection of an expert record as a quantized view.
+fn record_view<'a>(record: &'a [u8], layout: &RecordLayout, proj: Projection) -> QuantView<'a> {
+    let (rows, cols) = layout.shape(proj);
+    let piece = |kind| layout.slice(record, RecordLayout::piece(proj, kind));
+    let floats = |kind| Floats {
+        dtype: layout.scale_dtype,
+        bytes: piece(kind),
+    };
+    let spec = layout.specs[Projection::ALL.iter().position(|&p| p == proj).unwrap_or(0)];
+    QuantView {
+        spec,
+        rows,
+        cols,
+        packed: piece(PieceKind::Weight),
+        scales: floats(PieceKind::Scales),
+        biases: floats(PieceKind::Biases),
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = LinearWeight;
+    type Index = Vec<u32>;
+    type KvCache = CpuKvCache;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload_weight(&self, w: LinearWeight) -> Result<LinearWeight> {
+        Ok(w)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> CpuTensor {
+        assert_eq!(data.len(), rows * cols, "upload shape");
+        CpuTensor::new(rows, cols, data.to_vec())
+    }
+
+    fn upload_index(&self, idx: &[u32]) -> Vec<u32> {
+        idx.to_vec()
+    }
+
+    fn download(&self, t: &CpuTensor) -> Vec<f32> {
+        t.data.clone()
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor::new(rows, cols, vec![0.0; rows * cols])
+    }
+
+    fn rows(&self, x: &CpuTensor, start: usize, count: usize) -> CpuTensor {
+        CpuTensor::new(count, x.cols, x.data[start * x.cols..(start + count) * x.cols].to_vec())
+    }
+
+    fn embed(&self, table: &LinearWeight, ids: &[u32]) -> Result<CpuTensor> {
+        let rows = Rows::of(table);
+        let (vocab, dim) = rows.shape();
+        let mut data = vec![0.0f32; ids.len() * dim];
+        let mut buf = vec![0.0f32; dim];
+        for (t, &id) in ids.iter().enumerate() {
+            if id as usize >= vocab {
+                return Err(Error::InvalidInput(format!(
+                    "token id {id} is out of range for a vocabulary of {vocab}"
+                )));
+            }
+            data[t * dim..(t + 1) * dim].copy_from_slice(rows.row(id as usize, &mut buf));
+        }
+        Ok(CpuTensor::new(ids.len(), dim, data))
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
+        let rows = Rows::of(w);
+        let out = rows.shape().0;
+        CpuTensor::new(x.rows, out, matmul_rows(&x.data, x.rows, &rows, true))
+    }
+
+    fn gather_columns(&self, x: &CpuTensor, idx: &Vec<u32>) -> CpuTensor {
+        let mut data = Vec::with_capacity(x.rows * idx.len());
+        for r in 0..x.rows {
+            let row = x.row(r);
+            data.extend(idx.iter().map(|&c| row[c as usize]));
+        }
+        CpuTensor::new(x.rows, idx.len(), data)
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: Option<&CpuTensor>, group: usize, eps: f32, scale: f32) -> CpuTensor {
+        let mut data = x.data.clone();
+        for chunk in data.chunks_exact_mut(group) {
+            let ss: f32 = chunk.iter().map(|v| v * v).sum();
+            let inv = 1.0 / (ss / group as f32 + eps).sqrt();
+            for (i, v) in chunk.iter_mut().enumerate() {
+                let w = weight.map_or(1.0, |w| w.data[i]);
+                *v = scale * (w * (*v * inv));
+            }
+        }
+        CpuTensor::new(x.rows, x.cols, data)
+    }
+
+    fn rms_norm_gated(&self, x: &CpuTensor, gate: &CpuTensor, weight: &CpuTensor, group: usize, eps: f32) -> CpuTensor {
+        let normed = self.rms_norm(x, Some(weight), group, eps, 1.0);
+        normed.map2(gate, |n, z| silu(z) * n)
+    }
+
+    fn causal_conv1d_silu(&self, x: &CpuTensor, weight: &CpuTensor, state: &mut CpuTensor) -> CpuTensor {
+        let (c, k) = (weight.rows, weight.cols);
+        let keep = k - 1;
+        assert_eq!((state.rows, state.cols, x.cols), (keep, c, c), "conv shapes");
+        let mut input = state.data.clone();
+        input.extend_from_slice(&x.data);
+        let mut out = vec![0.0f32; x.rows * c];
+        for t in 0..x.rows {
+            for ch in 0..c {
+                let mut acc = 0.0f32;
+                for j in 0..k {
+                    acc += weight.data[ch * k + j] * input[(t + j) * c + ch];
+                }
+                out[t * c + ch] = silu(acc);
+            }
+        }
+        let total = keep + x.rows;
+        state.data.copy_from_slice(&input[(total - keep) * c..]);
+        CpuTensor::new(x.rows, c, out)
+    }
+
+    fn gated_delta(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        a: &CpuTensor,
+        b: &CpuTensor,
+        a_log: &CpuTensor,
+        dt_bias: &CpuTensor,
+        state: &mut CpuTensor,
+        dims: DeltaDims,
+    ) -> CpuTensor {
+        let DeltaDims {
+            key_heads,
+            value_heads,
+            key_dim: dk,
+            value_dim: dv,
+        } = dims;
+        let t_len = q.rows;
+        let group = value_heads / key_heads;
+        let per_head: Vec<Vec<f32>> = state
+            .data
+            .par_chunks_mut(dv * dk)
+            .enumerate()
+            .map(|(h, s)| {
+                let kh = h / group;
+                let mut y = vec![0.0f32; t_len * dv];
+                let decay_rate = a_log.data[h].exp();
+                for t in 0..t_len {
+                    let g = (-decay_rate * softplus(a.data[t * value_heads + h] + dt_bias.data[h])).exp();
+                    let beta = sigmoid(b.data[t * value_heads + h]);
+                    let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
+                    let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
+                    let vt = &v.row(t)[h * dv..(h + 1) * dv];
+                    for (i, srow) in s.chunks_exact_mut(dk).enumerate() {
+                        srow.iter_mut().for_each(|x| *x *= g);
+                        let delta = (vt[i] - dot(srow, kt)) * beta;
+                        srow.iter_mut().zip(kt).for_each(|(x, &kj)| *x += kj * delta);
+                        y[t * dv + i] = dot(srow, qt);
+                    }
+                }
+                y
+            })
+            .collect();
+        let mut out = vec![0.0f32; t_len * value_heads * dv];
+        for (h, y) in per_head.iter().enumerate() {
+            for t in 0..t_len {
+                let at = t * value_heads * dv + h * dv;
+                out[at..at + dv].copy_from_slice(&y[t * dv..(t + 1) * dv]);
+            }
+        }
+        CpuTensor::new(t_len, value_heads * dv, out)
+    }
+
+    fn rope(&self, x: &CpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> CpuTensor {
+        let half = rotary_dim / 2;
+        let mut data = x.data.clone();
+        for t in 0..x.rows {
+            let pos = (start + t) as f64;
+            let row = &mut data[t * x.cols..(t + 1) * x.cols];
+            for head in row.chunks_exact_mut(head_dim) {
+                for j in 0..half {
+                    let inv_freq = theta.powf(-((2 * j) as f64) / rotary_dim as f64);
+                    let (sin, cos) = (pos * inv_freq).sin_cos();
+                    let (sin, cos) = (sin as f32, cos as f32);
+                    let (x1, x2) = (head[j], head[j + half]);
+                    head[j] = x1 * cos - x2 * sin;
+                    head[j + half] = x1 * sin + x2 * cos;
+                }
+            }
+        }
+        CpuTensor::new(x.rows, x.cols, data)
+    }
+
+    fn new_kv_cache(&self, kv_dim: usize) -> CpuKvCache {
+        CpuKvCache {
+            kv_dim,
+            keys: Vec::new(),
+            values: Vec::new(),
+        }
+    }
+
+    fn kv_len(&self, cache: &CpuKvCache) -> usize {
+        cache.keys.len() / cache.kv_dim.max(1)
+    }
+
+    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, cache: &mut CpuKvCache, dims: AttnDims) -> CpuTensor {
+        let AttnDims {
+            q_heads,
+            kv_heads,
+            head_dim: hd,
+            scale,
+        } = dims;
+        let kv_dim = cache.kv_dim;
+        assert_eq!((k.cols, v.cols), (kv_dim, kv_dim), "kv width");
+        cache.keys.extend_from_slice(&k.data);
+        cache.values.extend_from_slice(&v.data);
+        let total = cache.keys.len() / kv_dim;
+        let past = total - q.rows;
+        let group = q_heads / kv_heads;
+        let (keys, values) = (&cache.keys, &cache.values);
+        let out: Vec<Vec<f32>> = (0..q.rows * q_heads)
+            .into_par_iter()
+            .map(|job| {
+                let (t, h) = (job / q_heads, job % q_heads);
+                let kvh = h / group;
+                let qh = &q.row(t)[h * hd..(h + 1) * hd];
+                let visible = past + t + 1;
+                let mut scores: Vec<f32> = (0..visible)
+                    .map(|s| dot(qh, &keys[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd]) * scale)
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let mut o = vec![0.0f32; hd];
+                for (s, p) in scores.iter().enumerate() {
+                    let vs = &values[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd];
+                    let p = p / sum;
+                    o.iter_mut().zip(vs).for_each(|(o, &x)| *o += p * x);
+                }
+                o
+            })
+            .collect();
+        CpuTensor::new(q.rows, q_heads * hd, out.concat())
+    }
+
+    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
+        if gate.cols == x.cols {
+            return x.map2(gate, |a, g| a * sigmoid(g));
+        }
+        assert_eq!((gate.rows, gate.cols), (x.rows, 1), "gate must be [T, cols] or [T, 1]");
+        let mut data = x.data.clone();
+        for (row, &g) in data.chunks_exact_mut(x.cols).zip(&gate.data) {
+            let s = sigmoid(g);
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        CpuTensor::new(x.rows, x.cols, data)
+    }
+
+    fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        gate.map2(up, |g, u| silu(g) * u)
+    }
+
+    fn add(&self, a: &CpuTensor, b: &CpuTensor) -> CpuTensor {
+        a.map2(b, |x, y| x + y)
+    }
+
+    fn router_top_k(&self, logits: &CpuTensor, k: usize, renormalize: bool) -> Routing {
+        let mut ids = Vec::with_capacity(logits.rows * k);
+        let mut weights = Vec::with_capacity(logits.rows * k);
+        for t in 0..logits.rows {
+            let row = logits.row(t);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
+            let mut order: Vec<u32> = (0..row.len() as u32).collect();
+            // Highest probability first; ties keep the lower id first.
+            order.sort_by(|&x, &y| probs[y as usize].total_cmp(&probs[x as usize]).then(x.cmp(&y)));
+            let top = &order[..k];
+            let norm = if renormalize {
+                top.iter().map(|&e| probs[e as usize]).sum::<f32>()
+            } else {
+                1.0
+            };
+            ids.extend_from_slice(top);
+            weights.extend(top.iter().map(|&e| probs[e as usize] / norm));
+        }
+        Routing { top_k: k, ids, weights }
+    }
+
+    fn moe_experts(&self, x: &CpuTensor, routing: &Routing, records: &[&[u8]], layout: &RecordLayout) -> CpuTensor {
+        assert_eq!(records.len(), routing.ids.len(), "one record per routed (token, expert)");
+        let (d, k) = (x.cols, routing.top_k);
+        // Group the (token, slot) pairs by expert so each expert's weights are dequantized once.
+        let experts = routing.distinct();
+        let per_expert: Vec<(Vec<usize>, Vec<f32>)> = experts
+            .par_iter()
+            .map(|&e| {
+                let uses: Vec<usize> = (0..routing.ids.len()).filter(|&j| routing.ids[j] == e).collect();
+                let record = records[uses[0]];
+                let xs: Vec<f32> = uses.iter().flat_map(|&j| x.row(j / k).iter().copied()).collect();
+                let n = uses.len();
+                let gate = matmul_rows(&xs, n, &Rows::Quant(record_view(record, layout, Projection::Gate)), false);
+                let up = matmul_rows(&xs, n, &Rows::Quant(record_view(record, layout, Projection::Up)), false);
+                let h: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+                let y = matmul_rows(&h, n, &Rows::Quant(record_view(record, layout, Projection::Down)), false);
+                (uses, y)
+            })
+            .collect();
+        // y_j for every routed (token, slot) j, then summed per token in slot order.
+        let mut ys = vec![0.0f32; routing.ids.len() * d];
+        for (uses, y) in &per_expert {
+            for (i, &j) in uses.iter().enumerate() {
+                ys[j * d..(j + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
+            }
+        }
+        let mut out = vec![0.0f32; x.rows * d];
+        for t in 0..x.rows {
+            let o = &mut out[t * d..(t + 1) * d];
+            for j in t * k..(t + 1) * k {
+                let w = routing.weights[j];
+                o.iter_mut().zip(&ys[j * d..(j + 1) * d]).for_each(|(o, &y)| *o += w * y);
+            }
+        }
+        CpuTensor::new(x.rows, d, out)
+    }
+}

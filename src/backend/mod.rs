@@ -1,0 +1,160 @@
+//! The compute interface the model is written against, and its CPU implementation.
+//!
+//! Activations are f32 matrices `[rows, cols]`, one row per token. Every operation of
+//! the Qwen3-Next forward pass is one method here, so the model code (src/model) is
+//! written once and runs on any backend; the CPU backend is also the oracle that other
+//! backends' kernels are tested against.
+
+pub mod cpu;
+mod quant;
+
+pub use quant::{dequantize_row, Floats, QuantView};
+
+use crate::checkpoint::{LinearWeight, RecordLayout};
+use crate::error::Result;
+
+/// Head geometry of a gated DeltaNet layer.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    /// Per-head key (and query) width `Dk`.
+    pub key_dim: usize,
+    /// Per-head value width `Dv`.
+    pub value_dim: usize,
+}
+
+/// Head geometry of a full-attention layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplier of `q . k` before the softmax (`head_dim^-0.5`).
+    pub scale: f32,
+}
+
+/// The router's choice for a batch of tokens: `top_k` experts per token, highest first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    /// `[tokens, top_k]` expert ids.
+    pub ids: Vec<u32>,
+    /// `[tokens, top_k]` mixing weights (softmax probabilities, renormalized if asked).
+    pub weights: Vec<f32>,
+}
+
+impl Routing {
+    /// Number of tokens routed.
+    pub fn tokens(&self) -> usize {
+        self.ids.len() / self.top_k.max(1)
+    }
+
+    /// Distinct expert ids, ascending.
+    pub fn distinct(&self) -> Vec<u32> {
+        let mut ids = self.ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+}
+
+/// The operations of the forward pass. Shapes are `[rows, cols]` of f32 unless stated.
+/// Arithmetic is f32 throughout, matching mlx-lm run with `set_dtype(float32)`.
+pub trait Backend: Send + Sync {
+    /// Activations (f32, row-major `[rows, cols]`).
+    type Tensor: Send + Sync;
+    /// A resident linear-layer weight (quantized or dense).
+    type Weight: Send + Sync;
+    /// A list of column indices.
+    type Index: Send + Sync;
+    /// Keys and values of one attention layer for one sequence.
+    type KvCache: Send + Sync;
+
+    /// A human-readable name ("cpu", or the GPU adapter's name).
+    fn name(&self) -> String;
+
+    /// Makes a weight resident. Errors: the backend cannot hold it.
+    fn upload_weight(&self, w: LinearWeight) -> Result<Self::Weight>;
+    /// Uploads `[rows, cols]` values.
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+    /// Uploads a column index list for [`Backend::gather_columns`].
+    fn upload_index(&self, idx: &[u32]) -> Self::Index;
+    /// Reads a tensor back to the host, row-major.
+    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// `(rows, cols)` of a tensor.
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// A `[rows, cols]` tensor of zeros.
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;
+    /// Rows `start .. start + count` of `x`.
+    fn rows(&self, x: &Self::Tensor, start: usize, count: usize) -> Self::Tensor;
+
+    /// Dequantized rows of an embedding table: `[ids.len(), cols]`
+    /// (mlx `QuantizedEmbedding`). Errors: an id beyond the table.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `x W^T`: `[T, in] x [out, in] -> [T, out]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    /// `out[:, j] = x[:, idx[j]]`.
+    fn gather_columns(&self, x: &Self::Tensor, idx: &Self::Index) -> Self::Tensor;
+    /// RMSNorm over consecutive groups of `group` columns:
+    /// `scale * w * x / sqrt(mean(x^2) + eps)`, `w` of length `group` (or 1 if `None`).
+    fn rms_norm(&self, x: &Self::Tensor, weight: Option<&Self::Tensor>, group: usize, eps: f32, scale: f32)
+        -> Self::Tensor;
+    /// Gated RMSNorm (Qwen3-Next `Qwen3NextRMSNormGated` with `precise_swiglu`):
+    /// `silu(gate) * w * rms_norm(x)` per group of `group` columns.
+    fn rms_norm_gated(&self, x: &Self::Tensor, gate: &Self::Tensor, weight: &Self::Tensor, group: usize, eps: f32)
+        -> Self::Tensor;
+    /// Causal depthwise conv then SiLU: `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over
+    /// `in = [state; x]`, `w` `[C, K]`, state `[K-1, C]` updated to the last `K-1` inputs.
+    fn causal_conv1d_silu(&self, x: &Self::Tensor, weight: &Self::Tensor, state: &mut Self::Tensor) -> Self::Tensor;
+    /// The gated delta rule, recurrent form (mlx-lm `gated_delta.py`, `gated_delta_ops`):
+    /// per token and value head `h` (key head `h / (Hv/Hk)`):
+    /// `S = g S; S += k (beta (v - S k))^T; y = S q` with `g = exp(-exp(A_log) softplus(a + dt_bias))`,
+    /// `beta = sigmoid(b)`. q, k `[T, Hk*Dk]` (already normalized), v `[T, Hv*Dv]`,
+    /// a, b `[T, Hv]`, state `[Hv, Dv*Dk]` (row = value dim). Returns y `[T, Hv*Dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        a: &Self::Tensor,
+        b: &Self::Tensor,
+        a_log: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+        state: &mut Self::Tensor,
+        dims: DeltaDims,
+    ) -> Self::Tensor;
+    /// Non-traditional (half-split) RoPE on the first `rotary_dim` columns of each head
+    /// of width `head_dim`; row `t` is at position `start + t`. `inv_freq_j = theta^(-2j/rotary_dim)`.
+    fn rope(&self, x: &Self::Tensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> Self::Tensor;
+    /// An empty KV cache for `kv_dim = kv_heads * head_dim` columns.
+    fn new_kv_cache(&self, kv_dim: usize) -> Self::KvCache;
+    /// Number of positions held in a KV cache.
+    fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Appends `k`, `v` `[T, kv_dim]` to the cache and returns causal softmax attention of
+    /// `q` `[T, q_heads*head_dim]` over all cached positions; query head `h` reads kv head
+    /// `h / (q_heads / kv_heads)`. Returns `[T, q_heads*head_dim]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvCache,
+        dims: AttnDims,
+    ) -> Self::Tensor;
+    /// `x * sigmoid(gate)`; `gate` is `[T, cols]` or `[T, 1]` (broadcast over the row).
+    fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
+    /// `silu(gate) * up`.
+    fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `a + b`.
+    fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
+    /// Softmax over each row of router logits `[T, E]` in f32, the `k` largest
+    /// probabilities, renormalized to sum 1 if `renormalize`. This is the one read-back of
+    /// a layer: the ids decide which records the pool must hold.
+    fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Routing;
+    /// Routed SwiGLU experts: `out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`
+    /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`.
+    fn moe_experts(&self, x: &Self::Tensor, routing: &Routing, records: &[&[u8]], layout: &RecordLayout)
+        -> Self::Tensor;
+}

@@ -1,0 +1,74 @@
+//! The library's typed errors. Every variant names the file, tensor or field at fault.
+
+use std::path::PathBuf;
+
+/// Errors returned by the slotstream library.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be opened, mapped or read.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A JSON file (config, index, tokenizer config) is malformed or lacks a field.
+    #[error("{path}: {message}")]
+    Json { path: PathBuf, message: String },
+
+    /// The config names a `model_type` this build does not implement.
+    #[error("{path}: unsupported model_type `{model_type}` (supported: {supported})")]
+    UnsupportedModel {
+        path: PathBuf,
+        model_type: String,
+        supported: String,
+    },
+
+    /// A config field has a value the engine cannot run (e.g. 3-bit quantization).
+    #[error("{path}: field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+
+    /// A safetensors file is malformed or inconsistent with itself.
+    #[error("{path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+
+    /// A tensor the model needs is absent from every shard.
+    #[error("tensor `{name}` is missing from the checkpoint")]
+    MissingTensor { name: String },
+
+    /// A tensor is present but has the wrong dtype or shape.
+    #[error("tensor `{name}`: {message}")]
+    BadTensor { name: String, message: String },
+
+    /// The tokenizer could not be loaded or failed on input.
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+
+    /// A request is invalid for this model (token id out of range, empty input, ...).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn bad_tensor(name: &str, message: impl Into<String>) -> Self {
+        Error::BadTensor {
+            name: name.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Shorthand for `Result<T, slotstream::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

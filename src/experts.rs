@@ -1,0 +1,51 @@
+//! Where the forward pass gets routed-expert records from.
+//!
+//! The model asks an [`ExpertSource`] for the records of one layer's routed experts and
+//! holds them until that layer's expert compute is done. [`MappedExperts`] copies them
+//! out of the memory-mapped checkpoint (every expert effectively resident, as mlx-lm
+//! runs); the slot pool streams them from disk into a bounded set of slots.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::error::Result;
+
+/// Supplies expert records laid out by [`crate::checkpoint::RecordLayout`].
+pub trait ExpertSource: Send + Sync {
+    /// A held record; the source may not reuse its memory until this is dropped.
+    type Record<'a>: Deref<Target = [u8]> + Send + Sync
+    where
+        Self: 'a;
+
+    /// The records of `experts` (distinct ids) of decoder layer `layer`, in the same order.
+    /// Errors: an I/O failure reading a record, or an expert the checkpoint lacks.
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<Self::Record<'_>>>;
+}
+
+/// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
+pub struct MappedExperts {
+    ckpt: Arc<Checkpoint>,
+    index: Arc<ExpertIndex>,
+}
+
+impl MappedExperts {
+    pub fn new(ckpt: Arc<Checkpoint>, index: Arc<ExpertIndex>) -> Self {
+        MappedExperts { ckpt, index }
+    }
+}
+
+impl ExpertSource for MappedExperts {
+    type Record<'a> = Vec<u8>;
+
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
+        experts
+            .iter()
+            .map(|&e| {
+                let mut buf = vec![0u8; self.index.layout.record_bytes];
+                self.index.copy_record(&self.ckpt, layer, e as usize, &mut buf)?;
+                Ok(buf)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,23 @@
+//! slotstream: runs Mixture-of-Experts language models larger than memory by keeping the
+//! dense part resident and streaming routed experts from the SSD into a shared pool of
+//! slots.
+//!
+//! Layers of the crate, bottom up:
+//! - [`config`] and [`checkpoint`]: read and validate an MLX checkpoint directory, and
+//!   index every expert record's bytes.
+//! - [`backend`]: the operations of the forward pass behind one trait, with the CPU
+//!   implementation.
+//! - [`experts`]: where the forward pass gets expert records from.
+//! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
+//! - [`score`]: teacher-forced log-likelihood and perplexity.
+
+pub mod backend;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod experts;
+pub mod model;
+pub mod score;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
