@@ -1,0 +1,80 @@
+//! Shared helpers for integration tests: the mlx-lm fixtures and their reference outputs.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::checkpoint::Checkpoint;
+use slotstream::experts::MappedExperts;
+use slotstream::model::Model;
+
+/// Fixture directories made by tools/make_fixtures.py.
+pub const FIXTURES: &[&str] = &["qwen3-next-bf16", "qwen3-next-f32-sharded"];
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// reference.json of a fixture: mlx-lm's outputs in f32 arithmetic.
+pub struct Reference {
+    pub prompt_ids: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+    pub scored_ids: Vec<u32>,
+    pub perplexity: f64,
+    /// `[scored_ids.len(), vocab]`.
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let dir = fixture_dir(name);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        json[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+    };
+    let npy = npyz::NpyFile::new(std::fs::File::open(dir.join("logits.npy")).unwrap()).unwrap();
+    let vocab = npy.shape()[1] as usize;
+    let logits: Vec<f32> = npy.into_vec().unwrap();
+    Reference {
+        prompt_ids: ids("prompt_ids"),
+        greedy_ids: ids("greedy_ids"),
+        scored_ids: ids("scored_ids"),
+        perplexity: json["perplexity"].as_f64().unwrap(),
+        logits,
+        vocab,
+    }
+}
+
+/// A fixture loaded on the CPU backend with experts read from the mapped checkpoint.
+pub struct Loaded {
+    pub ckpt: Arc<Checkpoint>,
+    pub model: Model<CpuBackend>,
+    pub experts: MappedExperts,
+}
+
+pub fn load_cpu(name: &str) -> Loaded {
+    let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    let experts = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+    Loaded { ckpt, model, experts }
+}
+
+/// `||a - b|| / ||b||`.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
