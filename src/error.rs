@@ -6,12 +6,8 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file could not be opened, mapped or read.
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
 
     /// A JSON file (config, index, tokenizer config) is malformed or lacks a field.
     #[error("{path}: {message}")]
@@ -55,11 +51,8 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+    pub(crate) fn io(path: impl Into<PathBuf>, io: std::io::Error) -> Self {
+        Error::Io { path: path.into(), io }
     }
 
     pub(crate) fn bad_tensor(name: &str, message: impl Into<String>) -> Self {
