@@ -45,6 +45,10 @@ pub enum Error {
     #[error("tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },
 
+    /// The slot pool cannot be built or cannot serve a request with the slots it has.
+    #[error("slot pool: {0}")]
+    Pool(String),
+
     /// A request is invalid for this model (token id out of range, empty input, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -21,6 +21,10 @@ pub trait ExpertSource: Send + Sync {
     /// The records of `experts` (distinct ids) of decoder layer `layer`, in the same order.
     /// Errors: an I/O failure reading a record, or an expert the checkpoint lacks.
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<Self::Record<'_>>>;
+
+    /// Called once at the start of each forward step, so a source that records a
+    /// routing trace can tell tokens apart.
+    fn begin_step(&self) {}
 }
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.

@@ -8,15 +8,21 @@
 //! - [`backend`]: the operations of the forward pass behind one trait, with the CPU
 //!   implementation.
 //! - [`experts`]: where the forward pass gets expert records from.
+//! - [`io`], [`pool`], [`pack`]: bounded async reads with direct I/O, the shared CLOCK
+//!   slot pool with lookahead, and the packed one-read-per-record layout.
 //! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
 //! - [`score`]: teacher-forced log-likelihood and perplexity.
 
 pub mod backend;
+pub mod cachesim;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod experts;
+pub mod io;
 pub mod model;
+pub mod pack;
+pub mod pool;
 pub mod score;
 pub mod tokenizer;
 

@@ -278,6 +278,7 @@ impl<B: Backend> Model<B> {
             return Err(Error::InvalidInput("no tokens to run".into()));
         }
         let cfg = &self.config;
+        experts.begin_step();
         let mut h = backend.embed(&self.embed, ids)?;
         for (i, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let x = backend.rms_norm(&h, Some(&layer.input_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);

@@ -1,0 +1,325 @@
+//! Reading byte ranges from the SSD: direct or buffered `pread`s run as futures on tokio's
+//! blocking pool, with the number in flight bounded by a semaphore (the queue depth).
+//!
+//! Direct I/O (Linux `O_DIRECT`; macOS `F_NOCACHE` + `F_RDAHEAD 0`) keeps the page cache
+//! out of the way so a miss costs what the disk costs and measurements stay honest.
+//! `O_DIRECT` needs offset, length and buffer aligned to the logical block size: a range
+//! that is not aligned is read as its aligned enclosing range into scratch memory.
+
+use std::alloc::Layout;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
+
+use crate::error::{Error, Result};
+
+/// Alignment of direct reads and of pool memory (bytes). 4096 covers the logical block
+/// size of every SSD in use and the page size of x86-64 Linux.
+pub const ALIGN: usize = 4096;
+
+/// Zeroed, `ALIGN`-aligned heap memory that direct reads can land in.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zeroed bytes (rounded up to a multiple of `ALIGN`).
+    /// Errors: the allocation fails (reported, not aborted, so a pool too large for the
+    /// machine is a clear error).
+    pub fn zeroed(len: usize) -> Result<Self> {
+        let len = len.max(1).next_multiple_of(ALIGN);
+        let layout = Layout::from_size_align(len, ALIGN)
+            .map_err(|e| Error::InvalidInput(format!("buffer of {len} bytes: {e}")))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::InvalidInput(format!("could not allocate {len} bytes of aligned memory")))?;
+        Ok(AlignedBuf { ptr, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Raw base pointer, for the slot pool's disjoint per-slot access.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this exact layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, ALIGN)) }
+    }
+}
+
+/// How files are read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoMode {
+    /// Bypass the page cache (`O_DIRECT` / `F_NOCACHE`).
+    Direct,
+    /// Plain `pread`, then drop the range from the page cache (`POSIX_FADV_DONTNEED`).
+    Buffered,
+}
+
+impl std::str::FromStr for IoMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "direct" => Ok(IoMode::Direct),
+            "buffered" => Ok(IoMode::Buffered),
+            _ => Err(format!("unknown I/O mode `{s}` (expected direct or buffered)")),
+        }
+    }
+}
+
+/// Positional reads from one file. The real implementation is [`DiskFile`]; tests
+/// substitute faulty ones (short reads, EIO).
+pub trait ReadAt: Send + Sync {
+    /// Reads up to `buf.len()` bytes at `offset` (one `pread`).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize>;
+    /// The file's path, for error messages.
+    fn path(&self) -> &Path;
+    /// Whether reads must be `ALIGN`-aligned in offset, length and memory.
+    fn direct(&self) -> bool;
+    /// Errors if the file changed since it was opened (size or modification time), so a
+    /// checkpoint rewritten under a running engine is an error, not silent garbage.
+    fn check_unchanged(&self) -> std::io::Result<()>;
+}
+
+/// A file opened for direct or buffered reads, with the stamp it had when opened.
+pub struct DiskFile {
+    path: PathBuf,
+    file: File,
+    direct: bool,
+    stamp: (u64, Option<std::time::SystemTime>),
+}
+
+fn stamp_of(meta: &std::fs::Metadata) -> (u64, Option<std::time::SystemTime>) {
+    (meta.len(), meta.modified().ok())
+}
+
+impl DiskFile {
+    /// Opens `path` in `mode`. Direct mode falls back to buffered, with a warning, where
+    /// the filesystem refuses it (tmpfs, some network filesystems).
+    pub fn open(path: &Path, mode: IoMode) -> Result<Self> {
+        let (file, direct) = match mode {
+            IoMode::Direct => match open_direct(path) {
+                Ok(f) => (f, true),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "direct I/O refused; using buffered reads");
+                    (File::open(path).map_err(|e| Error::io(path, e))?, false)
+                }
+            },
+            IoMode::Buffered => (File::open(path).map_err(|e| Error::io(path, e))?, false),
+        };
+        let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+        Ok(DiskFile {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            stamp: stamp_of(&meta),
+        })
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
+#[cfg(target_os = "macos")]
+fn open_direct(path: &Path) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path)?;
+    // SAFETY: fcntl on a valid descriptor with integer arguments.
+    unsafe {
+        if libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) == -1 || libc::fcntl(f.as_raw_fd(), libc::F_RDAHEAD, 0) == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(f)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+fn open_direct(_path: &Path) -> std::io::Result<File> {
+    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "direct I/O is not implemented on this platform"))
+}
+
+impl ReadAt for DiskFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, offset)?;
+        #[cfg(target_os = "linux")]
+        if !self.direct && n > 0 {
+            use std::os::fd::AsRawFd;
+            // SAFETY: advisory call on a valid descriptor.
+            unsafe {
+                libc::posix_fadvise(self.file.as_raw_fd(), offset as i64, n as i64, libc::POSIX_FADV_DONTNEED);
+            }
+        }
+        Ok(n)
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn direct(&self) -> bool {
+        self.direct
+    }
+
+    fn check_unchanged(&self) -> std::io::Result<()> {
+        let now = stamp_of(&std::fs::metadata(&self.path)?);
+        if now != self.stamp {
+            return Err(std::io::Error::other("file changed since it was opened (size or modification time)"));
+        }
+        Ok(())
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`: short reads continue, `EINTR` is
+/// retried, end of file and I/O errors name the file and offset.
+pub fn read_exact_at(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(Error::io(
+                    file.path(),
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!("unexpected end of file reading {} bytes at offset {}", buf.len() - done, offset + done as u64),
+                    ),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Error::io(
+                    file.path(),
+                    std::io::Error::new(e.kind(), format!("reading at offset {}: {e}", offset + done as u64)),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads `dst.len()` bytes at `offset` of `file` into `dst`, honouring direct-I/O
+/// alignment: aligned requests go straight into `dst`; others read the aligned enclosing
+/// range into scratch memory and copy the piece out.
+pub fn read_range(file: &dyn ReadAt, offset: u64, dst: &mut [u8]) -> Result<()> {
+    let a = ALIGN as u64;
+    let aligned = offset % a == 0 && dst.len() % ALIGN == 0 && (dst.as_ptr() as usize) % ALIGN == 0;
+    if !file.direct() || aligned {
+        read_exact_at(file, dst, offset)?;
+    } else {
+        let start = offset / a * a;
+        let end = (offset + dst.len() as u64).next_multiple_of(a);
+        let mut scratch = AlignedBuf::zeroed((end - start) as usize)?;
+        // The aligned range may run past the end of the file: read what exists.
+        let want = read_until_eof(file, scratch.as_mut_slice(), start)?;
+        let skip = (offset - start) as usize;
+        if want < skip + dst.len() {
+            return Err(Error::io(
+                file.path(),
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("unexpected end of file reading {} bytes at offset {offset}", dst.len()),
+                ),
+            ));
+        }
+        dst.copy_from_slice(&scratch.as_slice()[skip..skip + dst.len()]);
+    }
+    file.check_unchanged().map_err(|e| Error::io(file.path(), e))
+}
+
+/// Like [`read_exact_at`] but stops quietly at end of file; returns the bytes read.
+fn read_until_eof(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Error::io(
+                    file.path(),
+                    std::io::Error::new(e.kind(), format!("reading at offset {}: {e}", offset + done as u64)),
+                ))
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// A set of open files and the semaphore that bounds reads in flight.
+pub struct Reader {
+    files: Vec<Arc<dyn ReadAt>>,
+    demand: Arc<Semaphore>,
+    queue_depth: usize,
+}
+
+impl Reader {
+    /// Opens `paths` in `mode` with at most `queue_depth` (>= 1) reads in flight.
+    pub fn open(paths: &[PathBuf], mode: IoMode, queue_depth: usize) -> Result<Self> {
+        let files = paths
+            .iter()
+            .map(|p| DiskFile::open(p, mode).map(|f| Arc::new(f) as Arc<dyn ReadAt>))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::from_files(files, queue_depth))
+    }
+
+    /// A reader over already-open files (tests inject faulty ones here).
+    pub fn from_files(files: Vec<Arc<dyn ReadAt>>, queue_depth: usize) -> Self {
+        let queue_depth = queue_depth.max(1);
+        Reader {
+            files,
+            demand: Arc::new(Semaphore::new(queue_depth)),
+            queue_depth,
+        }
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.queue_depth
+    }
+
+    /// Whether every file is read with direct I/O.
+    pub fn direct(&self) -> bool {
+        self.files.iter().all(|f| f.direct())
+    }
+
+    pub(crate) fn file(&self, i: usize) -> Arc<dyn ReadAt> {
+        self.files[i].clone()
+    }
+
+    pub(crate) fn semaphore(&self) -> Arc<Semaphore> {
+        self.demand.clone()
+    }
+}

@@ -1,0 +1,678 @@
+//! The slot pool: a fixed set of record-sized slots shared by all layers, filled from the
+//! SSD on demand (misses) or ahead of need (lookahead), evicted by CLOCK.
+//!
+//! Rules (../shared/DESIGN.md, "The slot pool"):
+//! - a slot holds one `(layer, expert)` record and a key maps to at most one slot;
+//! - a hit sets the slot's reference bit; the CLOCK hand skips pinned and in-flight
+//!   slots, clears set bits and evicts the first clear one;
+//! - a layer pins its experts' slots until its expert compute is done;
+//! - two concurrent requests for the same missing record share one read;
+//! - a failed read leaves the slot empty, never valid.
+//!
+//! Reads are tokio tasks: each waits for a permit (demand reads from the queue-depth
+//! semaphore, speculative reads from a separate, smaller one, so speculation never holds
+//! a permit a demand read needs) and then runs its `pread`s on the blocking pool.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use serde::Serialize;
+use tokio::sync::{watch, Semaphore};
+
+use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
+use crate::error::{Error, Result};
+use crate::experts::ExpertSource;
+use crate::checkpoint::Checkpoint;
+use crate::io::{read_range, AlignedBuf, IoMode, Reader, ALIGN};
+use crate::pack::PackedRecords;
+
+/// `(layer, expert)`.
+pub type Key = (u32, u32);
+
+#[derive(Clone, Debug, PartialEq)]
+enum Load {
+    Pending,
+    Done,
+    Failed(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Empty,
+    Loading,
+    Ready,
+}
+
+struct Slot {
+    key: Option<Key>,
+    state: State,
+    referenced: bool,
+    pins: u32,
+    /// Filled by a prefetch and not yet asked for by `ensure`.
+    speculative: bool,
+    load: Option<watch::Receiver<Load>>,
+}
+
+/// How a lookup was served, as written to the routing trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Hit,
+    Miss,
+    /// Served by a lookahead read (landed or still in flight).
+    Prefetched,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Hit => "hit",
+            Outcome::Miss => "miss",
+            Outcome::Prefetched => "prefetched",
+        }
+    }
+}
+
+/// One lookup in the routing trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TraceEvent {
+    pub token: u64,
+    pub layer: u32,
+    pub expert: u32,
+    pub outcome: Outcome,
+}
+
+/// Per-layer lookup counts.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct LayerCounts {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// Counters of a pool since it was built (or since [`SlotPool::reset_stats`]).
+///
+/// Invariants: `hits + misses` = lookups; `demand_bytes = misses * record_bytes`;
+/// bytes read = `demand_bytes + speculative_bytes`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PoolStats {
+    pub slots: usize,
+    pub record_bytes: usize,
+    /// Lookups served without a new demand read (resident, or joining a read in flight).
+    pub hits: u64,
+    /// Lookups that issued a demand read.
+    pub misses: u64,
+    pub hit_rate: f64,
+    pub demand_bytes: u64,
+    pub speculative_reads: u64,
+    pub speculative_bytes: u64,
+    /// Prefetched records later asked for.
+    pub prefetches_used: u64,
+    /// Prefetched records evicted (or failed) without being asked for.
+    pub prefetches_wasted: u64,
+    pub wasted_bytes: u64,
+    /// Seconds callers of `ensure` spent waiting for reads.
+    pub wait_seconds: f64,
+    pub max_in_flight: usize,
+    /// Mean reads in flight, sampled at each read start.
+    pub mean_in_flight: f64,
+    /// Records read from the shards because the pack was unusable for them.
+    pub pack_fallbacks: u64,
+    pub per_layer: Vec<LayerCounts>,
+    #[serde(skip)]
+    in_flight_samples: u64,
+    #[serde(skip)]
+    in_flight_sum: u64,
+}
+
+/// Where records are read from.
+pub enum RecordFiles {
+    /// Nine `pread`s per record from the checkpoint's stacked tensors; reader file `i`
+    /// is shard `i`.
+    Shards,
+    /// One `pread` per record from a pack (reader file `pack_file`), with the shards as
+    /// the fallback for a record whose checksum does not match.
+    Packed { pack: PackedRecords, pack_file: usize },
+}
+
+/// Pool construction parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolOptions {
+    pub slots: usize,
+    /// Speculative reads allowed in flight at once.
+    pub speculative_cap: usize,
+}
+
+/// How a pool for a checkpoint reads its records.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamOptions {
+    pub pool: PoolOptions,
+    /// Demand reads in flight at once (default 32).
+    pub queue_depth: usize,
+    pub io: IoMode,
+    /// Use `experts.pack` in the model directory when it is present and valid.
+    pub use_pack: bool,
+}
+
+impl StreamOptions {
+    /// Defaults for a pool of `slots`: queue depth 32, direct I/O, pack if present,
+    /// up to 8 speculative reads.
+    pub fn with_slots(slots: usize) -> Self {
+        StreamOptions {
+            pool: PoolOptions {
+                slots,
+                speculative_cap: 8,
+            },
+            queue_depth: 32,
+            io: IoMode::Direct,
+            use_pack: true,
+        }
+    }
+}
+
+struct Inner {
+    slots: Vec<Slot>,
+    map: HashMap<Key, usize>,
+    hand: usize,
+    stats: PoolStats,
+    trace: Option<Vec<TraceEvent>>,
+    token: u64,
+}
+
+/// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
+pub struct SlotPool {
+    inner: Mutex<Inner>,
+    memory: AlignedBuf,
+    stride: usize,
+    index: Arc<ExpertIndex>,
+    files: RecordFiles,
+    reader: Reader,
+    speculative: Arc<Semaphore>,
+    runtime: tokio::runtime::Handle,
+    floor: usize,
+    in_flight: AtomicUsize,
+}
+
+/// The fewest slots a pool may have: every expert of one layer (a prefill chunk may
+/// route to all of them) plus the speculative reads that may be in flight.
+pub fn floor_slots(num_experts: usize, speculative_cap: usize) -> usize {
+    num_experts + speculative_cap
+}
+
+/// Slot size for records of `record_bytes`: rounded up to the direct-I/O alignment so
+/// every slot starts aligned.
+pub fn slot_stride(record_bytes: usize) -> usize {
+    record_bytes.next_multiple_of(ALIGN)
+}
+
+impl SlotPool {
+    /// Allocates `options.slots` slots for the records of `index`, read by `reader` from
+    /// `files`. Reads run on `runtime`.
+    /// Errors: fewer slots than the floor (the message gives both numbers), or memory
+    /// that cannot be allocated.
+    pub fn new(
+        index: Arc<ExpertIndex>,
+        files: RecordFiles,
+        reader: Reader,
+        options: PoolOptions,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Arc<Self>> {
+        let floor = floor_slots(index.num_experts, options.speculative_cap);
+        if options.slots < floor {
+            return Err(Error::Pool(format!(
+                "{} slots is below the floor of {floor} ({} experts of one layer + {} speculative reads in flight)",
+                options.slots, index.num_experts, options.speculative_cap
+            )));
+        }
+        let stride = slot_stride(index.layout.record_bytes);
+        let memory = AlignedBuf::zeroed(stride * options.slots)?;
+        let slots = (0..options.slots)
+            .map(|_| Slot {
+                key: None,
+                state: State::Empty,
+                referenced: false,
+                pins: 0,
+                speculative: false,
+                load: None,
+            })
+            .collect();
+        let stats = PoolStats {
+            slots: options.slots,
+            record_bytes: index.layout.record_bytes,
+            per_layer: vec![LayerCounts::default(); index.moe_layers.iter().max().map_or(0, |m| m + 1)],
+            ..Default::default()
+        };
+        Ok(Arc::new(SlotPool {
+            inner: Mutex::new(Inner {
+                slots,
+                map: HashMap::new(),
+                hand: 0,
+                stats,
+                trace: None,
+                token: 0,
+            }),
+            memory,
+            stride,
+            index,
+            files,
+            reader,
+            speculative: Arc::new(Semaphore::new(options.speculative_cap.max(1))),
+            runtime,
+            floor,
+            in_flight: AtomicUsize::new(0),
+        }))
+    }
+
+    /// A pool for the expert records of `ckpt`: reads the pack in the model directory if
+    /// it is present and matches (else the shards; the choice is logged).
+    pub fn open(
+        ckpt: &Checkpoint,
+        index: Arc<ExpertIndex>,
+        options: StreamOptions,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Arc<Self>> {
+        let mut paths: Vec<_> = ckpt.shards().iter().map(|s| s.path.clone()).collect();
+        let pack = if options.use_pack {
+            PackedRecords::open_if_valid(&ckpt.dir, ckpt, &index)
+        } else {
+            None
+        };
+        let files = match pack {
+            Some(pack) => {
+                paths.push(pack.path.clone());
+                RecordFiles::Packed {
+                    pack,
+                    pack_file: paths.len() - 1,
+                }
+            }
+            None => {
+                tracing::info!("reading expert records from the checkpoint shards");
+                RecordFiles::Shards
+            }
+        };
+        let reader = Reader::open(&paths, options.io, options.queue_depth)?;
+        Self::new(index, files, reader, options.pool, runtime)
+    }
+
+    /// Whether records come from a pack (one read each) rather than the shards.
+    pub fn packed(&self) -> bool {
+        matches!(self.files, RecordFiles::Packed { .. })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave slots half-updated in a way later
+        // callers could misread (every transition is a single assignment), so recover.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.lock().slots.len()
+    }
+
+    /// The floor this pool was checked against.
+    pub fn floor(&self) -> usize {
+        self.floor
+    }
+
+    /// Layout of the records in the slots.
+    pub fn layout(&self) -> &RecordLayout {
+        &self.index.layout
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> PoolStats {
+        let inner = self.lock();
+        let mut s = inner.stats.clone();
+        let lookups = s.hits + s.misses;
+        s.hit_rate = if lookups == 0 { 0.0 } else { s.hits as f64 / lookups as f64 };
+        s.mean_in_flight = if s.in_flight_samples == 0 {
+            0.0
+        } else {
+            s.in_flight_sum as f64 / s.in_flight_samples as f64
+        };
+        s
+    }
+
+    /// Zeroes the counters (the pool's contents stay).
+    pub fn reset_stats(&self) {
+        let mut inner = self.lock();
+        let layers = inner.stats.per_layer.len();
+        inner.stats = PoolStats {
+            slots: inner.slots.len(),
+            record_bytes: self.index.layout.record_bytes,
+            per_layer: vec![LayerCounts::default(); layers],
+            ..Default::default()
+        };
+    }
+
+    /// Starts recording every lookup; [`SlotPool::take_trace`] returns them.
+    pub fn enable_trace(&self) {
+        self.lock().trace = Some(Vec::new());
+    }
+
+    /// The lookups recorded since tracing was enabled (or last taken).
+    pub fn take_trace(&self) -> Vec<TraceEvent> {
+        self.lock().trace.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Advances the token counter used in the trace (one per forward step).
+    pub fn begin_step(&self) {
+        self.lock().token += 1;
+    }
+
+    /// Slot of `key` if it is resident and valid (for tests and diagnostics).
+    pub fn resident(&self, key: Key) -> Option<usize> {
+        let inner = self.lock();
+        inner.map.get(&key).copied().filter(|&i| inner.slots[i].state == State::Ready)
+    }
+
+    /// Bytes of slot `slot` (the record plus padding).
+    ///
+    /// # Safety
+    /// The caller must hold a pin on a `Ready` slot (or otherwise know no read is
+    /// writing it): only the single load of a `Loading` slot writes its bytes.
+    unsafe fn slot_bytes(&self, slot: usize) -> &[u8] {
+        std::slice::from_raw_parts(self.memory.as_ptr().add(slot * self.stride), self.stride)
+    }
+
+    /// Mutable bytes of a slot for its load.
+    ///
+    /// # Safety
+    /// Only the load task of a `Loading` slot may call this, once.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot_bytes_mut(&self, slot: usize) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.memory.as_ptr().add(slot * self.stride), self.stride)
+    }
+
+    /// Makes every expert of `experts` for `layer` resident and pinned. Misses are read
+    /// concurrently; a record already being read (by another request or a prefetch) is
+    /// waited for, not read again. The returned records unpin on drop, also when this
+    /// future is dropped before it completes.
+    ///
+    /// Errors: a read failed (the slot is left empty), or too many slots are pinned or in
+    /// flight to find a victim.
+    pub async fn ensure(self: &Arc<Self>, layer: usize, experts: &[u32]) -> Result<Vec<SlotRecord>> {
+        let mut held = Vec::with_capacity(experts.len());
+        let mut waits = Vec::new();
+        {
+            let mut inner = self.lock();
+            for &e in experts {
+                let key = (layer as u32, e);
+                let (slot, outcome) = match inner.map.get(&key).copied() {
+                    Some(i) => {
+                        let s = &mut inner.slots[i];
+                        s.pins += 1;
+                        s.referenced = true;
+                        let prefetched = std::mem::take(&mut s.speculative);
+                        if s.state == State::Loading {
+                            waits.push(s.load.clone());
+                        }
+                        inner.stats.hits += 1;
+                        if prefetched {
+                            inner.stats.prefetches_used += 1;
+                        }
+                        (i, if prefetched { Outcome::Prefetched } else { Outcome::Hit })
+                    }
+                    None => {
+                        let Some(i) = self.claim_victim(&mut inner, key) else {
+                            let pinned = inner.slots.iter().filter(|s| s.pins > 0).count();
+                            let loading = inner.slots.iter().filter(|s| s.state == State::Loading).count();
+                            return Err(Error::Pool(format!(
+                                "no free slot for layer {layer} expert {e}: {} slots, {pinned} pinned, {loading} reads in flight",
+                                inner.slots.len()
+                            )));
+                        };
+                        inner.slots[i].pins = 1;
+                        inner.stats.misses += 1;
+                        inner.stats.demand_bytes += self.index.layout.record_bytes as u64;
+                        waits.push(Some(self.start_load(&mut inner, i, key, false)));
+                        (i, Outcome::Miss)
+                    }
+                };
+                held.push(SlotRecord {
+                    pool: self.clone(),
+                    slot,
+                    len: self.index.layout.record_bytes,
+                });
+                if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
+                    match outcome {
+                        Outcome::Miss => per_layer.misses += 1,
+                        _ => per_layer.hits += 1,
+                    }
+                }
+                let token = inner.token;
+                if let Some(trace) = inner.trace.as_mut() {
+                    trace.push(TraceEvent {
+                        token,
+                        layer: layer as u32,
+                        expert: e,
+                        outcome,
+                    });
+                }
+            }
+        }
+        if !waits.is_empty() {
+            let start = Instant::now();
+            for rx in waits.into_iter().flatten() {
+                let mut rx = rx;
+                let status = rx.wait_for(|s| *s != Load::Pending).await.map(|s| s.clone());
+                match status {
+                    Ok(Load::Done) => {}
+                    Ok(Load::Failed(msg)) => return Err(Error::Pool(msg)),
+                    _ => return Err(Error::Pool("a read was abandoned".into())),
+                }
+            }
+            self.lock().stats.wait_seconds += start.elapsed().as_secs_f64();
+        }
+        Ok(held)
+    }
+
+    /// Starts speculative reads of the experts of `layer` that are not resident, into
+    /// victim slots, without pinning them. A later [`SlotPool::ensure`] adopts them.
+    /// At most `speculative_cap` such reads wait or run at once; when no victim is free
+    /// the prefetch is skipped (speculation never fails a request).
+    pub fn prefetch(self: &Arc<Self>, layer: usize, experts: &[u32]) {
+        let mut inner = self.lock();
+        for &e in experts {
+            let key = (layer as u32, e);
+            if inner.map.contains_key(&key) {
+                continue;
+            }
+            let Some(i) = self.claim_victim(&mut inner, key) else {
+                return;
+            };
+            inner.slots[i].speculative = true;
+            inner.stats.speculative_reads += 1;
+            inner.stats.speculative_bytes += self.index.layout.record_bytes as u64;
+            self.start_load(&mut inner, i, key, true);
+        }
+    }
+
+    /// Picks a victim by CLOCK (near the floor, a same-layer victim first), evicts it
+    /// and maps `key` to it in the `Loading` state.
+    fn claim_victim(&self, inner: &mut Inner, key: Key) -> Option<usize> {
+        let n = inner.slots.len();
+        let free = |s: &Slot| s.pins == 0 && s.state != State::Loading;
+        let mut victim = None;
+        if n < 2 * self.floor {
+            // Near the floor, evicting another layer's expert would likely evict one the
+            // next layers need; the same layer's cold experts are the cheaper loss.
+            victim = (0..n)
+                .map(|i| (inner.hand + i) % n)
+                .find(|&i| free(&inner.slots[i]) && inner.slots[i].key.is_some_and(|k| k.0 == key.0) && !inner.slots[i].referenced);
+        }
+        if victim.is_none() {
+            for _ in 0..2 * n + 1 {
+                let i = inner.hand;
+                inner.hand = (inner.hand + 1) % n;
+                let s = &mut inner.slots[i];
+                if !free(s) {
+                    continue;
+                }
+                if s.state == State::Ready && s.referenced {
+                    s.referenced = false;
+                    continue;
+                }
+                victim = Some(i);
+                break;
+            }
+        }
+        let i = victim?;
+        let old = std::mem::replace(
+            &mut inner.slots[i],
+            Slot {
+                key: Some(key),
+                state: State::Loading,
+                referenced: true,
+                pins: 0,
+                speculative: false,
+                load: None,
+            },
+        );
+        if let Some(old_key) = old.key {
+            inner.map.remove(&old_key);
+            if old.speculative {
+                inner.stats.prefetches_wasted += 1;
+                inner.stats.wasted_bytes += self.index.layout.record_bytes as u64;
+            }
+        }
+        inner.map.insert(key, i);
+        Some(i)
+    }
+
+    /// Spawns the read of `key` into slot `i` (already `Loading`); returns its status.
+    fn start_load(self: &Arc<Self>, inner: &mut Inner, i: usize, key: Key, speculative: bool) -> watch::Receiver<Load> {
+        let (tx, rx) = watch::channel(Load::Pending);
+        inner.slots[i].load = Some(rx.clone());
+        let pool = self.clone();
+        let semaphore = if speculative {
+            self.speculative.clone()
+        } else {
+            self.reader.semaphore()
+        };
+        self.runtime.spawn(async move {
+            let permit = semaphore.acquire_owned().await;
+            let now = pool.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            {
+                let mut inner = pool.lock();
+                inner.stats.max_in_flight = inner.stats.max_in_flight.max(now);
+                inner.stats.in_flight_sum += now as u64;
+                inner.stats.in_flight_samples += 1;
+            }
+            let reader_pool = pool.clone();
+            let result = tokio::task::spawn_blocking(move || reader_pool.read_record(i, key))
+                .await
+                .unwrap_or_else(|e| Err(Error::Pool(format!("read task failed: {e}"))));
+            pool.in_flight.fetch_sub(1, Ordering::SeqCst);
+            drop(permit);
+            let mut inner = pool.lock();
+            let status = match result {
+                Ok(()) => {
+                    inner.slots[i].state = State::Ready;
+                    Load::Done
+                }
+                Err(e) => {
+                    tracing::warn!(layer = key.0, expert = key.1, error = %e, "expert read failed");
+                    let s = &mut inner.slots[i];
+                    if s.speculative {
+                        inner.stats.prefetches_wasted += 1;
+                        inner.stats.wasted_bytes += pool.index.layout.record_bytes as u64;
+                    }
+                    let s = &mut inner.slots[i];
+                    s.state = State::Empty;
+                    s.key = None;
+                    s.speculative = false;
+                    s.referenced = false;
+                    inner.map.remove(&key);
+                    Load::Failed(e.to_string())
+                }
+            };
+            inner.slots[i].load = None;
+            let _ = tx.send(status);
+        });
+        rx
+    }
+
+    /// Reads the record of `key` into slot `i` (runs on the blocking pool).
+    fn read_record(&self, i: usize, key: Key) -> Result<()> {
+        // SAFETY: slot i is Loading and this is its only load (start_load is called once
+        // per claim, and a Loading slot is never a victim).
+        let dst = unsafe { self.slot_bytes_mut(i) };
+        let (layer, expert) = (key.0 as usize, key.1 as usize);
+        if let RecordFiles::Packed { pack, pack_file } = &self.files {
+            let offset = pack.offset(layer, expert)?;
+            let file = self.reader.file(*pack_file);
+            match read_range(&*file, offset, &mut dst[..self.stride]) {
+                Ok(()) if pack.check(layer, expert, &dst[..self.index.layout.record_bytes]) => return Ok(()),
+                outcome => {
+                    let why = match outcome {
+                        Err(e) => e.to_string(),
+                        Ok(()) => "checksum mismatch".into(),
+                    };
+                    tracing::warn!(layer, expert, %why, "packed record unusable; reading the shards");
+                    self.lock().stats.pack_fallbacks += 1;
+                }
+            }
+        }
+        let ranges = self
+            .index
+            .ranges(layer, expert)
+            .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {expert}")))?;
+        let layout = &self.index.layout;
+        for (k, r) in ranges.iter().enumerate().take(PIECES_PER_RECORD) {
+            let at = layout.offsets[k];
+            read_range(&*self.reader.file(r.shard), r.offset, &mut dst[at..at + r.len as usize])?;
+        }
+        Ok(())
+    }
+}
+
+/// A pinned, valid record in a slot. Derefs to the record's bytes; unpins on drop.
+pub struct SlotRecord {
+    pool: Arc<SlotPool>,
+    slot: usize,
+    len: usize,
+}
+
+impl SlotRecord {
+    /// The slot index.
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+}
+
+impl std::ops::Deref for SlotRecord {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: a SlotRecord is handed out only after its load completed, and its pin
+        // keeps the slot from being evicted (and so rewritten) until drop.
+        unsafe { &self.pool.slot_bytes(self.slot)[..self.len] }
+    }
+}
+
+impl Drop for SlotRecord {
+    fn drop(&mut self) {
+        let mut inner = self.pool.lock();
+        let s = &mut inner.slots[self.slot];
+        s.pins = s.pins.saturating_sub(1);
+    }
+}
+
+/// The pool as the model's expert source: `fetch` blocks on `ensure`. Call the forward
+/// pass from a thread that is not one of the runtime's workers (a plain thread or
+/// `spawn_blocking`).
+pub struct PoolExperts(pub Arc<SlotPool>);
+
+impl ExpertSource for PoolExperts {
+    type Record<'a> = SlotRecord;
+
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<SlotRecord>> {
+        futures::executor::block_on(self.0.ensure(layer, experts))
+    }
+
+    fn begin_step(&self) {
+        self.0.begin_step();
+    }
+}
