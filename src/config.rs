@@ -35,7 +35,7 @@ pub struct QuantSpec {
 
 impl QuantSpec {
     /// Builds a spec, rejecting bit widths and group sizes the kernels do not implement.
-    pub fn new(bits: u32, group_size: usize, path: &Path, field: &str) -> Result<Self> {
+    pub fn new(bits: usize, group_size: usize, path: &Path, field: &str) -> Result<Self> {
         if !matches!(bits, 4 | 8) {
             return Err(Error::Config {
                 path: path.to_path_buf(),
@@ -50,7 +50,10 @@ impl QuantSpec {
                 message: format!("group size {group_size} is not supported (supported: 32, 64, 128)"),
             });
         }
-        Ok(QuantSpec { bits, group_size })
+        Ok(QuantSpec {
+            bits: bits as u32,
+            group_size,
+        })
     }
 
     /// Quantized values per packed `u32` word.
@@ -397,7 +400,7 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Quantization> {
     let group = qf
         .usize("group_size")
         .map_err(|_| f.err("quantization.group_size", "missing or not an integer"))?;
-    let default = QuantSpec::new(bits as u32, group, f.path, "quantization")?;
+    let default = QuantSpec::new(bits, group, f.path, "quantization")?;
     let mut overrides = BTreeMap::new();
     for (key, value) in obj {
         let field = format!("quantization.{key}");
@@ -408,7 +411,7 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Quantization> {
                 let group = mf
                     .usize_or("group_size", Some(default.group_size))
                     .map_err(|_| f.err(&field, "bad group_size"))?;
-                overrides.insert(key.clone(), Some(QuantSpec::new(bits as u32, group, f.path, &field)?));
+                overrides.insert(key.clone(), Some(QuantSpec::new(bits, group, f.path, &field)?));
             }
             Value::Bool(false) => {
                 overrides.insert(key.clone(), None);

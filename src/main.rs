@@ -10,6 +10,9 @@ use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
+use slotstream::cachesim;
+use slotstream::io::IoMode;
+use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -23,6 +26,54 @@ struct Cli {
 enum Command {
     /// Teacher-forced log-likelihood and perplexity of a token sequence.
     Score(ScoreArgs),
+    /// Write every expert record into one aligned file (one read per miss).
+    Pack(PackArgs),
+    /// Replay a routing trace under CLOCK, LRU and Belady's optimal policy.
+    Cachesim(CachesimArgs),
+}
+
+/// How routed experts are read: through a slot pool of `--pool-slots`, or (without it)
+/// from the memory-mapped checkpoint.
+#[derive(Args)]
+struct StreamArgs {
+    /// Stream experts through a pool of this many slots (records).
+    #[arg(long)]
+    pool_slots: Option<usize>,
+    /// Demand reads in flight at once.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: usize,
+    /// direct (O_DIRECT / F_NOCACHE) or buffered reads.
+    #[arg(long, default_value = "direct")]
+    io: IoMode,
+    /// Read the checkpoint shards even if a valid experts.pack is present.
+    #[arg(long)]
+    no_pack: bool,
+    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
+    #[arg(long, requires = "pool_slots")]
+    trace: Option<PathBuf>,
+    /// Print the pool's statistics as JSON on stderr.
+    #[arg(long, requires = "pool_slots")]
+    stats: bool,
+}
+
+#[derive(Args)]
+struct PackArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Output directory (default: the model directory, where the engine looks for it).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CachesimArgs {
+    /// Trace CSV written with --trace.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Pool sizes to simulate, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    slots: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -39,6 +90,8 @@ struct ScoreArgs {
     /// Write all logits as a float32 .npy of shape [tokens, vocab].
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    #[command(flatten)]
+    stream: StreamArgs,
 }
 
 /// Token ids given on the command line as `1,2,3`.
@@ -73,6 +126,8 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Score(args) => score(args),
+        Command::Pack(args) => pack(args),
+        Command::Cachesim(args) => cachesim(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -91,8 +146,30 @@ fn score(args: ScoreArgs) -> Result<()> {
     };
     let backend = CpuBackend;
     let model = Model::load(&ckpt, &backend).context("loading weights")?;
-    let experts = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
-    let s = slotstream::score::score(&model, &backend, &experts, &ids)?;
+    let index = Arc::new(model.experts.clone());
+    let s = match args.stream.pool_slots {
+        None => slotstream::score::score(&model, &backend, &MappedExperts::new(ckpt.clone(), index), &ids)?,
+        Some(slots) => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+            let a = &args.stream;
+            let mut options = StreamOptions::with_slots(slots);
+            options.queue_depth = a.queue_depth;
+            options.io = a.io;
+            options.use_pack = !a.no_pack;
+            let pool = SlotPool::open(&ckpt, index, options, runtime.handle().clone())?;
+            if a.trace.is_some() {
+                pool.enable_trace();
+            }
+            let s = slotstream::score::score(&model, &backend, &PoolExperts(pool.clone()), &ids)?;
+            if let Some(path) = &a.trace {
+                cachesim::write_trace(path, &pool.take_trace())?;
+            }
+            if a.stats {
+                eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
+            }
+            s
+        }
+    };
     println!("tokens: {}", s.tokens);
     println!("mean_nll: {:.6}", s.mean_nll);
     println!("perplexity: {:.6}", s.perplexity);
@@ -100,6 +177,44 @@ fn score(args: ScoreArgs) -> Result<()> {
         slotstream::score::write_npy(path, &s.logits, s.tokens, s.vocab)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("logits: {} [{}, {}] float32", path.display(), s.tokens, s.vocab);
+    }
+    Ok(())
+}
+
+fn pack(args: PackArgs) -> Result<()> {
+    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let index = slotstream::checkpoint::ExpertIndex::build(&ckpt)?;
+    let out = args.out.unwrap_or_else(|| args.model.clone());
+    let m = slotstream::pack::pack(&ckpt, &index, &out, true).with_context(|| format!("packing into {}", out.display()))?;
+    println!(
+        "packed {} records of {} bytes ({} layers x {} experts) into {}",
+        index.records(),
+        m.record_bytes,
+        m.moe_layers.len(),
+        m.experts,
+        out.join(slotstream::pack::PACK_FILE).display()
+    );
+    Ok(())
+}
+
+fn cachesim(args: CachesimArgs) -> Result<()> {
+    let requests = cachesim::read_trace(&args.trace)?;
+    let lookups: usize = requests.iter().map(|r| r.experts.len()).sum();
+    println!("{} lookups in {} requests", lookups, requests.len());
+    print!("{:>8}", "slots");
+    for p in cachesim::Policy::ALL {
+        print!(" {:>8}", p.name());
+    }
+    println!();
+    for &slots in &args.slots {
+        if slots == 0 {
+            bail!("--slots: a pool needs at least one slot");
+        }
+        print!("{slots:>8}");
+        for p in cachesim::Policy::ALL {
+            print!(" {:>8.4}", cachesim::simulate(&requests, slots, p).hit_rate());
+        }
+        println!();
     }
     Ok(())
 }

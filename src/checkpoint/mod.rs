@@ -244,7 +244,7 @@ fn describe_header_error(buf: &[u8], err: &safetensors::SafeTensorError) -> Stri
                     .values()
                     .filter_map(|v| v.get("data_offsets")?.get(1)?.as_u64())
                     .max()?;
-                Some(8 + n as u64 + end)
+                (n as u64).checked_add(8)?.checked_add(end)
             });
             match expected {
                 Some(e) => format!(
@@ -260,8 +260,9 @@ fn describe_header_error(buf: &[u8], err: &safetensors::SafeTensorError) -> Stri
                     let dtype: Dtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
                     let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
                     let off = v.get("data_offsets")?;
-                    let len = off.get(1)?.as_u64()? - off.get(0)?.as_u64()?;
-                    let want = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+                    let len = off.get(1)?.as_u64()?.checked_sub(off.get(0)?.as_u64()?)?;
+                    let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+                    let want = elems.checked_mul(dtype.bitsize())? / 8;
                     (len != want as u64).then(|| {
                         format!("tensor `{name}`: {dtype:?} x {shape:?} needs {want} bytes but has {len}")
                     })
