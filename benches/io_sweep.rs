@@ -1,1 +1,231 @@
-fn main() {}
+//! I/O concurrency sweep: queue depth x record layout (original 9-piece shards, packed)
+//! x I/O mode (direct, buffered), reading random expert records at the real record sizes
+//! through the slot pool, against a raw baseline measured in the same run: plain threads
+//! doing aligned `O_DIRECT` `pread`s of the same byte ranges, no pool.
+//!
+//! Run: `cargo bench --bench io_sweep`. Environment:
+//! - `SLOTSTREAM_BENCH_DIR` (default `target/io-sweep`): where the synthetic checkpoints go.
+//! - `SLOTSTREAM_BENCH_LAYERS` (default 4): MoE layers per preset (x 512 experts).
+//! - `SLOTSTREAM_BENCH_PRESETS` (default both): `qwen3-next-80b-a3b`, `qwen3.8-flash-next`.
+//! - `SLOTSTREAM_BENCH_DEPTHS` (default `1,2,4,8,16,32,64`).
+//!
+//! Each row of the summary (printed, and written to `<dir>/io_sweep.md` and `.json`)
+//! carries engine GB/s, raw GB/s and their ratio.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use slotstream::checkpoint::{Checkpoint, ExpertIndex};
+use slotstream::io::{AlignedBuf, IoMode, ALIGN};
+use slotstream::pack::{pack, PACK_FILE};
+use slotstream::pool::{floor_slots, slot_stride, SlotPool, StreamOptions};
+use slotstream::synth::{write_expert_checkpoint, ExpertPreset, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
+
+/// Records read per measured batch (enough to keep 64 reads in flight).
+const BATCH: usize = 128;
+
+#[derive(serde::Serialize, Clone)]
+struct Row {
+    preset: &'static str,
+    layout: &'static str,
+    mode: &'static str,
+    queue_depth: usize,
+    engine_gbps: f64,
+    raw_gbps: f64,
+    ratio: f64,
+}
+
+fn env_usize_list(name: &str, default: &[usize]) -> Vec<usize> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+fn prepare(preset: &ExpertPreset, layers: usize) -> PathBuf {
+    let root = std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into());
+    let dir = PathBuf::from(root).join(format!("{}-{}l", preset.name, layers));
+    if !dir.join("model.safetensors.index.json").exists() {
+        eprintln!("writing synthetic {} experts ({layers} layers) to {}", preset.name, dir.display());
+        write_expert_checkpoint(&dir, preset, layers).expect("synthetic checkpoint");
+    }
+    if !dir.join(PACK_FILE).exists() {
+        let ckpt = Checkpoint::open(&dir).expect("open synthetic checkpoint");
+        let index = ExpertIndex::build(&ckpt).expect("index");
+        pack(&ckpt, &index, &dir, true).expect("pack");
+    }
+    dir
+}
+
+/// Byte ranges (file, offset, len) a raw reader fetches for a record, aligned outward.
+fn raw_ranges(ckpt: &Checkpoint, index: &ExpertIndex, key: (usize, usize), packed: bool) -> Vec<(usize, u64, usize)> {
+    let a = ALIGN as u64;
+    if packed {
+        let pos = index.moe_position(key.0).unwrap_or(0) * index.num_experts + key.1;
+        let stride = slot_stride(index.layout.record_bytes);
+        return vec![(ckpt.shards().len(), (pos * stride) as u64, stride)];
+    }
+    let ranges = index.ranges(key.0, key.1).expect("record");
+    ranges
+        .iter()
+        .map(|r| {
+            let start = r.offset / a * a;
+            let end = (r.offset + r.len).next_multiple_of(a);
+            (r.shard, start, (end - start) as usize)
+        })
+        .collect()
+}
+
+/// Plain threads doing O_DIRECT preads of `ranges`, `depth` at a time. Returns seconds.
+fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize) -> f64 {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let handles: Vec<std::fs::File> = files
+        .iter()
+        .map(|p| {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true);
+            #[cfg(target_os = "linux")]
+            o.custom_flags(libc::O_DIRECT);
+            o.open(p).or_else(|_| std::fs::File::open(p)).expect("open for raw read")
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..depth {
+            s.spawn(|| {
+                let mut buf = AlignedBuf::zeroed(ranges.iter().map(|r| r.2).max().unwrap_or(ALIGN)).expect("buffer");
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(f, off, len)) = ranges.get(i) else { break };
+                    let dst = &mut buf.as_mut_slice()[..len];
+                    let mut done = 0;
+                    while done < len {
+                        match handles[f].read_at(&mut dst[done..], off + done as u64) {
+                            Ok(0) => break,
+                            Ok(n) => done += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => panic!("raw read: {e}"),
+                        }
+                    }
+                }
+            });
+        }
+    });
+    start.elapsed().as_secs_f64()
+}
+
+fn sweep(c: &mut Criterion) {
+    let layers = env_usize_list("SLOTSTREAM_BENCH_LAYERS", &[4])[0];
+    let depths = env_usize_list("SLOTSTREAM_BENCH_DEPTHS", &[1, 2, 4, 8, 16, 32, 64]);
+    let wanted = std::env::var("SLOTSTREAM_BENCH_PRESETS").unwrap_or_default();
+    let presets: Vec<ExpertPreset> = [QWEN3_NEXT_80B, QWEN38_FLASH_NEXT]
+        .into_iter()
+        .filter(|p| wanted.is_empty() || wanted.split(',').any(|w| w == p.name))
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for preset in presets {
+        let dir = prepare(&preset, layers);
+        let ckpt = Checkpoint::open(&dir).expect("open");
+        let index = Arc::new(ExpertIndex::build(&ckpt).expect("index"));
+        let mut files: Vec<PathBuf> = ckpt.shards().iter().map(|s| s.path.clone()).collect();
+        files.push(dir.join(PACK_FILE));
+        let record_bytes = index.layout.record_bytes;
+        let mut group = c.benchmark_group(format!("io_sweep/{}", preset.name));
+        group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+        group.throughput(Throughput::Bytes((BATCH * record_bytes) as u64));
+        for (layout, packed) in [("9-piece", false), ("packed", true)] {
+            for &depth in &depths {
+                // Raw baseline over random batches of the same kind of byte ranges.
+                let (mut raw_bytes, mut raw_secs) = (0u64, 0f64);
+                group.bench_function(format!("raw/{layout}/qd{depth}"), |b| {
+                    b.iter_custom(|iters| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            let mut keys: Vec<(usize, usize)> =
+                                index.moe_layers.iter().flat_map(|&l| (0..index.num_experts).map(move |e| (l, e))).collect();
+                            keys.shuffle(&mut rng);
+                            let ranges: Vec<_> =
+                                keys[..BATCH].iter().flat_map(|&k| raw_ranges(&ckpt, &index, k, packed)).collect();
+                            let secs = raw_read(&files, &ranges, depth);
+                            raw_bytes += (BATCH * record_bytes) as u64;
+                            raw_secs += secs;
+                            total += Duration::from_secs_f64(secs);
+                        }
+                        total
+                    })
+                });
+                for (mode_name, mode) in [("direct", IoMode::Direct), ("buffered", IoMode::Buffered)] {
+                    let mut options = StreamOptions::with_slots(floor_slots(index.num_experts, 8) + BATCH);
+                    options.queue_depth = depth;
+                    options.io = mode;
+                    options.use_pack = packed;
+                    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).expect("pool");
+                    assert_eq!(pool.packed(), packed, "pack should be used exactly when asked for");
+                    let (mut bytes, mut secs) = (0u64, 0f64);
+                    group.bench_function(format!("engine/{layout}/{mode_name}/qd{depth}"), |b| {
+                        b.iter_custom(|iters| {
+                            let mut total = Duration::ZERO;
+                            for _ in 0..iters {
+                                // Only records not resident, so every lookup is a miss.
+                                let mut keys: Vec<(usize, u32)> = index
+                                    .moe_layers
+                                    .iter()
+                                    .flat_map(|&l| (0..index.num_experts as u32).map(move |e| (l, e)))
+                                    .filter(|&(l, e)| pool.resident((l as u32, e)).is_none())
+                                    .collect();
+                                keys.shuffle(&mut rng);
+                                keys.truncate(BATCH);
+                                let start = Instant::now();
+                                let held = rt.block_on(futures::future::try_join_all(
+                                    keys.iter().map(|(l, e)| pool.ensure(*l, std::slice::from_ref(e))),
+                                ));
+                                let dt = start.elapsed();
+                                drop(held.expect("engine read"));
+                                bytes += (keys.len() * record_bytes) as u64;
+                                secs += dt.as_secs_f64();
+                                total += dt;
+                            }
+                            total
+                        })
+                    });
+                    let engine = bytes as f64 / secs / 1e9;
+                    let raw = raw_bytes as f64 / raw_secs / 1e9;
+                    rows.lock().expect("rows").push(Row {
+                        preset: preset.name,
+                        layout,
+                        mode: mode_name,
+                        queue_depth: depth,
+                        engine_gbps: engine,
+                        raw_gbps: raw,
+                        ratio: engine / raw,
+                    });
+                }
+            }
+        }
+        group.finish();
+    }
+    let rows = rows.lock().expect("rows").clone();
+    let mut md = String::from("| preset | layout | mode | queue depth | engine GB/s | raw GB/s | engine / raw |\n|---|---|---|---:|---:|---:|---:|\n");
+    for r in &rows {
+        md += &format!(
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:.2} |\n",
+            r.preset, r.layout, r.mode, r.queue_depth, r.engine_gbps, r.raw_gbps, r.ratio
+        );
+    }
+    println!("\n{md}");
+    let root = PathBuf::from(std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into()));
+    let _ = std::fs::write(root.join("io_sweep.md"), &md);
+    let _ = std::fs::write(root.join("io_sweep.json"), serde_json::to_vec_pretty(&rows).unwrap_or_default());
+}
+
+criterion_group!(benches, sweep);
+criterion_main!(benches);

@@ -24,6 +24,7 @@ pub mod model;
 pub mod pack;
 pub mod pool;
 pub mod score;
+pub mod synth;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
