@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use serde::Serialize;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
@@ -257,7 +257,7 @@ impl SlotPool {
             index,
             files,
             reader,
-            speculative: Arc::new(Semaphore::new(options.speculative_cap.max(1))),
+            speculative: Arc::new(Semaphore::new(options.speculative_cap)),
             runtime,
             floor,
             in_flight: AtomicUsize::new(0),
@@ -427,7 +427,7 @@ impl SlotPool {
                         inner.slots[i].pins = 1;
                         inner.stats.misses += 1;
                         inner.stats.demand_bytes += self.index.layout.record_bytes as u64;
-                        waits.push(Some(self.start_load(&mut inner, i, key, false)));
+                        waits.push(Some(self.start_load(&mut inner, i, key, None)));
                         (i, Outcome::Miss)
                     }
                 };
@@ -471,8 +471,8 @@ impl SlotPool {
 
     /// Starts speculative reads of the experts of `layer` that are not resident, into
     /// victim slots, without pinning them. A later [`SlotPool::ensure`] adopts them.
-    /// At most `speculative_cap` such reads wait or run at once; when no victim is free
-    /// the prefetch is skipped (speculation never fails a request).
+    /// At most `speculative_cap` such reads are in flight at once; experts beyond that,
+    /// or with no free victim, are skipped (speculation never fails a request).
     pub fn prefetch(self: &Arc<Self>, layer: usize, experts: &[u32]) {
         let mut inner = self.lock();
         for &e in experts {
@@ -480,13 +480,18 @@ impl SlotPool {
             if inner.map.contains_key(&key) {
                 continue;
             }
+            // The permit is taken before the slot, so at most `speculative_cap` slots are
+            // ever held by speculation (the floor counts on that).
+            let Ok(permit) = self.speculative.clone().try_acquire_owned() else {
+                return;
+            };
             let Some(i) = self.claim_victim(&mut inner, key) else {
                 return;
             };
             inner.slots[i].speculative = true;
             inner.stats.speculative_reads += 1;
             inner.stats.speculative_bytes += self.index.layout.record_bytes as u64;
-            self.start_load(&mut inner, i, key, true);
+            self.start_load(&mut inner, i, key, Some(permit));
         }
     }
 
@@ -543,17 +548,24 @@ impl SlotPool {
     }
 
     /// Spawns the read of `key` into slot `i` (already `Loading`); returns its status.
-    fn start_load(self: &Arc<Self>, inner: &mut Inner, i: usize, key: Key, speculative: bool) -> watch::Receiver<Load> {
+    /// A speculative read brings the permit it was admitted with; a demand read waits
+    /// for one of the queue depth's.
+    fn start_load(
+        self: &Arc<Self>,
+        inner: &mut Inner,
+        i: usize,
+        key: Key,
+        speculative: Option<OwnedSemaphorePermit>,
+    ) -> watch::Receiver<Load> {
         let (tx, rx) = watch::channel(Load::Pending);
         inner.slots[i].load = Some(rx.clone());
         let pool = self.clone();
-        let semaphore = if speculative {
-            self.speculative.clone()
-        } else {
-            self.reader.semaphore()
-        };
+        let demand = self.reader.semaphore();
         self.runtime.spawn(async move {
-            let permit = semaphore.acquire_owned().await;
+            let permit = match speculative {
+                Some(p) => Ok(p),
+                None => demand.acquire_owned().await,
+            };
             let now = pool.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
             {
                 let mut inner = pool.lock();
