@@ -1,7 +1,9 @@
 //! I/O concurrency sweep: queue depth x record layout (original 9-piece shards, packed)
 //! x I/O mode (direct, buffered), reading random expert records at the real record sizes
-//! through the slot pool, against a raw baseline measured in the same run: plain threads
-//! doing aligned `O_DIRECT` `pread`s of the same byte ranges, no pool.
+//! through the slot pool, against a raw baseline measured in the same iterations: plain
+//! threads doing aligned `O_DIRECT` `pread`s of the same kind of byte ranges (the aligned
+//! enclosing ranges of the nine pieces, or the packed record), no pool. Engine and raw
+//! batches alternate so both see the same cache conditions.
 //!
 //! Run: `cargo bench --bench io_sweep`. Environment:
 //! - `SLOTSTREAM_BENCH_DIR` (default `target/io-sweep`): where the synthetic checkpoints go.
@@ -144,25 +146,6 @@ fn sweep(c: &mut Criterion) {
         group.throughput(Throughput::Bytes((BATCH * record_bytes) as u64));
         for (layout, packed) in [("9-piece", false), ("packed", true)] {
             for &depth in &depths {
-                // Raw baseline over random batches of the same kind of byte ranges.
-                let (mut raw_bytes, mut raw_secs) = (0u64, 0f64);
-                group.bench_function(format!("raw/{layout}/qd{depth}"), |b| {
-                    b.iter_custom(|iters| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            let mut keys: Vec<(usize, usize)> =
-                                index.moe_layers.iter().flat_map(|&l| (0..index.num_experts).map(move |e| (l, e))).collect();
-                            keys.shuffle(&mut rng);
-                            let ranges: Vec<_> =
-                                keys[..BATCH].iter().flat_map(|&k| raw_ranges(&ckpt, &index, k, packed)).collect();
-                            let secs = raw_read(&files, &ranges, depth);
-                            raw_bytes += (BATCH * record_bytes) as u64;
-                            raw_secs += secs;
-                            total += Duration::from_secs_f64(secs);
-                        }
-                        total
-                    })
-                });
                 for (mode_name, mode) in [("direct", IoMode::Direct), ("buffered", IoMode::Buffered)] {
                     let mut options = StreamOptions::with_slots(floor_slots(index.num_experts, 8) + BATCH);
                     options.queue_depth = depth;
@@ -170,7 +153,9 @@ fn sweep(c: &mut Criterion) {
                     options.use_pack = packed;
                     let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).expect("pool");
                     assert_eq!(pool.packed(), packed, "pack should be used exactly when asked for");
-                    let (mut bytes, mut secs) = (0u64, 0f64);
+                    // Each iteration times the engine on one random batch of misses and the
+                    // raw baseline on another, so both see the same cache conditions.
+                    let (mut bytes, mut secs, mut raw_bytes, mut raw_secs) = (0u64, 0f64, 0u64, 0f64);
                     group.bench_function(format!("engine/{layout}/{mode_name}/qd{depth}"), |b| {
                         b.iter_custom(|iters| {
                             let mut total = Duration::ZERO;
@@ -183,16 +168,22 @@ fn sweep(c: &mut Criterion) {
                                     .filter(|&(l, e)| pool.resident((l as u32, e)).is_none())
                                     .collect();
                                 keys.shuffle(&mut rng);
-                                keys.truncate(BATCH);
+                                let (engine_keys, raw_keys) = keys.split_at(BATCH);
                                 let start = Instant::now();
                                 let held = rt.block_on(futures::future::try_join_all(
-                                    keys.iter().map(|(l, e)| pool.ensure(*l, std::slice::from_ref(e))),
+                                    engine_keys.iter().map(|(l, e)| pool.ensure(*l, std::slice::from_ref(e))),
                                 ));
                                 let dt = start.elapsed();
                                 drop(held.expect("engine read"));
-                                bytes += (keys.len() * record_bytes) as u64;
+                                bytes += (BATCH * record_bytes) as u64;
                                 secs += dt.as_secs_f64();
                                 total += dt;
+                                let ranges: Vec<_> = raw_keys[..BATCH]
+                                    .iter()
+                                    .flat_map(|&(l, e)| raw_ranges(&ckpt, &index, (l, e as usize), packed))
+                                    .collect();
+                                raw_secs += raw_read(&files, &ranges, depth);
+                                raw_bytes += (BATCH * record_bytes) as u64;
                             }
                             total
                         })

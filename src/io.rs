@@ -137,6 +137,16 @@ impl DiskFile {
             },
             IoMode::Buffered => (File::open(path).map_err(|e| Error::io(path, e))?, false),
         };
+        #[cfg(target_os = "linux")]
+        if !direct {
+            use std::os::fd::AsRawFd;
+            // Records are read at random: readahead would only fill the page cache with
+            // neighbours that DONTNEED below does not cover.
+            // SAFETY: advisory call on a valid descriptor.
+            unsafe {
+                libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+            }
+        }
         let meta = file.metadata().map_err(|e| Error::io(path, e))?;
         Ok(DiskFile {
             path: path.to_path_buf(),
