@@ -233,4 +233,26 @@ mod tests {
         // LRU evicts 2 (least recent) for 3, so the final 2 misses.
         assert_eq!(simulate(&trace, 2, Policy::Lru), SimResult { hits: 1, misses: 4 });
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, failure_persistence: None, ..Default::default() })]
+        /// Belady's MIN is never beaten by CLOCK or LRU on the same trace and pool size.
+        #[test]
+        fn belady_is_never_beaten(
+            steps in proptest::collection::vec((0u32..3, proptest::collection::btree_set(0u32..12, 1..4)), 1..120),
+            slots in 3usize..20,
+        ) {
+            let trace: Vec<Request> = steps
+                .into_iter()
+                .enumerate()
+                .map(|(t, (layer, experts))| Request { token: t as u64, layer, experts: experts.into_iter().collect() })
+                .collect();
+            let best = simulate(&trace, slots, Policy::Belady).hits;
+            for p in [Policy::Clock, Policy::Lru] {
+                let h = simulate(&trace, slots, p).hits;
+                proptest::prop_assert!(h <= best, "{:?} {} > Belady {}", p, h, best);
+            }
+        }
+    }
 }
+
