@@ -11,10 +11,39 @@ use std::sync::Arc;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::Result;
 
+/// Identifies the contents of a pool slot: which slot, and which load of it. A backend
+/// that mirrors the pool in device memory copies a slot again only when its generation
+/// changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotTag {
+    pub slot: usize,
+    /// Incremented on every load into the slot.
+    pub generation: u64,
+    /// Slots in the pool and their stride in bytes (to size a mirror).
+    pub slots: usize,
+    pub stride: usize,
+}
+
+/// A held expert record: its bytes, and the slot it lives in when it comes from a pool.
+pub trait HeldRecord: Deref<Target = [u8]> + Send + Sync {
+    fn slot(&self) -> Option<SlotTag> {
+        None
+    }
+}
+
+impl HeldRecord for Vec<u8> {}
+
+/// One routed expert's record as the backend sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertRecord<'a> {
+    pub bytes: &'a [u8],
+    pub slot: Option<SlotTag>,
+}
+
 /// Supplies expert records laid out by [`crate::checkpoint::RecordLayout`].
 pub trait ExpertSource: Send + Sync {
     /// A held record; the source may not reuse its memory until this is dropped.
-    type Record<'a>: Deref<Target = [u8]> + Send + Sync
+    type Record<'a>: HeldRecord
     where
         Self: 'a;
 

@@ -9,7 +9,7 @@ use crate::backend::{AttnDims, Backend, DeltaDims};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
+use crate::experts::{ExpertRecord, ExpertSource, HeldRecord};
 
 struct DeltaNet<B: Backend> {
     in_proj_qkvz: B::Weight,
@@ -389,12 +389,15 @@ impl<B: Backend> Model<B> {
         let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob);
         let distinct = routing.distinct();
         let held = experts.fetch(layer, &distinct)?;
-        let records: Vec<&[u8]> = routing
+        let records: Vec<ExpertRecord<'_>> = routing
             .ids
             .iter()
             .map(|id| {
-                let at = distinct.binary_search(id).unwrap_or_default();
-                &*held[at]
+                let r = &held[distinct.binary_search(id).unwrap_or_default()];
+                ExpertRecord {
+                    bytes: r,
+                    slot: r.slot(),
+                }
             })
             .collect();
         let routed = backend.moe_experts(x, &routing, &records, &self.experts.layout);

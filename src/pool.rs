@@ -23,7 +23,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
+use crate::experts::{ExpertSource, HeldRecord, SlotTag};
 use crate::checkpoint::Checkpoint;
 use crate::io::{read_range, AlignedBuf, IoMode, Reader, ALIGN};
 use crate::pack::PackedRecords;
@@ -53,6 +53,8 @@ struct Slot {
     /// Filled by a prefetch and not yet asked for by `ensure`.
     speculative: bool,
     load: Option<watch::Receiver<Load>>,
+    /// Number of loads into this slot so far (see [`SlotTag`]).
+    generation: u64,
 }
 
 /// How a lookup was served, as written to the routing trace.
@@ -235,6 +237,7 @@ impl SlotPool {
                 pins: 0,
                 speculative: false,
                 load: None,
+                generation: 0,
             })
             .collect();
         let stats = PoolStats {
@@ -433,7 +436,12 @@ impl SlotPool {
                 };
                 held.push(SlotRecord {
                     pool: self.clone(),
-                    slot,
+                    tag: SlotTag {
+                        slot,
+                        generation: inner.slots[slot].generation,
+                        slots: inner.slots.len(),
+                        stride: self.stride,
+                    },
                     len: self.index.layout.record_bytes,
                 });
                 if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
@@ -525,6 +533,7 @@ impl SlotPool {
             }
         }
         let i = victim?;
+        let generation = inner.slots[i].generation + 1;
         let old = std::mem::replace(
             &mut inner.slots[i],
             Slot {
@@ -534,6 +543,7 @@ impl SlotPool {
                 pins: 0,
                 speculative: false,
                 load: None,
+                generation,
             },
         );
         if let Some(old_key) = old.key {
@@ -644,14 +654,20 @@ impl SlotPool {
 /// A pinned, valid record in a slot. Derefs to the record's bytes; unpins on drop.
 pub struct SlotRecord {
     pool: Arc<SlotPool>,
-    slot: usize,
+    tag: SlotTag,
     len: usize,
 }
 
 impl SlotRecord {
     /// The slot index.
     pub fn slot(&self) -> usize {
-        self.slot
+        self.tag.slot
+    }
+}
+
+impl HeldRecord for SlotRecord {
+    fn slot(&self) -> Option<SlotTag> {
+        Some(self.tag)
     }
 }
 
@@ -660,14 +676,14 @@ impl std::ops::Deref for SlotRecord {
     fn deref(&self) -> &[u8] {
         // SAFETY: a SlotRecord is handed out only after its load completed, and its pin
         // keeps the slot from being evicted (and so rewritten) until drop.
-        unsafe { &self.pool.slot_bytes(self.slot)[..self.len] }
+        unsafe { &self.pool.slot_bytes(self.tag.slot)[..self.len] }
     }
 }
 
 impl Drop for SlotRecord {
     fn drop(&mut self) {
         let mut inner = self.pool.lock();
-        let s = &mut inner.slots[self.slot];
+        let s = &mut inner.slots[self.tag.slot];
         s.pins = s.pins.saturating_sub(1);
     }
 }

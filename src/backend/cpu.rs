@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, QuantView, Routing};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
+use crate::experts::ExpertRecord;
 
 /// An f32 matrix `[rows, cols]`, row-major.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,8 +58,14 @@ impl<'a> Rows<'a> {
                 rows: q.rows,
                 cols: q.cols,
                 packed: bytemuck::cast_slice(&q.packed),
-                scales: Floats::f32(&q.scales),
-                biases: Floats::f32(&q.biases),
+                scales: Floats {
+                    dtype: q.scale_dtype,
+                    bytes: &q.scales,
+                },
+                biases: Floats {
+                    dtype: q.scale_dtype,
+                    bytes: &q.biases,
+                },
             }),
             LinearWeight::Dense(d) => Rows::Dense { data: &d.data, cols: d.cols },
         }
@@ -455,7 +462,13 @@ impl Backend for CpuBackend {
         Routing { top_k: k, ids, weights }
     }
 
-    fn moe_experts(&self, x: &CpuTensor, routing: &Routing, records: &[&[u8]], layout: &RecordLayout) -> CpuTensor {
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        routing: &Routing,
+        records: &[ExpertRecord<'_>],
+        layout: &RecordLayout,
+    ) -> CpuTensor {
         assert_eq!(records.len(), routing.ids.len(), "one record per routed (token, expert)");
         let (d, k) = (x.cols, routing.top_k);
         // Group the (token, slot) pairs by expert so each expert's weights are dequantized once.
@@ -464,7 +477,7 @@ impl Backend for CpuBackend {
             .par_iter()
             .map(|&e| {
                 let uses: Vec<usize> = (0..routing.ids.len()).filter(|&j| routing.ids[j] == e).collect();
-                let record = records[uses[0]];
+                let record = records[uses[0]].bytes;
                 let xs: Vec<f32> = uses.iter().flat_map(|&j| x.row(j / k).iter().copied()).collect();
                 let n = uses.len();
                 let gate = matmul_rows(&xs, n, &Rows::Quant(record_view(record, layout, Projection::Gate)), false);

@@ -12,6 +12,7 @@ pub use quant::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::error::Result;
+use crate::experts::ExpertRecord;
 
 /// Head geometry of a gated DeltaNet layer.
 #[derive(Clone, Copy, Debug)]
@@ -155,6 +156,11 @@ pub trait Backend: Send + Sync {
     fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Routing;
     /// Routed SwiGLU experts: `out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`
     /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`.
-    fn moe_experts(&self, x: &Self::Tensor, routing: &Routing, records: &[&[u8]], layout: &RecordLayout)
-        -> Self::Tensor;
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        routing: &Routing,
+        records: &[ExpertRecord<'_>],
+        layout: &RecordLayout,
+    ) -> Self::Tensor;
 }

@@ -34,10 +34,12 @@ pub struct QuantizedMatrix {
     pub cols: usize,
     /// `[rows, cols / per_word]` packed words.
     pub packed: Vec<u32>,
-    /// `[rows, cols / group_size]`, widened to f32 (exact for bf16 and f16).
-    pub scales: Vec<f32>,
-    /// `[rows, cols / group_size]`, widened to f32.
-    pub biases: Vec<f32>,
+    /// Dtype of `scales` and `biases` as stored (F32, F16 or BF16).
+    pub scale_dtype: Dtype,
+    /// `[rows, cols / group_size]` little-endian values of `scale_dtype`, as stored.
+    pub scales: Vec<u8>,
+    /// `[rows, cols / group_size]`, like `scales`.
+    pub biases: Vec<u8>,
 }
 
 /// A dense matrix `[rows, cols]` widened to f32.
@@ -98,8 +100,9 @@ impl Checkpoint {
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
-            scales: floats_to_f32(scales.0, scales.1).unwrap_or_default(),
-            biases: floats_to_f32(biases.0, biases.1).unwrap_or_default(),
+            scale_dtype: scales.0,
+            scales: scales.1.to_vec(),
+            biases: biases.1.to_vec(),
         }))
     }
 
