@@ -49,6 +49,10 @@ pub enum Error {
     #[error("slot pool: {0}")]
     Pool(String),
 
+    /// No usable GPU adapter, or the device failed.
+    #[error("GPU: {0}")]
+    Gpu(String),
+
     /// A request is invalid for this model (token id out of range, empty input, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -303,7 +303,7 @@ impl<B: Backend> Model<B> {
         }
         let y = backend.rms_norm(&h, Some(&self.final_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
         let logits = backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed));
-        Ok(backend.download(&logits))
+        backend.download(&logits)
     }
 
     fn delta_net(
@@ -386,7 +386,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let logits = backend.matmul(x, &w.router);
-        let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob);
+        let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
         let distinct = routing.distinct();
         let held = experts.fetch(layer, &distinct)?;
         let records: Vec<ExpertRecord<'_>> = routing

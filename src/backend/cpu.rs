@@ -202,8 +202,8 @@ impl Backend for CpuBackend {
         idx.to_vec()
     }
 
-    fn download(&self, t: &CpuTensor) -> Vec<f32> {
-        t.data.clone()
+    fn download(&self, t: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(t.data.clone())
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
@@ -438,7 +438,7 @@ impl Backend for CpuBackend {
         a.map2(b, |x, y| x + y)
     }
 
-    fn router_top_k(&self, logits: &CpuTensor, k: usize, renormalize: bool) -> Routing {
+    fn router_top_k(&self, logits: &CpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
         let mut ids = Vec::with_capacity(logits.rows * k);
         let mut weights = Vec::with_capacity(logits.rows * k);
         for t in 0..logits.rows {
@@ -459,7 +459,7 @@ impl Backend for CpuBackend {
             ids.extend_from_slice(top);
             weights.extend(top.iter().map(|&e| probs[e as usize] / norm));
         }
-        Routing { top_k: k, ids, weights }
+        Ok(Routing { top_k: k, ids, weights })
     }
 
     fn moe_experts(

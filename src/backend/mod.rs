@@ -6,6 +6,7 @@
 //! backends' kernels are tested against.
 
 pub mod cpu;
+pub mod gpu;
 mod quant;
 
 pub use quant::{dequantize_row, Floats, QuantView};
@@ -81,8 +82,8 @@ pub trait Backend: Send + Sync {
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
     /// Uploads a column index list for [`Backend::gather_columns`].
     fn upload_index(&self, idx: &[u32]) -> Self::Index;
-    /// Reads a tensor back to the host, row-major.
-    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Reads a tensor back to the host, row-major. Errors: a lost device.
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
     /// `(rows, cols)` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
     /// A `[rows, cols]` tensor of zeros.
@@ -153,7 +154,7 @@ pub trait Backend: Send + Sync {
     /// Softmax over each row of router logits `[T, E]` in f32, the `k` largest
     /// probabilities, renormalized to sum 1 if `renormalize`. This is the one read-back of
     /// a layer: the ids decide which records the pool must hold.
-    fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Routing;
+    fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Result<Routing>;
     /// Routed SwiGLU experts: `out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`
     /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`.
     fn moe_experts(

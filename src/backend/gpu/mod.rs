@@ -1,0 +1,234 @@
+//! The GPU backend on wgpu: every operation of [`Backend`] as a WGSL kernel from `wgsl/`
+//! (Metal on Apple Silicon, Vulkan elsewhere, lavapipe without a GPU).
+//!
+//! Synchronisation per forward step: dispatches are recorded into one command encoder and
+//! submitted at read-backs. There is one read-back per MoE layer (the router's top-k ids
+//! and weights, which decide what the slot pool must hold) and one for the logits.
+
+mod attention;
+mod conv;
+pub mod device;
+mod elementwise;
+mod gated_delta;
+mod norm;
+mod quant;
+mod router;
+
+use std::sync::{Arc, Mutex};
+
+pub use device::{list_adapters, AdapterSummary, Gpu, GpuOptions};
+
+use super::{AttnDims, Backend, DeltaDims, Routing};
+use crate::checkpoint::{LinearWeight, RecordLayout};
+use crate::error::Result;
+use crate::experts::ExpertRecord;
+
+/// An f32 matrix `[rows, cols]` in a storage buffer.
+#[derive(Clone, Debug)]
+pub struct GpuTensor {
+    pub buf: Arc<wgpu::Buffer>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A resident weight: raw MLX bytes for quantized matrices (scales and biases are
+/// unpacked from bf16 / f16 / f32 in the shader), f32 for dense ones.
+#[derive(Debug)]
+pub enum GpuWeight {
+    Quantized {
+        spec: crate::config::QuantSpec,
+        rows: usize,
+        cols: usize,
+        /// 0 = f32, 1 = f16, 2 = bf16 (see `wgsl/quant.wgsl`).
+        scale_dtype: u32,
+        packed: wgpu::Buffer,
+        scales: wgpu::Buffer,
+        biases: wgpu::Buffer,
+    },
+    Dense {
+        rows: usize,
+        cols: usize,
+        data: wgpu::Buffer,
+    },
+}
+
+/// Keys and values of one attention layer: `[capacity, kv_dim]` buffers that grow by
+/// doubling, of which the first `len` rows are valid.
+#[derive(Debug)]
+pub struct GpuKvCache {
+    pub kv_dim: usize,
+    pub len: usize,
+    pub capacity: usize,
+    pub keys: Option<wgpu::Buffer>,
+    pub values: Option<wgpu::Buffer>,
+}
+
+/// A device-memory copy of the slot pool ("device" placement): arenas of whole slots,
+/// each within `max_storage_buffer_binding_size`, refreshed per slot when its
+/// generation changes.
+struct Mirror {
+    stride: usize,
+    slots_per_arena: usize,
+    arenas: Vec<wgpu::Buffer>,
+    /// Generation of the record each slot holds on the device (0: none).
+    generations: Vec<u64>,
+}
+
+/// The wgpu backend. Construct with [`GpuBackend::new`].
+pub struct GpuBackend {
+    pub gpu: Gpu,
+    mirror: Mutex<Option<Mirror>>,
+}
+
+impl GpuBackend {
+    /// Opens a GPU. Errors: no adapter (the message says which driver to install).
+    pub fn new(options: &GpuOptions) -> Result<Self> {
+        Ok(GpuBackend {
+            gpu: Gpu::open(options)?,
+            mirror: Mutex::default(),
+        })
+    }
+
+    fn tensor(&self, buf: wgpu::Buffer, rows: usize, cols: usize) -> GpuTensor {
+        GpuTensor {
+            buf: Arc::new(buf),
+            rows,
+            cols,
+        }
+    }
+
+    /// A new uninitialized-to-zero `[rows, cols]` tensor.
+    fn empty(&self, rows: usize, cols: usize) -> GpuTensor {
+        self.tensor(self.gpu.buffer((rows * cols * 4) as u64), rows, cols)
+    }
+}
+
+impl Backend for GpuBackend {
+    type Tensor = GpuTensor;
+    type Weight = GpuWeight;
+    type Index = GpuTensor;
+    type KvCache = GpuKvCache;
+
+    fn name(&self) -> String {
+        format!("{} ({})", self.gpu.adapter.name, self.gpu.adapter.backend)
+    }
+
+    fn upload_weight(&self, w: LinearWeight) -> Result<GpuWeight> {
+        quant::upload_weight(self, w)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> GpuTensor {
+        assert_eq!(data.len(), rows * cols, "upload shape");
+        self.tensor(self.gpu.buffer_with(bytemuck::cast_slice(data)), rows, cols)
+    }
+
+    fn upload_index(&self, idx: &[u32]) -> GpuTensor {
+        self.tensor(self.gpu.buffer_with(bytemuck::cast_slice(idx)), 1, idx.len())
+    }
+
+    fn download(&self, t: &GpuTensor) -> Result<Vec<f32>> {
+        let bytes = self.gpu.read(&t.buf, 0, (t.rows * t.cols * 4) as u64)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    fn shape(&self, t: &GpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> GpuTensor {
+        self.empty(rows, cols)
+    }
+
+    fn rows(&self, x: &GpuTensor, start: usize, count: usize) -> GpuTensor {
+        let out = self.empty(count, x.cols);
+        self.gpu.copy(&x.buf, (start * x.cols * 4) as u64, &out.buf, 0, (count * x.cols * 4) as u64);
+        out
+    }
+
+    fn embed(&self, table: &GpuWeight, ids: &[u32]) -> Result<GpuTensor> {
+        quant::embed(self, table, ids)
+    }
+
+    fn matmul(&self, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
+        quant::matmul(self, x, w)
+    }
+
+    fn gather_columns(&self, x: &GpuTensor, idx: &GpuTensor) -> GpuTensor {
+        elementwise::gather_columns(self, x, idx)
+    }
+
+    fn rms_norm(&self, x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, scale: f32) -> GpuTensor {
+        norm::rms_norm(self, x, weight, group, eps, scale)
+    }
+
+    fn rms_norm_gated(&self, x: &GpuTensor, gate: &GpuTensor, weight: &GpuTensor, group: usize, eps: f32) -> GpuTensor {
+        norm::rms_norm_gated(self, x, gate, weight, group, eps)
+    }
+
+    fn causal_conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> GpuTensor {
+        conv::causal_conv1d_silu(self, x, weight, state)
+    }
+
+    fn gated_delta(
+        &self,
+        q: &GpuTensor,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        a: &GpuTensor,
+        b: &GpuTensor,
+        a_log: &GpuTensor,
+        dt_bias: &GpuTensor,
+        state: &mut GpuTensor,
+        dims: DeltaDims,
+    ) -> GpuTensor {
+        gated_delta::gated_delta(self, q, k, v, a, b, a_log, dt_bias, state, dims)
+    }
+
+    fn rope(&self, x: &GpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> GpuTensor {
+        attention::rope(self, x, head_dim, rotary_dim, theta, start)
+    }
+
+    fn new_kv_cache(&self, kv_dim: usize) -> GpuKvCache {
+        GpuKvCache {
+            kv_dim,
+            len: 0,
+            capacity: 0,
+            keys: None,
+            values: None,
+        }
+    }
+
+    fn kv_len(&self, cache: &GpuKvCache) -> usize {
+        cache.len
+    }
+
+    fn attention(&self, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, dims: AttnDims) -> GpuTensor {
+        attention::attention(self, q, k, v, cache, dims)
+    }
+
+    fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
+        elementwise::mul_sigmoid(self, x, gate)
+    }
+
+    fn swiglu(&self, gate: &GpuTensor, up: &GpuTensor) -> GpuTensor {
+        elementwise::swiglu(self, gate, up)
+    }
+
+    fn add(&self, a: &GpuTensor, b: &GpuTensor) -> GpuTensor {
+        elementwise::add(self, a, b)
+    }
+
+    fn router_top_k(&self, logits: &GpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
+        router::router_top_k(self, logits, k, renormalize)
+    }
+
+    fn moe_experts(
+        &self,
+        x: &GpuTensor,
+        routing: &Routing,
+        records: &[ExpertRecord<'_>],
+        layout: &RecordLayout,
+    ) -> GpuTensor {
+        quant::moe_experts(self, x, routing, records, layout)
+    }
+}

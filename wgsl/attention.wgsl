@@ -1,0 +1,1 @@
+// attention kernels (see src/backend/gpu/attention.rs).

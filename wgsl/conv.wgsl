@@ -1,0 +1,1 @@
+// conv kernels (see src/backend/gpu/conv.rs).

@@ -1,0 +1,1 @@
+// elementwise kernels (see src/backend/gpu/elementwise.rs).

@@ -1,0 +1,1 @@
+// gated_delta kernels (see src/backend/gpu/gated_delta.rs).

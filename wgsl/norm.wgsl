@@ -1,0 +1,1 @@
+// norm kernels (see src/backend/gpu/norm.rs).

@@ -1,0 +1,1 @@
+// quant kernels (see src/backend/gpu/quant.rs).

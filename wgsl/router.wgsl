@@ -1,0 +1,1 @@
+// router kernels (see src/backend/gpu/router.rs).
