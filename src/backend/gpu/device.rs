@@ -310,11 +310,17 @@ impl Gpu {
         }
     }
 
-    /// A storage buffer of `len` bytes (at least 4), zeroed (NaN-filled when poisoning).
+    /// A storage buffer of `len` bytes (at least 4) for a kernel to fill: zeroed, or
+    /// NaN-filled when poisoning.
     pub fn buffer(&self, len: u64) -> wgpu::Buffer {
         if self.poison {
             return self.buffer_with(&vec![0xFF; len.max(4) as usize]);
         }
+        self.zeroed(len)
+    }
+
+    /// A storage buffer of `len` bytes (at least 4), zeroed.
+    pub fn zeroed(&self, len: u64) -> wgpu::Buffer {
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
             size: len.max(4).next_multiple_of(4),

@@ -97,7 +97,7 @@ impl GpuBackend {
         }
     }
 
-    /// A new uninitialized-to-zero `[rows, cols]` tensor.
+    /// A new `[rows, cols]` tensor for a kernel to fill (NaN when poisoning outputs).
     fn empty(&self, rows: usize, cols: usize) -> GpuTensor {
         self.tensor(self.gpu.buffer((rows * cols * 4) as u64), rows, cols)
     }
@@ -136,7 +136,7 @@ impl Backend for GpuBackend {
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> GpuTensor {
-        self.empty(rows, cols)
+        self.tensor(self.gpu.zeroed((rows * cols * 4) as u64), rows, cols)
     }
 
     fn rows(&self, x: &GpuTensor, start: usize, count: usize) -> GpuTensor {
