@@ -1,1 +1,167 @@
-// quant kernels (see src/backend/gpu/quant.rs).
+// MLX affine-quantized matrices (../shared/spec/models.md §3): element c of row r is
+// scale[r, c / g] * q + bias[r, c / g], q packed LSB first, 32 / bits values per u32.
+// Scales and biases are read in their stored dtype (0 = f32, 1 = f16, 2 = bf16) from the
+// same u32 buffer as the packed words, at element offsets of that dtype.
+//
+// Every entry point shares these bindings (unused ones are bound to a dummy buffer):
+//   1: act  - f32 activations (x for matmuls, y for the expert combine)
+//   2: w    - u32 weights: packed words, scales and biases (or a slot arena)
+//   3: aux  - u32 side data: route table, token ids, or routing weights (f32 bits)
+//   4: out  - f32 output
+
+struct Params {
+    rows: u32,        // output features
+    cols: u32,        // input features
+    bits: u32,
+    group_size: u32,
+    scale_dtype: u32,
+    w_off: u32,       // packed words start (u32 index), relative to the record base
+    s_off: u32,       // scales start (elements of scale_dtype), relative to the record base
+    b_off: u32,       // biases start (elements of scale_dtype), relative to the record base
+    routed: u32,      // 1: workgroup z indexes the route table in aux, 0: z is the token
+    k: u32,           // experts per token (combine)
+    tokens: u32,
+    _pad: u32,
+};
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> act: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<u32>;
+@group(0) @binding(3) var<storage, read> aux: array<u32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+const LANES: u32 = 64u;
+const ROWS: u32 = 4u;
+var<workgroup> partial: array<f32, 256>;
+
+// Element e of the scale dtype, counted from the start of `w`.
+fn scale_elem(e: u32) -> f32 {
+    if (p.scale_dtype == 0u) {
+        return bitcast<f32>(w[e]);
+    }
+    let word = w[e >> 1u];
+    let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
+    if (p.scale_dtype == 2u) {
+        return bitcast<f32>(bits16 << 16u);
+    }
+    return unpack2x16float(bits16).x;
+}
+
+fn elems_per_word() -> u32 {
+    return select(2u, 1u, p.scale_dtype == 0u);
+}
+
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 4 rows per workgroup, 64 lanes per
+// row; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
+@compute @workgroup_size(256)
+fn qmatmul(@builtin(local_invocation_index) li: u32,
+           @builtin(workgroup_id) wid: vec3<u32>,
+           @builtin(num_workgroups) nwg: vec3<u32>) {
+    let block = wid.x + wid.y * nwg.x;
+    let z = wid.z;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
+    var t = z;
+    var base = 0u;          // record base in u32 words
+    if (p.routed == 1u) {
+        base = aux[z * 2u];
+        t = aux[z * 2u + 1u];
+    }
+    var acc = 0.0;
+    if (row < p.rows) {
+        let per_word = 32u / p.bits;
+        let words_per_row = p.cols / per_word;
+        let groups = p.cols / p.group_size;
+        let mask = (1u << p.bits) - 1u;
+        let w0 = base + p.w_off + row * words_per_row;
+        let sbase = base * elems_per_word() + p.s_off + row * groups;
+        let bbase = base * elems_per_word() + p.b_off + row * groups;
+        let x0 = t * p.cols;
+        for (var wi = lane; wi < words_per_row; wi += LANES) {
+            let word = w[w0 + wi];
+            let c0 = wi * per_word;
+            let g = c0 / p.group_size;
+            var qx = 0.0;
+            var sx = 0.0;
+            for (var j = 0u; j < per_word; j++) {
+                let xv = act[x0 + c0 + j];
+                qx += f32((word >> (j * p.bits)) & mask) * xv;
+                sx += xv;
+            }
+            acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
+        }
+    }
+    partial[li] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            partial[li] += partial[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        out[z * p.rows + row] = partial[li];
+    }
+}
+
+// Dense f32 weights (w holds f32 bits): the same shape of work as qmatmul.
+@compute @workgroup_size(256)
+fn matmul_dense(@builtin(local_invocation_index) li: u32,
+                @builtin(workgroup_id) wid: vec3<u32>,
+                @builtin(num_workgroups) nwg: vec3<u32>) {
+    let block = wid.x + wid.y * nwg.x;
+    let t = wid.z;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
+    var acc = 0.0;
+    if (row < p.rows) {
+        for (var c = lane; c < p.cols; c += LANES) {
+            acc += bitcast<f32>(w[row * p.cols + c]) * act[t * p.cols + c];
+        }
+    }
+    partial[li] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            partial[li] += partial[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && row < p.rows) {
+        out[t * p.rows + row] = partial[li];
+    }
+}
+
+// out[t, c] = dequantized row aux[t] of the table (p.cols wide); one workgroup per token.
+@compute @workgroup_size(256)
+fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = wid.z;
+    let row = aux[t];
+    let per_word = 32u / p.bits;
+    let words_per_row = p.cols / per_word;
+    let groups = p.cols / p.group_size;
+    let mask = (1u << p.bits) - 1u;
+    for (var c = li; c < p.cols; c += 256u) {
+        let word = w[p.w_off + row * words_per_row + c / per_word];
+        let q = (word >> ((c % per_word) * p.bits)) & mask;
+        let g = row * groups + c / p.group_size;
+        out[t * p.cols + c] = scale_elem(p.s_off + g) * f32(q) + scale_elem(p.b_off + g);
+    }
+}
+
+// out[t, d] = sum_j weight[t, j] * y[t * k + j, d], weights as f32 bits in aux.
+@compute @workgroup_size(256)
+fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 256u;
+    if (i >= p.tokens * p.rows) {
+        return;
+    }
+    let t = i / p.rows;
+    let d = i % p.rows;
+    var acc = 0.0;
+    for (var j = 0u; j < p.k; j++) {
+        let r = t * p.k + j;
+        acc += bitcast<f32>(aux[r]) * act[r * p.rows + d];
+    }
+    out[i] = acc;
+}

@@ -41,9 +41,11 @@ pub enum GpuWeight {
         cols: usize,
         /// 0 = f32, 1 = f16, 2 = bf16 (see `wgsl/quant.wgsl`).
         scale_dtype: u32,
-        packed: wgpu::Buffer,
-        scales: wgpu::Buffer,
-        biases: wgpu::Buffer,
+        /// Offsets of the scales and biases in `data`, in elements of `scale_dtype`
+        /// (the packed words start at 0).
+        s_off: u32,
+        b_off: u32,
+        data: wgpu::Buffer,
     },
     Dense {
         rows: usize,

@@ -1,19 +1,359 @@
 //! Quantized matmul, embedding rows and the routed-expert gather-matmul (`wgsl/quant.wgsl`).
-use super::{GpuBackend, GpuTensor, GpuWeight};
+//!
+//! Routed experts are computed from slot memory: each dispatch gets a table of
+//! (record base, token) per route, so one dispatch covers every routed expert of a layer
+//! that lives in one arena. Records from a pool are mirrored in device arenas and copied
+//! only when a slot's generation changed; records without a slot are uploaded per call.
+
+use safetensors::Dtype;
+
+use super::device::{grid, shader, Access, Kernel};
+use super::{GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::Routing;
-use crate::checkpoint::{LinearWeight, RecordLayout};
-use crate::error::Result;
+use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
+use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 
-pub(super) fn upload_weight(_b: &GpuBackend, _w: LinearWeight) -> Result<GpuWeight> {
-    todo!()
+const BINDINGS: &[Access] = &[Access::Read, Access::Read, Access::Read, Access::ReadWrite];
+const fn kernel(entry: &'static str) -> Kernel {
+    Kernel {
+        file: "quant.wgsl",
+        source: shader("quant.wgsl"),
+        entry,
+        bindings: BINDINGS,
+    }
 }
-pub(super) fn embed(_b: &GpuBackend, _t: &GpuWeight, _ids: &[u32]) -> Result<GpuTensor> {
-    todo!()
+const QMATMUL: Kernel = kernel("qmatmul");
+const DENSE: Kernel = kernel("matmul_dense");
+const EMBED: Kernel = kernel("embed");
+const COMBINE: Kernel = kernel("moe_combine");
+/// Rows per qmatmul workgroup (`ROWS` in the shader).
+const ROWS: usize = 4;
+
+fn dtype_code(d: Dtype) -> u32 {
+    match d {
+        Dtype::F32 => 0,
+        Dtype::F16 => 1,
+        _ => 2,
+    }
 }
-pub(super) fn matmul(_b: &GpuBackend, _x: &GpuTensor, _w: &GpuWeight) -> GpuTensor {
-    todo!()
+
+fn elem_bytes(code: u32) -> usize {
+    if code == 0 {
+        4
+    } else {
+        2
+    }
 }
-pub(super) fn moe_experts(_b: &GpuBackend, _x: &GpuTensor, _r: &Routing, _records: &[ExpertRecord<'_>], _l: &RecordLayout) -> GpuTensor {
-    todo!()
+
+/// Uniform block of `wgsl/quant.wgsl`.
+#[derive(Clone, Copy, Default)]
+struct Params {
+    rows: u32,
+    cols: u32,
+    bits: u32,
+    group_size: u32,
+    scale_dtype: u32,
+    w_off: u32,
+    s_off: u32,
+    b_off: u32,
+    routed: u32,
+    k: u32,
+    tokens: u32,
+}
+
+impl Params {
+    fn words(&self) -> [u32; 12] {
+        [
+            self.rows,
+            self.cols,
+            self.bits,
+            self.group_size,
+            self.scale_dtype,
+            self.w_off,
+            self.s_off,
+            self.b_off,
+            self.routed,
+            self.k,
+            self.tokens,
+            0,
+        ]
+    }
+}
+
+/// Packed words, scales and biases in one buffer (each part starting on a 4-byte
+/// boundary), as the kernels read them.
+pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight> {
+    let max = b.gpu.limits.max_storage_buffer_binding_size as u64;
+    match w {
+        LinearWeight::Quantized(q) => {
+            let code = dtype_code(q.scale_dtype);
+            let mut bytes: Vec<u8> = bytemuck::cast_slice(&q.packed).to_vec();
+            let s_start = bytes.len();
+            bytes.extend_from_slice(&q.scales);
+            bytes.resize(bytes.len().next_multiple_of(4), 0);
+            let b_start = bytes.len();
+            bytes.extend_from_slice(&q.biases);
+            if bytes.len() as u64 > max {
+                return Err(Error::Gpu(format!(
+                    "a {}x{} weight needs {} bytes, above the adapter's storage binding limit of {max}",
+                    q.rows,
+                    q.cols,
+                    bytes.len()
+                )));
+            }
+            Ok(GpuWeight::Quantized {
+                spec: q.spec,
+                rows: q.rows,
+                cols: q.cols,
+                scale_dtype: code,
+                s_off: (s_start / elem_bytes(code)) as u32,
+                b_off: (b_start / elem_bytes(code)) as u32,
+                data: b.gpu.buffer_with(&bytes),
+            })
+        }
+        LinearWeight::Dense(d) => Ok(GpuWeight::Dense {
+            rows: d.rows,
+            cols: d.cols,
+            data: b.gpu.buffer_with(bytemuck::cast_slice(&d.data)),
+        }),
+    }
+}
+
+/// Dispatch count for `rows` output rows: workgroups of `ROWS` rows on a 2-D grid, z = `z`.
+fn row_groups(rows: usize, z: usize) -> [u32; 3] {
+    let [x, y] = grid(rows.div_ceil(ROWS) as u32);
+    [x, y, z as u32]
+}
+
+pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<GpuTensor> {
+    let (rows, cols) = match table {
+        GpuWeight::Quantized { rows, cols, .. } | GpuWeight::Dense { rows, cols, .. } => (*rows, *cols),
+    };
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
+        return Err(Error::InvalidInput(format!(
+            "token id {bad} is out of range for a vocabulary of {rows}"
+        )));
+    }
+    let out = b.empty(ids.len(), cols);
+    match table {
+        GpuWeight::Quantized {
+            spec,
+            scale_dtype,
+            s_off,
+            b_off,
+            data,
+            ..
+        } => {
+            let params = Params {
+                rows: rows as u32,
+                cols: cols as u32,
+                bits: spec.bits,
+                group_size: spec.group_size as u32,
+                scale_dtype: *scale_dtype,
+                s_off: *s_off,
+                b_off: *b_off,
+                ..Default::default()
+            };
+            let ids_buf = b.gpu.buffer_with(bytemuck::cast_slice(ids));
+            let dummy = b.gpu.zeroed(4);
+            b.gpu.dispatch(&EMBED, &params.words(), &[&dummy, data, &ids_buf, &out.buf], [1, 1, ids.len() as u32]);
+        }
+        GpuWeight::Dense { data, .. } => {
+            for (t, &id) in ids.iter().enumerate() {
+                b.gpu.copy(data, (id as usize * cols * 4) as u64, &out.buf, (t * cols * 4) as u64, (cols * 4) as u64);
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
+    let dummy = b.gpu.zeroed(4);
+    match w {
+        GpuWeight::Quantized {
+            spec,
+            rows,
+            cols,
+            scale_dtype,
+            s_off,
+            b_off,
+            data,
+        } => {
+            assert_eq!(x.cols, *cols, "matmul input width");
+            let out = b.empty(x.rows, *rows);
+            let params = Params {
+                rows: *rows as u32,
+                cols: *cols as u32,
+                bits: spec.bits,
+                group_size: spec.group_size as u32,
+                scale_dtype: *scale_dtype,
+                s_off: *s_off,
+                b_off: *b_off,
+                ..Default::default()
+            };
+            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
+            out
+        }
+        GpuWeight::Dense { rows, cols, data } => {
+            assert_eq!(x.cols, *cols, "matmul input width");
+            let out = b.empty(x.rows, *rows);
+            let params = Params {
+                rows: *rows as u32,
+                cols: *cols as u32,
+                ..Default::default()
+            };
+            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
+            out
+        }
+    }
+}
+
+/// Where each route's record lives on the device: (arena buffer index, record base in
+/// u32 words). Pool records are mirrored (copied when their slot's generation changed);
+/// others are uploaded into a temporary arena.
+fn place_records(
+    b: &GpuBackend,
+    records: &[ExpertRecord<'_>],
+    layout: &RecordLayout,
+) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
+    if let Some(tag) = records.first().and_then(|r| r.slot) {
+        let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
+        let fits = |m: &Mirror| m.stride == tag.stride && m.generations.len() == tag.slots;
+        if !guard.as_ref().is_some_and(fits) {
+            let max = (b.gpu.limits.max_storage_buffer_binding_size as u64).min(b.gpu.limits.max_buffer_size);
+            let per_arena = ((max / tag.stride as u64) as usize).clamp(1, tag.slots);
+            let arenas = (0..tag.slots.div_ceil(per_arena))
+                .map(|a| {
+                    let n = per_arena.min(tag.slots - a * per_arena);
+                    b.gpu.zeroed((n * tag.stride) as u64)
+                })
+                .collect();
+            tracing::debug!(slots = tag.slots, per_arena, "device mirror of the slot pool");
+            *guard = Some(Mirror {
+                stride: tag.stride,
+                slots_per_arena: per_arena,
+                arenas,
+                generations: vec![0; tag.slots],
+            });
+        }
+        if let Some(m) = guard.as_mut() {
+            let mut places = Vec::with_capacity(records.len());
+            let mut all_tagged = true;
+            for r in records {
+                let Some(tag) = r.slot else {
+                    all_tagged = false;
+                    break;
+                };
+                let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
+                if m.generations[tag.slot] != tag.generation {
+                    b.gpu.write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
+                    m.generations[tag.slot] = tag.generation;
+                }
+                places.push((arena, (at * m.stride / 4) as u32));
+            }
+            if all_tagged {
+                // Buffers are reference-counted handles, so cloning them is cheap.
+                return (m.arenas.clone(), places);
+            }
+        }
+    }
+    let stride = layout.record_bytes.next_multiple_of(16);
+    let mut bytes = vec![0u8; stride * records.len()];
+    for (i, r) in records.iter().enumerate() {
+        bytes[i * stride..i * stride + r.bytes.len()].copy_from_slice(r.bytes);
+    }
+    let places = (0..records.len()).map(|i| (0, (i * stride / 4) as u32)).collect();
+    (vec![b.gpu.buffer_with(&bytes)], places)
+}
+
+pub(super) fn moe_experts(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    routing: &Routing,
+    records: &[ExpertRecord<'_>],
+    layout: &RecordLayout,
+) -> GpuTensor {
+    let routes = routing.ids.len();
+    let (arenas, places) = place_records(b, records, layout);
+    let code = dtype_code(layout.scale_dtype);
+    let eb = elem_bytes(code);
+    let (d, inter) = (layout.hidden, layout.intermediate);
+    let proj_params = |proj: Projection, routes: usize| {
+        let p = Projection::ALL.iter().position(|&q| q == proj).unwrap_or(0);
+        let (rows, cols) = layout.shape(proj);
+        let off = |kind| layout.offsets[RecordLayout::piece(proj, kind)];
+        Params {
+            rows: rows as u32,
+            cols: cols as u32,
+            bits: layout.specs[p].bits,
+            group_size: layout.specs[p].group_size as u32,
+            scale_dtype: code,
+            w_off: (off(PieceKind::Weight) / 4) as u32,
+            s_off: (off(PieceKind::Scales) / eb) as u32,
+            b_off: (off(PieceKind::Biases) / eb) as u32,
+            routed: 1,
+            tokens: routes as u32,
+            ..Default::default()
+        }
+    };
+    // Route tables per arena: (record base, input row), and where each route's output goes.
+    let mut per_arena: Vec<(Vec<u32>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); arenas.len()];
+    for (r, &(arena, base)) in places.iter().enumerate() {
+        per_arena[arena].0.extend([base, (r / routing.top_k) as u32]);
+        per_arena[arena].1.push(r);
+    }
+    let gate = b.empty(routes, inter);
+    let up = b.empty(routes, inter);
+    let y = b.empty(routes, d);
+    let arena_runs: Vec<(usize, wgpu::Buffer, Vec<usize>)> = per_arena
+        .into_iter()
+        .enumerate()
+        .filter(|(_, (t, _))| !t.is_empty())
+        .map(|(a, (table, order))| (a, b.gpu.buffer_with(bytemuck::cast_slice(&table)), order))
+        .collect();
+    // Route r of an arena writes row `order[r]`: the kernel writes row z, so each arena
+    // computes into a compact buffer that is then copied to its routes' rows.
+    let scatter = |compact: &GpuTensor, full: &GpuTensor, order: &[usize]| {
+        let width = (full.cols * 4) as u64;
+        for (i, &r) in order.iter().enumerate() {
+            b.gpu.copy(&compact.buf, i as u64 * width, &full.buf, r as u64 * width, width);
+        }
+    };
+    let single = arena_runs.len() == 1 && arena_runs[0].2.iter().enumerate().all(|(i, &r)| i == r);
+    for (a, table, order) in &arena_runs {
+        let n = order.len();
+        for (proj, full) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
+            let params = proj_params(proj, n);
+            let target = if single { full.clone() } else { b.empty(n, inter) };
+            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, n));
+            if !single {
+                scatter(&target, full, order);
+            }
+        }
+    }
+    let h = super::elementwise::swiglu(b, &gate, &up);
+    for (a, _, order) in &arena_runs {
+        let n = order.len();
+        // The down projection's input row is the route itself, not the token.
+        let down_table: Vec<u32> = order.iter().flat_map(|&r| [places[r].1, r as u32]).collect();
+        let down_buf = b.gpu.buffer_with(bytemuck::cast_slice(&down_table));
+        let params = proj_params(Projection::Down, n);
+        let target = if single { y.clone() } else { b.empty(n, d) };
+        b.gpu.dispatch(&QMATMUL, &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, n));
+        if !single {
+            scatter(&target, &y, order);
+        }
+    }
+    let out = b.empty(x.rows, d);
+    let weights = b.gpu.buffer_with(bytemuck::cast_slice(&routing.weights));
+    let params = Params {
+        rows: d as u32,
+        k: routing.top_k as u32,
+        tokens: x.rows as u32,
+        ..Default::default()
+    };
+    let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
+    b.gpu.dispatch(&COMBINE, &params.words(), &[&y.buf, &arenas[0], &weights, &out.buf], [gx, gy, 1]);
+    out
 }
