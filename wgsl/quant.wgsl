@@ -34,6 +34,22 @@ const LANES: u32 = 64u;
 const ROWS: u32 = 4u;
 var<workgroup> partial: array<f32, 256>;
 
+// IEEE half to f32 by bits (unpack2x16float needs a capability Metal's translation may lack).
+fn f16_bits_to_f32(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 0x1Fu;
+    let m = h & 0x3FFu;
+    if (e == 0u) {
+        // Zero or subnormal: m * 2^-24.
+        let v = f32(m) * 5.9604644775390625e-8;
+        return select(v, -v, sign != 0u);
+    }
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7F800000u | (m << 13u));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
+
 // Element e of the scale dtype, counted from the start of `w`.
 fn scale_elem(e: u32) -> f32 {
     if (p.scale_dtype == 0u) {
@@ -44,7 +60,7 @@ fn scale_elem(e: u32) -> f32 {
     if (p.scale_dtype == 2u) {
         return bitcast<f32>(bits16 << 16u);
     }
-    return unpack2x16float(bits16).x;
+    return f16_bits_to_f32(bits16);
 }
 
 fn elems_per_word() -> u32 {
