@@ -7,6 +7,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::gpu::{list_adapters, GpuBackend, GpuOptions};
+use slotstream::backend::Backend;
+use slotstream::score::Score;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
@@ -30,6 +33,8 @@ enum Command {
     Pack(PackArgs),
     /// Replay a routing trace under CLOCK, LRU and Belady's optimal policy.
     Cachesim(CachesimArgs),
+    /// List GPU adapters and their limits.
+    Devices,
 }
 
 /// How routed experts are read: through a slot pool of `--pool-slots`, or (without it)
@@ -90,6 +95,10 @@ struct ScoreArgs {
     /// Write all logits as a float32 .npy of shape [tokens, vocab].
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// Compute device: `cpu`, or part of a GPU adapter's name (see `slotstream devices`).
+    /// Default: the first GPU, else the CPU.
+    #[arg(long)]
+    device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
 }
@@ -128,6 +137,7 @@ fn main() {
         Command::Score(args) => score(args),
         Command::Pack(args) => pack(args),
         Command::Cachesim(args) => cachesim(args),
+        Command::Devices => devices(),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -144,31 +154,9 @@ fn score(args: ScoreArgs) -> Result<()> {
         (None, Some(text)) => Tokenizer::load(&args.model)?.encode(text)?,
         _ => bail!("give exactly one of --ids or --text"),
     };
-    let backend = CpuBackend;
-    let model = Model::load(&ckpt, &backend).context("loading weights")?;
-    let index = Arc::new(model.experts.clone());
-    let s = match args.stream.pool_slots {
-        None => slotstream::score::score(&model, &backend, &MappedExperts::new(ckpt.clone(), index), &ids)?,
-        Some(slots) => {
-            let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-            let a = &args.stream;
-            let mut options = StreamOptions::with_slots(slots);
-            options.queue_depth = a.queue_depth;
-            options.io = a.io;
-            options.use_pack = !a.no_pack;
-            let pool = SlotPool::open(&ckpt, index, options, runtime.handle().clone())?;
-            if a.trace.is_some() {
-                pool.enable_trace();
-            }
-            let s = slotstream::score::score(&model, &backend, &PoolExperts(pool.clone()), &ids)?;
-            if let Some(path) = &a.trace {
-                cachesim::write_trace(path, &pool.take_trace())?;
-            }
-            if a.stats {
-                eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
-            }
-            s
-        }
+    let s = match open_backend(&args.device)? {
+        Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
+        Compute::Gpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
     };
     println!("tokens: {}", s.tokens);
     println!("mean_nll: {:.6}", s.mean_nll);
@@ -177,6 +165,76 @@ fn score(args: ScoreArgs) -> Result<()> {
         slotstream::score::write_npy(path, &s.logits, s.tokens, s.vocab)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("logits: {} [{}, {}] float32", path.display(), s.tokens, s.vocab);
+    }
+    Ok(())
+}
+
+/// The compute backend chosen by `--device`.
+enum Compute {
+    Cpu(CpuBackend),
+    Gpu(GpuBackend),
+}
+
+/// `--device cpu` forces the CPU backend; a name picks the GPU adapter whose name
+/// contains it; without the flag the first GPU is used, or the CPU with a notice.
+fn open_backend(device: &Option<String>) -> Result<Compute> {
+    match device.as_deref() {
+        Some("cpu") => Ok(Compute::Cpu(CpuBackend)),
+        Some(name) => Ok(Compute::Gpu(GpuBackend::new(&GpuOptions {
+            adapter: Some(name.to_string()),
+            poison_outputs: false,
+        })?)),
+        None => match GpuBackend::new(&GpuOptions::default()) {
+            Ok(g) => Ok(Compute::Gpu(g)),
+            Err(e) => {
+                eprintln!("notice: {e}; using the CPU backend");
+                Ok(Compute::Cpu(CpuBackend))
+            }
+        },
+    }
+}
+
+fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &StreamArgs) -> Result<Score> {
+    tracing::info!(backend = %backend.name(), "scoring");
+    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let index = Arc::new(model.experts.clone());
+    let Some(slots) = a.pool_slots else {
+        return Ok(slotstream::score::score(&model, backend, &MappedExperts::new(ckpt.clone(), index), ids)?);
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let mut options = StreamOptions::with_slots(slots);
+    options.queue_depth = a.queue_depth;
+    options.io = a.io;
+    options.use_pack = !a.no_pack;
+    let pool = SlotPool::open(ckpt, index, options, runtime.handle().clone())?;
+    if a.trace.is_some() {
+        pool.enable_trace();
+    }
+    let s = slotstream::score::score(&model, backend, &PoolExperts(pool.clone()), ids)?;
+    if let Some(path) = &a.trace {
+        cachesim::write_trace(path, &pool.take_trace())?;
+    }
+    if a.stats {
+        eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
+    }
+    Ok(s)
+}
+
+fn devices() -> Result<()> {
+    let adapters = list_adapters();
+    if adapters.is_empty() {
+        println!("no GPU adapter found (on Linux without a GPU, install Mesa's lavapipe: mesa-vulkan-drivers)");
+    }
+    for a in adapters {
+        println!("{} [{} {}] {}", a.name, a.backend, a.device_type, a.driver);
+        println!(
+            "  max buffer {} MiB, max storage binding {} MiB, workgroups/dim {}, invocations/workgroup {}, shared memory {} KiB",
+            a.max_buffer_size >> 20,
+            a.max_storage_buffer_binding_size >> 20,
+            a.max_compute_workgroups_per_dimension,
+            a.max_compute_invocations_per_workgroup,
+            a.max_compute_workgroup_storage_size >> 10
+        );
     }
     Ok(())
 }
