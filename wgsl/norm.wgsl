@@ -1,1 +1,105 @@
-// norm kernels (see src/backend/gpu/norm.rs).
+// RMSNorm kernels (see src/backend/gpu/norm.rs).
+//
+// The input is a flat sequence of groups of `group` consecutive values (a whole row, or
+// one head of a row). A workgroup of 256 invocations handles `gpw` groups with `tpg`
+// invocations each (tpg a power of two, tpg * gpw = 256): each invocation sums the
+// squares of its strided values, then each segment of `tpg` reduces in shared memory.
+// The workgroup grid may be 2-D (device::grid).
+//
+// rms_norm:       out = scale * (w[i] * (x * inv)),        inv = 1 / sqrt(sum(x^2) / group + eps)
+// rms_norm_gated: out = silu(gate) * (w[i] * (x * inv))    (Qwen3NextRMSNormGated)
+
+struct Params {
+    // Number of groups in the whole tensor.
+    groups: u32,
+    // Values per group.
+    group: u32,
+    // Invocations per group (power of two <= 256).
+    tpg: u32,
+    // Groups per workgroup (256 / tpg).
+    gpw: u32,
+    eps: f32,
+    scale: f32,
+    // 1 if `w` holds a weight of length `group`, 0 for w = 1.
+    has_weight: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// rms_norm_gated only.
+@group(0) @binding(4) var<storage, read> gate: array<f32>;
+
+var<workgroup> partial: array<f32, 256>;
+
+fn sigmoid(v: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-v));
+}
+
+fn silu(v: f32) -> f32 {
+    return v * sigmoid(v);
+}
+
+// Sum of squares of group `g` (0 if past the end), reduced over its segment of `tpg`
+// invocations; returns `inv` for every invocation of the segment.
+// Must be called in workgroup-uniform control flow.
+fn group_inv(g: u32, l: u32, lane: u32) -> f32 {
+    var ss = 0.0;
+    if (g < p.groups) {
+        let base = g * p.group;
+        for (var i = lane; i < p.group; i += p.tpg) {
+            let v = x[base + i];
+            ss += v * v;
+        }
+    }
+    partial[l] = ss;
+    workgroupBarrier();
+    for (var stride = p.tpg / 2u; stride > 0u; stride /= 2u) {
+        if (lane < stride) {
+            partial[l] += partial[l + stride];
+        }
+        workgroupBarrier();
+    }
+    let total = partial[l - lane];
+    return 1.0 / sqrt(total / f32(p.group) + p.eps);
+}
+
+fn weight(i: u32) -> f32 {
+    if (p.has_weight == 1u) {
+        return w[i];
+    }
+    return 1.0;
+}
+
+@compute @workgroup_size(256)
+fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_id) lid: vec3<u32>) {
+    let l = lid.x;
+    let lane = l % p.tpg;
+    let g = (wid.x + wid.y * nwg.x) * p.gpw + l / p.tpg;
+    let inv = group_inv(g, l, lane);
+    if (g >= p.groups) {
+        return;
+    }
+    let base = g * p.group;
+    for (var i = lane; i < p.group; i += p.tpg) {
+        out[base + i] = p.scale * (weight(i) * (x[base + i] * inv));
+    }
+}
+
+@compute @workgroup_size(256)
+fn rms_norm_gated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                  @builtin(local_invocation_id) lid: vec3<u32>) {
+    let l = lid.x;
+    let lane = l % p.tpg;
+    let g = (wid.x + wid.y * nwg.x) * p.gpw + l / p.tpg;
+    let inv = group_inv(g, l, lane);
+    if (g >= p.groups) {
+        return;
+    }
+    let base = g * p.group;
+    for (var i = lane; i < p.group; i += p.tpg) {
+        out[base + i] = silu(gate[base + i]) * (weight(i) * (x[base + i] * inv));
+    }
+}

@@ -439,6 +439,9 @@ impl Backend for CpuBackend {
     }
 
     fn router_top_k(&self, logits: &CpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
+        if k > logits.cols {
+            return Err(Error::InvalidInput(format!("top-{k} of {} experts", logits.cols)));
+        }
         let mut ids = Vec::with_capacity(logits.rows * k);
         let mut weights = Vec::with_capacity(logits.rows * k);
         for t in 0..logits.rows {

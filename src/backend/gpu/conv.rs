@@ -1,6 +1,46 @@
 //! Causal depthwise conv with state (`wgsl/conv.wgsl`).
+//!
+//! One dispatch writes the output and a new state buffer (the last `K-1` rows of
+//! `[state; x]`), so no invocation can read a state row another has already replaced;
+//! the caller's state tensor then points at the new buffer.
+use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
-pub(super) fn causal_conv1d_silu(_b: &GpuBackend, _x: &GpuTensor, _w: &GpuTensor, _state: &mut GpuTensor) -> GpuTensor {
-    todo!()
+/// Invocations per workgroup (`@workgroup_size` in `wgsl/conv.wgsl`).
+const WG: usize = 256;
+
+const CONV: Kernel = Kernel {
+    file: "conv.wgsl",
+    source: shader("conv.wgsl"),
+    entry: "causal_conv1d_silu",
+    bindings: &[
+        Access::Read,
+        Access::Read,
+        Access::Read,
+        Access::ReadWrite,
+        Access::ReadWrite,
+    ],
+};
+
+/// `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over `in = [state; x]`; `w` `[C, K]`,
+/// `state` `[K-1, C]` replaced by the last `K-1` rows of `in`.
+pub(super) fn causal_conv1d_silu(b: &GpuBackend, x: &GpuTensor, w: &GpuTensor, state: &mut GpuTensor) -> GpuTensor {
+    let (c, k) = (w.rows, w.cols);
+    assert!(k >= 1, "conv: kernel width must be at least 1");
+    let keep = k - 1;
+    assert_eq!((state.rows, state.cols, x.cols), (keep, c, c), "conv shapes");
+    let t = x.rows;
+    let out = b.empty(t, c);
+    let new_state = b.empty(keep, c);
+    let n = (t + keep) * c;
+    u32::try_from(n).expect("conv: tensor too large for u32 indexing");
+    let [gx, gy] = grid(n.div_ceil(WG) as u32);
+    b.gpu.dispatch(
+        &CONV,
+        &[t as u32, c as u32, k as u32],
+        &[&x.buf, &w.buf, &state.buf, &out.buf, &new_state.buf],
+        [gx, gy, 1],
+    );
+    *state = new_state;
+    out
 }

@@ -310,6 +310,19 @@ impl Gpu {
         }
     }
 
+    /// Submits everything recorded and waits until the device has finished it (for
+    /// benchmarks and tests; the forward pass synchronises through read-backs).
+    pub fn sync(&self) -> Result<()> {
+        self.flush();
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: None,
+            })
+            .map(|_| ())
+            .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))
+    }
+
     /// A storage buffer of `len` bytes (at least 4) for a kernel to fill: zeroed, or
     /// NaN-filled when poisoning.
     pub fn buffer(&self, len: u64) -> wgpu::Buffer {

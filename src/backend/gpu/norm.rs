@@ -1,9 +1,87 @@
 //! RMSNorm kernels (`wgsl/norm.wgsl`).
+//!
+//! The tensor is a flat run of groups of `group` values (a row or a head). Each workgroup
+//! of 256 invocations handles `256 / tpg` groups with `tpg` invocations each, `tpg` the
+//! power of two that covers the group (at most 256), so small per-head groups do not
+//! leave most of a workgroup idle.
+use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
-pub(super) fn rms_norm(_b: &GpuBackend, _x: &GpuTensor, _w: Option<&GpuTensor>, _group: usize, _eps: f32, _scale: f32) -> GpuTensor {
-    todo!()
+/// Invocations per workgroup (`@workgroup_size` in `wgsl/norm.wgsl`).
+const WG: usize = 256;
+
+const RMS_NORM: Kernel = Kernel {
+    file: "norm.wgsl",
+    source: shader("norm.wgsl"),
+    entry: "rms_norm",
+    bindings: &[Access::Read, Access::Read, Access::ReadWrite],
+};
+
+const RMS_NORM_GATED: Kernel = Kernel {
+    file: "norm.wgsl",
+    source: shader("norm.wgsl"),
+    entry: "rms_norm_gated",
+    bindings: &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
+};
+
+/// Uniform parameters and workgroup grid for `x` in groups of `group` values.
+fn layout(x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, scale: f32) -> ([u32; 7], [u32; 3]) {
+    let n = x.rows * x.cols;
+    assert!(
+        group > 0 && n % group == 0,
+        "rms_norm: group {group} does not divide [{}, {}]",
+        x.rows,
+        x.cols
+    );
+    if let Some(w) = weight {
+        assert_eq!(w.rows * w.cols, group, "rms_norm: weight length must equal the group");
+    }
+    let groups = n / group;
+    let tpg = group.next_power_of_two().min(WG);
+    let gpw = WG / tpg;
+    let [gx, gy] = grid(u32::try_from(groups.div_ceil(gpw)).expect("rms_norm: too many groups"));
+    let params = [
+        u32::try_from(groups).expect("rms_norm: too many groups"),
+        u32::try_from(group).expect("rms_norm: group too large"),
+        tpg as u32,
+        gpw as u32,
+        eps.to_bits(),
+        scale.to_bits(),
+        weight.is_some() as u32,
+    ];
+    (params, [gx, gy, 1])
 }
-pub(super) fn rms_norm_gated(_b: &GpuBackend, _x: &GpuTensor, _gate: &GpuTensor, _w: &GpuTensor, _group: usize, _eps: f32) -> GpuTensor {
-    todo!()
+
+/// `scale * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns (`w = 1` if `None`).
+pub(super) fn rms_norm(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    w: Option<&GpuTensor>,
+    group: usize,
+    eps: f32,
+    scale: f32,
+) -> GpuTensor {
+    let (params, groups) = layout(x, w, group, eps, scale);
+    let out = b.empty(x.rows, x.cols);
+    // Without a weight the shader never reads binding 2; x stands in for it.
+    let wbuf = w.map_or(&x.buf, |w| &w.buf);
+    b.gpu.dispatch(&RMS_NORM, &params, &[&x.buf, wbuf, &out.buf], groups);
+    out
+}
+
+/// `silu(gate) * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns.
+pub(super) fn rms_norm_gated(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    gate: &GpuTensor,
+    w: &GpuTensor,
+    group: usize,
+    eps: f32,
+) -> GpuTensor {
+    assert_eq!((gate.rows, gate.cols), (x.rows, x.cols), "rms_norm_gated: gate shape");
+    let (params, groups) = layout(x, Some(w), group, eps, 1.0);
+    let out = b.empty(x.rows, x.cols);
+    b.gpu
+        .dispatch(&RMS_NORM_GATED, &params, &[&x.buf, &w.buf, &out.buf, &gate.buf], groups);
+    out
 }

@@ -1,8 +1,57 @@
 //! Router softmax and top-k (`wgsl/router.wgsl`).
+//!
+//! One workgroup per token computes the softmax and picks the `k` largest probabilities
+//! on the device; ids and weights land in one small buffer that is read back in one go
+//! (the layer's one read-back).
+use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::Routing;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
-pub(super) fn router_top_k(_b: &GpuBackend, _logits: &GpuTensor, _k: usize, _renormalize: bool) -> Result<Routing> {
-    todo!()
+/// Largest `k` the shader holds picks for (`MAX_K` in `wgsl/router.wgsl`).
+const MAX_K: usize = 64;
+
+const ROUTER_TOP_K: Kernel = Kernel {
+    file: "router.wgsl",
+    source: shader("router.wgsl"),
+    entry: "router_top_k",
+    bindings: &[Access::Read, Access::ReadWrite],
+};
+
+/// Softmax over each row of `logits` `[T, E]`, the `k` largest probabilities (highest
+/// first, ties to the lower id), renormalized to sum 1 if asked.
+/// Errors: `k` beyond `E` or beyond [`MAX_K`]; a failed read-back.
+pub(super) fn router_top_k(b: &GpuBackend, logits: &GpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
+    let (tokens, experts) = (logits.rows, logits.cols);
+    if k > experts || k > MAX_K {
+        return Err(Error::InvalidInput(format!(
+            "router: top-{k} of {experts} experts (at most {MAX_K} supported)"
+        )));
+    }
+    let n = tokens * k;
+    if n == 0 {
+        return Ok(Routing {
+            top_k: k,
+            ids: Vec::new(),
+            weights: Vec::new(),
+        });
+    }
+    // ids [T, k] then weights [T, k] (f32 bits).
+    let out = b.gpu.buffer((2 * n * 4) as u64);
+    let [gx, gy] = grid(u32::try_from(tokens).expect("router: too many tokens"));
+    b.gpu.dispatch(
+        &ROUTER_TOP_K,
+        &[tokens as u32, experts as u32, k as u32, renormalize as u32],
+        &[&logits.buf, &out],
+        [gx, gy, 1],
+    );
+    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&b.gpu.read(&out, 0, (2 * n * 4) as u64)?);
+    let ids = words[..n].to_vec();
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= experts) {
+        return Err(Error::Gpu(format!(
+            "router: the device returned expert id {bad} of {experts}"
+        )));
+    }
+    let weights = words[n..].iter().map(|&w| f32::from_bits(w)).collect();
+    Ok(Routing { top_k: k, ids, weights })
 }

@@ -1,0 +1,150 @@
+//! GPU kernel bandwidth: the quantized matvec at lm_head size (151,936 x 2,048, 4-bit,
+//! group 64, bf16 scales) and the routed-expert gather-matmul at Qwen3-Next-80B expert
+//! shapes (top-10 of 512 experts, 2,048 x 512), against a large buffer copy measured in the
+//! same run. Bandwidths count bytes the kernel must read (weights, scales, biases; the
+//! activations are negligible); the copy counts bytes read plus bytes written.
+//!
+//! Run: `cargo bench --bench gpu_kernels` (set `WGPU_ADAPTER_NAME` to pick an adapter).
+//! Prints a table and writes `target/gpu_kernels.md`.
+
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use rand::Rng;
+use safetensors::Dtype;
+use slotstream::backend::gpu::{GpuBackend, GpuOptions};
+use slotstream::backend::{Backend, Routing};
+use slotstream::checkpoint::{LinearWeight, QuantizedMatrix, RecordLayout};
+use slotstream::config::QuantSpec;
+use slotstream::experts::ExpertRecord;
+
+fn quantized(rows: usize, cols: usize) -> QuantizedMatrix {
+    let mut rng = rand::rng();
+    let spec = QuantSpec { bits: 4, group_size: 64 };
+    let groups = rows * cols / 64;
+    let half = |v: f32| half::bf16::from_f32(v).to_le_bytes();
+    QuantizedMatrix {
+        spec,
+        rows,
+        cols,
+        packed: (0..rows * cols / 8).map(|_| rng.random()).collect(),
+        scale_dtype: Dtype::BF16,
+        scales: (0..groups).flat_map(|_| half(0.01)).collect(),
+        biases: (0..groups).flat_map(|_| half(-0.05)).collect(),
+    }
+}
+
+fn bytes_of(q: &QuantizedMatrix) -> usize {
+    q.packed.len() * 4 + q.scales.len() + q.biases.len()
+}
+
+/// Mean seconds per call of `f` over enough calls to fill `budget`, after one warm-up.
+fn time(g: &GpuBackend, budget: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    g.gpu.sync().expect("sync");
+    let start = Instant::now();
+    let mut n = 0u32;
+    while start.elapsed() < budget {
+        for _ in 0..10 {
+            f();
+        }
+        g.gpu.sync().expect("sync");
+        n += 10;
+    }
+    start.elapsed().as_secs_f64() / n as f64
+}
+
+fn bench(c: &mut Criterion) {
+    let g = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter is required");
+    let budget = Duration::from_secs(2);
+    let mut rows = Vec::new();
+
+    // Copy ceiling: 1 GiB, or as much as one binding allows.
+    let len = (1u64 << 30).min(g.gpu.limits.max_buffer_size / 2).min(g.gpu.limits.max_storage_buffer_binding_size as u64);
+    let (src, dst) = (g.gpu.zeroed(len), g.gpu.zeroed(len));
+    let secs = time(&g, budget, || g.gpu.copy(&src, 0, &dst, 0, len));
+    let copy_gbps = 2.0 * len as f64 / secs / 1e9;
+    rows.push(format!("| buffer copy ({} MiB) | {:.1} | {:.1} | 1.00 |", len >> 20, secs * 1e6, copy_gbps));
+
+    // lm_head matvec.
+    let q = quantized(151_936, 2048);
+    let bytes = bytes_of(&q);
+    let w = g.upload_weight(LinearWeight::Quantized(q)).expect("upload");
+    let x = g.upload(&vec![0.5f32; 2048], 1, 2048);
+    let secs = time(&g, budget, || {
+        let _ = g.matmul(&x, &w);
+    });
+    let gbps = bytes as f64 / secs / 1e9;
+    rows.push(format!("| qmatvec 151936x2048 4-bit | {:.1} | {:.1} | {:.2} |", secs * 1e6, gbps, gbps / copy_gbps));
+
+    // Routed experts: 10 records of a Qwen3-Next-80B layer in one arena.
+    let (d, inter, e, k) = (2048usize, 512usize, 40usize, 10usize);
+    let piece = |rows: usize, cols: usize| [rows * cols / 2, rows * cols / 64 * 2, rows * cols / 64 * 2];
+    let mut lens = Vec::new();
+    for (r, cc) in [(inter, d), (inter, d), (d, inter)] {
+        lens.extend(piece(r, cc));
+    }
+    let mut offsets = [0usize; 9];
+    let mut at = 0;
+    for (i, l) in lens.iter().enumerate() {
+        offsets[i] = at;
+        at = (at + l).next_multiple_of(16);
+    }
+    let layout = RecordLayout {
+        offsets,
+        lens: lens.clone().try_into().expect("nine pieces"),
+        record_bytes: at,
+        specs: [QuantSpec { bits: 4, group_size: 64 }; 3],
+        scale_dtype: Dtype::BF16,
+        hidden: d,
+        intermediate: inter,
+    };
+    let mut rng = rand::rng();
+    let records: Vec<Vec<u8>> = (0..e)
+        .map(|_| {
+            let mut r: Vec<u8> = (0..at).map(|_| rng.random()).collect();
+            for p in [1, 2, 4, 5, 7, 8] {
+                for ch in r[offsets[p]..offsets[p] + lens[p]].chunks_mut(2) {
+                    ch.copy_from_slice(&half::bf16::from_f32(0.01).to_le_bytes());
+                }
+            }
+            r
+        })
+        .collect();
+    let routing = Routing {
+        top_k: k,
+        ids: (0..k as u32).collect(),
+        weights: vec![0.1; k],
+    };
+    // Slot tags make the backend mirror the records once, as a pool does.
+    let refs: Vec<ExpertRecord<'_>> = (0..k)
+        .map(|i| ExpertRecord {
+            bytes: &records[i],
+            slot: Some(slotstream::experts::SlotTag {
+                slot: i,
+                generation: 1,
+                slots: e,
+                stride: at.next_multiple_of(4096),
+            }),
+        })
+        .collect();
+    let xe = g.upload(&vec![0.25f32; d], 1, d);
+    let secs = time(&g, budget, || {
+        let _ = g.moe_experts(&xe, &routing, &refs, &layout);
+    });
+    let gbps = (k * at) as f64 / secs / 1e9;
+    rows.push(format!("| routed experts, top-10 of 2048x512 | {:.1} | {:.1} | {:.2} |", secs * 1e6, gbps, gbps / copy_gbps));
+
+    let table = format!(
+        "adapter: {} ({})\n\n| kernel | us per call | GB/s | of copy |\n|---|---:|---:|---:|\n{}\n",
+        g.gpu.adapter.name,
+        g.gpu.adapter.backend,
+        rows.join("\n")
+    );
+    println!("\n{table}");
+    let _ = std::fs::write("target/gpu_kernels.md", &table);
+    c.bench_function("noop", |b| b.iter(|| ()));
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

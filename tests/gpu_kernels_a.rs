@@ -1,0 +1,330 @@
+//! GPU kernels against the CPU backend: elementwise ops, RMSNorm, the causal conv and
+//! the router's softmax + top-k. Requires a GPU adapter (lavapipe will do): without one
+//! these tests fail rather than skip.
+
+use std::sync::OnceLock;
+
+use rand::seq::SliceRandom;
+use rand::Rng;
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::gpu::{GpuBackend, GpuOptions};
+use slotstream::backend::Backend;
+
+const TOL: f64 = 1e-5;
+
+fn gpu() -> &'static GpuBackend {
+    static GPU: OnceLock<GpuBackend> = OnceLock::new();
+    GPU.get_or_init(|| {
+        GpuBackend::new(&GpuOptions {
+            adapter: None,
+            poison_outputs: true,
+        })
+        .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
+    })
+}
+
+fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
+fn check(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| v.is_nan()) {
+        panic!("{what}: NaN at {i} (an output element left unwritten?)");
+    }
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        diff += (g as f64 - w as f64).powi(2);
+        norm += (w as f64).powi(2);
+    }
+    let rel = diff.sqrt() / norm.sqrt().max(1e-30);
+    assert!(rel <= TOL, "{what}: relative error {rel:e} > {TOL:e}");
+}
+
+const TS: &[usize] = &[1, 5, 64];
+const COLS: &[usize] = &[1, 7, 127, 129, 2048, 4099];
+
+#[test]
+fn add_swiglu_mul_sigmoid_match_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    for &t in TS {
+        for &cols in COLS {
+            let n = t * cols;
+            let (a, b) = (random(n, -6.0, 6.0), random(n, -6.0, 6.0));
+            let (ca, cb) = (cpu.upload(&a, t, cols), cpu.upload(&b, t, cols));
+            let (ga, gb) = (gpu.upload(&a, t, cols), gpu.upload(&b, t, cols));
+            let what = |op: &str| format!("{op} [{t}, {cols}]");
+
+            let want = cpu.add(&ca, &cb).data;
+            check(&what("add"), &gpu.download(&gpu.add(&ga, &gb)).unwrap(), &want);
+            let want = cpu.swiglu(&ca, &cb).data;
+            check(&what("swiglu"), &gpu.download(&gpu.swiglu(&ga, &gb)).unwrap(), &want);
+            let want = cpu.mul_sigmoid(&ca, &cb).data;
+            check(
+                &what("mul_sigmoid"),
+                &gpu.download(&gpu.mul_sigmoid(&ga, &gb)).unwrap(),
+                &want,
+            );
+
+            let g = random(t, -6.0, 6.0);
+            let want = cpu.mul_sigmoid(&ca, &cpu.upload(&g, t, 1)).data;
+            let got = gpu.download(&gpu.mul_sigmoid(&ga, &gpu.upload(&g, t, 1))).unwrap();
+            check(&what("mul_sigmoid broadcast"), &got, &want);
+        }
+    }
+}
+
+/// More than 65,535 workgroups: the 2-D grid.
+#[test]
+fn add_over_a_2d_grid() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let n = 70_000 * 256 + 13;
+    let (a, b) = (random(n, -1.0, 1.0), random(n, -1.0, 1.0));
+    let want = cpu.add(&cpu.upload(&a, 1, n), &cpu.upload(&b, 1, n)).data;
+    let got = gpu
+        .download(&gpu.add(&gpu.upload(&a, 1, n), &gpu.upload(&b, 1, n)))
+        .unwrap();
+    check("add [1, 70000*256+13]", &got, &want);
+}
+
+#[test]
+fn gather_columns_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = rand::rng();
+    for &t in TS {
+        for &cols in COLS {
+            for m in [1, 3, cols, cols + 5, 300] {
+                let x = random(t * cols, -3.0, 3.0);
+                let idx: Vec<u32> = (0..m).map(|_| rng.random_range(0..cols as u32)).collect();
+                let want = cpu.gather_columns(&cpu.upload(&x, t, cols), &cpu.upload_index(&idx));
+                let got = gpu.gather_columns(&gpu.upload(&x, t, cols), &gpu.upload_index(&idx));
+                assert_eq!(gpu.shape(&got), (t, m));
+                let got = gpu.download(&got).unwrap();
+                assert_eq!(got, want.data, "gather_columns [{t}, {cols}] -> {m}");
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    // (cols, group): whole rows and per-head groups, sizes off the workgroup width.
+    let shapes: &[(usize, usize)] = &[
+        (1, 1),
+        (7, 7),
+        (127, 127),
+        (129, 129),
+        (2048, 2048),
+        (4099, 4099),
+        (2048, 32),
+        (2048, 64),
+        (2048, 128),
+        (2048, 256),
+        (4096, 512),
+        (21, 7),
+        (387, 129),
+    ];
+    for &t in TS {
+        for &(cols, group) in shapes {
+            let x = random(t * cols, -4.0, 4.0);
+            let w = random(group, 0.5, 1.5);
+            let (cx, gx) = (cpu.upload(&x, t, cols), gpu.upload(&x, t, cols));
+            let (cw, gw) = (cpu.upload(&w, 1, group), gpu.upload(&w, 1, group));
+            for (eps, scale) in [(1e-6f32, 1.0f32), (1e-5, 0.0625)] {
+                let what = format!("rms_norm [{t}, {cols}] group {group} eps {eps} scale {scale}");
+                let want = cpu.rms_norm(&cx, Some(&cw), group, eps, scale).data;
+                let got = gpu.download(&gpu.rms_norm(&gx, Some(&gw), group, eps, scale)).unwrap();
+                check(&format!("{what} weighted"), &got, &want);
+                let want = cpu.rms_norm(&cx, None, group, eps, scale).data;
+                let got = gpu.download(&gpu.rms_norm(&gx, None, group, eps, scale)).unwrap();
+                check(&format!("{what} unweighted"), &got, &want);
+            }
+        }
+    }
+}
+
+/// More than 65,535 workgroups of norm groups.
+#[test]
+fn rms_norm_over_a_2d_grid() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let (t, cols, group) = (66_000, 256, 256);
+    let x = random(t * cols, -4.0, 4.0);
+    let w = random(group, 0.5, 1.5);
+    let want = cpu
+        .rms_norm(
+            &cpu.upload(&x, t, cols),
+            Some(&cpu.upload(&w, 1, group)),
+            group,
+            1e-6,
+            1.0,
+        )
+        .data;
+    let got = gpu.rms_norm(
+        &gpu.upload(&x, t, cols),
+        Some(&gpu.upload(&w, 1, group)),
+        group,
+        1e-6,
+        1.0,
+    );
+    check("rms_norm [66000, 256]", &gpu.download(&got).unwrap(), &want);
+}
+
+#[test]
+fn rms_norm_gated_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let shapes: &[(usize, usize)] = &[
+        (1, 1),
+        (7, 7),
+        (129, 129),
+        (4099, 4099),
+        (2048, 32),
+        (2048, 128),
+        (4096, 256),
+        (387, 129),
+    ];
+    for &t in TS {
+        for &(cols, group) in shapes {
+            let (x, z) = (random(t * cols, -4.0, 4.0), random(t * cols, -6.0, 6.0));
+            let w = random(group, 0.5, 1.5);
+            let want = cpu
+                .rms_norm_gated(
+                    &cpu.upload(&x, t, cols),
+                    &cpu.upload(&z, t, cols),
+                    &cpu.upload(&w, 1, group),
+                    group,
+                    1e-6,
+                )
+                .data;
+            let got = gpu.rms_norm_gated(
+                &gpu.upload(&x, t, cols),
+                &gpu.upload(&z, t, cols),
+                &gpu.upload(&w, 1, group),
+                group,
+                1e-6,
+            );
+            check(
+                &format!("rms_norm_gated [{t}, {cols}] group {group}"),
+                &gpu.download(&got).unwrap(),
+                &want,
+            );
+        }
+    }
+}
+
+#[test]
+fn causal_conv1d_silu_matches_cpu_with_carried_state() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    for &c in &[1usize, 7, 129, 2051] {
+        for &k in &[1usize, 2, 4] {
+            for &(t1, t2) in &[(1usize, 1usize), (5, 1), (64, 5), (1, 64)] {
+                let w = random(c * k, -1.0, 1.0);
+                let s0 = random((k - 1) * c, -2.0, 2.0);
+                let (cw, gw) = (cpu.upload(&w, c, k), gpu.upload(&w, c, k));
+                let mut cs = cpu.upload(&s0, k - 1, c);
+                let mut gs = gpu.upload(&s0, k - 1, c);
+                for (step, t) in [t1, t2].into_iter().enumerate() {
+                    let what = format!("conv C {c} K {k} step {step} T {t}");
+                    let x = random(t * c, -2.0, 2.0);
+                    let want = cpu.causal_conv1d_silu(&cpu.upload(&x, t, c), &cw, &mut cs).data;
+                    let got = gpu.causal_conv1d_silu(&gpu.upload(&x, t, c), &gw, &mut gs);
+                    assert_eq!(gpu.shape(&got), (t, c), "{what}: output shape");
+                    check(&format!("{what} output"), &gpu.download(&got).unwrap(), &want);
+                    assert_eq!(gpu.shape(&gs), (k - 1, c), "{what}: state shape");
+                    if k > 1 {
+                        // The state is a copy of inputs: exact.
+                        assert_eq!(gpu.download(&gs).unwrap(), cs.data, "{what}: state");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Logits `[t, e]` of distinct values at least `gap` apart (no near-ties), each row
+/// shifted by up to +-30 so the max subtraction matters.
+fn distinct_logits(t: usize, e: usize, gap: f32) -> Vec<f32> {
+    let mut rng = rand::rng();
+    let mut out = Vec::with_capacity(t * e);
+    for _ in 0..t {
+        let mut levels: Vec<usize> = (0..e).collect();
+        levels.shuffle(&mut rng);
+        let shift = rng.random_range(-30.0f32..30.0);
+        out.extend(levels.iter().map(|&l| shift + l as f32 * gap));
+    }
+    out
+}
+
+fn check_routing(what: &str, got: &slotstream::backend::Routing, want: &slotstream::backend::Routing) {
+    assert_eq!(got.top_k, want.top_k, "{what}: top_k");
+    assert_eq!(got.ids, want.ids, "{what}: ids");
+    assert_eq!(got.weights.len(), want.weights.len(), "{what}: weights");
+    for (i, (&g, &w)) in got.weights.iter().zip(&want.weights).enumerate() {
+        assert!((g - w).abs() <= 1e-5, "{what}: weight {i}: {g} vs {w}");
+    }
+    check(&format!("{what} weights"), &got.weights, &want.weights);
+}
+
+#[test]
+fn router_top_k_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    for &t in TS {
+        for &(e, ks) in &[
+            (1usize, &[1usize][..]),
+            (7, &[1, 2, 7][..]),
+            (64, &[4, 8][..]),
+            (128, &[8, 10][..]),
+            (512, &[1, 10, 16][..]),
+            (513, &[16][..]),
+        ] {
+            // Gaps of 0.01 keep probability ratios >= 1.01, far above rounding.
+            let logits = distinct_logits(t, e, 0.01 + 4.0 / e as f32);
+            let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
+            for &k in ks {
+                for renormalize in [false, true] {
+                    let what = format!("router [{t}, {e}] k {k} renormalize {renormalize}");
+                    let want = cpu.router_top_k(&cl, k, renormalize).unwrap();
+                    let got = gpu.router_top_k(&gl, k, renormalize).unwrap();
+                    check_routing(&what, &got, &want);
+                }
+            }
+        }
+    }
+}
+
+/// Exactly equal logits give exactly equal probabilities on both backends: the lower id
+/// must come first.
+#[test]
+fn router_top_k_breaks_ties_by_lower_id() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = rand::rng();
+    let (t, e) = (16, 512);
+    // Eight well-separated levels, each shared by many experts.
+    let logits: Vec<f32> = (0..t * e).map(|_| rng.random_range(0..8) as f32 * 0.25).collect();
+    let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
+    for k in [1, 8, 16] {
+        let want = cpu.router_top_k(&cl, k, true).unwrap();
+        let got = gpu.router_top_k(&gl, k, true).unwrap();
+        check_routing(&format!("router ties k {k}"), &got, &want);
+    }
+}
+
+/// More than 65,535 tokens: one workgroup each over the 2-D grid.
+#[test]
+fn router_top_k_over_a_2d_grid() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let (t, e, k) = (66_000, 8, 2);
+    let logits = distinct_logits(t, e, 0.5);
+    let want = cpu.router_top_k(&cpu.upload(&logits, t, e), k, true).unwrap();
+    let got = gpu.router_top_k(&gpu.upload(&logits, t, e), k, true).unwrap();
+    check_routing("router [66000, 8]", &got, &want);
+}
+
+#[test]
+fn router_top_k_rejects_k_beyond_experts() {
+    let gpu = gpu();
+    let logits = gpu.upload(&[0.0; 8], 2, 4);
+    assert!(gpu.router_top_k(&logits, 5, true).is_err());
+}
