@@ -1,10 +1,188 @@
 //! RoPE and attention over the KV cache (`wgsl/attention.wgsl`).
+//!
+//! RoPE: cos/sin of every (position, frequency) of the call are computed on the host in
+//! f64 exactly as the CPU backend does (f32 `sin`/`cos` of angles up to the context
+//! length lose digits on the GPU) and uploaded as a `[T, rotary_dim / 2, 2]` table.
+//!
+//! Attention: `k`, `v` are appended to the cache (capacity doubling), then queries are
+//! processed in chunks whose scores `[chunk * Hq, visible]` fit a scratch buffer of at
+//! most [`SCRATCH_BYTES`]: tiled `Q K^T`, an in-place row softmax, tiled `P V`. Any
+//! context length works; long prefills take several chunks.
+
+use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
 use crate::backend::AttnDims;
 
-pub(super) fn rope(_b: &GpuBackend, _x: &GpuTensor, _head_dim: usize, _rotary_dim: usize, _theta: f64, _start: usize) -> GpuTensor {
-    todo!()
+const ROPE: Kernel = Kernel {
+    file: "attention.wgsl",
+    source: shader("attention.wgsl"),
+    entry: "rope",
+    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+};
+
+const SCORES: Kernel = Kernel {
+    file: "attention.wgsl",
+    source: shader("attention.wgsl"),
+    entry: "attn_scores",
+    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+};
+
+const SOFTMAX: Kernel = Kernel {
+    file: "attention.wgsl",
+    source: shader("attention.wgsl"),
+    entry: "attn_softmax",
+    bindings: &[Access::ReadWrite],
+};
+
+const PV: Kernel = Kernel {
+    file: "attention.wgsl",
+    source: shader("attention.wgsl"),
+    entry: "attn_pv",
+    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+};
+
+/// Side of the square tiles of `attn_scores` and `attn_pv` (`TILE` in the shader).
+const TILE: usize = 16;
+/// Upper bound of the scores scratch of one call (also capped by the binding limit).
+const SCRATCH_BYTES: u64 = 128 << 20;
+/// Smallest KV cache capacity, in positions.
+const MIN_CAPACITY: usize = 64;
+
+pub(super) fn rope(b: &GpuBackend, x: &GpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> GpuTensor {
+    assert!(head_dim > 0 && x.cols % head_dim == 0, "rope: {} columns are not whole heads of {head_dim}", x.cols);
+    assert!(rotary_dim <= head_dim, "rope: rotary dim {rotary_dim} above head dim {head_dim}");
+    let out = b.empty(x.rows, x.cols);
+    let n = x.rows * x.cols;
+    if n == 0 {
+        return out;
+    }
+    let half = rotary_dim / 2;
+    let mut table = Vec::with_capacity(x.rows * half * 2);
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64))
+        .collect();
+    for t in 0..x.rows {
+        let pos = (start + t) as f64;
+        for f in &inv_freq {
+            let (sin, cos) = (pos * f).sin_cos();
+            table.push(cos as f32);
+            table.push(sin as f32);
+        }
+    }
+    let table = b.gpu.buffer_with(bytemuck::cast_slice(&table));
+    let params = [n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32];
+    let [gx, gy] = grid(n.div_ceil(256) as u32);
+    b.gpu.dispatch(&ROPE, &params, &[&out.buf, &x.buf, &table], [gx, gy, 1]);
+    out
 }
-pub(super) fn attention(_b: &GpuBackend, _q: &GpuTensor, _k: &GpuTensor, _v: &GpuTensor, _cache: &mut GpuKvCache, _dims: AttnDims) -> GpuTensor {
-    todo!()
+
+/// Largest buffer a kernel may bind, in bytes.
+fn max_binding(b: &GpuBackend) -> u64 {
+    b.gpu.limits.max_storage_buffer_binding_size.min(b.gpu.limits.max_buffer_size)
+}
+
+/// Makes room for `need` positions, doubling the capacity and copying the valid rows.
+fn reserve(b: &GpuBackend, cache: &mut GpuKvCache, need: usize) {
+    if need <= cache.capacity && cache.keys.is_some() {
+        return;
+    }
+    let row_bytes = (cache.kv_dim * 4) as u64;
+    let max_rows = (max_binding(b) / row_bytes.max(1)) as usize;
+    assert!(
+        need <= max_rows,
+        "KV cache of {need} positions x {} columns exceeds the GPU's largest storage binding ({} bytes)",
+        cache.kv_dim,
+        max_binding(b)
+    );
+    let mut cap = cache.capacity.max(MIN_CAPACITY);
+    while cap < need {
+        cap *= 2;
+    }
+    let cap = cap.min(max_rows);
+    let keys = b.gpu.zeroed(cap as u64 * row_bytes);
+    let values = b.gpu.zeroed(cap as u64 * row_bytes);
+    let used = cache.len as u64 * row_bytes;
+    if let (Some(old_k), Some(old_v)) = (&cache.keys, &cache.values) {
+        b.gpu.copy(old_k, 0, &keys, 0, used);
+        b.gpu.copy(old_v, 0, &values, 0, used);
+    }
+    cache.keys = Some(keys);
+    cache.values = Some(values);
+    cache.capacity = cap;
+}
+
+pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, dims: AttnDims) -> GpuTensor {
+    let AttnDims {
+        q_heads,
+        kv_heads,
+        head_dim: hd,
+        scale,
+    } = dims;
+    let kv_dim = cache.kv_dim;
+    let t_len = q.rows;
+    assert!(kv_heads > 0 && q_heads % kv_heads == 0, "attention: q heads must be a multiple of kv heads");
+    assert_eq!(kv_dim, kv_heads * hd, "attention: cache width");
+    assert_eq!((k.cols, v.cols), (kv_dim, kv_dim), "attention: kv width");
+    assert_eq!((k.rows, v.rows), (t_len, t_len), "attention: kv rows");
+    assert_eq!(q.cols, q_heads * hd, "attention: q width");
+
+    let out = b.empty(t_len, q_heads * hd);
+    if t_len == 0 {
+        return out;
+    }
+    let past = cache.len;
+    let total = past + t_len;
+    reserve(b, cache, total);
+    let (keys, values) = (cache.keys.as_ref().expect("reserved"), cache.values.as_ref().expect("reserved"));
+    let row_bytes = (kv_dim * 4) as u64;
+    b.gpu.copy(&k.buf, 0, keys, past as u64 * row_bytes, t_len as u64 * row_bytes);
+    b.gpu.copy(&v.buf, 0, values, past as u64 * row_bytes, t_len as u64 * row_bytes);
+    cache.len = total;
+
+    // Queries per chunk: their scores rows [chunk * Hq, total] fit the scratch.
+    let budget = SCRATCH_BYTES.min(max_binding(b));
+    let row_scores = (q_heads * total * 4) as u64;
+    let chunk = ((budget / row_scores) as usize).clamp(1, t_len);
+    let scratch = b.gpu.zeroed(chunk as u64 * row_scores);
+    let group = q_heads / kv_heads;
+
+    let mut t0 = 0;
+    while t0 < t_len {
+        let tc = chunk.min(t_len - t0);
+        let pos0 = past + t0;
+        // Scores rows hold every position visible to the chunk's last query.
+        let stride = pos0 + tc;
+        let row_tiles = (tc * group).div_ceil(TILE);
+        let mut params = [
+            (tc * q_heads) as u32,
+            q.cols as u32,
+            hd as u32,
+            0,
+            q_heads as u32,
+            group as u32,
+            kv_dim as u32,
+            pos0 as u32,
+            tc as u32,
+            stride as u32,
+            0, // tiles, per kernel
+            scale.to_bits(),
+            t0 as u32,
+        ];
+
+        let key_tiles = stride.div_ceil(TILE);
+        params[10] = key_tiles as u32;
+        let [gx, gy] = grid((key_tiles * row_tiles) as u32);
+        b.gpu.dispatch(&SCORES, &params, &[&scratch, &q.buf, keys], [gx, gy, kv_heads as u32]);
+
+        let [gx, gy] = grid((tc * q_heads) as u32);
+        b.gpu.dispatch(&SOFTMAX, &params, &[&scratch], [gx, gy, 1]);
+
+        let dim_tiles = hd.div_ceil(TILE);
+        params[10] = dim_tiles as u32;
+        let [gx, gy] = grid((dim_tiles * row_tiles) as u32);
+        b.gpu.dispatch(&PV, &params, &[&scratch, values, &out.buf], [gx, gy, kv_heads as u32]);
+
+        t0 += tc;
+    }
+    out
 }
