@@ -12,8 +12,11 @@ use slotstream::model::Model;
 /// Fixture directories made by tools/make_fixtures.py.
 pub const FIXTURES: &[&str] = &["qwen3-next-bf16", "qwen3-next-f32-sharded"];
 
+/// `tests/fixtures/<name>`. The crate root comes from `CARGO_MANIFEST_DIR` at run time
+/// when set (a test binary run outside cargo, e.g. on another machine), else at build time.
 pub fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    Path::new(&root).join("tests/fixtures").join(name)
 }
 
 /// reference.json of a fixture: mlx-lm's outputs in f32 arithmetic.
