@@ -279,6 +279,7 @@ impl<B: Backend> Model<B> {
         }
         let cfg = &self.config;
         experts.begin_step();
+        let mut in_use = Vec::new();
         let mut h = backend.embed(&self.embed, ids)?;
         for (i, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
             let x = backend.rms_norm(&h, Some(&layer.input_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
@@ -292,7 +293,7 @@ impl<B: Backend> Model<B> {
             h = backend.add(&h, &r);
             let x = backend.rms_norm(&h, Some(&layer.post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
             let m = match &layer.mlp {
-                Mlp::Moe(w) => self.moe(backend, w, i, &x, experts)?,
+                Mlp::Moe(w) => self.moe(backend, w, i, &x, experts, &mut in_use)?,
                 Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
             };
             h = backend.add(&h, &m);
@@ -303,7 +304,10 @@ impl<B: Backend> Model<B> {
         }
         let y = backend.rms_norm(&h, Some(&self.final_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
         let logits = backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed));
-        backend.download(&logits)
+        let logits = backend.download(&logits);
+        // The read-back waited for all recorded work: the last layer's records are free.
+        drop(in_use);
+        logits
     }
 
     fn delta_net(
@@ -376,17 +380,22 @@ impl<B: Backend> Model<B> {
         backend.matmul(&h, &w.down)
     }
 
-    fn moe<E: ExpertSource>(
+    /// The MoE block of `layer`. `in_use` holds the previous MoE layer's records: a
+    /// backend may still be reading them (GPU work runs after it is recorded), so they stay
+    /// pinned until this layer's routing read-back has waited for that work.
+    fn moe<'e, E: ExpertSource>(
         &self,
         backend: &B,
         w: &Moe<B>,
         layer: usize,
         x: &B::Tensor,
-        experts: &E,
+        experts: &'e E,
+        in_use: &mut Vec<E::Record<'e>>,
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let logits = backend.matmul(x, &w.router);
         let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
+        in_use.clear();
         let distinct = routing.distinct();
         let held = experts.fetch(layer, &distinct)?;
         let records: Vec<ExpertRecord<'_>> = routing
@@ -401,6 +410,7 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         let routed = backend.moe_experts(x, &routing, &records, &self.experts.layout);
+        *in_use = held;
         let shared = Self::dense_mlp(backend, &w.shared, x);
         let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
         Ok(backend.add(&routed, &shared))

@@ -319,6 +319,17 @@ impl SlotPool {
         self.floor
     }
 
+    /// The pool's memory: base pointer and length in bytes (slots x stride), page-aligned,
+    /// for backends that let the GPU read it in place. It lives as long as the pool.
+    pub(crate) fn memory(&self) -> (*mut u8, usize) {
+        (self.memory.as_ptr(), self.memory.len())
+    }
+
+    /// Distance between slots in bytes (a multiple of 4096).
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
     /// Layout of the records in the slots.
     pub fn layout(&self) -> &RecordLayout {
         &self.index.layout

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use slotstream::backend::gpu::{GpuBackend, GpuOptions};
+use slotstream::backend::gpu::{GpuBackend, GpuOptions, Placement};
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::{ExpertSource, MappedExperts};
 use slotstream::io::IoMode;
@@ -54,13 +54,16 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
         assert_eq!(greedy(&model, &g, &mapped, &r.prompt_ids, r.greedy_ids.len()), r.greedy_ids, "{name}: mapped");
 
         let floor = floor_slots(index.num_experts, 8);
-        for slots in [floor, (floor + index.records()) / 2, index.records().max(floor)] {
-            let mut options = StreamOptions::with_slots(slots);
-            options.io = IoMode::Buffered;
-            let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
-            let experts = PoolExperts(pool);
-            let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
-            assert_eq!(got, r.greedy_ids, "{name}: pool of {slots} slots");
+        for placement in [Placement::Unified, Placement::Device] {
+            for slots in [floor, (floor + index.records()) / 2, index.records().max(floor)] {
+                let mut options = StreamOptions::with_slots(slots);
+                options.io = IoMode::Direct;
+                let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+                g.attach_pool(&pool, placement).unwrap_or_else(|e| panic!("{placement:?}: {e}"));
+                let experts = PoolExperts(pool);
+                let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
+                assert_eq!(got, r.greedy_ids, "{name}: {placement:?} pool of {slots} slots");
+            }
         }
     }
 }

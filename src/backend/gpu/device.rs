@@ -143,6 +143,8 @@ pub struct Gpu {
     pub queue: wgpu::Queue,
     pub adapter: AdapterSummary,
     pub limits: wgpu::Limits,
+    /// Whether host memory can be imported as GPU buffers (unified placement).
+    pub host_import: bool,
     poison: bool,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>>,
     encoder: Mutex<Option<wgpu::CommandEncoder>>,
@@ -176,13 +178,30 @@ impl Gpu {
             .map_err(|e| Error::Gpu(format!("no GPU adapter found ({e}); install a Vulkan or Metal driver (on Linux without a GPU: Mesa's lavapipe, package mesa-vulkan-drivers)")))?,
         };
         let limits = adapter.limits();
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        let desc = wgpu::DeviceDescriptor {
             label: Some("slotstream"),
             required_features: wgpu::Features::empty(),
             required_limits: limits.clone(),
             ..Default::default()
-        }))
-        .map_err(|e| Error::Gpu(format!("could not open {}: {e}", adapter.get_info().name)))?;
+        };
+        #[cfg(not(target_os = "macos"))]
+        let with_import = super::host_memory::open_device(&adapter, &desc);
+        #[cfg(target_os = "macos")]
+        let with_import = None;
+        let (device, queue) = match with_import {
+            Some(Ok(pair)) => pair,
+            other => {
+                if let Some(Err(e)) = other {
+                    tracing::warn!(error = %e, "host-memory import unavailable");
+                }
+                pollster::block_on(adapter.request_device(&desc))
+                    .map_err(|e| Error::Gpu(format!("could not open {}: {e}", adapter.get_info().name)))?
+            }
+        };
+        #[cfg(not(target_os = "macos"))]
+        let host_import = super::host_memory::supported(&device);
+        #[cfg(target_os = "macos")]
+        let host_import = false;
         let summary = summarize(&adapter);
         tracing::info!(adapter = %summary.name, backend = %summary.backend, "GPU opened");
         Ok(Gpu {
@@ -190,6 +209,7 @@ impl Gpu {
             queue,
             adapter: summary,
             limits,
+            host_import,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
             encoder: Mutex::default(),

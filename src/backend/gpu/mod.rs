@@ -10,6 +10,8 @@ mod conv;
 pub mod device;
 mod elementwise;
 mod gated_delta;
+#[cfg(not(target_os = "macos"))]
+mod host_memory;
 mod norm;
 mod quant;
 mod router;
@@ -65,15 +67,39 @@ pub struct GpuKvCache {
     pub values: Option<wgpu::Buffer>,
 }
 
-/// A device-memory copy of the slot pool ("device" placement): arenas of whole slots,
-/// each within `max_storage_buffer_binding_size`, refreshed per slot when its
-/// generation changes.
+/// Where the GPU reads pool slots from. A slot is (arena, offset); arenas hold whole
+/// slots and each stays within `max_storage_buffer_binding_size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// The pool's host memory imported as GPU buffers: a miss's `pread` lands where the
+    /// kernel reads it (integrated GPUs, lavapipe).
+    Unified,
+    /// Device-local arenas; a slot is copied in when its record changed (discrete GPUs,
+    /// where reading host memory is slow: 48.8 vs 3,414 GB/s on the H200, DESIGN.md).
+    Device,
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "unified" => Ok(Placement::Unified),
+            "device" => Ok(Placement::Device),
+            _ => Err(format!("unknown placement `{s}` (expected unified or device)")),
+        }
+    }
+}
+
+/// The GPU's view of the slot pool.
 struct Mirror {
     stride: usize,
     slots_per_arena: usize,
     arenas: Vec<wgpu::Buffer>,
-    /// Generation of the record each slot holds on the device (0: none).
+    /// Device placement: generation of the record each slot holds on the device (0: none).
     generations: Vec<u64>,
+    /// Unified placement: the pool whose memory the arenas import (kept alive here).
+    unified: Option<Arc<crate::pool::SlotPool>>,
 }
 
 /// The wgpu backend. Construct with [`GpuBackend::new`].
@@ -89,6 +115,72 @@ impl GpuBackend {
             gpu: Gpu::open(options)?,
             mirror: Mutex::default(),
         })
+    }
+
+    /// The placement an adapter type calls for: unified on integrated and CPU adapters
+    /// that can import host memory, device-local arenas otherwise.
+    pub fn default_placement(&self) -> Placement {
+        let shared = matches!(self.gpu.adapter.device_type.as_str(), "IntegratedGpu" | "Cpu");
+        if shared && self.gpu.host_import {
+            Placement::Unified
+        } else {
+            Placement::Device
+        }
+    }
+
+    /// Makes the GPU read `pool`'s slots with `placement`. Without this call, records that
+    /// come from a pool are mirrored in device arenas (device placement).
+    /// Errors: unified placement on a device that cannot import host memory.
+    pub fn attach_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Placement) -> Result<()> {
+        let stride = pool.stride();
+        let slots = pool.slots();
+        let max = (self.gpu.limits.max_storage_buffer_binding_size as u64).min(self.gpu.limits.max_buffer_size);
+        let per_arena = ((max / stride as u64) as usize).clamp(1, slots);
+        let mirror = match placement {
+            Placement::Device => Mirror {
+                stride,
+                slots_per_arena: per_arena,
+                arenas: (0..slots.div_ceil(per_arena))
+                    .map(|a| self.gpu.zeroed((per_arena.min(slots - a * per_arena) * stride) as u64))
+                    .collect(),
+                generations: vec![0; slots],
+                unified: None,
+            },
+            Placement::Unified => self.import_pool(pool, per_arena)?,
+        };
+        tracing::info!(?placement, slots, arenas = mirror.arenas.len(), "slot pool attached to the GPU");
+        *self.mirror.lock().unwrap_or_else(|p| p.into_inner()) = Some(mirror);
+        Ok(())
+    }
+
+    #[cfg(not(target_os = "macos"))]
+    fn import_pool(&self, pool: &Arc<crate::pool::SlotPool>, per_arena: usize) -> Result<Mirror> {
+        let (base, len) = pool.memory();
+        let stride = pool.stride();
+        let slots = pool.slots();
+        let mut arenas = Vec::new();
+        for a in 0..slots.div_ceil(per_arena) {
+            let n = per_arena.min(slots - a * per_arena);
+            // SAFETY: the range lies inside the pool's page-aligned memory (stride is a
+            // multiple of 4096), and the Mirror keeps the pool alive while the buffers live.
+            let buf = unsafe { host_memory::import(&self.gpu.device, base.add(a * per_arena * stride), (n * stride) as u64)? };
+            arenas.push(buf);
+        }
+        debug_assert!(slots * stride <= len);
+        Ok(Mirror {
+            stride,
+            slots_per_arena: per_arena,
+            arenas,
+            generations: Vec::new(),
+            unified: Some(pool.clone()),
+        })
+    }
+
+    #[cfg(target_os = "macos")]
+    fn import_pool(&self, _pool: &Arc<crate::pool::SlotPool>, _per_arena: usize) -> Result<Mirror> {
+        Err(crate::error::Error::Gpu(
+            "unified placement is not implemented on Metal yet; use device placement".into(),
+        ))
     }
 
     fn tensor(&self, buf: wgpu::Buffer, rows: usize, cols: usize) -> GpuTensor {

@@ -219,7 +219,9 @@ fn place_records(
 ) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
     if let Some(tag) = records.first().and_then(|r| r.slot) {
         let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
-        let fits = |m: &Mirror| m.stride == tag.stride && m.generations.len() == tag.slots;
+        let fits = |m: &Mirror| {
+            m.stride == tag.stride && (m.unified.as_ref().map_or(m.generations.len(), |p| p.slots()) == tag.slots)
+        };
         if !guard.as_ref().is_some_and(fits) {
             let max = (b.gpu.limits.max_storage_buffer_binding_size as u64).min(b.gpu.limits.max_buffer_size);
             let per_arena = ((max / tag.stride as u64) as usize).clamp(1, tag.slots);
@@ -235,6 +237,7 @@ fn place_records(
                 slots_per_arena: per_arena,
                 arenas,
                 generations: vec![0; tag.slots],
+                unified: None,
             });
         }
         if let Some(m) = guard.as_mut() {
@@ -246,7 +249,7 @@ fn place_records(
                     break;
                 };
                 let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
-                if m.generations[tag.slot] != tag.generation {
+                if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
                     b.gpu.write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
                     m.generations[tag.slot] = tag.generation;
                 }
