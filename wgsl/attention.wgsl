@@ -6,17 +6,19 @@
 //   a scores scratch `[Tc * Hq, stride]` (row r = local token * Hq + head):
 //   `attn_scores` (tiled Q K^T, 16 x 16 tiles, scaled), `attn_softmax` (one workgroup
 //   per row: max-subtracted exp, sum, divide, in place) and `attn_pv` (tiled P V,
-//   16 x 16 tiles). Tiles lie within one kv head (workgroup_id.z): tile row m of kv head
+//   16 x 16 tiles). When P V has few tiles (decode over a long context), its positions
+//   are split into `splits` ranges of `span` whose partial outputs `attn_sum` adds. Tiles lie within one kv head (workgroup_id.z): tile row m of kv head
 //   g is token m / group, query head g * group + m % group, so the query heads sharing a
 //   kv head share its K and V loads. Query `t` of the chunk sees positions
 //   `0 ..= pos0 + t`; tiles wholly above the diagonal return at once, and scores past a
 //   row's last visible position are never written nor read.
 //
 // Bindings are shared by all entry points (one declaration per binding):
-//            rope              attn_scores         attn_softmax   attn_pv
-//   1 rw     out [T, cols]     scores (out)        scores         scores (probabilities)
-//   2 read   x [T, cols]       q [T, Hq*hd]        -              values [cap, kv_dim]
-//   3 rw     cos/sin [T,h,2]   keys [cap, kv_dim]  -              out [T, Hq*hd]
+//            rope              attn_scores         attn_softmax   attn_pv                 attn_sum
+//   1 rw     out [T, cols]     scores (out)        scores         scores (probabilities)  out [T, Hq*hd]
+//   2 read   x [T, cols]       q [T, Hq*hd]        -              values [cap, kv_dim]    partials
+//   3 rw     cos/sin [T,h,2]   keys [cap, kv_dim]  -              out, or partials        -
+//                                                                 [splits, Tc, Hq*hd]
 
 struct Params {
     // rope: number of elements. attention: rows of the chunk's scores (Tc * Hq).
@@ -39,8 +41,13 @@ struct Params {
     // Tiles along the fast axis of the flattened workgroup index (keys or head dims).
     tiles: u32,
     scale: f32,
-    // Row of q / out of the chunk's first query.
+    // Row of q (attn_scores) or of out (attn_pv, attn_sum) of the chunk's first query.
     q_row0: u32,
+    // attn_pv: positions per split (a multiple of TILE), number of splits, and the
+    // distance between splits' outputs in `io3`. attn_sum: `n` is Tc * cols.
+    span: u32,
+    splits: u32,
+    split_stride: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -199,12 +206,18 @@ fn attn_pv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let g = wid.z;
     let rows = p.t_chunk * p.group;
     let row_tiles = (rows + TILE - 1u) / TILE;
-    if (lin >= p.tiles * row_tiles) {
+    let per_split = p.tiles * row_tiles;
+    if (lin >= per_split * p.splits) {
         return;
     }
-    let d0 = (lin % p.tiles) * TILE;
-    let m0 = (lin / p.tiles) * TILE;
+    let split = lin / per_split;
+    let d0 = (lin % per_split % p.tiles) * TILE;
+    let m0 = (lin % per_split / p.tiles) * TILE;
     let max_vis = visible(min(m0 + TILE - 1u, rows - 1u));
+    // This split's positions; `span` is a multiple of TILE, so masking loads by the
+    // visible counts keeps them inside it.
+    let s_begin = split * p.span;
+    let s_end = min(s_begin + p.span, max_vis);
     let x = lid.x;
     let y = lid.y;
     let hd = p.head_dim;
@@ -218,7 +231,7 @@ fn attn_pv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     let v_base = g * hd + d;
 
     var acc = 0.0;
-    for (var s0 = 0u; s0 < max_vis; s0 += TILE) {
+    for (var s0 = s_begin; s0 < s_end; s0 += TILE) {
         var pa = 0.0;
         let ps = s0 + x;
         if (lm_ok && ps < lm_vis) {
@@ -241,6 +254,21 @@ fn attn_pv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: 
     if (lm_ok && d < hd) {
         let t = p.q_row0 + lm / p.group;
         let h = g * p.group + lm % p.group;
-        io3[t * p.cols + h * hd + d] = acc;
+        io3[split * p.split_stride + t * p.cols + h * hd + d] = acc;
     }
+}
+
+// out[q_row0 + i / cols, i % cols] = sum over splits of attn_pv's partial outputs.
+@compute @workgroup_size(256)
+fn attn_sum(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+            @builtin(local_invocation_id) lid: vec3<u32>) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid.x;
+    if (i >= p.n) {
+        return;
+    }
+    var acc = 0.0;
+    for (var k = 0u; k < p.splits; k++) {
+        acc += in2[k * p.split_stride + i];
+    }
+    io1[p.q_row0 * p.cols + i] = acc;
 }

@@ -7,7 +7,9 @@
 //! Attention: `k`, `v` are appended to the cache (capacity doubling), then queries are
 //! processed in chunks whose scores `[chunk * Hq, visible]` fit a scratch buffer of at
 //! most [`SCRATCH_BYTES`]: tiled `Q K^T`, an in-place row softmax, tiled `P V`. Any
-//! context length works; long prefills take several chunks.
+//! context length works; long prefills take several chunks. When `P V` has few output
+//! tiles (decode over a long context), its positions are split over more workgroups and
+//! the partial outputs summed by a fourth kernel.
 
 use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
@@ -41,10 +43,23 @@ const PV: Kernel = Kernel {
     bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
 };
 
+const SUM: Kernel = Kernel {
+    file: "attention.wgsl",
+    source: shader("attention.wgsl"),
+    entry: "attn_sum",
+    bindings: &[Access::ReadWrite, Access::Read],
+};
+
 /// Side of the square tiles of `attn_scores` and `attn_pv` (`TILE` in the shader).
 const TILE: usize = 16;
 /// Upper bound of the scores scratch of one call (also capped by the binding limit).
 const SCRATCH_BYTES: u64 = 128 << 20;
+/// Words of the shader's `Params` uniform block (its size, which every dispatch must bind).
+const PARAMS: usize = 16;
+/// `attn_pv` splits its positions when it would have fewer workgroups than this.
+const PV_TARGET_WORKGROUPS: usize = 256;
+/// Fewest positions of one `attn_pv` split.
+const PV_MIN_SPAN: usize = 256;
 /// Smallest KV cache capacity, in positions.
 const MIN_CAPACITY: usize = 64;
 
@@ -70,7 +85,9 @@ pub(super) fn rope(b: &GpuBackend, x: &GpuTensor, head_dim: usize, rotary_dim: u
         }
     }
     let table = b.gpu.buffer_with(bytemuck::cast_slice(&table));
-    let params = [n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32];
+    // The whole `Params` block of the shader, of which rope reads the first 4 words.
+    let mut params = [0u32; PARAMS];
+    params[..4].copy_from_slice(&[n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32]);
     let [gx, gy] = grid(n.div_ceil(256) as u32);
     b.gpu.dispatch(&ROPE, &params, &[&out.buf, &x.buf, &table], [gx, gy, 1]);
     out
@@ -153,7 +170,7 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
         // Scores rows hold every position visible to the chunk's last query.
         let stride = pos0 + tc;
         let row_tiles = (tc * group).div_ceil(TILE);
-        let mut params = [
+        let mut params: [u32; PARAMS] = [
             (tc * q_heads) as u32,
             q.cols as u32,
             hd as u32,
@@ -167,6 +184,9 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
             0, // tiles, per kernel
             scale.to_bits(),
             t0 as u32,
+            0, // span (attn_pv)
+            1, // splits (attn_pv, attn_sum)
+            0, // split_stride (attn_pv, attn_sum)
         ];
 
         let key_tiles = stride.div_ceil(TILE);
@@ -178,9 +198,33 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
         b.gpu.dispatch(&SOFTMAX, &params, &[&scratch], [gx, gy, 1]);
 
         let dim_tiles = hd.div_ceil(TILE);
+        let tiles = dim_tiles * row_tiles;
+        let mut splits = 1;
+        if tiles * kv_heads < PV_TARGET_WORKGROUPS {
+            splits = PV_TARGET_WORKGROUPS
+                .div_ceil(tiles * kv_heads)
+                .min(stride / PV_MIN_SPAN)
+                .max(1);
+        }
+        let span = stride.div_ceil(splits).next_multiple_of(TILE);
+        let splits = stride.div_ceil(span);
         params[10] = dim_tiles as u32;
-        let [gx, gy] = grid((dim_tiles * row_tiles) as u32);
-        b.gpu.dispatch(&PV, &params, &[&scratch, values, &out.buf], [gx, gy, kv_heads as u32]);
+        params[13] = span as u32;
+        params[14] = splits as u32;
+        let [gx, gy] = grid((tiles * splits) as u32);
+        if splits == 1 {
+            b.gpu.dispatch(&PV, &params, &[&scratch, values, &out.buf], [gx, gy, kv_heads as u32]);
+        } else {
+            let n = tc * q.cols;
+            let partials = b.gpu.buffer((splits * n * 4) as u64);
+            params[0] = n as u32;
+            params[12] = 0;
+            params[15] = n as u32;
+            b.gpu.dispatch(&PV, &params, &[&scratch, values, &partials], [gx, gy, kv_heads as u32]);
+            params[12] = t0 as u32;
+            let [gx, gy] = grid(n.div_ceil(256) as u32);
+            b.gpu.dispatch(&SUM, &params, &[&out.buf, &partials], [gx, gy, 1]);
+        }
 
         t0 += tc;
     }

@@ -1,0 +1,269 @@
+//! GPU kernels against the CPU backend: gated delta rule, RoPE, attention with a KV cache.
+//!
+//! Every test needs a GPU adapter and fails without one (lavapipe from Mesa's
+//! mesa-vulkan-drivers works). Inputs are fresh random values at several shapes, including
+//! sizes that are not multiples of the kernels' workgroup sizes; outputs and updated state
+//! must match the CPU within 1e-5 norm-wise relative error, with no NaN (new GPU output
+//! buffers are NaN-filled, so an element a kernel forgets to write fails).
+
+use rand::Rng;
+use slotstream::backend::cpu::{CpuBackend, CpuTensor};
+use slotstream::backend::gpu::{GpuBackend, GpuOptions, GpuTensor};
+use slotstream::backend::{AttnDims, Backend, DeltaDims};
+
+const TOL: f64 = 1e-5;
+
+fn gpu() -> GpuBackend {
+    GpuBackend::new(&GpuOptions {
+        adapter: None,
+        poison_outputs: true,
+    })
+    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
+}
+
+fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Random rows scaled so that each group of `width` columns has unit L2 norm (the model
+/// normalizes q and k of the delta rule).
+fn unit_groups(rows: usize, groups: usize, width: usize) -> Vec<f32> {
+    let mut x = random(rows * groups * width, -1.0, 1.0);
+    for g in x.chunks_exact_mut(width) {
+        let norm = g.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-6);
+        g.iter_mut().for_each(|v| *v /= norm);
+    }
+    x
+}
+
+/// Both backends' copies of the same values.
+struct Pair {
+    cpu: CpuTensor,
+    gpu: GpuTensor,
+}
+
+fn pair(g: &GpuBackend, data: &[f32], rows: usize, cols: usize) -> Pair {
+    Pair {
+        cpu: CpuBackend.upload(data, rows, cols),
+        gpu: g.upload(data, rows, cols),
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&a, &b) in got.iter().zip(want) {
+        num += (a as f64 - b as f64).powi(2);
+        den += (b as f64).powi(2);
+    }
+    num.sqrt() / den.sqrt().max(1e-30)
+}
+
+/// Asserts that the GPU tensor matches the CPU one: shape, no NaN, relative error.
+fn check(what: &str, g: &GpuBackend, got: &GpuTensor, want: &CpuTensor) -> f64 {
+    assert_eq!(g.shape(got), (want.rows, want.cols), "{what}: shape");
+    let data = g.download(got).expect("download");
+    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} is {} (of {} x {})", data[i], want.rows, want.cols);
+    }
+    let e = rel_err(&data, &want.data);
+    assert!(e <= TOL, "{what}: relative error {e:.3e} above {TOL:e}");
+    e
+}
+
+struct DeltaCase {
+    key_heads: usize,
+    value_heads: usize,
+    dk: usize,
+    dv: usize,
+    /// Half-width of the range of `a` (large values exercise both softplus branches).
+    a_range: f32,
+}
+
+fn delta_inputs(g: &GpuBackend, c: &DeltaCase, t: usize) -> [Pair; 5] {
+    let (hk, hv, dk, dv) = (c.key_heads, c.value_heads, c.dk, c.dv);
+    [
+        pair(g, &unit_groups(t, hk, dk), t, hk * dk),
+        pair(g, &unit_groups(t, hk, dk), t, hk * dk),
+        pair(g, &random(t * hv * dv, -1.0, 1.0), t, hv * dv),
+        pair(g, &random(t * hv, -c.a_range, c.a_range), t, hv),
+        pair(g, &random(t * hv, -4.0, 4.0), t, hv),
+    ]
+}
+
+fn run_delta_case(c: &DeltaCase) {
+    let g = gpu();
+    let (hv, dk, dv) = (c.value_heads, c.dk, c.dv);
+    let dims = DeltaDims {
+        key_heads: c.key_heads,
+        value_heads: hv,
+        key_dim: dk,
+        value_dim: dv,
+    };
+    let a_log = pair(&g, &random(hv, -2.0, 1.5), 1, hv);
+    let dt_bias = pair(&g, &random(hv, -1.0, 1.0), 1, hv);
+    let init = random(hv * dv * dk, -0.5, 0.5);
+    let mut cpu_state = CpuBackend.upload(&init, hv, dv * dk);
+    let mut gpu_state = g.upload(&init, hv, dv * dk);
+    // A single token, a prefill, and a further call continuing from the updated state.
+    for (step, t) in [1usize, 37, 5, 1].into_iter().enumerate() {
+        let [q, k, v, a, b] = delta_inputs(&g, c, t);
+        let want = CpuBackend.gated_delta(
+            &q.cpu,
+            &k.cpu,
+            &v.cpu,
+            &a.cpu,
+            &b.cpu,
+            &a_log.cpu,
+            &dt_bias.cpu,
+            &mut cpu_state,
+            dims,
+        );
+        let got = g.gated_delta(
+            &q.gpu,
+            &k.gpu,
+            &v.gpu,
+            &a.gpu,
+            &b.gpu,
+            &a_log.gpu,
+            &dt_bias.gpu,
+            &mut gpu_state,
+            dims,
+        );
+        let what = format!(
+            "gated_delta Hk={} Hv={hv} Dk={dk} Dv={dv} step {step} T={t}",
+            c.key_heads
+        );
+        let ey = check(&format!("{what}: y"), &g, &got, &want);
+        let es = check(&format!("{what}: state"), &g, &gpu_state, &cpu_state);
+        eprintln!("{what}: y error {ey:.2e}, state error {es:.2e}");
+    }
+}
+
+#[test]
+fn gated_delta_matches_cpu() {
+    let cases = [
+        DeltaCase {
+            key_heads: 2,
+            value_heads: 4,
+            dk: 32,
+            dv: 32,
+            a_range: 3.0,
+        },
+        DeltaCase {
+            key_heads: 1,
+            value_heads: 3,
+            dk: 48,
+            dv: 48,
+            a_range: 12.0,
+        },
+        DeltaCase {
+            key_heads: 2,
+            value_heads: 6,
+            dk: 128,
+            dv: 128,
+            a_range: 6.0,
+        },
+        // Dk below one lane row and Dv not a multiple of the 8 rows of a workgroup.
+        DeltaCase {
+            key_heads: 1,
+            value_heads: 2,
+            dk: 20,
+            dv: 50,
+            a_range: 20.0,
+        },
+        // Dk at the shader's maximum.
+        DeltaCase {
+            key_heads: 1,
+            value_heads: 1,
+            dk: 256,
+            dv: 24,
+            a_range: 3.0,
+        },
+    ];
+    for c in &cases {
+        run_delta_case(c);
+    }
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let g = gpu();
+    // (T, heads, head_dim, rotary_dim, theta, start)
+    let cases: [(usize, usize, usize, usize, f64, usize); 5] = [
+        (5, 4, 64, 64, 10_000.0, 0),
+        (3, 2, 256, 64, 10_000_000.0, 8_000),
+        (17, 3, 48, 32, 1_000_000.0, 123),
+        (1, 16, 256, 64, 10_000_000.0, 8_191),
+        (70, 5, 64, 64, 10_000.0, 2_000),
+    ];
+    for (t, heads, hd, rd, theta, start) in cases {
+        let x = pair(&g, &random(t * heads * hd, -2.0, 2.0), t, heads * hd);
+        let want = CpuBackend.rope(&x.cpu, hd, rd, theta, start);
+        let got = g.rope(&x.gpu, hd, rd, theta, start);
+        let what = format!("rope T={t} heads={heads} hd={hd} rotary={rd} theta={theta} start={start}");
+        let e = check(&what, &g, &got, &want);
+        eprintln!("{what}: error {e:.2e}");
+    }
+}
+
+/// Runs the same sequence of attention calls (token counts `steps`) on both backends,
+/// each with a fresh cache, comparing every call's output.
+fn run_attention(g: &GpuBackend, q_heads: usize, kv_heads: usize, hd: usize, steps: &[usize]) {
+    let dims = AttnDims {
+        q_heads,
+        kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+    };
+    let kv_dim = kv_heads * hd;
+    let mut cpu_cache = CpuBackend.new_kv_cache(kv_dim);
+    let mut gpu_cache = g.new_kv_cache(kv_dim);
+    for (i, &t) in steps.iter().enumerate() {
+        let q = pair(g, &random(t * q_heads * hd, -2.0, 2.0), t, q_heads * hd);
+        let k = pair(g, &random(t * kv_dim, -2.0, 2.0), t, kv_dim);
+        let v = pair(g, &random(t * kv_dim, -1.0, 1.0), t, kv_dim);
+        let past = CpuBackend.kv_len(&cpu_cache);
+        let want = CpuBackend.attention(&q.cpu, &k.cpu, &v.cpu, &mut cpu_cache, dims);
+        let got = g.attention(&q.gpu, &k.gpu, &v.gpu, &mut gpu_cache, dims);
+        assert_eq!(
+            g.kv_len(&gpu_cache),
+            CpuBackend.kv_len(&cpu_cache),
+            "kv_len after step {i}"
+        );
+        let what = format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} step {i}: T={t} past={past}");
+        let e = check(&what, g, &got, &want);
+        eprintln!("{what}: error {e:.2e}");
+    }
+}
+
+#[test]
+fn attention_prefill_then_decode_matches_cpu() {
+    let g = gpu();
+    // (Hq, Hkv, head_dim): group sizes 1, 2 and 8; head dims 64 and 256.
+    let configs = [
+        (4, 4, 64),
+        (4, 2, 64),
+        (8, 1, 64),
+        (16, 2, 256),
+        (2, 1, 256),
+        (3, 3, 40),
+    ];
+    for (hq, hkv, hd) in configs {
+        // A prefill, single-token decodes (crossing the cache's 64-position growth), a
+        // second multi-token call after them, and more decodes.
+        run_attention(&g, hq, hkv, hd, &[37, 1, 1, 1, 1, 30, 1, 1]);
+    }
+    // A decode from an empty cache.
+    run_attention(&g, 4, 2, 64, &[1, 1, 1]);
+}
+
+#[test]
+fn attention_long_context_matches_cpu() {
+    let g = gpu();
+    // ~3000 cached positions: a long prefill (its scores take more than one scratch chunk
+    // on the 128 MiB budget: 2600 x 8 heads x 2600 positions x 4 bytes), another long
+    // call, then decodes.
+    run_attention(&g, 8, 1, 64, &[2600, 1, 400, 1, 1]);
+}
