@@ -67,67 +67,49 @@ fn elems_per_word() -> u32 {
     return select(2u, 1u, p.scale_dtype == 0u);
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c]: 8 rows per workgroup, 32 lanes per
-// row, each lane taking whole quantization groups (one scale and bias load per group) and
-// accumulating, per group, scale * sum(q x) + bias * sum(x) as MLX's qmv does. The
-// activation row is staged in workgroup memory in tiles of XTILE elements.
-const QROWS: u32 = 8u;
-const QLANES: u32 = 32u;
-const XTILE: u32 = 4096u;
-var<workgroup> xs: array<f32, 4096>;
-
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 4 rows per workgroup, 64 lanes per
+// row; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
 @compute @workgroup_size(256)
 fn qmatmul(@builtin(local_invocation_index) li: u32,
            @builtin(workgroup_id) wid: vec3<u32>,
            @builtin(num_workgroups) nwg: vec3<u32>) {
     let block = wid.x + wid.y * nwg.x;
     let z = wid.z;
-    let lane = li % QLANES;
-    let row = block * QROWS + li / QLANES;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
     var t = z;
     var base = 0u;          // record base in u32 words
     if (p.routed == 1u) {
         base = aux[z * 2u];
         t = aux[z * 2u + 1u];
     }
-    let per_word = 32u / p.bits;
-    let words_per_row = p.cols / per_word;
-    let words_per_group = p.group_size / per_word;
-    let groups = p.cols / p.group_size;
-    let mask = (1u << p.bits) - 1u;
-    let w0 = base + p.w_off + row * words_per_row;
-    let sbase = base * elems_per_word() + p.s_off + row * groups;
-    let bbase = base * elems_per_word() + p.b_off + row * groups;
     var acc = 0.0;
-    for (var k0 = 0u; k0 < p.cols; k0 += XTILE) {
-        let kn = min(XTILE, p.cols - k0);
-        workgroupBarrier();
-        for (var i = li; i < kn; i += 256u) {
-            xs[i] = act[t * p.cols + k0 + i];
-        }
-        workgroupBarrier();
-        if (row < p.rows) {
-            let g0 = k0 / p.group_size;
-            for (var gi = lane; gi < kn / p.group_size; gi += QLANES) {
-                let g = g0 + gi;
-                var qx = 0.0;
-                var sx = 0.0;
-                for (var j = 0u; j < words_per_group; j++) {
-                    let word = w[w0 + g * words_per_group + j];
-                    let c = gi * p.group_size + j * per_word;
-                    for (var e = 0u; e < per_word; e++) {
-                        let xv = xs[c + e];
-                        qx += f32((word >> (e * p.bits)) & mask) * xv;
-                        sx += xv;
-                    }
-                }
-                acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
+    if (row < p.rows) {
+        let per_word = 32u / p.bits;
+        let words_per_row = p.cols / per_word;
+        let groups = p.cols / p.group_size;
+        let mask = (1u << p.bits) - 1u;
+        let w0 = base + p.w_off + row * words_per_row;
+        let sbase = base * elems_per_word() + p.s_off + row * groups;
+        let bbase = base * elems_per_word() + p.b_off + row * groups;
+        let x0 = t * p.cols;
+        for (var wi = lane; wi < words_per_row; wi += LANES) {
+            let word = w[w0 + wi];
+            let c0 = wi * per_word;
+            let g = c0 / p.group_size;
+            var qx = 0.0;
+            var sx = 0.0;
+            for (var j = 0u; j < per_word; j++) {
+                let xv = act[x0 + c0 + j];
+                qx += f32((word >> (j * p.bits)) & mask) * xv;
+                sx += xv;
             }
+            acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
         }
     }
     partial[li] = acc;
     workgroupBarrier();
-    for (var s = QLANES / 2u; s > 0u; s >>= 1u) {
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
         if (lane < s) {
             partial[li] += partial[li + s];
         }

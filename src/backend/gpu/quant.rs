@@ -27,8 +27,7 @@ const QMATMUL: Kernel = kernel("qmatmul");
 const DENSE: Kernel = kernel("matmul_dense");
 const EMBED: Kernel = kernel("embed");
 const COMBINE: Kernel = kernel("moe_combine");
-/// Rows per qmatmul workgroup (`QROWS` in the shader; `ROWS` for the dense kernel).
-const QROWS: usize = 8;
+/// Rows per qmatmul workgroup (`ROWS` in the shader).
 const ROWS: usize = 4;
 
 fn dtype_code(d: Dtype) -> u32 {
@@ -121,9 +120,9 @@ pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight
     }
 }
 
-/// Dispatch count for `rows` output rows in workgroups of `per` rows on a 2-D grid, z = `z`.
-fn row_groups(rows: usize, per: usize, z: usize) -> [u32; 3] {
-    let [x, y] = grid(rows.div_ceil(per) as u32);
+/// Dispatch count for `rows` output rows: workgroups of `ROWS` rows on a 2-D grid, z = `z`.
+fn row_groups(rows: usize, z: usize) -> [u32; 3] {
+    let [x, y] = grid(rows.div_ceil(ROWS) as u32);
     [x, y, z as u32]
 }
 
@@ -193,7 +192,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
                 b_off: *b_off,
                 ..Default::default()
             };
-            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, QROWS, x.rows));
+            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
         GpuWeight::Dense { rows, cols, data } => {
@@ -204,7 +203,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
                 cols: *cols as u32,
                 ..Default::default()
             };
-            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, ROWS, x.rows));
+            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
     }
@@ -330,7 +329,7 @@ pub(super) fn moe_experts(
         for (proj, full) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
             let params = proj_params(proj, n);
             let target = if single { full.clone() } else { b.empty(n, inter) };
-            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, QROWS, n));
+            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, n));
             if !single {
                 scatter(&target, full, order);
             }
@@ -344,7 +343,7 @@ pub(super) fn moe_experts(
         let down_buf = b.gpu.buffer_with(bytemuck::cast_slice(&down_table));
         let params = proj_params(Projection::Down, n);
         let target = if single { y.clone() } else { b.empty(n, d) };
-        b.gpu.dispatch(&QMATMUL, &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, QROWS, n));
+        b.gpu.dispatch(&QMATMUL, &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, n));
         if !single {
             scatter(&target, &y, order);
         }
