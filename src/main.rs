@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use slotstream::backend::cpu::CpuBackend;
-use slotstream::backend::gpu::{list_adapters, GpuBackend, GpuOptions};
+use slotstream::backend::gpu::{list_adapters, GpuBackend, GpuOptions, Placement};
 use slotstream::backend::Backend;
 use slotstream::score::Score;
 use slotstream::checkpoint::Checkpoint;
@@ -59,6 +59,11 @@ struct StreamArgs {
     /// Print the pool's statistics as JSON on stderr.
     #[arg(long, requires = "pool_slots")]
     stats: bool,
+    /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
+    /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
+    /// and CPU adapters that support it, device on discrete GPUs.
+    #[arg(long, requires = "pool_slots")]
+    placement: Option<Placement>,
 }
 
 #[derive(Args)]
@@ -207,6 +212,7 @@ fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &St
     options.io = a.io;
     options.use_pack = !a.no_pack;
     let pool = SlotPool::open(ckpt, index, options, runtime.handle().clone())?;
+    backend.attach_pool(&pool, a.placement)?;
     if a.trace.is_some() {
         pool.enable_trace();
     }

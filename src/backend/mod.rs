@@ -76,6 +76,14 @@ pub trait Backend: Send + Sync {
     /// A human-readable name ("cpu", or the GPU adapter's name).
     fn name(&self) -> String;
 
+    /// Tells the backend which slot pool its expert records will come from, and where
+    /// the device should read the slots (`None`: the backend's choice for its adapter).
+    /// The CPU reads slots in place and needs nothing. Errors: a placement the device
+    /// cannot provide.
+    fn attach_pool(&self, _pool: &std::sync::Arc<crate::pool::SlotPool>, _placement: Option<gpu::Placement>) -> Result<()> {
+        Ok(())
+    }
+
     /// Makes a weight resident. Errors: the backend cannot hold it.
     fn upload_weight(&self, w: LinearWeight) -> Result<Self::Weight>;
     /// Uploads `[rows, cols]` values.

@@ -131,7 +131,7 @@ impl GpuBackend {
     /// Makes the GPU read `pool`'s slots with `placement`. Without this call, records that
     /// come from a pool are mirrored in device arenas (device placement).
     /// Errors: unified placement on a device that cannot import host memory.
-    pub fn attach_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Placement) -> Result<()> {
+    pub fn place_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Placement) -> Result<()> {
         let stride = pool.stride();
         let slots = pool.slots();
         let max = (self.gpu.limits.max_storage_buffer_binding_size as u64).min(self.gpu.limits.max_buffer_size);
@@ -205,6 +205,10 @@ impl Backend for GpuBackend {
 
     fn name(&self) -> String {
         format!("{} ({})", self.gpu.adapter.name, self.gpu.adapter.backend)
+    }
+
+    fn attach_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Option<Placement>) -> Result<()> {
+        self.place_pool(pool, placement.unwrap_or_else(|| self.default_placement()))
     }
 
     fn upload_weight(&self, w: LinearWeight) -> Result<GpuWeight> {
