@@ -30,8 +30,8 @@ struct Params {
 @group(0) @binding(3) var<storage, read> aux: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
-const LANES: u32 = 32u;
-const ROWS: u32 = 8u;
+const LANES: u32 = 16u;
+const ROWS: u32 = 16u;
 var<workgroup> partial: array<f32, 256>;
 
 // IEEE half to f32 by bits (unpack2x16float needs a capability Metal's translation may lack).

@@ -28,7 +28,7 @@ const DENSE: Kernel = kernel("matmul_dense");
 const EMBED: Kernel = kernel("embed");
 const COMBINE: Kernel = kernel("moe_combine");
 /// Rows per qmatmul workgroup (`ROWS` in the shader).
-const ROWS: usize = 8;
+const ROWS: usize = 16;
 
 fn dtype_code(d: Dtype) -> u32 {
     match d {
