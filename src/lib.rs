@@ -23,6 +23,7 @@ pub mod io;
 pub mod model;
 pub mod pack;
 pub mod pool;
+pub mod sampling;
 pub mod score;
 pub mod synth;
 pub mod tokenizer;

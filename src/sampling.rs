@@ -1,0 +1,255 @@
+//! Choosing the next token from logits, as mlx-lm 0.32.2 does it
+//! (`mlx_lm/sample_utils.py`): the repetition penalty on the logits of the last
+//! `repetition_context` tokens, log-softmax, then top-p, min-p and top-k filters in that
+//! order, then a draw from `softmax(logprobs / temperature)`; temperature 0 is argmax.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::{Error, Result};
+
+/// Sampling parameters. `Default` is greedy.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct SamplingOptions {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep the `top_k` most probable tokens (0: off).
+    pub top_k: usize,
+    /// Keep the smallest set of most probable tokens whose mass reaches `top_p` (1 or 0: off).
+    pub top_p: f32,
+    /// Drop tokens less probable than `min_p` times the most probable one (0: off).
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of recent tokens by this (1: off).
+    pub repetition_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at (mlx-lm: 20).
+    pub repetition_context: usize,
+    /// Seed of the random stream (a fixed seed makes a run reproducible).
+    pub seed: u64,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        SamplingOptions {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repetition_context: 20,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingOptions {
+    /// Errors name the first option out of range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::InvalidInput(what.to_string()));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature must be a finite number >= 0");
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad("top-p must be in [0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min-p must be in [0, 1]");
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition penalty must be a finite number > 0");
+        }
+        Ok(())
+    }
+}
+
+/// A sampler with its own random stream.
+pub struct Sampler {
+    options: SamplingOptions,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// Errors: options out of range (see [`SamplingOptions::validate`]).
+    pub fn new(options: SamplingOptions) -> Result<Self> {
+        options.validate()?;
+        let rng = StdRng::seed_from_u64(options.seed);
+        Ok(Sampler { options, rng })
+    }
+
+    /// The next token given `logits` (one row, `[vocab]`) and the tokens so far.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let logprobs = self.filtered_logprobs(logits, history);
+        if self.options.temperature == 0.0 {
+            return argmax(&logprobs);
+        }
+        let t = self.options.temperature;
+        let probs = softmax(&logprobs.iter().map(|l| l / t).collect::<Vec<_>>());
+        let mut u: f64 = self.rng.random::<f64>();
+        for (i, &p) in probs.iter().enumerate() {
+            u -= p as f64;
+            if u < 0.0 {
+                return i as u32;
+            }
+        }
+        // Rounding left a sliver of mass: the last token that can be drawn.
+        probs.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
+    }
+
+    /// Log-probabilities after the penalty and the filters (filtered entries are -inf).
+    /// This is the distribution a temperature-1 draw samples from.
+    pub fn filtered_logprobs(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
+        let o = &self.options;
+        let mut logits = logits.to_vec();
+        if o.repetition_penalty != 1.0 {
+            let start = history.len().saturating_sub(o.repetition_context);
+            for &id in &history[start..] {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l < 0.0 { *l * o.repetition_penalty } else { *l / o.repetition_penalty };
+                }
+            }
+        }
+        let mut lp = log_softmax(&logits);
+        if o.temperature == 0.0 {
+            return lp;
+        }
+        if 0.0 < o.top_p && o.top_p < 1.0 {
+            // Keep tokens down to the one at which the mass above it first reaches top_p.
+            let mut sorted: Vec<f32> = lp.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            let probs: Vec<f32> = sorted.iter().map(|l| l.exp()).collect();
+            let total: f32 = probs.iter().sum();
+            let mut above = 0.0f32;
+            let mut dropped = 0usize;
+            for i in (0..probs.len()).rev() {
+                // mass strictly above position i in ascending order
+                if above >= o.top_p * total {
+                    dropped += 1;
+                }
+                above += probs[i];
+            }
+            let threshold = sorted[dropped.min(sorted.len() - 1)];
+            lp.iter_mut().filter(|l| **l < threshold).for_each(|l| *l = f32::NEG_INFINITY);
+        }
+        if o.min_p > 0.0 {
+            let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let floor = top + o.min_p.ln();
+            lp.iter_mut().filter(|l| **l < floor).for_each(|l| *l = f32::NEG_INFINITY);
+        }
+        if o.top_k > 0 && o.top_k < lp.len() {
+            let mut sorted = lp.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let kth = sorted[o.top_k - 1];
+            let mut kept = 0;
+            for l in lp.iter_mut() {
+                if *l >= kth && kept < o.top_k {
+                    kept += 1;
+                } else {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        lp
+    }
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + x.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+    x.iter().map(|v| v - lse).collect()
+}
+
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = x.iter().map(|v| (v - max).exp()).collect();
+    let s: f32 = e.iter().sum();
+    e.iter().map(|v| v / s).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(f: impl FnOnce(&mut SamplingOptions)) -> SamplingOptions {
+        let mut o = SamplingOptions {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        f(&mut o);
+        o
+    }
+
+    fn kept(s: &Sampler, logits: &[f32]) -> Vec<usize> {
+        s.filtered_logprobs(logits, &[])
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    // probs of [ln .5, ln .25, ln .15, ln .1] = .5 .25 .15 .1
+    const L: [f32; 4] = [-0.693_147_2, -1.386_294_4, -1.897_12, -2.302_585];
+
+    #[test]
+    fn greedy_is_argmax() {
+        let mut s = Sampler::new(SamplingOptions::default()).unwrap();
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[]), 1);
+    }
+
+    #[test]
+    fn filters_keep_what_a_direct_computation_keeps() {
+        // top-k 2: the two most probable.
+        assert_eq!(kept(&Sampler::new(opts(|o| o.top_k = 2)).unwrap(), &L), vec![0, 1]);
+        // top-p 0.7: .5 + .25 reaches .7 -> keep two; 0.8 -> keep three.
+        assert_eq!(kept(&Sampler::new(opts(|o| o.top_p = 0.7)).unwrap(), &L), vec![0, 1]);
+        assert_eq!(kept(&Sampler::new(opts(|o| o.top_p = 0.8)).unwrap(), &L), vec![0, 1, 2]);
+        // min-p 0.4: keep p >= 0.2 -> .5 and .25.
+        assert_eq!(kept(&Sampler::new(opts(|o| o.min_p = 0.4)).unwrap(), &L), vec![0, 1]);
+    }
+
+    #[test]
+    fn repetition_penalty_scales_recent_logits() {
+        let s = Sampler::new(opts(|o| o.repetition_penalty = 2.0)).unwrap();
+        let lp = s.filtered_logprobs(&[2.0, -2.0, 1.0], &[0, 1]);
+        // Penalised logits are [1, -4, 1]: tokens 0 and 2 now tie.
+        assert!((lp[0] - lp[2]).abs() < 1e-6 && lp[1] < lp[0] - 4.9);
+    }
+
+    #[test]
+    fn draws_follow_the_distribution_and_the_seed() {
+        let o = opts(|o| o.seed = 42);
+        let draw = |o: &SamplingOptions| {
+            let mut s = Sampler::new(o.clone()).unwrap();
+            (0..4000).map(|_| s.sample(&L, &[])).collect::<Vec<_>>()
+        };
+        let a = draw(&o);
+        assert_eq!(a, draw(&o), "same seed, same draws");
+        assert_ne!(a, draw(&opts(|o| o.seed = 43)), "another seed, other draws");
+        for (i, p) in [0.5, 0.25, 0.15, 0.1].iter().enumerate() {
+            let f = a.iter().filter(|&&t| t == i as u32).count() as f64 / a.len() as f64;
+            assert!((f - p).abs() < 0.03, "token {i}: frequency {f} vs probability {p}");
+        }
+        // Temperature 0.5 sharpens: p_i proportional to p_i^2 -> .5^2/(sum) = .6135.
+        let mut s = Sampler::new(opts(|o| o.temperature = 0.5)).unwrap();
+        let f0 = (0..4000).filter(|_| s.sample(&L, &[]) == 0).count() as f64 / 4000.0;
+        let want = 0.25 / (0.25 + 0.0625 + 0.0225 + 0.01);
+        assert!((f0 - want).abs() < 0.03, "{f0} vs {want}");
+    }
+
+    #[test]
+    fn bad_options_are_errors() {
+        assert!(Sampler::new(opts(|o| o.top_p = 1.5)).is_err());
+        assert!(Sampler::new(opts(|o| o.temperature = -1.0)).is_err());
+        assert!(Sampler::new(opts(|o| o.repetition_penalty = 0.0)).is_err());
+    }
+}
