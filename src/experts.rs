@@ -82,3 +82,51 @@ impl ExpertSource for MappedExperts {
             .collect()
     }
 }
+
+/// Either expert source, chosen at run time (the CLI's `--pool-slots`).
+pub enum AnyExperts {
+    Mapped(MappedExperts),
+    Pool(crate::pool::PoolExperts),
+}
+
+/// A record from [`AnyExperts`].
+pub enum AnyRecord {
+    Mapped(Vec<u8>),
+    Pool(crate::pool::SlotRecord),
+}
+
+impl Deref for AnyRecord {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            AnyRecord::Mapped(v) => v,
+            AnyRecord::Pool(r) => r,
+        }
+    }
+}
+
+impl HeldRecord for AnyRecord {
+    fn slot(&self) -> Option<SlotTag> {
+        match self {
+            AnyRecord::Mapped(_) => None,
+            AnyRecord::Pool(r) => HeldRecord::slot(r),
+        }
+    }
+}
+
+impl ExpertSource for AnyExperts {
+    type Record<'a> = AnyRecord;
+
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<AnyRecord>> {
+        Ok(match self {
+            AnyExperts::Mapped(m) => m.fetch(layer, experts)?.into_iter().map(AnyRecord::Mapped).collect(),
+            AnyExperts::Pool(p) => p.fetch(layer, experts)?.into_iter().map(AnyRecord::Pool).collect(),
+        })
+    }
+
+    fn begin_step(&self) {
+        if let AnyExperts::Pool(p) = self {
+            p.begin_step();
+        }
+    }
+}

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod experts;
+pub mod generate;
 pub mod io;
 pub mod model;
 pub mod pack;

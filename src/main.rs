@@ -10,13 +10,15 @@ use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::gpu::{list_adapters, GpuBackend, GpuOptions, Placement};
 use slotstream::backend::Backend;
 use slotstream::score::Score;
-use slotstream::checkpoint::Checkpoint;
-use slotstream::experts::MappedExperts;
+use slotstream::checkpoint::{Checkpoint, ExpertIndex};
+use slotstream::experts::{AnyExperts, MappedExperts};
+use slotstream::generate::GenerateOptions;
+use slotstream::sampling::SamplingOptions;
 use slotstream::model::Model;
 use slotstream::cachesim;
 use slotstream::io::IoMode;
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
-use slotstream::tokenizer::Tokenizer;
+use slotstream::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
 #[command(name = "slotstream", version, about = "Run Mixture-of-Experts models larger than memory")]
@@ -35,6 +37,56 @@ enum Command {
     Cachesim(CachesimArgs),
     /// List GPU adapters and their limits.
     Devices,
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text (wrapped in the model's chat template unless --raw).
+    #[arg(long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
+    prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt_file: Option<PathBuf>,
+    /// Prompt as comma-separated token ids (no template).
+    #[arg(long)]
+    prompt_ids: Option<IdList>,
+    /// Use the prompt text as is, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// Stop after this many new tokens.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most probable tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less probable than this fraction of the most probable (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on the logits of the last 20 tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Seed of the sampler's random stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object (prompt ids, output ids, text, stats) instead of streaming.
+    #[arg(long)]
+    json: bool,
+    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    #[arg(long)]
+    device: Option<String>,
+    #[command(flatten)]
+    stream: StreamArgs,
 }
 
 /// How routed experts are read: through a slot pool of `--pool-slots`, or (without it)
@@ -56,8 +108,8 @@ struct StreamArgs {
     /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
     #[arg(long, requires = "pool_slots")]
     trace: Option<PathBuf>,
-    /// Print the pool's statistics as JSON on stderr.
-    #[arg(long, requires = "pool_slots")]
+    /// Print statistics on stderr (the pool's as JSON when streaming).
+    #[arg(long)]
     stats: bool,
     /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
     /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
@@ -143,6 +195,7 @@ fn main() {
         Command::Pack(args) => pack(args),
         Command::Cachesim(args) => cachesim(args),
         Command::Devices => devices(),
+        Command::Generate(args) => generate(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -199,14 +252,18 @@ fn open_backend(device: &Option<String>) -> Result<Compute> {
     }
 }
 
-fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &StreamArgs) -> Result<Score> {
-    tracing::info!(backend = %backend.name(), "scoring");
-    let model = Model::load(ckpt, backend).context("loading weights")?;
-    let index = Arc::new(model.experts.clone());
+/// The expert source `--pool-slots` asks for: the memory-mapped checkpoint, or a slot pool
+/// (attached to the backend with its placement, tracing if asked).
+fn open_experts<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    index: Arc<ExpertIndex>,
+    a: &StreamArgs,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<(AnyExperts, Option<Arc<SlotPool>>)> {
     let Some(slots) = a.pool_slots else {
-        return Ok(slotstream::score::score(&model, backend, &MappedExperts::new(ckpt.clone(), index), ids)?);
+        return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None));
     };
-    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let mut options = StreamOptions::with_slots(slots);
     options.queue_depth = a.queue_depth;
     options.io = a.io;
@@ -216,14 +273,129 @@ fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &St
     if a.trace.is_some() {
         pool.enable_trace();
     }
-    let s = slotstream::score::score(&model, backend, &PoolExperts(pool.clone()), ids)?;
+    Ok((AnyExperts::Pool(PoolExperts(pool.clone())), Some(pool)))
+}
+
+/// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
+fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
+    let Some(pool) = pool else { return Ok(()) };
     if let Some(path) = &a.trace {
         cachesim::write_trace(path, &pool.take_trace())?;
     }
     if a.stats {
         eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
     }
+    Ok(())
+}
+
+fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &StreamArgs) -> Result<Score> {
+    tracing::info!(backend = %backend.name(), "scoring");
+    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), a, &runtime)?;
+    let s = slotstream::score::score(&model, backend, &experts, ids)?;
+    finish_pool(&pool, a)?;
     Ok(s)
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let ckpt = Arc::new(
+        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+    );
+    let tokenizer = Tokenizer::load(&args.model)?;
+    let prompt = match (&args.prompt_ids, &args.prompt, &args.prompt_file) {
+        (Some(ids), None, None) => ids.0.clone(),
+        (None, text, file) => {
+            let text = match (text, file) {
+                (Some(t), None) => t.clone(),
+                (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
+                _ => bail!("give exactly one of --prompt, --prompt-file or --prompt-ids"),
+            };
+            let rendered = match (args.raw, ChatTemplate::load(&args.model)?) {
+                (false, Some(t)) => t.render(&[Message {
+                    role: "user".into(),
+                    content: text,
+                }])?,
+                _ => text,
+            };
+            tokenizer.encode(&rendered)?
+        }
+        _ => bail!("give exactly one of --prompt, --prompt-file or --prompt-ids"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingOptions {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+            ..Default::default()
+        },
+        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids)?,
+    };
+    options.sampling.validate()?;
+    match open_backend(&args.device)? {
+        Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
+        Compute::Gpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
+    }
+}
+
+fn generate_on<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    args: &GenerateArgs,
+) -> Result<()> {
+    use std::io::Write;
+    tracing::info!(backend = %backend.name(), "generating");
+    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let mut state = model.new_state(backend);
+    let mut decoder = StreamDecoder::new();
+    let mut text = String::new();
+    let mut stdout = std::io::stdout();
+    let (ids, stats) = slotstream::generate::generate(&model, backend, &experts, &mut state, prompt, options, |id| {
+        let piece = decoder.push(tokenizer, id)?;
+        if !args.json {
+            print!("{piece}");
+            let _ = stdout.flush();
+        }
+        text.push_str(&piece);
+        Ok(true)
+    })?;
+    let tail = decoder.finish(tokenizer)?;
+    if !args.json {
+        print!("{tail}");
+    }
+    text.push_str(&tail);
+    let pool_stats = pool.as_ref().map(|p| p.stats());
+    if args.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt,
+            "output_ids": ids,
+            "text": text,
+            "stats": stats,
+            "pool": pool_stats,
+        });
+        println!("{out}");
+    } else {
+        println!();
+    }
+    if args.stream.stats {
+        eprintln!(
+            "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s ({})",
+            stats.prompt_tokens, stats.prefill_tps, stats.generated_tokens, stats.decode_tps, stats.finish_reason
+        );
+    }
+    finish_pool(&pool, &args.stream)
 }
 
 fn devices() -> Result<()> {

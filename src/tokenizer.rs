@@ -33,3 +33,201 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 }
+
+impl Tokenizer {
+    /// Text of `ids`, special tokens included (so a streamed `<|im_end|>` is visible to
+    /// callers that print raw output; generation stops before printing EOS anyway).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })
+    }
+}
+
+/// Incremental detokenization: text is released only once it is complete, so a
+/// character whose UTF-8 bytes are split across tokens prints whole (as mlx-lm's
+/// `NaiveStreamingDetokenizer` does: decode a window of recent tokens and hold back a
+/// trailing U+FFFD).
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    /// Start of the window that is re-decoded, and the text of the window already emitted.
+    start: usize,
+    emitted: String,
+}
+
+impl Default for StreamDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        StreamDecoder {
+            ids: Vec::new(),
+            start: 0,
+            emitted: String::new(),
+        }
+    }
+
+    /// Adds a token; returns the newly complete text (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids[self.start..])?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let delta = text.get(self.emitted.len()..).unwrap_or_default().to_string();
+        self.emitted = text;
+        // Keep the window short: once a complete piece ends the text, start afresh.
+        if self.ids.len() - self.start > 16 {
+            self.start = self.ids.len();
+            self.emitted.clear();
+        }
+        Ok(delta)
+    }
+
+    /// Text still held back (an incomplete character at the end), released as is.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let text = tok.decode(&self.ids[self.start..])?;
+        let delta = text.get(self.emitted.len()..).unwrap_or_default().to_string();
+        self.start = self.ids.len();
+        self.emitted.clear();
+        Ok(delta)
+    }
+}
+
+/// The model's chat template (`chat_template` in tokenizer_config.json, or
+/// chat_template.jinja), rendered with minijinja and Python string methods.
+pub struct ChatTemplate {
+    source: String,
+    path: PathBuf,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// One chat message.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatTemplate {
+    /// Reads the template of the model in `dir`. `Ok(None)` if the model has none.
+    pub fn load(dir: &Path) -> Result<Option<Self>> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let mut source = None;
+        let (mut bos_token, mut eos_token) = (String::new(), String::new());
+        if cfg_path.exists() {
+            let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+            let cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+                path: cfg_path.clone(),
+                message: e.to_string(),
+            })?;
+            source = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
+            let token = |k: &str| {
+                cfg.get(k)
+                    .and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            bos_token = token("bos_token");
+            eos_token = token("eos_token");
+        }
+        let jinja = dir.join("chat_template.jinja");
+        let (source, path) = match source {
+            Some(s) => (s, cfg_path),
+            None if jinja.exists() => (std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?, jinja),
+            None => return Ok(None),
+        };
+        Ok(Some(ChatTemplate {
+            source,
+            path,
+            bos_token,
+            eos_token,
+        }))
+    }
+
+    /// The prompt text for `messages`, ending with the assistant's turn opened.
+    pub fn render(&self, messages: &[Message]) -> Result<String> {
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        let err = |e: minijinja::Error| Error::Tokenizer {
+            path: self.path.clone(),
+            message: format!("chat template: {e}"),
+        };
+        env.add_template("chat", &self.source).map_err(err)?;
+        env.get_template("chat")
+            .map_err(err)?
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(err)
+    }
+}
+
+/// End-of-sequence ids: `eos_token_id` of config.json and of generation_config.json.
+pub fn eos_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>> {
+    let mut ids = config_eos.to_vec();
+    let path = dir.join("generation_config.json");
+    if path.exists() {
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        match v.get("eos_token_id") {
+            Some(serde_json::Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+            Some(x) => ids.extend(x.as_u64().map(|x| x as u32)),
+            None => {}
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-next-bf16")
+    }
+
+    #[test]
+    fn streaming_decode_round_trips_emoji_and_cjk() {
+        let tok = Tokenizer::load(&fixture()).unwrap();
+        for text in ["héllo wörld 🙂🚀 日本語のテキスト and 中文 ok", "🧪🧪 ümlaut ✓"] {
+            let ids = tok.encode(text).unwrap();
+            let mut dec = StreamDecoder::new();
+            let mut out = String::new();
+            for &id in &ids {
+                let piece = dec.push(&tok, id).unwrap();
+                assert!(!piece.contains('\u{FFFD}'), "partial character released: {piece:?}");
+                out.push_str(&piece);
+            }
+            assert_eq!(out, text);
+        }
+    }
+
+    #[test]
+    fn chat_template_renders_chatml() {
+        let t = ChatTemplate::load(&fixture()).unwrap().expect("template");
+        let p = t
+            .render(&[Message {
+                role: "user".into(),
+                content: "hi".into(),
+            }])
+            .unwrap();
+        assert_eq!(p, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        let eos = eos_ids(&fixture(), &[511]).unwrap();
+        assert_eq!(eos, vec![509, 511]);
+    }
+}

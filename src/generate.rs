@@ -1,0 +1,93 @@
+//! The generation loop: prefill the prompt, then sample one token at a time until an
+//! end-of-sequence id or the token limit, reporting each token as it is produced.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::experts::ExpertSource;
+use crate::model::{Logits, Model, SequenceState};
+use crate::sampling::{Sampler, SamplingOptions};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// At most this many new tokens.
+    pub max_tokens: usize,
+    pub sampling: SamplingOptions,
+    /// Stop after emitting none of these (the EOS id itself is not reported as output).
+    pub eos_ids: Vec<u32>,
+}
+
+/// Timings and counts of one generation.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GenerateStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    /// Prompt tokens per second of prefill.
+    pub prefill_tps: f64,
+    /// Generated tokens per second after the first (the first comes from prefill).
+    pub decode_tps: f64,
+    /// Why generation ended: "eos", "length" or "stopped".
+    pub finish_reason: String,
+}
+
+/// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
+/// each new id and may return `false` to stop early (finish reason "stopped").
+/// Returns the new ids and the stats.
+/// Errors: a forward-pass error (expert read, bad token id) or bad sampling options.
+pub fn generate<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut SequenceState<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    mut on_token: impl FnMut(u32) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    let mut sampler = Sampler::new(options.sampling.clone())?;
+    let mut stats = GenerateStats {
+        prompt_tokens: prompt.len(),
+        finish_reason: "length".into(),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    if options.max_tokens == 0 {
+        return Ok((out, stats));
+    }
+    let start = Instant::now();
+    let mut logits = model.forward(backend, state, prompt, experts, Logits::Last)?;
+    stats.prefill_seconds = start.elapsed().as_secs_f64();
+    let decode_start = Instant::now();
+    loop {
+        let next = sampler.sample(&logits, &state.tokens);
+        if options.eos_ids.contains(&next) {
+            stats.finish_reason = "eos".into();
+            break;
+        }
+        out.push(next);
+        if !on_token(next)? {
+            stats.finish_reason = "stopped".into();
+            break;
+        }
+        if out.len() >= options.max_tokens {
+            break;
+        }
+        logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+    }
+    stats.generated_tokens = out.len();
+    stats.decode_seconds = decode_start.elapsed().as_secs_f64();
+    stats.prefill_tps = rate(prompt.len(), stats.prefill_seconds);
+    stats.decode_tps = rate(out.len().saturating_sub(1), stats.decode_seconds);
+    Ok((out, stats))
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
+}
