@@ -54,6 +54,15 @@ pub trait ExpertSource: Send + Sync {
     /// Called once at the start of each forward step, so a source that records a
     /// routing trace can tell tokens apart.
     fn begin_step(&self) {}
+
+    /// Whether the model should run lookahead routers and call [`ExpertSource::prefetch`].
+    fn lookahead(&self) -> bool {
+        false
+    }
+
+    /// A hint that `experts` of `layer` will probably be asked for soon. Never fails:
+    /// a source may ignore it.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 }
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
@@ -127,6 +136,16 @@ impl ExpertSource for AnyExperts {
     fn begin_step(&self) {
         if let AnyExperts::Pool(p) = self {
             p.begin_step();
+        }
+    }
+
+    fn lookahead(&self) -> bool {
+        matches!(self, AnyExperts::Pool(p) if p.lookahead())
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        if let AnyExperts::Pool(p) = self {
+            p.prefetch(layer, experts);
         }
     }
 }

@@ -111,6 +111,9 @@ struct StreamArgs {
     /// Print statistics on stderr (the pool's as JSON when streaming).
     #[arg(long)]
     stats: bool,
+    /// Prefetch the experts that layer L+2's router picks on layer L's hidden state.
+    #[arg(long, value_enum, default_value = "on")]
+    lookahead: OnOff,
     /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
     /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
     /// and CPU adapters that support it, device on discrete GPUs.
@@ -158,6 +161,13 @@ struct ScoreArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+}
+
+/// A switch given as `on` or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 /// Token ids given on the command line as `1,2,3`.
@@ -273,7 +283,11 @@ fn open_experts<B: Backend>(
     if a.trace.is_some() {
         pool.enable_trace();
     }
-    Ok((AnyExperts::Pool(PoolExperts(pool.clone())), Some(pool)))
+    let experts = PoolExperts {
+        pool: pool.clone(),
+        lookahead: a.lookahead == OnOff::On,
+    };
+    Ok((AnyExperts::Pool(experts), Some(pool)))
 }
 
 /// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.

@@ -291,6 +291,9 @@ impl<B: Backend> Model<B> {
                 _ => unreachable!("state layout follows the model's layer kinds"),
             };
             h = backend.add(&h, &r);
+            if experts.lookahead() {
+                self.lookahead(backend, i + 2, &h, experts)?;
+            }
             let x = backend.rms_norm(&h, Some(&layer.post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
             let m = match &layer.mlp {
                 Mlp::Moe(w) => self.moe(backend, w, i, &x, experts, &mut in_use)?,
@@ -378,6 +381,20 @@ impl<B: Backend> Model<B> {
     fn dense_mlp(backend: &B, w: &DenseMlp<B>, x: &B::Tensor) -> B::Tensor {
         let h = backend.swiglu(&backend.matmul(x, &w.gate), &backend.matmul(x, &w.up));
         backend.matmul(&h, &w.down)
+    }
+
+    /// Lookahead: layer `target`'s router on the current hidden state guesses the experts
+    /// that layer will route to, and the source starts reading them. Guesses change only
+    /// what is read ahead, never what is computed.
+    fn lookahead<E: ExpertSource>(&self, backend: &B, target: usize, h: &B::Tensor, experts: &E) -> Result<()> {
+        let Some(Layer { post_norm, mlp: Mlp::Moe(w), .. }) = self.layers.get(target) else {
+            return Ok(());
+        };
+        let cfg = &self.config;
+        let x = backend.rms_norm(h, Some(post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+        let guess = backend.router_top_k(&backend.matmul(&x, &w.router), cfg.num_experts_per_tok, false)?;
+        experts.prefetch(target, &guess.distinct());
+        Ok(())
     }
 
     /// The MoE block of `layer`. `in_use` holds the previous MoE layer's records: a

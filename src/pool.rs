@@ -702,16 +702,35 @@ impl Drop for SlotRecord {
 /// The pool as the model's expert source: `fetch` blocks on `ensure`. Call the forward
 /// pass from a thread that is not one of the runtime's workers (a plain thread or
 /// `spawn_blocking`).
-pub struct PoolExperts(pub Arc<SlotPool>);
+pub struct PoolExperts {
+    pub pool: Arc<SlotPool>,
+    /// Run the lookahead routers and prefetch what they pick.
+    pub lookahead: bool,
+}
+
+impl PoolExperts {
+    /// A source over `pool`, with lookahead on.
+    pub fn new(pool: Arc<SlotPool>) -> Self {
+        PoolExperts { pool, lookahead: true }
+    }
+}
 
 impl ExpertSource for PoolExperts {
     type Record<'a> = SlotRecord;
 
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<SlotRecord>> {
-        futures::executor::block_on(self.0.ensure(layer, experts))
+        futures::executor::block_on(self.pool.ensure(layer, experts))
     }
 
     fn begin_step(&self) {
-        self.0.begin_step();
+        self.pool.begin_step();
+    }
+
+    fn lookahead(&self) -> bool {
+        self.lookahead
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        self.pool.prefetch(layer, experts);
     }
 }

@@ -38,14 +38,21 @@ fn greedy_generation_matches_mlx_lm_through_the_pool() {
         let mapped = run_json(&base);
         let ids: Vec<u32> = serde_json::from_value(mapped["output_ids"].clone()).unwrap();
         assert_eq!(ids, want, "{name}: mapped experts");
-        for (slots, qd, io) in [("24", "1", "direct"), ("40", "32", "buffered"), ("64", "32", "direct")] {
+        for (slots, qd, io, lookahead) in [
+            ("24", "1", "direct", "on"),
+            ("24", "32", "buffered", "off"),
+            ("40", "32", "buffered", "on"),
+            ("64", "32", "direct", "off"),
+        ] {
             let mut args = base.to_vec();
-            args.extend(["--pool-slots", slots, "--queue-depth", qd, "--io", io]);
+            args.extend(["--pool-slots", slots, "--queue-depth", qd, "--io", io, "--lookahead", lookahead]);
             let v = run_json(&args);
             let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-            assert_eq!(ids, want, "{name}: pool {slots} qd {qd} {io}");
+            assert_eq!(ids, want, "{name}: pool {slots} qd {qd} {io} lookahead {lookahead}");
             let pool = &v["pool"];
             assert!(pool["misses"].as_u64().unwrap() > 0 && pool["hits"].as_u64().unwrap() > 0, "{pool}");
+            let speculative = pool["speculative_reads"].as_u64().unwrap();
+            assert_eq!(speculative > 0, lookahead == "on" && slots != "64", "{name} {slots} {lookahead}: {pool}");
         }
     }
 }

@@ -60,7 +60,7 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
                 options.io = IoMode::Direct;
                 let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
                 g.place_pool(&pool, placement).unwrap_or_else(|e| panic!("{placement:?}: {e}"));
-                let experts = PoolExperts(pool);
+                let experts = PoolExperts::new(pool);
                 let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
                 assert_eq!(got, r.greedy_ids, "{name}: {placement:?} pool of {slots} slots");
             }

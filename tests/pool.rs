@@ -1144,7 +1144,7 @@ fn logits_through_the_pool_equal_the_mapped_checkpoint() {
                     options.use_pack = false;
                     let pool = SlotPool::open(&l.ckpt, index.clone(), options, rt.handle().clone())
                         .unwrap();
-                    let experts = PoolExperts(pool.clone());
+                    let experts = PoolExperts::new(pool.clone());
                     let mut state = l.model.new_state(&CpuBackend);
                     // From the test thread: PoolExperts::fetch blocks on the runtime's reads.
                     let got = l
