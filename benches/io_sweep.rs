@@ -27,7 +27,7 @@ use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::io::{AlignedBuf, IoMode, ALIGN};
 use slotstream::pack::{pack, PACK_FILE};
 use slotstream::pool::{floor_slots, slot_stride, SlotPool, StreamOptions};
-use slotstream::synth::{write_expert_checkpoint, ExpertPreset, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
+use slotstream::synth::{write_checkpoint, Preset, FLASH_NEXT_EXPERTS, QWEN3_NEXT_80B};
 
 /// Records read per measured batch (enough to keep 64 reads in flight).
 const BATCH: usize = 128;
@@ -50,12 +50,12 @@ fn env_usize_list(name: &str, default: &[usize]) -> Vec<usize> {
         .unwrap_or_else(|| default.to_vec())
 }
 
-fn prepare(preset: &ExpertPreset, layers: usize) -> PathBuf {
+fn prepare(preset: &Preset, layers: usize) -> PathBuf {
     let root = std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into());
     let dir = PathBuf::from(root).join(format!("{}-{}l", preset.name, layers));
     if !dir.join("model.safetensors.index.json").exists() {
-        eprintln!("writing synthetic {} experts ({layers} layers) to {}", preset.name, dir.display());
-        write_expert_checkpoint(&dir, preset, layers).expect("synthetic checkpoint");
+        eprintln!("writing a synthetic {} checkpoint ({layers} layers) to {}", preset.name, dir.display());
+        write_checkpoint(&dir, preset, layers, true).expect("synthetic checkpoint");
     }
     if !dir.join(PACK_FILE).exists() {
         let ckpt = Checkpoint::open(&dir).expect("open synthetic checkpoint");
@@ -127,7 +127,7 @@ fn sweep(c: &mut Criterion) {
     let layers = env_usize_list("SLOTSTREAM_BENCH_LAYERS", &[4])[0];
     let depths = env_usize_list("SLOTSTREAM_BENCH_DEPTHS", &[1, 2, 4, 8, 16, 32, 64]);
     let wanted = std::env::var("SLOTSTREAM_BENCH_PRESETS").unwrap_or_default();
-    let presets: Vec<ExpertPreset> = [QWEN3_NEXT_80B, QWEN38_FLASH_NEXT]
+    let presets: Vec<Preset> = [QWEN3_NEXT_80B, FLASH_NEXT_EXPERTS]
         .into_iter()
         .filter(|p| wanted.is_empty() || wanted.split(',').any(|w| w == p.name))
         .collect();

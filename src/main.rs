@@ -39,6 +39,38 @@ enum Command {
     Devices,
     /// Generate text from a prompt, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Write a synthetic checkpoint in the exact MLX layout of a preset (random weights).
+    Synth(SynthArgs),
+    /// The built-in demo: a synthetic model (made on first use) streamed through a pool
+    /// that holds a third of its experts.
+    Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    /// demo, qwen3-next-80b-a3b or qwen3.8-flash-next (expert shapes).
+    #[arg(long)]
+    preset: String,
+    /// Keep this many layers (every per-layer shape is kept), for small disks.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Where the demo model lives (default: $XDG_CACHE_HOME/slotstream/demo, else
+    /// ~/.cache/slotstream/demo).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 48)]
+    max_tokens: usize,
+    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    #[arg(long)]
+    device: Option<String>,
 }
 
 #[derive(Args)]
@@ -206,6 +238,8 @@ fn main() {
         Command::Cachesim(args) => cachesim(args),
         Command::Devices => devices(),
         Command::Generate(args) => generate(args),
+        Command::Synth(args) => synth(args),
+        Command::Demo(args) => demo(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -467,4 +501,71 @@ fn cachesim(args: CachesimArgs) -> Result<()> {
         println!();
     }
     Ok(())
+}
+
+fn synth(args: SynthArgs) -> Result<()> {
+    let preset = slotstream::synth::preset(&args.preset)?;
+    let layers = args.layers.unwrap_or(preset.layers);
+    if layers == 0 {
+        bail!("--layers must be at least 1");
+    }
+    slotstream::synth::write_checkpoint(&args.out, &preset, layers, true)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote {} ({} layers, {:.2} GB) to {}",
+        preset.name,
+        layers,
+        preset.checkpoint_bytes(layers) as f64 / 1e9,
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn demo(args: DemoArgs) -> Result<()> {
+    let dir = match args.dir {
+        Some(d) => d,
+        None => std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("slotstream/demo"),
+    };
+    let preset = slotstream::synth::DEMO;
+    if !dir.join("model.safetensors.index.json").exists() {
+        eprintln!("creating the demo model in {} (first run only)", dir.display());
+        slotstream::synth::write_checkpoint(&dir, &preset, preset.layers, true)
+            .with_context(|| format!("writing the demo model to {}", dir.display()))?;
+    }
+    let records = preset.layers * preset.experts;
+    let slots = (records / 3).max(slotstream::pool::floor_slots(preset.experts, 8));
+    eprintln!(
+        "demo: {} layers x {} experts = {records} records; pool of {slots} slots; weights are random, so the text is noise",
+        preset.layers, preset.experts
+    );
+    generate(GenerateArgs {
+        model: dir,
+        prompt: Some("Explain how experts are streamed from disk.".into()),
+        prompt_file: None,
+        prompt_ids: None,
+        raw: false,
+        max_tokens: args.max_tokens,
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        seed: 0,
+        json: false,
+        device: args.device,
+        stream: StreamArgs {
+            pool_slots: Some(slots),
+            queue_depth: 32,
+            io: IoMode::Direct,
+            no_pack: false,
+            trace: None,
+            stats: true,
+            lookahead: OnOff::On,
+            placement: None,
+        },
+    })
 }
