@@ -121,6 +121,7 @@ fn bench(c: &mut Criterion) {
         .map(|i| ExpertRecord {
             bytes: &records[i],
             slot: Some(slotstream::experts::SlotTag {
+                pool: 0,
                 slot: i,
                 generation: 1,
                 slots: e,

@@ -24,7 +24,7 @@ pub struct Request {
 /// Replacement policies the simulator knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
-    /// Second chance, as the pool runs.
+    /// Second chance, as the pool runs (without its near-floor same-layer preference).
     Clock,
     /// Least recently used.
     Lru,
@@ -105,7 +105,12 @@ pub fn read_trace(path: &Path) -> Result<Vec<Request>> {
 }
 
 /// Replays `requests` on a cache of `slots` records under `policy`.
+/// With no slots every lookup misses.
 pub fn simulate(requests: &[Request], slots: usize, policy: Policy) -> SimResult {
+    if slots == 0 {
+        let n = requests.iter().map(|r| r.experts.len() as u64).sum();
+        return SimResult { hits: 0, misses: n };
+    }
     let accesses: Vec<Key> = requests
         .iter()
         .flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e)))

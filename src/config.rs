@@ -316,7 +316,11 @@ impl ModelConfig {
             decoder_sparse_step: f.usize_or("decoder_sparse_step", Some(1))?.max(1),
             mlp_only_layers: f.usize_list("mlp_only_layers")?,
             layer_kinds,
-            eos_token_ids: f.usize_list("eos_token_id")?.into_iter().map(|v| v as u32).collect(),
+            eos_token_ids: f
+                .usize_list("eos_token_id")?
+                .into_iter()
+                .map(|v| u32::try_from(v).map_err(|_| f.err("eos_token_id", format!("{v} is not a token id"))))
+                .collect::<Result<_>>()?,
             quantization: parse_quantization(&f)?,
         };
         cfg.check()?;
@@ -329,6 +333,31 @@ impl ModelConfig {
             field: field.into(),
             message,
         };
+        for (field, v) in [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("vocab_size", self.vocab_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("head_dim", self.head_dim),
+            ("linear_key_head_dim", self.linear_key_head_dim),
+            ("linear_value_head_dim", self.linear_value_head_dim),
+            ("num_experts", self.num_experts),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+        ] {
+            if v == 0 {
+                return Err(err(field, "must be at least 1".into()));
+            }
+        }
+        if self.linear_key_head_dim > 256 {
+            return Err(err(
+                "linear_key_head_dim",
+                format!("{} is above the 256 the kernels support", self.linear_key_head_dim),
+            ));
+        }
+        if let Some(bad) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(err("eos_token_id", format!("{bad} is outside the vocabulary of {}", self.vocab_size)));
+        }
         if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(err(
                 "num_key_value_heads",
@@ -362,7 +391,7 @@ impl ModelConfig {
         !self.mlp_only_layers.contains(&i) && self.num_experts > 0 && (i + 1) % self.decoder_sparse_step == 0
     }
 
-    /// Number of (layer, expert) records: MoE layers x experts.
+    /// Indices of the layers that have routed experts, ascending.
     pub fn moe_layers(&self) -> Vec<usize> {
         (0..self.num_hidden_layers).filter(|&i| self.is_moe_layer(i)).collect()
     }

@@ -16,6 +16,8 @@ use crate::error::Result;
 /// changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotTag {
+    /// Unique per pool in this process, so a device mirror never serves another pool.
+    pub pool: u64,
     pub slot: usize,
     /// Incremented on every load into the slot.
     pub generation: u64,

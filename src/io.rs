@@ -35,13 +35,16 @@ impl AlignedBuf {
     /// Errors: the allocation fails (reported, not aborted, so a pool too large for the
     /// machine is a clear error).
     pub fn zeroed(len: usize) -> Result<Self> {
-        let len = len.max(1).next_multiple_of(ALIGN);
-        let layout = Layout::from_size_align(len, ALIGN)
-            .map_err(|e| Error::InvalidInput(format!("buffer of {len} bytes: {e}")))?;
+        let len = len
+            .max(1)
+            .checked_next_multiple_of(ALIGN)
+            .ok_or_else(|| Error::Pool(format!("a buffer of {len} bytes is too large")))?;
+        let layout =
+            Layout::from_size_align(len, ALIGN).map_err(|e| Error::Pool(format!("buffer of {len} bytes: {e}")))?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::InvalidInput(format!("could not allocate {len} bytes of aligned memory")))?;
+            .ok_or_else(|| Error::Pool(format!("could not allocate {len} bytes of aligned memory")))?;
         Ok(AlignedBuf { ptr, len })
     }
 
@@ -216,27 +219,15 @@ impl ReadAt for DiskFile {
 /// Reads exactly `buf.len()` bytes at `offset`: short reads continue, `EINTR` is
 /// retried, end of file and I/O errors name the file and offset.
 pub fn read_exact_at(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => {
-                return Err(Error::io(
-                    file.path(),
-                    std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("unexpected end of file reading {} bytes at offset {}", buf.len() - done, offset + done as u64),
-                    ),
-                ))
-            }
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(Error::io(
-                    file.path(),
-                    std::io::Error::new(e.kind(), format!("reading at offset {}: {e}", offset + done as u64)),
-                ))
-            }
-        }
+    let got = read_until_eof(file, buf, offset)?;
+    if got < buf.len() {
+        return Err(Error::io(
+            file.path(),
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("unexpected end of file reading {} bytes at offset {}", buf.len() - got, offset + got as u64),
+            ),
+        ));
     }
     Ok(())
 }

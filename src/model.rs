@@ -101,7 +101,13 @@ pub struct SequenceState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// Tokens already processed, in order.
     pub tokens: Vec<u32>,
+    /// Set while a forward call runs: a call that failed part-way leaves some layers
+    /// advanced and others not, so the state must not be used again.
+    broken: bool,
 }
+
+/// Tokens per pass of a long input (see [`Model::forward`]).
+pub const PREFILL_CHUNK: usize = 256;
 
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,13 +265,17 @@ impl<B: Backend> Model<B> {
         SequenceState {
             layers,
             tokens: Vec::new(),
+            broken: false,
         }
     }
 
     /// Runs `ids` through the model after the tokens already in `state`, updating it.
     /// Returns row-major logits, `[ids.len(), vocab]` or `[1, vocab]` (see [`Logits`]).
+    /// Long inputs run in chunks of [`PREFILL_CHUNK`] tokens, which bounds workspaces and
+    /// per-dispatch sizes; the result is the same as one pass (the model is causal).
     ///
-    /// Errors: empty input, a token id beyond the vocabulary, or a failure of `experts`.
+    /// Errors: empty input, a token id beyond the vocabulary, a failure of `experts`, or a
+    /// state left inconsistent by an earlier failed call (start a new sequence).
     pub fn forward<E: ExpertSource>(
         &self,
         backend: &B,
@@ -277,6 +287,42 @@ impl<B: Backend> Model<B> {
         if ids.is_empty() {
             return Err(Error::InvalidInput("no tokens to run".into()));
         }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+            return Err(Error::InvalidInput(format!(
+                "token id {bad} is out of range for a vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        if state.broken {
+            return Err(Error::InvalidInput(
+                "this sequence's state is inconsistent after a failed forward pass; start a new sequence".into(),
+            ));
+        }
+        state.broken = true;
+        let mut out = Vec::new();
+        let chunks: Vec<&[u32]> = ids.chunks(PREFILL_CHUNK).collect();
+        for (n, chunk) in chunks.iter().enumerate() {
+            let last = n + 1 == chunks.len();
+            let want = match which {
+                Logits::All => Some(Logits::All),
+                Logits::Last if last => Some(Logits::Last),
+                Logits::Last => None,
+            };
+            out.extend(self.forward_chunk(backend, state, chunk, experts, want)?);
+        }
+        state.broken = false;
+        Ok(out)
+    }
+
+    /// One chunk of [`Model::forward`]; `which: None` skips the head.
+    fn forward_chunk<E: ExpertSource>(
+        &self,
+        backend: &B,
+        state: &mut SequenceState<B>,
+        ids: &[u32],
+        experts: &E,
+        which: Option<Logits>,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         experts.begin_step();
         let mut in_use = Vec::new();
@@ -302,6 +348,11 @@ impl<B: Backend> Model<B> {
             h = backend.add(&h, &m);
         }
         state.tokens.extend_from_slice(ids);
+        let Some(which) = which else {
+            // Wait for the chunk's work before its last layer's records are released.
+            backend.download(&backend.rows(&h, 0, 1))?;
+            return Ok(Vec::new());
+        };
         if which == Logits::Last {
             h = backend.rows(&h, ids.len() - 1, 1);
         }

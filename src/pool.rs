@@ -14,7 +14,7 @@
 //! a permit a demand read needs) and then runs its `pread`s on the blocking pool.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -194,7 +194,11 @@ pub struct SlotPool {
     runtime: tokio::runtime::Handle,
     floor: usize,
     in_flight: AtomicUsize,
+    /// Process-unique id (see [`SlotTag::pool`]).
+    id: u64,
 }
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The fewest slots a pool may have: every expert of one layer (a prefill chunk may
 /// route to all of them) plus the speculative reads that may be in flight.
@@ -228,7 +232,10 @@ impl SlotPool {
             )));
         }
         let stride = slot_stride(index.layout.record_bytes);
-        let memory = AlignedBuf::zeroed(stride * options.slots)?;
+        let bytes = stride
+            .checked_mul(options.slots)
+            .ok_or_else(|| Error::Pool(format!("{} slots of {stride} bytes overflow the address space", options.slots)))?;
+        let memory = AlignedBuf::zeroed(bytes)?;
         let slots = (0..options.slots)
             .map(|_| Slot {
                 key: None,
@@ -264,6 +271,7 @@ impl SlotPool {
             runtime,
             floor,
             in_flight: AtomicUsize::new(0),
+            id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
         }))
     }
 
@@ -304,8 +312,8 @@ impl SlotPool {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock cannot leave slots half-updated in a way later
-        // callers could misread (every transition is a single assignment), so recover.
+        // Nothing in the critical sections panics on valid state; if something did, the
+        // counters may be off but slots stay consistent enough to keep serving, so recover.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -323,6 +331,11 @@ impl SlotPool {
     /// for backends that let the GPU read it in place. It lives as long as the pool.
     pub(crate) fn memory(&self) -> (*mut u8, usize) {
         (self.memory.as_ptr(), self.memory.len())
+    }
+
+    /// Process-unique id of this pool (see [`SlotTag::pool`]).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Distance between slots in bytes (a multiple of 4096).
@@ -448,6 +461,7 @@ impl SlotPool {
                 held.push(SlotRecord {
                     pool: self.clone(),
                     tag: SlotTag {
+                        pool: self.id,
                         slot,
                         generation: inner.slots[slot].generation,
                         slots: inner.slots.len(),
@@ -599,7 +613,6 @@ impl SlotPool {
                 .await
                 .unwrap_or_else(|e| Err(Error::Pool(format!("read task failed: {e}"))));
             pool.in_flight.fetch_sub(1, Ordering::SeqCst);
-            drop(permit);
             let mut inner = pool.lock();
             let status = match result {
                 Ok(()) => {
@@ -623,6 +636,10 @@ impl SlotPool {
                 }
             };
             inner.slots[i].load = None;
+            // Released only now that the slot has left `Loading`, so speculation never
+            // holds more than its cap of slots, even for a moment.
+            drop(permit);
+            drop(inner);
             let _ = tx.send(status);
         });
         rx

@@ -55,7 +55,8 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
 
         let floor = floor_slots(index.num_experts, 8);
         for placement in [Placement::Unified, Placement::Device] {
-            for slots in [floor, (floor + index.records()) / 2, index.records().max(floor)] {
+            // The floor twice: a second pool of the same shape must not reuse the first one's mirror.
+            for slots in [floor, floor, (floor + index.records()) / 2, index.records().max(floor)] {
                 let mut options = StreamOptions::with_slots(slots);
                 options.io = IoMode::Direct;
                 let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();

@@ -72,3 +72,27 @@ fn prefill_then_decode_equals_full_forward() {
         }
     }
 }
+
+#[test]
+fn inputs_longer_than_a_prefill_chunk_equal_token_by_token_decode() {
+    use rand::Rng;
+    let name = FIXTURES[1];
+    let l = load_cpu(name);
+    let mut rng = rand::rng();
+    let n = slotstream::model::PREFILL_CHUNK + 45;
+    let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..500)).collect();
+    let mut full_state = l.model.new_state(&CpuBackend);
+    let full = l.model.forward(&CpuBackend, &mut full_state, &ids, &l.experts, Logits::All).unwrap();
+    let vocab = l.model.config.vocab_size;
+    assert_eq!(full.len(), n * vocab);
+    let mut state = l.model.new_state(&CpuBackend);
+    let mut got = l.model.forward(&CpuBackend, &mut state, &ids[..20], &l.experts, Logits::All).unwrap();
+    for &id in &ids[20..] {
+        got.extend(l.model.forward(&CpuBackend, &mut state, &[id], &l.experts, Logits::Last).unwrap());
+    }
+    for t in 0..n {
+        let row = t * vocab..(t + 1) * vocab;
+        let e = rel_err(&got[row.clone()], &full[row]);
+        assert!(e <= 1e-5, "position {t}: chunked vs token-by-token relative error {e}");
+    }
+}

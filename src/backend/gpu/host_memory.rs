@@ -96,6 +96,13 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
         .push_next(&mut external);
     let buffer = raw.create_buffer(&info, None).map_err(|e| gpu_err("vkCreateBuffer", e))?;
     let req = raw.get_buffer_memory_requirements(buffer);
+    if req.size > len || (ptr as u64) % req.alignment.max(1) != 0 {
+        raw.destroy_buffer(buffer, None);
+        return Err(Error::Gpu(format!(
+            "the driver needs {} bytes aligned to {} for a {len}-byte buffer",
+            req.size, req.alignment
+        )));
+    }
     let mem = instance.get_physical_device_memory_properties(hal.raw_physical_device());
     let bits = req.memory_type_bits & host_props.memory_type_bits;
     let wanted = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;

@@ -93,6 +93,8 @@ impl std::str::FromStr for Placement {
 
 /// The GPU's view of the slot pool.
 struct Mirror {
+    /// The pool this mirrors ([`crate::experts::SlotTag::pool`]).
+    pool: u64,
     stride: usize,
     slots_per_arena: usize,
     arenas: Vec<wgpu::Buffer>,
@@ -100,6 +102,32 @@ struct Mirror {
     generations: Vec<u64>,
     /// Unified placement: the pool whose memory the arenas import (kept alive here).
     unified: Option<Arc<crate::pool::SlotPool>>,
+}
+
+impl Mirror {
+    /// Slots per arena: within the storage binding and buffer limits, and within 2 GiB so
+    /// every word and scale offset inside an arena fits the kernels' u32 parameters.
+    fn slots_per_arena(gpu: &Gpu, stride: usize) -> usize {
+        let max = (gpu.limits.max_storage_buffer_binding_size as u64)
+            .min(gpu.limits.max_buffer_size)
+            .min(1 << 31);
+        ((max / stride as u64) as usize).max(1)
+    }
+
+    /// Device placement: zeroed device-local arenas, filled as records are used.
+    fn device(gpu: &Gpu, pool: u64, slots: usize, stride: usize) -> Mirror {
+        let per_arena = Self::slots_per_arena(gpu, stride).min(slots.max(1));
+        Mirror {
+            pool,
+            stride,
+            slots_per_arena: per_arena,
+            arenas: (0..slots.div_ceil(per_arena))
+                .map(|a| gpu.zeroed((per_arena.min(slots - a * per_arena) * stride) as u64))
+                .collect(),
+            generations: vec![0; slots],
+            unified: None,
+        }
+    }
 }
 
 /// The wgpu backend. Construct with [`GpuBackend::new`].
@@ -132,24 +160,21 @@ impl GpuBackend {
     /// come from a pool are mirrored in device arenas (device placement).
     /// Errors: unified placement on a device that cannot import host memory.
     pub fn place_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Placement) -> Result<()> {
-        let stride = pool.stride();
-        let slots = pool.slots();
-        let max = (self.gpu.limits.max_storage_buffer_binding_size as u64).min(self.gpu.limits.max_buffer_size);
-        let per_arena = ((max / stride as u64) as usize).clamp(1, slots);
+        let (stride, slots) = (pool.stride(), pool.slots());
         let mirror = match placement {
-            Placement::Device => Mirror {
-                stride,
-                slots_per_arena: per_arena,
-                arenas: (0..slots.div_ceil(per_arena))
-                    .map(|a| self.gpu.zeroed((per_arena.min(slots - a * per_arena) * stride) as u64))
-                    .collect(),
-                generations: vec![0; slots],
-                unified: None,
-            },
-            Placement::Unified => self.import_pool(pool, per_arena)?,
+            Placement::Device => Mirror::device(&self.gpu, pool.id(), slots, stride),
+            Placement::Unified => {
+                let per_arena = Mirror::slots_per_arena(&self.gpu, stride).min(slots.max(1));
+                self.import_pool(pool, per_arena)?
+            }
         };
         tracing::info!(?placement, slots, arenas = mirror.arenas.len(), "slot pool attached to the GPU");
-        *self.mirror.lock().unwrap_or_else(|p| p.into_inner()) = Some(mirror);
+        let mut guard = self.mirror.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_some() {
+            // Recorded work may still read the old mirror (and a unified one's host pages).
+            self.gpu.sync()?;
+        }
+        *guard = Some(mirror);
         Ok(())
     }
 
@@ -168,6 +193,7 @@ impl GpuBackend {
         }
         debug_assert!(slots * stride <= len);
         Ok(Mirror {
+            pool: pool.id(),
             stride,
             slots_per_arena: per_arena,
             arenas,

@@ -217,57 +217,58 @@ fn place_records(
     records: &[ExpertRecord<'_>],
     layout: &RecordLayout,
 ) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
-    if let Some(tag) = records.first().and_then(|r| r.slot) {
+    if let Some(tag) = records.first().and_then(|r| r.slot).filter(|_| records.iter().all(|r| r.slot.is_some())) {
         let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
-        let fits = |m: &Mirror| {
-            m.stride == tag.stride && (m.unified.as_ref().map_or(m.generations.len(), |p| p.slots()) == tag.slots)
-        };
-        if !guard.as_ref().is_some_and(fits) {
-            let max = (b.gpu.limits.max_storage_buffer_binding_size as u64).min(b.gpu.limits.max_buffer_size);
-            let per_arena = ((max / tag.stride as u64) as usize).clamp(1, tag.slots);
-            let arenas = (0..tag.slots.div_ceil(per_arena))
-                .map(|a| {
-                    let n = per_arena.min(tag.slots - a * per_arena);
-                    b.gpu.zeroed((n * tag.stride) as u64)
-                })
-                .collect();
-            tracing::debug!(slots = tag.slots, per_arena, "device mirror of the slot pool");
-            *guard = Some(Mirror {
-                stride: tag.stride,
-                slots_per_arena: per_arena,
-                arenas,
-                generations: vec![0; tag.slots],
-                unified: None,
-            });
+        if !guard.as_ref().is_some_and(|m| m.pool == tag.pool) {
+            if guard.is_some() {
+                // The old mirror's buffers may still be in use by recorded work.
+                let _ = b.gpu.sync();
+            }
+            tracing::debug!(slots = tag.slots, "device mirror of the slot pool");
+            *guard = Some(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
         }
         if let Some(m) = guard.as_mut() {
-            let mut places = Vec::with_capacity(records.len());
-            let mut all_tagged = true;
-            for r in records {
-                let Some(tag) = r.slot else {
-                    all_tagged = false;
-                    break;
-                };
-                let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
-                if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
-                    b.gpu.write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
-                    m.generations[tag.slot] = tag.generation;
-                }
-                places.push((arena, (at * m.stride / 4) as u32));
-            }
-            if all_tagged {
-                // Buffers are reference-counted handles, so cloning them is cheap.
-                return (m.arenas.clone(), places);
-            }
+            let places = records
+                .iter()
+                .filter_map(|r| r.slot.map(|tag| (r, tag)))
+                .map(|(r, tag)| {
+                    let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
+                    if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
+                        b.gpu.write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
+                        m.generations[tag.slot] = tag.generation;
+                    }
+                    (arena, (at * m.stride / 4) as u32)
+                })
+                .collect();
+            // Buffers are reference-counted handles, so cloning them is cheap.
+            return (m.arenas.clone(), places);
         }
     }
+    // Records without a slot: each distinct record uploaded once, into as many
+    // temporary arenas as the binding limit requires.
     let stride = layout.record_bytes.next_multiple_of(16);
-    let mut bytes = vec![0u8; stride * records.len()];
-    for (i, r) in records.iter().enumerate() {
-        bytes[i * stride..i * stride + r.bytes.len()].copy_from_slice(r.bytes);
+    let per_arena = Mirror::slots_per_arena(&b.gpu, stride);
+    let mut distinct: Vec<*const u8> = Vec::new();
+    let mut index_of = Vec::with_capacity(records.len());
+    for r in records {
+        let key = r.bytes.as_ptr();
+        let i = distinct.iter().position(|&p| p == key).unwrap_or_else(|| {
+            distinct.push(key);
+            distinct.len() - 1
+        });
+        index_of.push(i);
     }
-    let places = (0..records.len()).map(|i| (0, (i * stride / 4) as u32)).collect();
-    (vec![b.gpu.buffer_with(&bytes)], places)
+    let mut arenas = Vec::new();
+    for chunk in (0..distinct.len()).collect::<Vec<_>>().chunks(per_arena) {
+        let mut bytes = vec![0u8; stride * chunk.len()];
+        for (slot, &d) in chunk.iter().enumerate() {
+            let r = records[index_of.iter().position(|&i| i == d).unwrap_or(0)].bytes;
+            bytes[slot * stride..slot * stride + r.len()].copy_from_slice(r);
+        }
+        arenas.push(b.gpu.buffer_with(&bytes));
+    }
+    let places = index_of.iter().map(|&d| (d / per_arena, ((d % per_arena) * stride / 4) as u32)).collect();
+    (arenas, places)
 }
 
 pub(super) fn moe_experts(
