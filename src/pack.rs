@@ -31,8 +31,9 @@ const VERSION: u32 = 1;
 pub struct Manifest {
     pub format: String,
     pub version: u32,
-    /// SHA-256 (hex) over config.json and every source tensor's name, shard, offset,
-    /// length, shape and dtype: a pack made from another checkpoint never matches.
+    /// SHA-256 (hex) over config.json, every shard's size and modification time, and
+    /// every source tensor's name, shard, offset, length, shape and dtype: a pack made from
+    /// another checkpoint (or other files) never matches.
     pub identity: String,
     pub moe_layers: Vec<usize>,
     pub experts: usize,
@@ -52,6 +53,13 @@ pub fn model_identity(ckpt: &Checkpoint) -> Result<String> {
     let config = ckpt.dir.join("config.json");
     let mut h = Sha256::new();
     h.update(std::fs::read(&config).map_err(|e| Error::io(&config, e))?);
+    // Size and modification time of every shard: a fine-tune copied over the same
+    // layout changes them even when names, shapes and offsets stay the same.
+    for shard in ckpt.shards() {
+        let meta = std::fs::metadata(&shard.path).map_err(|e| Error::io(&shard.path, e))?;
+        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        h.update(format!("{:?}|{}|{:?}\n", shard.path.file_name(), meta.len(), mtime));
+    }
     let mut tensors: Vec<_> = ckpt.tensors().filter(|t| t.name.contains(".switch_mlp.")).collect();
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     for t in tensors {

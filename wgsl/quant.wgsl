@@ -67,7 +67,7 @@ fn elems_per_word() -> u32 {
     return select(2u, 1u, p.scale_dtype == 0u);
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 4 rows per workgroup, 64 lanes per
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS rows per workgroup, LANES lanes per
 // row; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
 @compute @workgroup_size(256)
 fn qmatmul(@builtin(local_invocation_index) li: u32,

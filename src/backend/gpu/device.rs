@@ -5,7 +5,11 @@
 //! - `@group(0) @binding(0)` is a uniform block of 32-bit parameters; storage buffers
 //!   follow at bindings 1.. in the order the Rust side passes them ([`Kernel::bindings`]).
 //! - Workgroup counts above 65,535 use a 2-D grid ([`grid`]); a kernel computes its linear
-//!   workgroup index as `wid.x + wid.y * nwg.x` and returns early past the end.
+//!   workgroup index as `wid.x + wid.y * nwg.x` and returns early past the end. The z
+//!   dimension (tokens or routes) stays below 65,535 because the model runs long inputs
+//!   in chunks (`model::PREFILL_CHUNK`).
+//! - The uniform block passed must be at least as long as the shader's `Params` struct
+//!   (it is padded to 16 bytes, not to the struct).
 //! - Dispatches are recorded into one pending command encoder and submitted together at
 //!   the next read-back ([`Gpu::flush`]), so a token costs few submissions.
 
