@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufWriter, Write};
 use std::path::Path;
 
+use crate::atomic_file::AtomicFile;
 use crate::error::{Error, Result};
 use crate::pool::{Key, TraceEvent};
 
@@ -64,18 +65,16 @@ impl SimResult {
 
 /// Writes trace events as CSV (atomically: temporary file, then rename).
 pub fn write_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| Error::io(dir, e))?;
+    let file = AtomicFile::create(path)?;
     {
-        let mut out = BufWriter::new(tmp.as_file());
+        let mut out = BufWriter::new(file.file());
         writeln!(out, "token,layer,expert,outcome").map_err(|e| Error::io(path, e))?;
         for e in events {
             writeln!(out, "{},{},{},{}", e.token, e.layer, e.expert, e.outcome.as_str()).map_err(|e| Error::io(path, e))?;
         }
         out.flush().map_err(|e| Error::io(path, e))?;
     }
-    tmp.persist(path).map_err(|e| Error::io(path, e.error))?;
-    Ok(())
+    file.commit()
 }
 
 /// Reads a trace CSV into requests. Errors name the line that is malformed.
@@ -101,6 +100,9 @@ pub fn read_trace(path: &Path) -> Result<Vec<Request>> {
             }),
         }
     }
+    if requests.is_empty() {
+        return Err(Error::InvalidInput(format!("{}: the trace has no lookups", path.display())));
+    }
     Ok(requests)
 }
 
@@ -111,6 +113,10 @@ pub fn simulate(requests: &[Request], slots: usize, policy: Policy) -> SimResult
         let n = requests.iter().map(|r| r.experts.len() as u64).sum();
         return SimResult { hits: 0, misses: n };
     }
+    // More slots than distinct keys never evict: the rest would only cost memory.
+    let distinct: std::collections::HashSet<(u32, u32)> =
+        requests.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
+    let slots = slots.min(distinct.len().max(1));
     let accesses: Vec<Key> = requests
         .iter()
         .flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e)))

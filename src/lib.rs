@@ -13,6 +13,7 @@
 //! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
 //! - [`score`]: teacher-forced log-likelihood and perplexity.
 
+pub mod atomic_file;
 pub mod backend;
 pub mod cachesim;
 pub mod checkpoint;

@@ -129,8 +129,8 @@ struct StreamArgs {
     #[arg(long)]
     pool_slots: Option<usize>,
     /// Demand reads in flight at once.
-    #[arg(long, default_value_t = 32)]
-    queue_depth: usize,
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    queue_depth: u16,
     /// direct (O_DIRECT / F_NOCACHE) or buffered reads.
     #[arg(long, default_value = "direct")]
     io: IoMode,
@@ -168,9 +168,9 @@ struct CachesimArgs {
     /// Trace CSV written with --trace.
     #[arg(long)]
     trace: PathBuf,
-    /// Pool sizes to simulate, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
-    slots: Vec<usize>,
+    /// Pool sizes to simulate, comma-separated (each at least 1).
+    #[arg(long, value_delimiter = ',', required = true, value_parser = clap::value_parser!(u64).range(1..))]
+    slots: Vec<u64>,
 }
 
 #[derive(Args)]
@@ -230,6 +230,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "slotstream=info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -256,6 +257,9 @@ fn score(args: ScoreArgs) -> Result<()> {
         (None, Some(text)) => Tokenizer::load(&args.model)?.encode(text)?,
         _ => bail!("give exactly one of --ids or --text"),
     };
+    for path in [&args.logits_out, &args.stream.trace].into_iter().flatten() {
+        slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
+    }
     let s = match open_backend(&args.device)? {
         Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
         Compute::Gpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
@@ -309,7 +313,7 @@ fn open_experts<B: Backend>(
         return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None));
     };
     let mut options = StreamOptions::with_slots(slots);
-    options.queue_depth = a.queue_depth;
+    options.queue_depth = a.queue_depth as usize;
     options.io = a.io;
     options.use_pack = !a.no_pack;
     let pool = SlotPool::open(ckpt, index, options, runtime.handle().clone())?;
@@ -328,7 +332,7 @@ fn open_experts<B: Backend>(
 fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
     let Some(pool) = pool else { return Ok(()) };
     if let Some(path) = &a.trace {
-        cachesim::write_trace(path, &pool.take_trace())?;
+        cachesim::write_trace(path, &pool.take_trace()).with_context(|| format!("writing trace {}", path.display()))?;
     }
     if a.stats {
         eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
@@ -491,9 +495,7 @@ fn cachesim(args: CachesimArgs) -> Result<()> {
     }
     println!();
     for &slots in &args.slots {
-        if slots == 0 {
-            bail!("--slots: a pool needs at least one slot");
-        }
+        let slots = usize::try_from(slots).unwrap_or(usize::MAX);
         print!("{slots:>8}");
         for p in cachesim::Policy::ALL {
             print!(" {:>8.4}", cachesim::simulate(&requests, slots, p).hit_rate());

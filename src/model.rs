@@ -194,6 +194,20 @@ impl<B: Backend> Model<B> {
                 mlp,
             });
         }
+        // A config that lists fewer layers than the checkpoint holds would silently drop
+        // the rest (mlx-lm's strict load refuses this too).
+        if let Some(t) = ckpt.tensors().find(|t| {
+            t.name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| n >= cfg.num_hidden_layers)
+        }) {
+            return Err(Error::bad_tensor(
+                &t.name,
+                format!("belongs to a layer beyond num_hidden_layers = {} in config.json", cfg.num_hidden_layers),
+            ));
+        }
         let experts = ExpertIndex::build(ckpt)?;
         let columns = Self::columns(&cfg, backend);
         Ok(Model {

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::atomic_file::AtomicFile;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
 use crate::pool::slot_stride;
@@ -172,10 +173,9 @@ impl PackedRecords {
 pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bool) -> Result<Manifest> {
     let layout = &index.layout;
     let stride = slot_stride(layout.record_bytes);
-    let tmp_pack = tempfile::Builder::new()
-        .prefix(".experts.pack.")
-        .tempfile_in(out_dir)
-        .map_err(|e| Error::io(out_dir, e))?;
+    let pack_path = out_dir.join(PACK_FILE);
+    let manifest_path = out_dir.join(MANIFEST_FILE);
+    let tmp_pack = AtomicFile::create(&pack_path)?;
     let bar = progress.then(|| {
         let bar = indicatif::ProgressBar::new((index.records() * layout.record_bytes) as u64);
         bar.set_style(
@@ -188,7 +188,7 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
     let mut layer_sha256 = Vec::with_capacity(index.moe_layers.len());
     let mut record_crc32 = Vec::with_capacity(index.moe_layers.len());
     {
-        let mut out = BufWriter::with_capacity(8 << 20, tmp_pack.as_file());
+        let mut out = BufWriter::with_capacity(8 << 20, tmp_pack.file());
         for &layer in &index.moe_layers {
             let mut sha = Sha256::new();
             let mut crcs = Vec::with_capacity(index.num_experts);
@@ -198,7 +198,7 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
                 let body = &record[..layout.record_bytes];
                 sha.update(body);
                 crcs.push(crc32fast::hash(body));
-                out.write_all(&record).map_err(|e| Error::io(tmp_pack.path(), e))?;
+                out.write_all(&record).map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
                 if let Some(bar) = &bar {
                     bar.inc(layout.record_bytes as u64);
                 }
@@ -206,12 +206,11 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
             layer_sha256.push(hex(&sha.finalize()));
             record_crc32.push(crcs);
         }
-        out.flush().map_err(|e| Error::io(tmp_pack.path(), e))?;
+        out.flush().map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    tmp_pack.as_file().sync_all().map_err(|e| Error::io(tmp_pack.path(), e))?;
     let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -225,28 +224,21 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
         layer_sha256,
         record_crc32,
     };
-    verify(tmp_pack.path(), &manifest)?;
+    verify(tmp_pack.temp_path(), &manifest)?;
 
-    let manifest_path = out_dir.join(MANIFEST_FILE);
     // Without a manifest the engine ignores any pack, so remove the old one first: a
     // crash between the two renames below then leaves no usable pair.
     match std::fs::remove_file(&manifest_path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&manifest_path, e)),
         _ => {}
     }
-    let pack_path = out_dir.join(PACK_FILE);
-    tmp_pack.persist(&pack_path).map_err(|e| Error::io(&pack_path, e.error))?;
-    let mut tmp_manifest = tempfile::Builder::new()
-        .prefix(".experts.pack.json.")
-        .tempfile_in(out_dir)
-        .map_err(|e| Error::io(out_dir, e))?;
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Json {
+    tmp_pack.commit()?;
+    let tmp_manifest = AtomicFile::create(&manifest_path)?;
+    serde_json::to_writer_pretty(tmp_manifest.file(), &manifest).map_err(|e| Error::Json {
         path: manifest_path.clone(),
         message: e.to_string(),
     })?;
-    tmp_manifest.write_all(&json).map_err(|e| Error::io(&manifest_path, e))?;
-    tmp_manifest.as_file().sync_all().map_err(|e| Error::io(&manifest_path, e))?;
-    tmp_manifest.persist(&manifest_path).map_err(|e| Error::io(&manifest_path, e.error))?;
+    tmp_manifest.commit()?;
     if let Ok(dir) = std::fs::File::open(out_dir) {
         let _ = dir.sync_all();
     }

@@ -225,6 +225,12 @@ impl SlotPool {
         runtime: tokio::runtime::Handle,
     ) -> Result<Arc<Self>> {
         let floor = floor_slots(index.num_experts, options.speculative_cap);
+        let mut options = options;
+        if options.slots > index.records().max(floor) {
+            // Slots beyond one per record would never be used.
+            tracing::info!(asked = options.slots, records = index.records(), "pool clamped to every record");
+            options.slots = index.records().max(floor);
+        }
         if options.slots < floor {
             return Err(Error::Pool(format!(
                 "{} slots is below the floor of {floor} ({} experts of one layer + {} speculative reads in flight)",

@@ -1,8 +1,8 @@
 //! Teacher-forced scoring: log-likelihood and perplexity of a token sequence.
 
-use std::io::Write;
 use std::path::Path;
 
+use crate::atomic_file::AtomicFile;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::experts::ExpertSource;
@@ -54,20 +54,16 @@ pub fn score<B: Backend, E: ExpertSource>(model: &Model<B>, backend: &B, experts
 /// all: it is written under a temporary name in the same directory and renamed.
 pub fn write_npy(path: &Path, data: &[f32], rows: usize, cols: usize) -> Result<()> {
     use npyz::WriterBuilder;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| Error::io(dir, e))?;
+    let out = AtomicFile::create(path)?;
     {
         let mut writer = npyz::WriteOptions::new()
             .default_dtype()
             .shape(&[rows as u64, cols as u64])
-            .writer(std::io::BufWriter::new(tmp.as_file_mut()))
+            .writer(std::io::BufWriter::new(out.file()))
             .begin_nd()
             .map_err(|e| Error::io(path, e))?;
         writer.extend(data.iter().copied()).map_err(|e| Error::io(path, e))?;
         writer.finish().map_err(|e| Error::io(path, e))?;
     }
-    tmp.as_file_mut().flush().map_err(|e| Error::io(path, e))?;
-    tmp.as_file().sync_all().map_err(|e| Error::io(path, e))?;
-    tmp.persist(path).map_err(|e| Error::io(path, e.error))?;
-    Ok(())
+    out.commit()
 }

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use serde_json::json;
 
+use crate::atomic_file::AtomicFile;
 use crate::error::{Error, Result};
 
 /// Geometry of a synthetic model (`model_type: qwen3_next`).
@@ -364,9 +365,9 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
         let tensors = if shard == 0 { preset.head_tensors() } else { preset.layer_tensors(shard - 1) };
         let file = format!("model-{:05}-of-{:05}.safetensors", shard + 1, shards);
         let path = dir.join(&file);
-        let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| Error::io(dir, e))?;
+        let out = AtomicFile::create(&path)?;
         let header: Vec<_> = tensors.iter().map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.bytes())).collect();
-        let mut w = SafetensorsWriter::new(BufWriter::with_capacity(4 << 20, tmp.as_file()), &header)
+        let mut w = SafetensorsWriter::new(BufWriter::with_capacity(4 << 20, out.file()), &header)
             .map_err(|e| Error::io(&path, e))?;
         for t in &tensors {
             weight_map.insert(t.name.clone(), json!(file));
@@ -392,8 +393,7 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
             }
         }
         w.finish().map_err(|e| Error::io(&path, e))?;
-        tmp.as_file().sync_all().map_err(|e| Error::io(&path, e))?;
-        tmp.persist(&path).map_err(|e| Error::io(&path, e.error))?;
+        out.commit()?;
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -406,13 +406,12 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
 
 fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
     let path = dir.join(name);
-    let tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| Error::io(dir, e))?;
-    serde_json::to_writer_pretty(tmp.as_file(), value).map_err(|e| Error::Json {
+    let out = AtomicFile::create(&path)?;
+    serde_json::to_writer_pretty(out.file(), value).map_err(|e| Error::Json {
         path: path.clone(),
         message: e.to_string(),
     })?;
-    tmp.persist(&path).map_err(|e| Error::io(&path, e.error))?;
-    Ok(())
+    out.commit()
 }
 
 /// A byte-level BPE with no merges: 256 byte tokens, then `<|endoftext|>`,
