@@ -168,7 +168,7 @@ fn record_view<'a>(record: &'a [u8], layout: &RecordLayout, proj: Projection) ->
         dtype: layout.scale_dtype,
         bytes: piece(kind),
     };
-    let spec = layout.specs[Projection::ALL.iter().position(|&p| p == proj).unwrap_or(0)];
+    let spec = layout.specs[proj.index()];
     QuantView {
         spec,
         rows,
@@ -344,15 +344,12 @@ impl Backend for CpuBackend {
 
     fn rope(&self, x: &CpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> CpuTensor {
         let half = rotary_dim / 2;
+        let table = super::rope_table(start, x.rows, rotary_dim, theta);
         let mut data = x.data.clone();
-        for t in 0..x.rows {
-            let pos = (start + t) as f64;
-            let row = &mut data[t * x.cols..(t + 1) * x.cols];
+        for (t, row) in data.chunks_exact_mut(x.cols).enumerate() {
+            let angles = &table[t * half..(t + 1) * half];
             for head in row.chunks_exact_mut(head_dim) {
-                for j in 0..half {
-                    let inv_freq = theta.powf(-((2 * j) as f64) / rotary_dim as f64);
-                    let (sin, cos) = (pos * inv_freq).sin_cos();
-                    let (sin, cos) = (sin as f32, cos as f32);
+                for (j, &(cos, sin)) in angles.iter().enumerate() {
                     let (x1, x2) = (head[j], head[j + half]);
                     head[j] = x1 * cos - x2 * sin;
                     head[j + half] = x1 * sin + x2 * cos;

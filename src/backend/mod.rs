@@ -15,6 +15,24 @@ use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::error::Result;
 use crate::experts::ExpertRecord;
 
+/// RoPE rotation table for rows at positions `start .. start + rows`: `[rows, rotary_dim / 2]`
+/// pairs `(cos, sin)` of `pos * theta^(-2j / rotary_dim)`, computed in f64 and rounded to
+/// f32 (non-traditional half-split RoPE, ../shared/spec/models.md §2.5). Shared by every
+/// backend so they rotate by exactly the same angles.
+pub fn rope_table(start: usize, rows: usize, rotary_dim: usize, theta: f64) -> Vec<(f32, f32)> {
+    let half = rotary_dim / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64)).collect();
+    let mut table = Vec::with_capacity(rows * half);
+    for t in 0..rows {
+        let pos = (start + t) as f64;
+        table.extend(inv_freq.iter().map(|f| {
+            let (sin, cos) = (pos * f).sin_cos();
+            (cos as f32, sin as f32)
+        }));
+    }
+    table
+}
+
 /// Head geometry of a gated DeltaNet layer.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaDims {

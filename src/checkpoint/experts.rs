@@ -29,6 +29,11 @@ pub enum Projection {
 impl Projection {
     pub const ALL: [Projection; 3] = [Projection::Gate, Projection::Up, Projection::Down];
 
+    /// Position in [`Projection::ALL`] (and in [`RecordLayout::specs`]).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     fn module(self) -> &'static str {
         match self {
             Projection::Gate => "gate_proj",
@@ -90,9 +95,7 @@ pub struct RecordLayout {
 impl RecordLayout {
     /// Index of a piece in record order.
     pub fn piece(proj: Projection, kind: PieceKind) -> usize {
-        let p = Projection::ALL.iter().position(|&x| x == proj).unwrap_or(0);
-        let k = PieceKind::ALL.iter().position(|&x| x == kind).unwrap_or(0);
-        3 * p + k
+        3 * proj.index() + kind as usize
     }
 
     /// `(rows, cols)` of a projection: gate/up `[intermediate, hidden]`, down `[hidden, intermediate]`.

@@ -71,19 +71,10 @@ pub(super) fn rope(b: &GpuBackend, x: &GpuTensor, head_dim: usize, rotary_dim: u
     if n == 0 {
         return out;
     }
-    let half = rotary_dim / 2;
-    let mut table = Vec::with_capacity(x.rows * half * 2);
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64))
+    let table: Vec<f32> = crate::backend::rope_table(start, x.rows, rotary_dim, theta)
+        .into_iter()
+        .flat_map(|(cos, sin)| [cos, sin])
         .collect();
-    for t in 0..x.rows {
-        let pos = (start + t) as f64;
-        for f in &inv_freq {
-            let (sin, cos) = (pos * f).sin_cos();
-            table.push(cos as f32);
-            table.push(sin as f32);
-        }
-    }
     let table = b.gpu.buffer_with(bytemuck::cast_slice(&table));
     // The whole `Params` block of the shader, of which rope reads the first 4 words.
     let mut params = [0u32; PARAMS];

@@ -149,6 +149,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     /// Whether host memory can be imported as GPU buffers (unified placement).
     pub host_import: bool,
+    /// A 4-byte buffer bound where a kernel's binding is unused.
+    pub dummy: wgpu::Buffer,
     poison: bool,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>>,
     encoder: Mutex<Option<wgpu::CommandEncoder>>,
@@ -206,6 +208,12 @@ impl Gpu {
         let host_import = super::host_memory::supported(&device);
         #[cfg(target_os = "macos")]
         let host_import = false;
+        let dummy = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("unused binding"),
+            size: 4,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         let summary = summarize(&adapter);
         tracing::info!(adapter = %summary.name, backend = %summary.backend, "GPU opened");
         Ok(Gpu {
@@ -214,6 +222,7 @@ impl Gpu {
             adapter: summary,
             limits,
             host_import,
+            dummy,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
             encoder: Mutex::default(),

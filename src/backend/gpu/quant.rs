@@ -156,8 +156,7 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
                 ..Default::default()
             };
             let ids_buf = b.gpu.buffer_with(bytemuck::cast_slice(ids));
-            let dummy = b.gpu.zeroed(4);
-            b.gpu.dispatch(&EMBED, &params.words(), &[&dummy, data, &ids_buf, &out.buf], [1, 1, ids.len() as u32]);
+            b.gpu.dispatch(&EMBED, &params.words(), &[&b.gpu.dummy, data, &ids_buf, &out.buf], [1, 1, ids.len() as u32]);
         }
         GpuWeight::Dense { data, .. } => {
             for (t, &id) in ids.iter().enumerate() {
@@ -169,7 +168,7 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
 }
 
 pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
-    let dummy = b.gpu.zeroed(4);
+    let dummy = &b.gpu.dummy;
     match w {
         GpuWeight::Quantized {
             spec,
@@ -192,7 +191,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
                 b_off: *b_off,
                 ..Default::default()
             };
-            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
+            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
         GpuWeight::Dense { rows, cols, data } => {
@@ -203,7 +202,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
                 cols: *cols as u32,
                 ..Default::default()
             };
-            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, &dummy, &out.buf], row_groups(*rows, x.rows));
+            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
     }
@@ -284,7 +283,7 @@ pub(super) fn moe_experts(
     let eb = elem_bytes(code);
     let (d, inter) = (layout.hidden, layout.intermediate);
     let proj_params = |proj: Projection, routes: usize| {
-        let p = Projection::ALL.iter().position(|&q| q == proj).unwrap_or(0);
+        let p = proj.index();
         let (rows, cols) = layout.shape(proj);
         let off = |kind| layout.offsets[RecordLayout::piece(proj, kind)];
         Params {
