@@ -2,31 +2,25 @@
 //! the router's softmax + top-k. Requires a GPU adapter (lavapipe will do): without one
 //! these tests fail rather than skip.
 
+mod common;
+
 use std::sync::OnceLock;
+
+use common::random;
 
 use rand::seq::SliceRandom;
 use rand::Rng;
 use slotstream::backend::cpu::CpuBackend;
-use slotstream::backend::gpu::{GpuBackend, GpuOptions};
+use slotstream::backend::gpu::GpuBackend;
 use slotstream::backend::Backend;
 
 const TOL: f64 = 1e-5;
 
 fn gpu() -> &'static GpuBackend {
     static GPU: OnceLock<GpuBackend> = OnceLock::new();
-    GPU.get_or_init(|| {
-        GpuBackend::new(&GpuOptions {
-            adapter: None,
-            poison_outputs: true,
-        })
-        .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
-    })
+    GPU.get_or_init(common::gpu)
 }
 
-fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    let mut rng = rand::rng();
-    (0..n).map(|_| rng.random_range(lo..hi)).collect()
-}
 
 /// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
 fn check(what: &str, got: &[f32], want: &[f32]) {

@@ -6,25 +6,17 @@
 //! must match the CPU within 1e-5 norm-wise relative error, with no NaN (new GPU output
 //! buffers are NaN-filled, so an element a kernel forgets to write fails).
 
-use rand::Rng;
+mod common;
+use common::{gpu, random};
+
+
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
-use slotstream::backend::gpu::{GpuBackend, GpuOptions, GpuTensor};
+use slotstream::backend::gpu::{GpuBackend, GpuTensor};
 use slotstream::backend::{AttnDims, Backend, DeltaDims};
 
 const TOL: f64 = 1e-5;
 
-fn gpu() -> GpuBackend {
-    GpuBackend::new(&GpuOptions {
-        adapter: None,
-        poison_outputs: true,
-    })
-    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
-}
 
-fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
-    let mut rng = rand::rng();
-    (0..n).map(|_| rng.random_range(lo..hi)).collect()
-}
 
 /// Random rows scaled so that each group of `width` columns has unit L2 norm (the model
 /// normalizes q and k of the delta rule).

@@ -7,20 +7,13 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use slotstream::backend::gpu::{GpuBackend, GpuOptions, Placement};
+use slotstream::backend::gpu::{GpuBackend, Placement};
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::{ExpertSource, MappedExperts};
 use slotstream::io::IoMode;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
 
-fn gpu() -> GpuBackend {
-    GpuBackend::new(&GpuOptions {
-        adapter: None,
-        poison_outputs: true,
-    })
-    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
-}
 
 fn greedy<E: ExpertSource>(model: &Model<GpuBackend>, g: &GpuBackend, experts: &E, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut state = model.new_state(g);

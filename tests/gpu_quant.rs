@@ -6,19 +6,12 @@ mod common;
 use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
-use slotstream::backend::gpu::{GpuBackend, GpuOptions};
+
 use slotstream::backend::{Backend, Routing};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::experts::{ExpertRecord, ExpertSource};
 
-fn gpu() -> GpuBackend {
-    GpuBackend::new(&GpuOptions {
-        adapter: None,
-        poison_outputs: true,
-    })
-    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
-}
 
 fn encode(dtype: Dtype, v: f32) -> Vec<u8> {
     match dtype {
@@ -58,7 +51,7 @@ fn check(name: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
 
 #[test]
 fn quantized_matmul_matches_cpu() {
-    let g = gpu();
+    let g = common::gpu();
     let cpu = CpuBackend;
     for (bits, group, dtype) in [
         (4, 64, Dtype::BF16),
@@ -81,7 +74,7 @@ fn quantized_matmul_matches_cpu() {
 
 #[test]
 fn dense_matmul_and_embedding_match_cpu() {
-    let g = gpu();
+    let g = common::gpu();
     let cpu = CpuBackend;
     let (rows, cols) = (300, 96);
     let dense = LinearWeight::Dense(DenseMatrix { rows, cols, data: random(rows * cols) });
@@ -107,7 +100,7 @@ fn dense_matmul_and_embedding_match_cpu() {
 #[test]
 fn routed_experts_match_cpu() {
     // Real records from both fixtures (bf16 g64 and f32 g32), random routing.
-    let g = gpu();
+    let g = common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
     for name in common::FIXTURES {

@@ -72,12 +72,22 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
+#[allow(unused_imports)]
+pub use slotstream::sampling::argmax;
+
+/// The GPU backend with poisoned (NaN-filled) outputs, so an element a kernel forgets to
+/// write fails its test. Panics without an adapter: GPU tests fail, never skip.
+pub fn gpu() -> slotstream::backend::gpu::GpuBackend {
+    slotstream::backend::gpu::GpuBackend::new(&slotstream::backend::gpu::GpuOptions {
+        adapter: None,
+        poison_outputs: true,
+    })
+    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
+}
+
+/// `n` values uniform in `[lo, hi)`, fresh on every call.
+pub fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }

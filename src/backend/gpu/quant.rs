@@ -11,6 +11,7 @@ use super::device::{grid, shader, Access, Kernel};
 use super::{GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::Routing;
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
+use crate::config::QuantSpec;
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 
@@ -63,6 +64,20 @@ struct Params {
 }
 
 impl Params {
+    /// Parameters of a resident quantized weight (packed words at 0 in its buffer).
+    fn resident(spec: QuantSpec, rows: usize, cols: usize, scale_dtype: u32, s_off: u32, b_off: u32) -> Self {
+        Params {
+            rows: rows as u32,
+            cols: cols as u32,
+            bits: spec.bits,
+            group_size: spec.group_size as u32,
+            scale_dtype,
+            s_off,
+            b_off,
+            ..Default::default()
+        }
+    }
+
     fn words(&self) -> [u32; 12] {
         [
             self.rows,
@@ -145,16 +160,7 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
             data,
             ..
         } => {
-            let params = Params {
-                rows: rows as u32,
-                cols: cols as u32,
-                bits: spec.bits,
-                group_size: spec.group_size as u32,
-                scale_dtype: *scale_dtype,
-                s_off: *s_off,
-                b_off: *b_off,
-                ..Default::default()
-            };
+            let params = Params::resident(*spec, rows, cols, *scale_dtype, *s_off, *b_off);
             let ids_buf = b.gpu.buffer_with(bytemuck::cast_slice(ids));
             b.gpu.dispatch(&EMBED, &params.words(), &[&b.gpu.dummy, data, &ids_buf, &out.buf], [1, 1, ids.len() as u32]);
         }
@@ -181,16 +187,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
         } => {
             assert_eq!(x.cols, *cols, "matmul input width");
             let out = b.empty(x.rows, *rows);
-            let params = Params {
-                rows: *rows as u32,
-                cols: *cols as u32,
-                bits: spec.bits,
-                group_size: spec.group_size as u32,
-                scale_dtype: *scale_dtype,
-                s_off: *s_off,
-                b_off: *b_off,
-                ..Default::default()
-            };
+            let params = Params::resident(*spec, *rows, *cols, *scale_dtype, *s_off, *b_off);
             b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
