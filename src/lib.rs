@@ -18,6 +18,7 @@ pub mod backend;
 pub mod cachesim;
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod experts;
 pub mod generate;
