@@ -34,6 +34,20 @@ const LANES: u32 = 16u;
 const ROWS: u32 = 16u;
 var<workgroup> partial: array<f32, 256>;
 
+// Sum of `acc` over the LANES lanes of one row (meaningful in lane 0). Every invocation
+// of the workgroup must call it (it has barriers).
+fn row_sum(li: u32, lane: u32, acc: f32) -> f32 {
+    partial[li] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            partial[li] += partial[li + s];
+        }
+        workgroupBarrier();
+    }
+    return partial[li];
+}
+
 // IEEE half to f32 by bits (unpack2x16float needs a capability Metal's translation may lack).
 fn f16_bits_to_f32(h: u32) -> f32 {
     let sign = (h & 0x8000u) << 16u;
@@ -107,16 +121,9 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
             acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
         }
     }
-    partial[li] = acc;
-    workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            partial[li] += partial[li + s];
-        }
-        workgroupBarrier();
-    }
+    let total = row_sum(li, lane, acc);
     if (lane == 0u && row < p.rows) {
-        out[z * p.rows + row] = partial[li];
+        out[z * p.rows + row] = total;
     }
 }
 
@@ -135,16 +142,9 @@ fn matmul_dense(@builtin(local_invocation_index) li: u32,
             acc += bitcast<f32>(w[row * p.cols + c]) * act[t * p.cols + c];
         }
     }
-    partial[li] = acc;
-    workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            partial[li] += partial[li + s];
-        }
-        workgroupBarrier();
-    }
+    let total = row_sum(li, lane, acc);
     if (lane == 0u && row < p.rows) {
-        out[t * p.rows + row] = partial[li];
+        out[t * p.rows + row] = total;
     }
 }
 

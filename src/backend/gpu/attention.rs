@@ -11,44 +11,19 @@
 //! tiles (decode over a long context), its positions are split over more workgroups and
 //! the partial outputs summed by a fourth kernel.
 
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
 use crate::backend::AttnDims;
 
-const ROPE: Kernel = Kernel {
-    file: "attention.wgsl",
-    source: shader("attention.wgsl"),
-    entry: "rope",
-    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
-};
+const ROPE: Kernel = Kernel::new("attention.wgsl", "rope", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
 
-const SCORES: Kernel = Kernel {
-    file: "attention.wgsl",
-    source: shader("attention.wgsl"),
-    entry: "attn_scores",
-    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
-};
+const SCORES: Kernel = Kernel::new("attention.wgsl", "attn_scores", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
 
-const SOFTMAX: Kernel = Kernel {
-    file: "attention.wgsl",
-    source: shader("attention.wgsl"),
-    entry: "attn_softmax",
-    bindings: &[Access::ReadWrite],
-};
+const SOFTMAX: Kernel = Kernel::new("attention.wgsl", "attn_softmax", &[Access::ReadWrite]);
 
-const PV: Kernel = Kernel {
-    file: "attention.wgsl",
-    source: shader("attention.wgsl"),
-    entry: "attn_pv",
-    bindings: &[Access::ReadWrite, Access::Read, Access::ReadWrite],
-};
+const PV: Kernel = Kernel::new("attention.wgsl", "attn_pv", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
 
-const SUM: Kernel = Kernel {
-    file: "attention.wgsl",
-    source: shader("attention.wgsl"),
-    entry: "attn_sum",
-    bindings: &[Access::ReadWrite, Access::Read],
-};
+const SUM: Kernel = Kernel::new("attention.wgsl", "attn_sum", &[Access::ReadWrite, Access::Read]);
 
 /// Side of the square tiles of `attn_scores` and `attn_pv` (`TILE` in the shader).
 const TILE: usize = 16;

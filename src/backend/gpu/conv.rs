@@ -3,24 +3,19 @@
 //! One dispatch writes the output and a new state buffer (the last `K-1` rows of
 //! `[state; x]`), so no invocation can read a state row another has already replaced;
 //! the caller's state tensor then points at the new buffer.
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/conv.wgsl`).
 const WG: usize = 256;
 
-const CONV: Kernel = Kernel {
-    file: "conv.wgsl",
-    source: shader("conv.wgsl"),
-    entry: "causal_conv1d_silu",
-    bindings: &[
+const CONV: Kernel = Kernel::new("conv.wgsl", "causal_conv1d_silu", &[
         Access::Read,
         Access::Read,
         Access::Read,
         Access::ReadWrite,
         Access::ReadWrite,
-    ],
-};
+    ]);
 
 /// `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over `in = [state; x]`; `w` `[C, K]`,
 /// `state` `[K-1, C]` replaced by the last `K-1` rows of `in`.

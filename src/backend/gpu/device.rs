@@ -37,6 +37,18 @@ pub struct Kernel {
     pub bindings: &'static [Access],
 }
 
+impl Kernel {
+    /// Entry point `entry` of `wgsl/<file>` with its storage `bindings`.
+    pub const fn new(file: &'static str, entry: &'static str, bindings: &'static [Access]) -> Kernel {
+        Kernel {
+            file,
+            source: shader(file),
+            entry,
+            bindings,
+        }
+    }
+}
+
 /// Every WGSL file of the crate, embedded at build time: `(file name, source)`.
 pub const SHADERS: &[(&str, &str)] = &[
     ("quant.wgsl", include_str!("../../../wgsl/quant.wgsl")),

@@ -1,19 +1,14 @@
 //! Elementwise kernels: add, SwiGLU, sigmoid gating, column gathers (`wgsl/elementwise.wgsl`).
 //!
 //! One invocation per output element, [`WG`] per workgroup, over a [`grid`] of workgroups.
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/elementwise.wgsl`).
 const WG: usize = 256;
 
 const fn kernel(entry: &'static str) -> Kernel {
-    Kernel {
-        file: "elementwise.wgsl",
-        source: shader("elementwise.wgsl"),
-        entry,
-        bindings: &[Access::Read, Access::Read, Access::ReadWrite],
-    }
+    Kernel::new("elementwise.wgsl", entry, &[Access::Read, Access::Read, Access::ReadWrite])
 }
 
 const ADD: Kernel = kernel("add");

@@ -4,30 +4,20 @@
 //! `gated_delta` runs the recurrence with one workgroup per (value head, block of 8 state
 //! rows), the state rows held in registers across the whole token loop.
 
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::DeltaDims;
 
-const GATES: Kernel = Kernel {
-    file: "gated_delta.wgsl",
-    source: shader("gated_delta.wgsl"),
-    entry: "delta_gates",
-    bindings: &[Access::Read, Access::Read, Access::Read, Access::Read, Access::ReadWrite],
-};
+const GATES: Kernel = Kernel::new("gated_delta.wgsl", "delta_gates", &[Access::Read, Access::Read, Access::Read, Access::Read, Access::ReadWrite]);
 
-const RECURRENCE: Kernel = Kernel {
-    file: "gated_delta.wgsl",
-    source: shader("gated_delta.wgsl"),
-    entry: "gated_delta",
-    bindings: &[
+const RECURRENCE: Kernel = Kernel::new("gated_delta.wgsl", "gated_delta", &[
         Access::Read,
         Access::Read,
         Access::Read,
         Access::Read,
         Access::ReadWrite,
         Access::ReadWrite,
-    ],
-};
+    ]);
 
 /// State rows per workgroup (`ROWS` in the shader).
 const ROWS: usize = 8;

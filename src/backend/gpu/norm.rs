@@ -4,25 +4,15 @@
 //! of 256 invocations handles `256 / tpg` groups with `tpg` invocations each, `tpg` the
 //! power of two that covers the group (at most 256), so small per-head groups do not
 //! leave most of a workgroup idle.
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/norm.wgsl`).
 const WG: usize = 256;
 
-const RMS_NORM: Kernel = Kernel {
-    file: "norm.wgsl",
-    source: shader("norm.wgsl"),
-    entry: "rms_norm",
-    bindings: &[Access::Read, Access::Read, Access::ReadWrite],
-};
+const RMS_NORM: Kernel = Kernel::new("norm.wgsl", "rms_norm", &[Access::Read, Access::Read, Access::ReadWrite]);
 
-const RMS_NORM_GATED: Kernel = Kernel {
-    file: "norm.wgsl",
-    source: shader("norm.wgsl"),
-    entry: "rms_norm_gated",
-    bindings: &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
-};
+const RMS_NORM_GATED: Kernel = Kernel::new("norm.wgsl", "rms_norm_gated", &[Access::Read, Access::Read, Access::ReadWrite, Access::Read]);
 
 /// Uniform parameters and workgroup grid for `x` in groups of `group` values.
 fn layout(x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, scale: f32) -> ([u32; 7], [u32; 3]) {

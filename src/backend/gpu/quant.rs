@@ -7,7 +7,7 @@
 
 use safetensors::Dtype;
 
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::Routing;
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
@@ -17,12 +17,7 @@ use crate::experts::ExpertRecord;
 
 const BINDINGS: &[Access] = &[Access::Read, Access::Read, Access::Read, Access::ReadWrite];
 const fn kernel(entry: &'static str) -> Kernel {
-    Kernel {
-        file: "quant.wgsl",
-        source: shader("quant.wgsl"),
-        entry,
-        bindings: BINDINGS,
-    }
+    Kernel::new("quant.wgsl", entry, BINDINGS)
 }
 const QMATMUL: Kernel = kernel("qmatmul");
 const DENSE: Kernel = kernel("matmul_dense");

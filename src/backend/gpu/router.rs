@@ -3,7 +3,7 @@
 //! One workgroup per token computes the softmax and picks the `k` largest probabilities
 //! on the device; ids and weights land in one small buffer that is read back in one go
 //! (the layer's one read-back).
-use super::device::{grid, shader, Access, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::Routing;
 use crate::error::{Error, Result};
@@ -11,12 +11,7 @@ use crate::error::{Error, Result};
 /// Largest `k` the shader holds picks for (`MAX_K` in `wgsl/router.wgsl`).
 const MAX_K: usize = 64;
 
-const ROUTER_TOP_K: Kernel = Kernel {
-    file: "router.wgsl",
-    source: shader("router.wgsl"),
-    entry: "router_top_k",
-    bindings: &[Access::Read, Access::ReadWrite],
-};
+const ROUTER_TOP_K: Kernel = Kernel::new("router.wgsl", "router_top_k", &[Access::Read, Access::ReadWrite]);
 
 /// Softmax over each row of `logits` `[T, E]`, the `k` largest probabilities (highest
 /// first, ties to the lower id), renormalized to sum 1 if asked.
