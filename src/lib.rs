@@ -16,6 +16,7 @@
 pub mod atomic_file;
 pub mod backend;
 pub mod cachesim;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;

@@ -39,11 +39,34 @@ enum Command {
     Devices,
     /// Generate text from a prompt, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Chat in the terminal, keeping the conversation's state between turns.
+    Chat(ChatArgs),
     /// Write a synthetic checkpoint in the exact MLX layout of a preset (random weights).
     Synth(SynthArgs),
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
     /// that holds a third of its experts.
     Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct ChatArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Most tokens per reply.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seed of the sampler's random stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    #[arg(long)]
+    device: Option<String>,
+    #[command(flatten)]
+    stream: StreamArgs,
 }
 
 #[derive(Args)]
@@ -239,6 +262,7 @@ fn main() {
         Command::Cachesim(args) => cachesim(args),
         Command::Devices => devices(),
         Command::Generate(args) => generate(args),
+        Command::Chat(args) => chat(args),
         Command::Synth(args) => synth(args),
         Command::Demo(args) => demo(args),
     };
@@ -570,4 +594,63 @@ fn demo(args: DemoArgs) -> Result<()> {
             placement: None,
         },
     })
+}
+
+fn chat(args: ChatArgs) -> Result<()> {
+    let ckpt = Arc::new(
+        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+    );
+    let tokenizer = Tokenizer::load(&args.model)?;
+    let template = ChatTemplate::load(&args.model)?
+        .with_context(|| format!("{} has no chat template", args.model.display()))?;
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingOptions {
+            temperature: args.temperature,
+            seed: args.seed,
+            ..Default::default()
+        },
+        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids)?,
+    };
+    match open_backend(&args.device)? {
+        Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
+        Compute::Gpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
+    }
+}
+
+fn chat_on<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    options: &GenerateOptions,
+    args: &ChatArgs,
+) -> Result<()> {
+    use std::io::{BufRead, Write};
+    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let mut conversation = slotstream::chat::Conversation::new(&model, backend);
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    eprintln!("type a message; an empty line or end of input ends the chat");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        let turn = conversation.turn(&model, backend, &experts, tokenizer, template, line.trim_end(), options, |t| {
+            print!("{t}");
+            let _ = stdout.flush();
+        })?;
+        println!();
+        if args.stream.stats {
+            eprintln!(
+                "[{} new prompt tokens, {} reused; {} tokens at {:.1} tok/s]",
+                turn.prompt_tokens, turn.reused_tokens, turn.stats.generated_tokens, turn.stats.decode_tps
+            );
+        }
+    }
+    finish_pool(&pool, &args.stream)
 }
