@@ -26,6 +26,7 @@ pub mod generate;
 pub mod io;
 pub mod model;
 pub mod pack;
+pub mod plan;
 pub mod pool;
 pub mod sampling;
 pub mod score;

@@ -13,6 +13,7 @@ use slotstream::score::Score;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::{AnyExperts, MappedExperts};
 use slotstream::generate::GenerateOptions;
+use slotstream::plan::Plan;
 use slotstream::sampling::SamplingOptions;
 use slotstream::model::Model;
 use slotstream::cachesim;
@@ -41,6 +42,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Chat in the terminal, keeping the conversation's state between turns.
     Chat(ChatArgs),
+    /// Show how a memory budget splits: resident weights, context state, workspaces,
+    /// staging and the slots that remain.
+    Plan(PlanArgs),
     /// Write a synthetic checkpoint in the exact MLX layout of a preset (random weights).
     Synth(SynthArgs),
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
@@ -67,6 +71,25 @@ struct ChatArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Total memory for the run, e.g. 8GiB.
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    memory_budget: u64,
+    /// Context to reserve KV cache for, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Reads in flight.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: usize,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -144,13 +167,24 @@ struct GenerateArgs {
     stream: StreamArgs,
 }
 
-/// How routed experts are read: through a slot pool of `--pool-slots`, or (without it)
-/// from the memory-mapped checkpoint.
+/// How routed experts are read: through a slot pool sized by `--pool-slots`,
+/// `--experts-per-layer` or `--memory-budget`, or (without them) from the memory-mapped
+/// checkpoint.
 #[derive(Args)]
 struct StreamArgs {
     /// Stream experts through a pool of this many slots (records).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["experts_per_layer", "memory_budget"])]
     pool_slots: Option<usize>,
+    /// A pool of this many slots per MoE layer (shared by all layers).
+    #[arg(long, conflicts_with = "memory_budget")]
+    experts_per_layer: Option<usize>,
+    /// Plan the run within this much memory (e.g. 8GiB); the pool gets what the other
+    /// terms leave (see `slotstream plan`).
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    memory_budget: Option<u64>,
+    /// Context the memory plan reserves KV cache for, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
     /// Demand reads in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     queue_depth: u16,
@@ -161,7 +195,7 @@ struct StreamArgs {
     #[arg(long)]
     no_pack: bool,
     /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
-    #[arg(long, requires = "pool_slots")]
+    #[arg(long)]
     trace: Option<PathBuf>,
     /// Print statistics on stderr (the pool's as JSON when streaming).
     #[arg(long)]
@@ -172,7 +206,7 @@ struct StreamArgs {
     /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
     /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
     /// and CPU adapters that support it, device on discrete GPUs.
-    #[arg(long, requires = "pool_slots")]
+    #[arg(long)]
     placement: Option<Placement>,
 }
 
@@ -263,6 +297,7 @@ fn main() {
         Command::Devices => devices(),
         Command::Generate(args) => generate(args),
         Command::Chat(args) => chat(args),
+        Command::Plan(args) => plan(args),
         Command::Synth(args) => synth(args),
         Command::Demo(args) => demo(args),
     };
@@ -333,8 +368,20 @@ fn open_experts<B: Backend>(
     a: &StreamArgs,
     runtime: &tokio::runtime::Runtime,
 ) -> Result<(AnyExperts, Option<Arc<SlotPool>>)> {
-    let Some(slots) = a.pool_slots else {
-        return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None));
+    let slots = match (a.pool_slots, a.experts_per_layer, a.memory_budget) {
+        (Some(n), _, _) => n,
+        (_, Some(n), _) => n * index.moe_layers.len(),
+        (_, _, Some(budget)) => {
+            let plan = Plan::new(ckpt, &index, budget, a.context, a.queue_depth as usize)?;
+            tracing::info!(slots = plan.slots, pool = %slotstream::plan::human(plan.pool), "memory plan");
+            plan.slots
+        }
+        _ => {
+            if a.trace.is_some() || a.placement.is_some() {
+                bail!("--trace and --placement need a pool (--pool-slots, --experts-per-layer or --memory-budget)");
+            }
+            return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None));
+        }
     };
     let mut options = StreamOptions::with_slots(slots);
     options.queue_depth = a.queue_depth as usize;
@@ -460,6 +507,7 @@ fn generate_on<B: Backend>(
             "text": text,
             "stats": stats,
             "pool": pool_stats,
+            "peak_rss_bytes": slotstream::plan::peak_rss(),
         });
         println!("{out}");
     } else {
@@ -467,9 +515,27 @@ fn generate_on<B: Backend>(
     }
     if args.stream.stats {
         eprintln!(
-            "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s ({})",
-            stats.prompt_tokens, stats.prefill_tps, stats.generated_tokens, stats.decode_tps, stats.finish_reason
+            "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s ({}), peak RSS {}",
+            stats.prompt_tokens,
+            stats.prefill_tps,
+            stats.generated_tokens,
+            stats.decode_tps,
+            stats.finish_reason,
+            slotstream::plan::peak_rss().map_or("unknown".into(), slotstream::plan::human)
         );
+        if let Some(p) = &pool_stats {
+            let read = p.demand_bytes + p.speculative_bytes;
+            let wait_share = if stats.decode_seconds > 0.0 { p.wait_seconds / (stats.prefill_seconds + stats.decode_seconds) } else { 0.0 };
+            eprintln!(
+                "pool: hit rate {:.3}, {} read ({} speculative, {} prefetches used, {} wasted), {:.0}% of the run waiting on reads",
+                p.hit_rate,
+                slotstream::plan::human(read),
+                slotstream::plan::human(p.speculative_bytes),
+                p.prefetches_used,
+                p.prefetches_wasted,
+                100.0 * wait_share
+            );
+        }
     }
     finish_pool(&pool, &args.stream)
 }
@@ -585,6 +651,9 @@ fn demo(args: DemoArgs) -> Result<()> {
         device: args.device,
         stream: StreamArgs {
             pool_slots: Some(slots),
+            experts_per_layer: None,
+            memory_budget: None,
+            context: 4096,
             queue_depth: 32,
             io: IoMode::Direct,
             no_pack: false,
@@ -653,4 +722,16 @@ fn chat_on<B: Backend>(
         }
     }
     finish_pool(&pool, &args.stream)
+}
+
+fn plan(args: PlanArgs) -> Result<()> {
+    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let index = ExpertIndex::build(&ckpt)?;
+    let plan = Plan::new(&ckpt, &index, args.memory_budget, args.context, args.queue_depth)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        print!("{}", plan.table());
+    }
+    Ok(())
 }

@@ -68,6 +68,9 @@ fn bad_input_gives_clear_errors() {
         (&["generate", "--model", dir, "--prompt", "hi", "--pool-slots", "3", "--device", "cpu"], "below the floor"),
         (&["generate", "--model", dir, "--prompt", "hi", "--top-p", "2", "--device", "cpu"], "top-p"),
         (&["generate", "--model", dir, "--prompt", "hi", "--io", "sideways"], "sideways"),
+        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "20MiB", "--device", "cpu"], "below the floor"),
+        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "1GiB", "--pool-slots", "30"], "cannot be used with"),
+        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "lots"], "not a size"),
     ];
     for (args, needle) in cases {
         let out = slotstream().args(*args).output().unwrap();
@@ -76,4 +79,22 @@ fn bad_input_gives_clear_errors() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn peak_rss_stays_within_the_planned_budget() {
+    let name = FIXTURES[0];
+    let r = reference(name);
+    let dir = fixture_dir(name);
+    let prompt: Vec<String> = r.prompt_ids.iter().map(|i| i.to_string()).collect();
+    let budget = 64u64 << 20;
+    let v = run_json(&[
+        "generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt.join(","), "--max-tokens", "16",
+        "--json", "--device", "cpu", "--memory-budget", "64MiB",
+    ]);
+    let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+    assert_eq!(ids, expected(name)[..16.min(expected(name).len())]);
+    let peak = v["peak_rss_bytes"].as_u64().expect("peak RSS is reported on Linux");
+    assert!(peak <= budget, "peak RSS {peak} above the planned budget {budget}");
+    assert!(v["pool"]["slots"].as_u64().unwrap() > 0);
 }

@@ -1,0 +1,215 @@
+//! The memory planner: how much of a budget the fixed parts of a run take, and how many
+//! pool slots the rest buys (../shared/DESIGN.md, "Memory planner"; the reference
+//! system's Plan.swift splits its budget the same way, reference-system.md B.3).
+//!
+//! budget = resident weights + KV cache and recurrent state for the context
+//!        + activations and workspaces + read staging + runtime + pool
+
+use serde::Serialize;
+
+use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::config::LayerKind;
+use crate::error::{Error, Result};
+use crate::model::PREFILL_CHUNK;
+use crate::pool::{floor_slots, slot_stride};
+
+/// Bytes the process needs beyond what the plan itemizes: code, allocator, tokenizer,
+/// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.
+pub const RUNTIME_BYTES: u64 = 48 << 20;
+
+/// Speculative reads the plan reserves room for (the pool's default).
+const SPECULATIVE: usize = 8;
+
+/// Each term of a plan, in bytes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub budget: u64,
+    /// Non-expert weights as the backends hold them (quantized bytes as stored,
+    /// unquantized tensors widened to f32).
+    pub resident_weights: u64,
+    /// KV cache (f32) of the attention layers and conv + recurrent state of the gated
+    /// DeltaNet layers, for `context` tokens.
+    pub context_state: u64,
+    pub context: usize,
+    /// Activations of one prefill chunk, with logits for every position.
+    pub workspaces: u64,
+    /// Aligned scratch of the reads in flight.
+    pub staging: u64,
+    pub runtime: u64,
+    /// What is left for the slot pool.
+    pub pool: u64,
+    pub slot_bytes: u64,
+    pub slots: usize,
+    pub floor: usize,
+    pub records: usize,
+}
+
+impl Plan {
+    /// Plans `budget` bytes for `ckpt` with room for `context` tokens and `queue_depth`
+    /// reads in flight. Errors: a budget that leaves less than the pool's floor (the
+    /// message gives every term).
+    pub fn new(ckpt: &Checkpoint, index: &ExpertIndex, budget: u64, context: usize, queue_depth: usize) -> Result<Self> {
+        let cfg = &ckpt.config;
+        let resident_weights: u64 = ckpt
+            .tensors()
+            .filter(|t| !t.name.contains(".switch_mlp.") && !t.name.starts_with("mtp."))
+            .map(|t| match t.dtype {
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16 if !ckpt.contains(&scales_of(&t.name)) => t.len * 2,
+                _ => t.len,
+            })
+            .sum();
+        let per_token_kv = (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
+        let delta_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)
+            as u64
+            * 4;
+        let (mut attention, mut delta) = (0u64, 0u64);
+        for kind in &cfg.layer_kinds {
+            match kind {
+                LayerKind::FullAttention => attention += 1,
+                LayerKind::LinearAttention => delta += 1,
+            }
+        }
+        let context_state = attention * per_token_kv * context as u64 + delta * delta_state;
+        // A chunk's widest activations, a few alive at once, plus its logits.
+        let width = (2 * cfg.linear_key_dim() + 2 * cfg.linear_value_dim())
+            .max(2 * cfg.num_attention_heads * cfg.head_dim)
+            + cfg.num_experts_per_tok * cfg.moe_intermediate_size * 3;
+        let chunk = PREFILL_CHUNK as u64;
+        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4;
+        let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
+        let staging = queue_depth as u64 * slot_bytes;
+        let runtime = RUNTIME_BYTES;
+        let fixed = resident_weights + context_state + workspaces + staging + runtime;
+        let pool = budget.saturating_sub(fixed);
+        let floor = floor_slots(index.num_experts, SPECULATIVE);
+        let records = index.records();
+        let slots = ((pool / slot_bytes) as usize).min(records.max(floor));
+        let plan = Plan {
+            budget,
+            resident_weights,
+            context_state,
+            context,
+            workspaces,
+            staging,
+            runtime,
+            pool,
+            slot_bytes,
+            slots,
+            floor,
+            records,
+        };
+        if slots < floor {
+            return Err(Error::Pool(format!(
+                "a budget of {} leaves {} for the pool, {} slots of {}, below the floor of {floor} slots ({}); \
+                 the other terms: {}",
+                human(budget),
+                human(pool),
+                slots,
+                human(slot_bytes),
+                human(floor as u64 * slot_bytes),
+                plan.terms()
+            )));
+        }
+        Ok(plan)
+    }
+
+    fn terms(&self) -> String {
+        format!(
+            "resident weights {}, context state for {} tokens {}, workspaces {}, staging {}, runtime {}",
+            human(self.resident_weights),
+            self.context,
+            human(self.context_state),
+            human(self.workspaces),
+            human(self.staging),
+            human(self.runtime)
+        )
+    }
+
+    /// A table of the terms, for `slotstream plan`.
+    pub fn table(&self) -> String {
+        let rows = [
+            ("resident weights", self.resident_weights),
+            ("context state", self.context_state),
+            ("workspaces", self.workspaces),
+            ("read staging", self.staging),
+            ("runtime", self.runtime),
+            ("slot pool", self.slots as u64 * self.slot_bytes),
+        ];
+        let mut out = format!("budget {}\n", human(self.budget));
+        for (name, bytes) in rows {
+            out += &format!("  {name:<17} {:>12}\n", human(bytes));
+        }
+        out += &format!(
+            "slots: {} of {} records ({:.0}%), {} each; floor {}; context {} tokens\n",
+            self.slots,
+            self.records,
+            100.0 * self.slots as f64 / self.records.max(1) as f64,
+            human(self.slot_bytes),
+            self.floor,
+            self.context
+        );
+        out
+    }
+}
+
+fn scales_of(weight: &str) -> String {
+    weight.strip_suffix(".weight").map(|m| format!("{m}.scales")).unwrap_or_default()
+}
+
+/// Bytes as KiB, MiB or GiB.
+pub fn human(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    }
+}
+
+/// Parses sizes such as `8GiB`, `512MiB`, `1.5GB`, `4096` (bytes).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size (e.g. 8GiB, 512MiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "tib" => 1024f64.powi(4),
+        "tb" => 1e12,
+        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+    };
+    if n < 0.0 || !n.is_finite() {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((n * mult) as u64)
+}
+
+/// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_size("1.5 GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+    }
+}
