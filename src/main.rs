@@ -485,6 +485,14 @@ fn generate_on<B: Backend>(
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
     let mut stdout = std::io::stdout();
+    // Ctrl-C stops after the current token; the output so far and the stats still print.
+    let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        if let Err(e) = ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst)) {
+            tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
+        }
+    }
     let (ids, stats) = slotstream::generate::generate(&model, backend, &experts, &mut state, prompt, options, |id| {
         let piece = decoder.push(tokenizer, id)?;
         if !args.json {
@@ -492,7 +500,7 @@ fn generate_on<B: Backend>(
             let _ = stdout.flush();
         }
         text.push_str(&piece);
-        Ok(true)
+        Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
     })?;
     let tail = decoder.finish(tokenizer)?;
     if !args.json {

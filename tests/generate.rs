@@ -21,7 +21,12 @@ fn expected(name: &str) -> Vec<u32> {
 
 fn run_json(args: &[&str]) -> serde_json::Value {
     let out = slotstream().args(args).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {err}");
+    // Without --device the first GPU adapter must be found: GPU runs fail, never fall back.
+    if !args.contains(&"--device") {
+        assert!(!err.contains("using the CPU backend"), "no GPU adapter: {err}");
+    }
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -38,17 +43,23 @@ fn greedy_generation_matches_mlx_lm_through_the_pool() {
         let mapped = run_json(&base);
         let ids: Vec<u32> = serde_json::from_value(mapped["output_ids"].clone()).unwrap();
         assert_eq!(ids, want, "{name}: mapped experts");
-        for (slots, qd, io, lookahead) in [
-            ("24", "1", "direct", "on"),
-            ("24", "32", "buffered", "off"),
-            ("40", "32", "buffered", "on"),
-            ("64", "32", "direct", "off"),
+        for (slots, qd, io, lookahead, device) in [
+            ("24", "1", "direct", "on", "cpu"),
+            ("24", "32", "buffered", "off", "cpu"),
+            ("40", "32", "buffered", "on", "cpu"),
+            ("64", "32", "direct", "off", "cpu"),
+            // The first GPU adapter (lavapipe in CI), with its adapter's default placement.
+            ("24", "32", "direct", "on", "gpu"),
+            ("64", "1", "buffered", "off", "gpu"),
         ] {
-            let mut args = base.to_vec();
+            let mut args: Vec<&str> = base.iter().copied().filter(|&a| a != "cpu" && a != "--device").collect();
+            if device == "cpu" {
+                args.extend(["--device", "cpu"]);
+            }
             args.extend(["--pool-slots", slots, "--queue-depth", qd, "--io", io, "--lookahead", lookahead]);
             let v = run_json(&args);
             let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-            assert_eq!(ids, want, "{name}: pool {slots} qd {qd} {io} lookahead {lookahead}");
+            assert_eq!(ids, want, "{name}: pool {slots} qd {qd} {io} lookahead {lookahead} on {device}");
             let pool = &v["pool"];
             assert!(pool["misses"].as_u64().unwrap() > 0 && pool["hits"].as_u64().unwrap() > 0, "{pool}");
             let speculative = pool["speculative_reads"].as_u64().unwrap();
