@@ -57,6 +57,15 @@ pub trait ExpertSource: Send + Sync {
     /// routing trace can tell tokens apart.
     fn begin_step(&self) {}
 
+    /// The records of a prefill chunk: `uses[i]` routes of the chunk go to `experts[i]`.
+    /// A source may read them outside its cache (the default fetches them as usual).
+    fn fetch_prefill(&self, layer: usize, experts: &[u32], _uses: &[u32]) -> Result<Vec<Self::Record<'_>>> {
+        self.fetch(layer, experts)
+    }
+
+    /// Called when a prompt's prefill is done (before decoding starts).
+    fn end_prefill(&self) {}
+
     /// Whether the model should run lookahead routers and call [`ExpertSource::prefetch`].
     fn lookahead(&self) -> bool {
         false
@@ -103,7 +112,7 @@ pub enum AnyExperts {
 /// A record from [`AnyExperts`].
 pub enum AnyRecord {
     Mapped(Vec<u8>),
-    Pool(crate::pool::SlotRecord),
+    Pool(crate::pool::PoolRecord),
 }
 
 impl Deref for AnyRecord {
@@ -133,6 +142,19 @@ impl ExpertSource for AnyExperts {
             AnyExperts::Mapped(m) => m.fetch(layer, experts)?.into_iter().map(AnyRecord::Mapped).collect(),
             AnyExperts::Pool(p) => p.fetch(layer, experts)?.into_iter().map(AnyRecord::Pool).collect(),
         })
+    }
+
+    fn fetch_prefill(&self, layer: usize, experts: &[u32], uses: &[u32]) -> Result<Vec<AnyRecord>> {
+        Ok(match self {
+            AnyExperts::Mapped(m) => m.fetch(layer, experts)?.into_iter().map(AnyRecord::Mapped).collect(),
+            AnyExperts::Pool(p) => p.fetch_prefill(layer, experts, uses)?.into_iter().map(AnyRecord::Pool).collect(),
+        })
+    }
+
+    fn end_prefill(&self) {
+        if let AnyExperts::Pool(p) = self {
+            p.end_prefill();
+        }
     }
 
     fn begin_step(&self) {

@@ -59,6 +59,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     }
     let start = Instant::now();
     let mut logits = model.forward(backend, state, prompt, experts, Logits::Last)?;
+    experts.end_prefill();
     stats.prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
     loop {

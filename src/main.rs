@@ -392,10 +392,8 @@ fn open_experts<B: Backend>(
     if a.trace.is_some() {
         pool.enable_trace();
     }
-    let experts = PoolExperts {
-        pool: pool.clone(),
-        lookahead: a.lookahead == OnOff::On,
-    };
+    let mut experts = PoolExperts::new(pool.clone());
+    experts.lookahead = a.lookahead == OnOff::On;
     Ok((AnyExperts::Pool(experts), Some(pool)))
 }
 

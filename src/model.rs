@@ -109,6 +109,10 @@ pub struct SequenceState<B: Backend> {
 /// Tokens per pass of a long input (see [`Model::forward`]).
 pub const PREFILL_CHUNK: usize = 256;
 
+/// Passes of at least this many tokens get their experts through
+/// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
+pub const SWEEP_MIN_TOKENS: usize = 32;
+
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -479,7 +483,12 @@ impl<B: Backend> Model<B> {
         let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
         in_use.clear();
         let distinct = routing.distinct();
-        let held = experts.fetch(layer, &distinct)?;
+        let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
+            let uses: Vec<u32> = distinct.iter().map(|e| routing.ids.iter().filter(|&x| x == e).count() as u32).collect();
+            experts.fetch_prefill(layer, &distinct, &uses)?
+        } else {
+            experts.fetch(layer, &distinct)?
+        };
         let records: Vec<ExpertRecord<'_>> = routing
             .ids
             .iter()

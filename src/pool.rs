@@ -121,6 +121,8 @@ pub struct PoolStats {
     pub mean_in_flight: f64,
     /// Records read from the shards because the pack was unusable for them.
     pub pack_fallbacks: u64,
+    /// Bytes read for prefill chunks outside the pool (not part of hits and misses).
+    pub sweep_bytes: u64,
     pub per_layer: Vec<LayerCounts>,
     #[serde(skip)]
     in_flight_samples: u64,
@@ -651,6 +653,67 @@ impl SlotPool {
         rx
     }
 
+    /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
+    /// the pool, one read per run of consecutive ids (per piece from the shards, or per
+    /// run from a pack). Counted as `sweep_bytes`, not as hits or misses.
+    pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
+        let layout = &self.index.layout;
+        let mut out: Vec<Vec<u8>> = experts.iter().map(|_| vec![0u8; layout.record_bytes]).collect();
+        let mut start = 0;
+        while start < experts.len() {
+            let mut end = start + 1;
+            while end < experts.len() && experts[end] == experts[end - 1] + 1 {
+                end += 1;
+            }
+            let (e0, n) = (experts[start] as usize, end - start);
+            match &self.files {
+                RecordFiles::Packed { pack, pack_file } => {
+                    let mut buf = vec![0u8; n * self.stride];
+                    read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, &mut buf)?;
+                    for (i, rec) in out[start..end].iter_mut().enumerate() {
+                        let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
+                        if !pack.check(layer, e0 + i, bytes) {
+                            self.read_shard_record(layer, e0 + i, rec)?;
+                        } else {
+                            rec.copy_from_slice(bytes);
+                        }
+                    }
+                }
+                RecordFiles::Shards => {
+                    let first = self
+                        .index
+                        .ranges(layer, e0)
+                        .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {e0}")))?;
+                    for (k, r) in first.iter().enumerate() {
+                        let len = r.len as usize;
+                        let mut buf = vec![0u8; n * len];
+                        read_range(&*self.reader.file(r.shard), r.offset, &mut buf)?;
+                        for (i, rec) in out[start..end].iter_mut().enumerate() {
+                            rec[layout.offsets[k]..layout.offsets[k] + len].copy_from_slice(&buf[i * len..(i + 1) * len]);
+                        }
+                    }
+                }
+            }
+            start = end;
+        }
+        self.lock().stats.sweep_bytes += (experts.len() * layout.record_bytes) as u64;
+        Ok(out)
+    }
+
+    /// Reads one record from the shards, nine pieces, into `dst` (record layout).
+    fn read_shard_record(&self, layer: usize, expert: usize, dst: &mut [u8]) -> Result<()> {
+        let ranges = self
+            .index
+            .ranges(layer, expert)
+            .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {expert}")))?;
+        let layout = &self.index.layout;
+        for (k, r) in ranges.iter().enumerate().take(PIECES_PER_RECORD) {
+            let at = layout.offsets[k];
+            read_range(&*self.reader.file(r.shard), r.offset, &mut dst[at..at + r.len as usize])?;
+        }
+        Ok(())
+    }
+
     /// Reads the record of `key` into slot `i` (runs on the blocking pool).
     fn read_record(&self, i: usize, key: Key) -> Result<()> {
         // SAFETY: slot i is Loading and this is its only load (start_load is called once
@@ -672,16 +735,7 @@ impl SlotPool {
                 }
             }
         }
-        let ranges = self
-            .index
-            .ranges(layer, expert)
-            .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {expert}")))?;
-        let layout = &self.index.layout;
-        for (k, r) in ranges.iter().enumerate().take(PIECES_PER_RECORD) {
-            let at = layout.offsets[k];
-            read_range(&*self.reader.file(r.shard), r.offset, &mut dst[at..at + r.len as usize])?;
-        }
-        Ok(())
+        self.read_shard_record(layer, expert, dst)
     }
 }
 
@@ -729,20 +783,92 @@ pub struct PoolExperts {
     pub pool: Arc<SlotPool>,
     /// Run the lookahead routers and prefetch what they pick.
     pub lookahead: bool,
+    /// Routes per (layer, expert) during the current prompt's prefill, for admission.
+    prompt_uses: Mutex<HashMap<Key, u64>>,
 }
 
 impl PoolExperts {
     /// A source over `pool`, with lookahead on.
     pub fn new(pool: Arc<SlotPool>) -> Self {
-        PoolExperts { pool, lookahead: true }
+        PoolExperts {
+            pool,
+            lookahead: true,
+            prompt_uses: Mutex::default(),
+        }
+    }
+}
+
+/// A record from [`PoolExperts`]: pinned in a slot, or read for one prefill chunk
+/// outside the pool.
+pub enum PoolRecord {
+    Slot(SlotRecord),
+    Sweep(Vec<u8>),
+}
+
+impl std::ops::Deref for PoolRecord {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            PoolRecord::Slot(r) => r,
+            PoolRecord::Sweep(v) => v,
+        }
+    }
+}
+
+impl HeldRecord for PoolRecord {
+    fn slot(&self) -> Option<SlotTag> {
+        match self {
+            PoolRecord::Slot(r) => HeldRecord::slot(r),
+            PoolRecord::Sweep(_) => None,
+        }
     }
 }
 
 impl ExpertSource for PoolExperts {
-    type Record<'a> = SlotRecord;
+    type Record<'a> = PoolRecord;
 
-    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<SlotRecord>> {
-        futures::executor::block_on(self.pool.ensure(layer, experts))
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<PoolRecord>> {
+        Ok(futures::executor::block_on(self.pool.ensure(layer, experts))?
+            .into_iter()
+            .map(PoolRecord::Slot)
+            .collect())
+    }
+
+    /// A prefill chunk's experts are read outside the pool, in runs of consecutive ids
+    /// (one read per run and piece, or per run in a pack), so a long prompt does not
+    /// churn the pool; their uses are counted for [`ExpertSource::end_prefill`].
+    fn fetch_prefill(&self, layer: usize, experts: &[u32], uses: &[u32]) -> Result<Vec<PoolRecord>> {
+        {
+            let mut counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
+            for (&e, &n) in experts.iter().zip(uses) {
+                *counts.entry((layer as u32, e)).or_default() += n as u64;
+            }
+        }
+        Ok(self.pool.read_runs(layer, experts)?.into_iter().map(PoolRecord::Sweep).collect())
+    }
+
+    /// Admits the prompt's most used experts into the pool (an equal share of the slots
+    /// per layer), so decoding starts warm.
+    fn end_prefill(&self) {
+        let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
+        if counts.is_empty() {
+            return;
+        }
+        let layers = self.pool.index.moe_layers.len().max(1);
+        let quota = (self.pool.slots() - self.pool.floor() + self.pool.index.num_experts) / layers;
+        let mut by_layer: HashMap<u32, Vec<(u64, u32)>> = HashMap::new();
+        for ((l, e), n) in counts {
+            by_layer.entry(l).or_default().push((n, e));
+        }
+        for (layer, mut list) in by_layer {
+            list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            let hot: Vec<u32> = list.iter().take(quota).map(|&(_, e)| e).collect();
+            // Reading them now (then unpinning) leaves them resident; a failure here only
+            // means a colder start.
+            if let Err(e) = futures::executor::block_on(self.pool.ensure(layer as usize, &hot)) {
+                tracing::warn!(layer, error = %e, "admitting the prompt's experts failed");
+            }
+        }
     }
 
     fn begin_step(&self) {

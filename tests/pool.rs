@@ -1186,3 +1186,43 @@ fn logits_through_the_pool_equal_the_mapped_checkpoint() {
         }
     }
 }
+
+/// Prefill reads outside the pool: runs of consecutive ids come back byte-equal to the
+/// checkpoint (from the shards and from a pack), count as sweep bytes rather than misses,
+/// and the prompt's most used experts are admitted at the end of the prefill.
+#[test]
+fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
+    use slotstream::experts::ExpertSource;
+    let rt = runtime();
+    let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
+    let (ckpt, index) = open(tmp.path());
+    let experts: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 15];
+    for packed in [false, true] {
+        if packed {
+            pack(&ckpt, &index, tmp.path(), false).unwrap();
+        }
+        let mut options = StreamOptions::with_slots(40);
+        options.io = IoMode::Direct;
+        let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+        assert_eq!(pool.packed(), packed);
+        let source = PoolExperts::new(pool.clone());
+        let uses: Vec<u32> = vec![1, 9, 1, 7, 1, 1, 8];
+        let layer = index.moe_layers[1];
+        let got = source.fetch_prefill(layer, &experts, &uses).unwrap();
+        for (r, &e) in got.iter().zip(&experts) {
+            assert!(r[..] == expected(&ckpt, &index, layer, e)[..], "packed {packed}: expert {e}");
+        }
+        let st = pool.stats();
+        assert_eq!((st.hits, st.misses), (0, 0), "sweep reads are not lookups");
+        assert_eq!(st.sweep_bytes, (experts.len() * index.layout.record_bytes) as u64);
+        drop(got);
+        source.end_prefill();
+        // Quota per layer here: (40 - 24 + 16) / 4 = 8 slots, so all seven are admitted,
+        // most used first.
+        for &e in &experts {
+            assert!(pool.resident((layer as u32, e)).is_some(), "packed {packed}: expert {e} not admitted");
+        }
+    }
+}
+
+const FIXTURES_FOR_SWEEP: &str = "qwen3-next-f32-sharded";
