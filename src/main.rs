@@ -367,20 +367,23 @@ fn open_experts<B: Backend>(
     index: Arc<ExpertIndex>,
     a: &StreamArgs,
     runtime: &tokio::runtime::Runtime,
-) -> Result<(AnyExperts, Option<Arc<SlotPool>>)> {
+) -> Result<(AnyExperts, Option<Arc<SlotPool>>, Option<Plan>)> {
+    let mut plan = None;
     let slots = match (a.pool_slots, a.experts_per_layer, a.memory_budget) {
         (Some(n), _, _) => n,
         (_, Some(n), _) => n * index.moe_layers.len(),
         (_, _, Some(budget)) => {
-            let plan = Plan::new(ckpt, &index, budget, a.context, a.queue_depth as usize)?;
-            tracing::info!(slots = plan.slots, pool = %slotstream::plan::human(plan.pool), "memory plan");
-            plan.slots
+            let p = Plan::new(ckpt, &index, budget, a.context, a.queue_depth as usize)?;
+            tracing::info!(slots = p.slots, pool = %slotstream::plan::human(p.pool), "memory plan");
+            let slots = p.slots;
+            plan = Some(p);
+            slots
         }
         _ => {
             if a.trace.is_some() || a.placement.is_some() {
                 bail!("--trace and --placement need a pool (--pool-slots, --experts-per-layer or --memory-budget)");
             }
-            return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None));
+            return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None, None));
         }
     };
     let mut options = StreamOptions::with_slots(slots);
@@ -394,7 +397,7 @@ fn open_experts<B: Backend>(
     }
     let mut experts = PoolExperts::new(pool.clone());
     experts.lookahead = a.lookahead == OnOff::On;
-    Ok((AnyExperts::Pool(experts), Some(pool)))
+    Ok((AnyExperts::Pool(experts), Some(pool), plan))
 }
 
 /// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
@@ -413,7 +416,7 @@ fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &St
     tracing::info!(backend = %backend.name(), "scoring");
     let model = Model::load(ckpt, backend).context("loading weights")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), a, &runtime)?;
+    let (experts, pool, _) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), a, &runtime)?;
     let s = slotstream::score::score(&model, backend, &experts, ids)?;
     finish_pool(&pool, a)?;
     Ok(s)
@@ -478,7 +481,7 @@ fn generate_on<B: Backend>(
     tracing::info!(backend = %backend.name(), "generating");
     let model = Model::load(ckpt, backend).context("loading weights")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let (experts, pool, plan) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
     let mut state = model.new_state(backend);
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
@@ -513,6 +516,7 @@ fn generate_on<B: Backend>(
             "text": text,
             "stats": stats,
             "pool": pool_stats,
+            "plan": plan,
             "peak_rss_bytes": slotstream::plan::peak_rss(),
         });
         println!("{out}");
@@ -704,7 +708,7 @@ fn chat_on<B: Backend>(
     use std::io::{BufRead, Write};
     let model = Model::load(ckpt, backend).context("loading weights")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let (experts, pool, _) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
     let mut conversation = slotstream::chat::Conversation::new(&model, backend);
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
