@@ -535,9 +535,9 @@ fn generate_on<B: Backend>(
         );
         if let Some(p) = &pool_stats {
             let read = p.demand_bytes + p.speculative_bytes;
-            let wait_share = if stats.decode_seconds > 0.0 { p.wait_seconds / (stats.prefill_seconds + stats.decode_seconds) } else { 0.0 };
+            let wait_share = if stats.decode_seconds > 0.0 { p.decode_wait_seconds / stats.decode_seconds } else { 0.0 };
             eprintln!(
-                "pool: hit rate {:.3}, {} read ({} speculative, {} prefetches used, {} wasted), {:.0}% of the run waiting on reads",
+                "pool: hit rate {:.3}, {} read ({} speculative, {} prefetches used, {} wasted), {:.0}% of decode time waiting on reads",
                 p.hit_rate,
                 slotstream::plan::human(read),
                 slotstream::plan::human(p.speculative_bytes),

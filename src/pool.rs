@@ -116,6 +116,8 @@ pub struct PoolStats {
     pub wasted_bytes: u64,
     /// Seconds callers of `ensure` spent waiting for reads.
     pub wait_seconds: f64,
+    /// The part of `wait_seconds` after the last prefill ended (decode waits).
+    pub decode_wait_seconds: f64,
     pub max_in_flight: usize,
     /// Mean reads in flight, sampled at each read start.
     pub mean_in_flight: f64,
@@ -505,7 +507,10 @@ impl SlotPool {
                     _ => return Err(Error::Pool("a read was abandoned".into())),
                 }
             }
-            self.lock().stats.wait_seconds += start.elapsed().as_secs_f64();
+            let waited = start.elapsed().as_secs_f64();
+            let mut inner = self.lock();
+            inner.stats.wait_seconds += waited;
+            inner.stats.decode_wait_seconds += waited;
         }
         Ok(held)
     }
@@ -848,8 +853,9 @@ impl ExpertSource for PoolExperts {
     }
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
-    /// per layer), so decoding starts warm.
+    /// per layer), so decoding starts warm, and starts counting decode waits.
     fn end_prefill(&self) {
+        self.pool.lock().stats.decode_wait_seconds = 0.0;
         let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
         if counts.is_empty() {
             return;
