@@ -73,7 +73,7 @@ impl<B: Backend> Conversation<B> {
         });
         let rendered = template.render(&messages)?;
         let (ids, reused) = match rendered.strip_prefix(self.text.as_str()) {
-            Some(new_text) if !self.text.is_empty() => {
+            Some(new_text) if !self.text.is_empty() && self.history.starts_with(&self.state.tokens) => {
                 let mut ids = self.history.clone();
                 ids.extend(tokenizer.encode(new_text)?);
                 (ids, self.state.tokens.len())
@@ -83,6 +83,49 @@ impl<B: Backend> Conversation<B> {
                 (tokenizer.encode(&rendered)?, 0)
             }
         };
+        let result = self.run_turn(model, backend, experts, tokenizer, options, &ids, reused, &mut on_text);
+        let (reply, output_ids, stats) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // The state may be part-way through the turn: the next turn re-reads.
+                self.state = model.new_state(backend);
+                self.text.clear();
+                self.history.clear();
+                return Err(e);
+            }
+        };
+        let prompt_tokens = ids.len() - reused;
+        messages.push(Message {
+            role: "assistant".into(),
+            content: reply.clone(),
+        });
+        self.messages = messages;
+        self.text = rendered + &reply;
+        self.history = ids.clone();
+        self.history.extend_from_slice(&output_ids);
+        Ok(Turn {
+            reply,
+            input_ids: ids.clone(),
+            output_ids,
+            reused_tokens: reused,
+            prompt_tokens,
+            stats,
+        })
+    }
+
+    /// Generates from `ids[reused..]` after the kept state.
+    #[allow(clippy::too_many_arguments)]
+    fn run_turn<E: ExpertSource>(
+        &mut self,
+        model: &Model<B>,
+        backend: &B,
+        experts: &E,
+        tokenizer: &Tokenizer,
+        options: &GenerateOptions,
+        ids: &[u32],
+        reused: usize,
+        on_text: &mut impl FnMut(&str),
+    ) -> Result<(String, Vec<u32>, GenerateStats)> {
         let prompt = &ids[reused..];
         if prompt.is_empty() {
             return Err(Error::InvalidInput("the rendered conversation adds no tokens".into()));
@@ -98,21 +141,6 @@ impl<B: Backend> Conversation<B> {
         let tail = decoder.finish(tokenizer)?;
         on_text(&tail);
         reply.push_str(&tail);
-        messages.push(Message {
-            role: "assistant".into(),
-            content: reply.clone(),
-        });
-        self.messages = messages;
-        self.text = rendered + &reply;
-        self.history = ids.clone();
-        self.history.extend_from_slice(&output_ids);
-        Ok(Turn {
-            reply,
-            input_ids: ids.clone(),
-            output_ids,
-            reused_tokens: reused,
-            prompt_tokens: prompt.len(),
-            stats,
-        })
+        Ok((reply, output_ids, stats))
     }
 }

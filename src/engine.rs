@@ -106,7 +106,7 @@ pub struct Engine {
 /// Runs one request to completion, sending events; object-safe so the engine can hold
 /// either backend.
 trait Runner: Send + Sync {
-    fn run(&self, request: Request, events: &mpsc::Sender<Result<Event>>) -> Result<()>;
+    fn run(&self, request: Request, events: &mpsc::UnboundedSender<Result<Event>>) -> Result<()>;
 }
 
 struct Loaded<B: Backend> {
@@ -157,10 +157,15 @@ impl Engine {
     /// Starts `request`; its events arrive on the returned stream once earlier requests
     /// are done. Dropping the stream cancels the request.
     pub fn generate(&self, request: Request) -> BoxStream<'static, Result<Event>> {
-        let (tx, rx) = mpsc::channel(64);
+        // Unbounded: a request's events are bounded by its max_tokens, and a slow reader
+        // must not hold the engine (and every request behind it) hostage.
+        let (tx, rx) = mpsc::unbounded_channel();
         let runner = self.runner.clone();
         tokio::spawn(async move {
             let guard = runner.lock_owned().await;
+            if tx.is_closed() {
+                return; // cancelled while queued
+            }
             let tx2 = tx.clone();
             let outcome = tokio::task::spawn_blocking(move || guard.run(request, &tx2)).await;
             let err = match outcome {
@@ -168,7 +173,7 @@ impl Engine {
                 Ok(Err(e)) => e,
                 Err(e) => Error::InvalidInput(format!("generation task failed: {e}")),
             };
-            let _ = tx.send(Err(err)).await;
+            let _ = tx.send(Err(err));
         });
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) }).boxed()
     }
@@ -195,10 +200,11 @@ fn load_on<B: Backend + 'static>(
             (AnyExperts::Pool(PoolExperts::new(pool.clone())), Some(pool))
         }
     };
+    let tokenizer = Tokenizer::load(dir)?;
     Ok(Loaded {
-        tokenizer: Tokenizer::load(dir)?,
         template: ChatTemplate::load(dir)?,
-        eos: eos_ids(dir, &ckpt.config.eos_token_ids)?,
+        eos: eos_ids(dir, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
+        tokenizer,
         backend,
         model,
         experts,
@@ -207,7 +213,7 @@ fn load_on<B: Backend + 'static>(
 }
 
 impl<B: Backend> Runner for Loaded<B> {
-    fn run(&self, request: Request, events: &mpsc::Sender<Result<Event>>) -> Result<()> {
+    fn run(&self, request: Request, events: &mpsc::UnboundedSender<Result<Event>>) -> Result<()> {
         let prompt = match request.input {
             Input::Ids(ids) => ids,
             Input::Messages(messages) => {
@@ -241,11 +247,11 @@ impl<B: Backend> Runner for Loaded<B> {
             |id| {
                 let text = decoder.push(&self.tokenizer, id)?;
                 // A closed channel means the caller dropped the stream: stop.
-                Ok(events.blocking_send(Ok(Event::Token { id, text })).is_ok())
+                Ok(events.send(Ok(Event::Token { id, text })).is_ok())
             },
         )?;
         let tail = decoder.finish(&self.tokenizer)?;
-        let _ = events.blocking_send(Ok(Event::Done {
+        let _ = events.send(Ok(Event::Done {
             output_ids,
             tail,
             stats,

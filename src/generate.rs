@@ -15,7 +15,7 @@ pub struct GenerateOptions {
     /// At most this many new tokens.
     pub max_tokens: usize,
     pub sampling: SamplingOptions,
-    /// Stop after emitting none of these (the EOS id itself is not reported as output).
+    /// Stop when one of these is sampled; it is not emitted.
     pub eos_ids: Vec<u32>,
 }
 

@@ -371,7 +371,9 @@ fn open_experts<B: Backend>(
     let mut plan = None;
     let slots = match (a.pool_slots, a.experts_per_layer, a.memory_budget) {
         (Some(n), _, _) => n,
-        (_, Some(n), _) => n * index.moe_layers.len(),
+        (_, Some(n), _) => n
+            .checked_mul(index.moe_layers.len())
+            .with_context(|| format!("--experts-per-layer {n} is too large"))?,
         (_, _, Some(budget)) => {
             let p = Plan::new(ckpt, &index, budget, a.context, a.queue_depth as usize)?;
             tracing::info!(slots = p.slots, pool = %slotstream::plan::human(p.pool), "memory plan");
@@ -460,7 +462,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             seed: args.seed,
             ..Default::default()
         },
-        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids)?,
+        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
     options.sampling.validate()?;
     match open_backend(&args.device)? {
@@ -490,7 +492,13 @@ fn generate_on<B: Backend>(
     let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let flag = interrupted.clone();
-        if let Err(e) = ctrlc::set_handler(move || flag.store(true, std::sync::atomic::Ordering::SeqCst)) {
+        // The first Ctrl-C stops at the next token; a second one (say, during a long
+        // prefill) ends the process.
+        if let Err(e) = ctrlc::set_handler(move || {
+            if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+        }) {
             tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
         }
     }
@@ -689,8 +697,9 @@ fn chat(args: ChatArgs) -> Result<()> {
             seed: args.seed,
             ..Default::default()
         },
-        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids)?,
+        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
+    options.sampling.validate()?;
     match open_backend(&args.device)? {
         Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
         Compute::Gpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),

@@ -355,7 +355,8 @@ impl<B: Backend> Model<B> {
                 _ => unreachable!("state layout follows the model's layer kinds"),
             };
             h = backend.add(&h, &r);
-            if experts.lookahead() {
+            // A long chunk reads its experts outside the pool: guesses would only churn it.
+            if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
                 self.lookahead(backend, i + 2, &h, experts)?;
             }
             let x = backend.rms_norm(&h, Some(&layer.post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
@@ -484,7 +485,12 @@ impl<B: Backend> Model<B> {
         in_use.clear();
         let distinct = routing.distinct();
         let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
-            let uses: Vec<u32> = distinct.iter().map(|e| routing.ids.iter().filter(|&x| x == e).count() as u32).collect();
+            let mut uses = vec![0u32; distinct.len()];
+            for id in &routing.ids {
+                if let Ok(at) = distinct.binary_search(id) {
+                    uses[at] += 1;
+                }
+            }
             experts.fetch_prefill(layer, &distinct, &uses)?
         } else {
             experts.fetch(layer, &distinct)?

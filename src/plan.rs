@@ -11,14 +11,12 @@ use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
 use crate::model::PREFILL_CHUNK;
-use crate::pool::{floor_slots, slot_stride};
+use crate::pool::{floor_slots, slot_stride, DEFAULT_SPECULATIVE_CAP};
 
 /// Bytes the process needs beyond what the plan itemizes: code, allocator, tokenizer,
 /// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.
 pub const RUNTIME_BYTES: u64 = 48 << 20;
 
-/// Speculative reads the plan reserves room for (the pool's default).
-const SPECULATIVE: usize = 8;
 
 /// Each term of a plan, in bytes.
 #[derive(Clone, Debug, Serialize)]
@@ -31,7 +29,8 @@ pub struct Plan {
     /// DeltaNet layers, for `context` tokens.
     pub context_state: u64,
     pub context: usize,
-    /// Activations of one prefill chunk, with logits for every position.
+    /// Activations of one prefill chunk with logits for every position, and the
+    /// chunk's expert records read outside the pool.
     pub workspaces: u64,
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
@@ -70,19 +69,24 @@ impl Plan {
                 LayerKind::LinearAttention => delta += 1,
             }
         }
-        let context_state = attention * per_token_kv * context as u64 + delta * delta_state;
+        let context_state = (context as u64)
+            .checked_mul(per_token_kv * attention)
+            .and_then(|kv| kv.checked_add(delta * delta_state))
+            .ok_or_else(|| Error::InvalidInput(format!("a context of {context} tokens is too large")))?;
         // A chunk's widest activations, a few alive at once, plus its logits.
         let width = (2 * cfg.linear_key_dim() + 2 * cfg.linear_value_dim())
             .max(2 * cfg.num_attention_heads * cfg.head_dim)
             + cfg.num_experts_per_tok * cfg.moe_intermediate_size * 3;
         let chunk = PREFILL_CHUNK as u64;
-        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4;
         let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
+        // Plus a prefill chunk's experts read outside the pool: up to a whole layer's,
+        // held once as records and once as the aligned read buffer.
+        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4 + 2 * index.num_experts as u64 * slot_bytes;
         let staging = queue_depth as u64 * slot_bytes;
         let runtime = RUNTIME_BYTES;
         let fixed = resident_weights + context_state + workspaces + staging + runtime;
         let pool = budget.saturating_sub(fixed);
-        let floor = floor_slots(index.num_experts, SPECULATIVE);
+        let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
         let records = index.records();
         let slots = ((pool / slot_bytes) as usize).min(records.max(floor));
         let plan = Plan {

@@ -125,6 +125,8 @@ pub struct PoolStats {
     pub pack_fallbacks: u64,
     /// Bytes read for prefill chunks outside the pool (not part of hits and misses).
     pub sweep_bytes: u64,
+    /// Bytes read to admit a prompt's hottest experts at the end of its prefill.
+    pub admitted_bytes: u64,
     pub per_layer: Vec<LayerCounts>,
     #[serde(skip)]
     in_flight_samples: u64,
@@ -168,7 +170,7 @@ impl StreamOptions {
         StreamOptions {
             pool: PoolOptions {
                 slots,
-                speculative_cap: 8,
+                speculative_cap: DEFAULT_SPECULATIVE_CAP,
             },
             queue_depth: 32,
             io: IoMode::Direct,
@@ -203,6 +205,9 @@ pub struct SlotPool {
 }
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Speculative reads a pool allows in flight unless told otherwise.
+pub const DEFAULT_SPECULATIVE_CAP: usize = 8;
 
 /// The fewest slots a pool may have: every expert of one layer (a prefill chunk may
 /// route to all of them) plus the speculative reads that may be in flight.
@@ -513,6 +518,33 @@ impl SlotPool {
             inner.stats.decode_wait_seconds += waited;
         }
         Ok(held)
+    }
+
+    /// Reads `keys` that are not resident into the pool and waits for them, without
+    /// pinning them and without counting them as lookups (they are counted as
+    /// `admitted_bytes`): the end-of-prompt admission of the prompt's hottest experts.
+    /// Stops early, without error, when no victim is free. Errors: a failed read.
+    pub async fn admit(self: &Arc<Self>, keys: &[Key]) -> Result<()> {
+        let mut waits = Vec::new();
+        {
+            let mut inner = self.lock();
+            for &key in keys {
+                if inner.map.contains_key(&key) {
+                    continue;
+                }
+                let Some(i) = self.claim_victim(&mut inner, key) else { break };
+                inner.stats.admitted_bytes += self.index.layout.record_bytes as u64;
+                waits.push(self.start_load(&mut inner, i, key, None));
+            }
+        }
+        for mut rx in waits {
+            match rx.wait_for(|s| *s != Load::Pending).await.map(|s| s.clone()) {
+                Ok(Load::Done) => {}
+                Ok(Load::Failed(msg)) => return Err(Error::Pool(msg)),
+                _ => return Err(Error::Pool("a read was abandoned".into())),
+            }
+        }
+        Ok(())
     }
 
     /// Starts speculative reads of the experts of `layer` that are not resident, into
@@ -853,28 +885,28 @@ impl ExpertSource for PoolExperts {
     }
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
-    /// per layer), so decoding starts warm, and starts counting decode waits.
+    /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
     fn end_prefill(&self) {
-        self.pool.lock().stats.decode_wait_seconds = 0.0;
         let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
-        if counts.is_empty() {
-            return;
-        }
-        let layers = self.pool.index.moe_layers.len().max(1);
-        let quota = (self.pool.slots() - self.pool.floor() + self.pool.index.num_experts) / layers;
-        let mut by_layer: HashMap<u32, Vec<(u64, u32)>> = HashMap::new();
-        for ((l, e), n) in counts {
-            by_layer.entry(l).or_default().push((n, e));
-        }
-        for (layer, mut list) in by_layer {
-            list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-            let hot: Vec<u32> = list.iter().take(quota).map(|&(_, e)| e).collect();
-            // Reading them now (then unpinning) leaves them resident; a failure here only
-            // means a colder start.
-            if let Err(e) = futures::executor::block_on(self.pool.ensure(layer as usize, &hot)) {
-                tracing::warn!(layer, error = %e, "admitting the prompt's experts failed");
+        if !counts.is_empty() {
+            let layers = self.pool.index.moe_layers.len().max(1);
+            let spare = self.pool.slots().saturating_sub(self.pool.floor() - self.pool.index.num_experts);
+            let quota = spare / layers;
+            let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();
+            for ((l, e), n) in counts {
+                by_layer.entry(l).or_default().push((n, e));
+            }
+            let mut keys = Vec::new();
+            for (layer, mut list) in by_layer {
+                list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+                keys.extend(list.iter().take(quota).map(|&(_, e)| (layer, e)));
+            }
+            // A failure here only means a colder start.
+            if let Err(e) = futures::executor::block_on(self.pool.admit(&keys)) {
+                tracing::warn!(error = %e, "admitting the prompt's experts failed");
             }
         }
+        self.pool.lock().stats.decode_wait_seconds = 0.0;
     }
 
     fn begin_step(&self) {

@@ -101,7 +101,11 @@ impl Sampler {
         let mut logits = logits.to_vec();
         if o.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(o.repetition_context);
-            for &id in &history[start..] {
+            // Once per distinct token, as mlx-lm's gather/scatter does.
+            let mut recent = history[start..].to_vec();
+            recent.sort_unstable();
+            recent.dedup();
+            for id in recent {
                 if let Some(l) = logits.get_mut(id as usize) {
                     *l = if *l < 0.0 { *l * o.repetition_penalty } else { *l / o.repetition_penalty };
                 }
@@ -220,7 +224,8 @@ mod tests {
     #[test]
     fn repetition_penalty_scales_recent_logits() {
         let s = Sampler::new(opts(|o| o.repetition_penalty = 2.0)).unwrap();
-        let lp = s.filtered_logprobs(&[2.0, -2.0, 1.0], &[0, 1]);
+        // Token 0 repeats: it is still penalised once (mlx-lm's [1, -4, 1]).
+        let lp = s.filtered_logprobs(&[2.0, -2.0, 1.0], &[0, 0, 0, 1]);
         // Penalised logits are [1, -4, 1]: tokens 0 and 2 now tie.
         assert!((lp[0] - lp[2]).abs() < 1e-6 && lp[1] < lp[0] - 4.9);
     }

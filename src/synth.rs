@@ -349,6 +349,13 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 /// checkpoint that opens. Shows a progress bar when `progress` is set.
 pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bool) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    // Overwriting: drop the old index first, so a checkpoint half-rewritten by an
+    // interrupted run does not open.
+    let index_path = dir.join("model.safetensors.index.json");
+    match std::fs::remove_file(&index_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&index_path, e)),
+        _ => {}
+    }
     let shards = layers + 1;
     let bar = progress.then(|| {
         let bar = indicatif::ProgressBar::new(preset.checkpoint_bytes(layers));

@@ -126,7 +126,16 @@ impl ChatTemplate {
                 path: cfg_path.clone(),
                 message: e.to_string(),
             })?;
-            source = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
+            source = match cfg.get("chat_template") {
+                Some(serde_json::Value::String(t)) => Some(t.clone()),
+                // Named templates: [{"name": "default", "template": ...}, ...].
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str())
+                    .map(str::to_string),
+                _ => None,
+            };
             let token = |k: &str| {
                 cfg.get(k)
                     .and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))
@@ -136,10 +145,11 @@ impl ChatTemplate {
             bos_token = token("bos_token");
             eos_token = token("eos_token");
         }
+        // chat_template.jinja takes precedence, as in transformers.
         let jinja = dir.join("chat_template.jinja");
         let (source, path) = match source {
+            _ if jinja.exists() => (std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?, jinja),
             Some(s) => (s, cfg_path),
-            None if jinja.exists() => (std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?, jinja),
             None => return Ok(None),
         };
         Ok(Some(ChatTemplate {
@@ -152,9 +162,16 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`, ending with the assistant's turn opened.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
+        // As transformers renders chat templates: blocks trimmed, Python string methods,
+        // and `raise_exception` for templates that validate their input.
         let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
         let err = |e: minijinja::Error| Error::Tokenizer {
             path: self.path.clone(),
             message: format!("chat template: {e}"),
@@ -172,8 +189,11 @@ impl ChatTemplate {
     }
 }
 
-/// End-of-sequence ids: `eos_token_id` of config.json and of generation_config.json.
-pub fn eos_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>> {
+/// End-of-sequence ids as mlx-lm 0.32.2 decides them (`utils.load`, `TokenizerWrapper`):
+/// generation_config.json's `eos_token_id` when present and non-empty, else config.json's,
+/// plus the tokenizer's own `eos_token` from tokenizer_config.json.
+/// Errors: malformed generation_config.json, or an id outside `vocab`.
+pub fn eos_ids(dir: &Path, config_eos: &[u32], tokenizer: &Tokenizer, vocab: usize) -> Result<Vec<u32>> {
     let mut ids = config_eos.to_vec();
     let path = dir.join("generation_config.json");
     if path.exists() {
@@ -182,10 +202,31 @@ pub fn eos_ids(dir: &Path, config_eos: &[u32]) -> Result<Vec<u32>> {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        match v.get("eos_token_id") {
-            Some(serde_json::Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
-            Some(x) => ids.extend(x.as_u64().map(|x| x as u32)),
-            None => {}
+        let listed: Vec<u64> = match v.get("eos_token_id") {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
+            Some(x) => x.as_u64().into_iter().collect(),
+            None => Vec::new(),
+        };
+        if !listed.is_empty() {
+            ids = listed
+                .into_iter()
+                .map(|x| {
+                    u32::try_from(x).ok().filter(|&id| (id as usize) < vocab).ok_or_else(|| Error::Json {
+                        path: path.clone(),
+                        message: format!("eos_token_id {x} is outside the vocabulary of {vocab}"),
+                    })
+                })
+                .collect::<Result<_>>()?;
+        }
+    }
+    let cfg_path = dir.join("tokenizer_config.json");
+    if let Ok(text) = std::fs::read_to_string(&cfg_path) {
+        let token = serde_json::from_str::<serde_json::Value>(&text).ok().and_then(|cfg| {
+            let t = cfg.get("eos_token")?;
+            t.as_str().or_else(|| t.get("content")?.as_str()).map(str::to_string)
+        });
+        if let Some(id) = token.and_then(|t| tokenizer.inner.token_to_id(&t)) {
+            ids.push(id);
         }
     }
     ids.sort_unstable();
@@ -227,7 +268,9 @@ mod tests {
             }])
             .unwrap();
         assert_eq!(p, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        let eos = eos_ids(&fixture(), &[511]).unwrap();
+        let tok = Tokenizer::load(&fixture()).unwrap();
+        // generation_config.json lists [511, 509]; tokenizer_config's eos_token is <|im_end|> (511).
+        let eos = eos_ids(&fixture(), &[7], &tok, 512).unwrap();
         assert_eq!(eos, vec![509, 511]);
     }
 }
