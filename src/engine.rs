@@ -25,9 +25,7 @@ use std::sync::Arc;
 use futures::stream::{BoxStream, StreamExt};
 use tokio::sync::mpsc;
 
-use crate::backend::cpu::CpuBackend;
-use crate::backend::gpu::{GpuBackend, GpuOptions};
-use crate::backend::Backend;
+use crate::backend::{open_compute, Backend, Compute};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::experts::{AnyExperts, MappedExperts};
@@ -44,8 +42,7 @@ pub struct EngineOptions {
     /// Stream experts through a pool of this many slots (`None`: read them from the
     /// memory-mapped checkpoint).
     pub pool_slots: Option<usize>,
-    /// `Some("cpu")` forces the CPU; another name picks a GPU adapter; `None` takes the
-    /// first GPU, else the CPU.
+    /// As the CLI's `--device` (see [`crate::backend::open_compute`]).
     pub device: Option<String>,
     /// Direct (default) or buffered reads.
     pub io: Option<IoMode>,
@@ -128,24 +125,10 @@ impl Engine {
         // The pool's reads run on the caller's runtime.
         let handle = tokio::runtime::Handle::current();
         let runner = tokio::task::spawn_blocking(move || -> Result<Box<dyn Runner>> {
-            let load = |b| load_on(b, &dir, &options, &handle);
-            match options.device.as_deref() {
-                Some("cpu") => Ok(Box::new(load_on(CpuBackend, &dir, &options, &handle)?)),
-                Some(name) => {
-                    let gpu = GpuBackend::new(&GpuOptions {
-                        adapter: Some(name.into()),
-                        poison_outputs: false,
-                    })?;
-                    Ok(Box::new(load(gpu)?))
-                }
-                None => match GpuBackend::new(&GpuOptions::default()) {
-                    Ok(gpu) => Ok(Box::new(load(gpu)?)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no GPU; using the CPU backend");
-                        Ok(Box::new(load_on(CpuBackend, &dir, &options, &handle)?))
-                    }
-                },
-            }
+            Ok(match open_compute(options.device.as_deref())? {
+                Compute::Cpu(b) => Box::new(load_on(b, &dir, &options, &handle)?),
+                Compute::Gpu(b) => Box::new(load_on(*b, &dir, &options, &handle)?),
+            })
         })
         .await
         .map_err(|e| Error::InvalidInput(format!("loading task failed: {e}")))??;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use slotstream::backend::cpu::CpuBackend;
-use slotstream::backend::gpu::{list_adapters, GpuBackend, GpuOptions, Placement};
+use slotstream::backend::gpu::{list_adapters, Placement};
+use slotstream::backend::{open_compute, Compute};
 use slotstream::backend::Backend;
 use slotstream::score::Score;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
@@ -319,9 +319,9 @@ fn score(args: ScoreArgs) -> Result<()> {
     for path in [&args.logits_out, &args.stream.trace].into_iter().flatten() {
         slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
     }
-    let s = match open_backend(&args.device)? {
+    let s = match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
-        Compute::Gpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
+        Compute::Gpu(b) => score_on(&*b, &ckpt, &ids, &args.stream)?,
     };
     println!("tokens: {}", s.tokens);
     println!("mean_nll: {:.6}", s.mean_nll);
@@ -332,31 +332,6 @@ fn score(args: ScoreArgs) -> Result<()> {
         println!("logits: {} [{}, {}] float32", path.display(), s.tokens, s.vocab);
     }
     Ok(())
-}
-
-/// The compute backend chosen by `--device`.
-enum Compute {
-    Cpu(CpuBackend),
-    Gpu(GpuBackend),
-}
-
-/// `--device cpu` forces the CPU backend; a name picks the GPU adapter whose name
-/// contains it; without the flag the first GPU is used, or the CPU with a notice.
-fn open_backend(device: &Option<String>) -> Result<Compute> {
-    match device.as_deref() {
-        Some("cpu") => Ok(Compute::Cpu(CpuBackend)),
-        Some(name) => Ok(Compute::Gpu(GpuBackend::new(&GpuOptions {
-            adapter: Some(name.to_string()),
-            poison_outputs: false,
-        })?)),
-        None => match GpuBackend::new(&GpuOptions::default()) {
-            Ok(g) => Ok(Compute::Gpu(g)),
-            Err(e) => {
-                eprintln!("notice: {e}; using the CPU backend");
-                Ok(Compute::Cpu(CpuBackend))
-            }
-        },
-    }
 }
 
 /// The expert source `--pool-slots` asks for: the memory-mapped checkpoint, or a slot pool
@@ -451,6 +426,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    if let Some(path) = &args.stream.trace {
+        slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
+    }
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampling: SamplingOptions {
@@ -465,9 +443,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
     options.sampling.validate()?;
-    match open_backend(&args.device)? {
+    match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
-        Compute::Gpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
+        Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args),
     }
 }
 
@@ -642,15 +620,16 @@ fn demo(args: DemoArgs) -> Result<()> {
     };
     let preset = slotstream::synth::DEMO;
     if !dir.join("model.safetensors.index.json").exists() {
-        eprintln!("creating the demo model in {} (first run only)", dir.display());
+        eprintln!("creating the demo model in {} (first run only, 240 MB)", dir.display());
         slotstream::synth::write_checkpoint(&dir, &preset, preset.layers, true)
             .with_context(|| format!("writing the demo model to {}", dir.display()))?;
     }
-    let records = preset.layers * preset.experts;
-    let slots = (records / 3).max(slotstream::pool::floor_slots(preset.experts, 8));
+    let cfg = slotstream::config::ModelConfig::load(&dir)?;
+    let (layers, experts) = (cfg.moe_layers().len(), cfg.num_experts);
+    let records = layers * experts;
+    let slots = (records / 3).max(slotstream::pool::floor_slots(experts, slotstream::pool::DEFAULT_SPECULATIVE_CAP));
     eprintln!(
-        "demo: {} layers x {} experts = {records} records; pool of {slots} slots; weights are random, so the text is noise",
-        preset.layers, preset.experts
+        "demo: {layers} layers x {experts} experts = {records} records; pool of {slots} slots; weights are random, so the text is noise"
     );
     generate(GenerateArgs {
         model: dir,
@@ -700,9 +679,9 @@ fn chat(args: ChatArgs) -> Result<()> {
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
     options.sampling.validate()?;
-    match open_backend(&args.device)? {
+    match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
-        Compute::Gpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
+        Compute::Gpu(b) => chat_on(&*b, &ckpt, &tokenizer, &template, &options, &args),
     }
 }
 

@@ -35,8 +35,10 @@ pub struct Plan {
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
     pub runtime: u64,
-    /// What is left for the slot pool.
+    /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
+    /// What the budget leaves beyond the pool (slots cannot outnumber records).
+    pub unused: u64,
     pub slot_bytes: u64,
     pub slots: usize,
     pub floor: usize,
@@ -85,10 +87,12 @@ impl Plan {
         let staging = queue_depth as u64 * slot_bytes;
         let runtime = RUNTIME_BYTES;
         let fixed = resident_weights + context_state + workspaces + staging + runtime;
-        let pool = budget.saturating_sub(fixed);
+        let left = budget.saturating_sub(fixed);
         let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
         let records = index.records();
-        let slots = ((pool / slot_bytes) as usize).min(records.max(floor));
+        let slots = ((left / slot_bytes) as usize).min(records.max(floor));
+        let pool = slots as u64 * slot_bytes;
+        let unused = left - pool.min(left);
         let plan = Plan {
             budget,
             resident_weights,
@@ -98,6 +102,7 @@ impl Plan {
             staging,
             runtime,
             pool,
+            unused,
             slot_bytes,
             slots,
             floor,
@@ -108,7 +113,7 @@ impl Plan {
                 "a budget of {} leaves {} for the pool, {} slots of {}, below the floor of {floor} slots ({}); \
                  the other terms: {}",
                 human(budget),
-                human(pool),
+                human(left),
                 slots,
                 human(slot_bytes),
                 human(floor as u64 * slot_bytes),
@@ -138,7 +143,8 @@ impl Plan {
             ("workspaces", self.workspaces),
             ("read staging", self.staging),
             ("runtime", self.runtime),
-            ("slot pool", self.slots as u64 * self.slot_bytes),
+            ("slot pool", self.pool),
+            ("unused", self.unused),
         ];
         let mut out = format!("budget {}\n", human(self.budget));
         for (name, bytes) in rows {

@@ -139,14 +139,15 @@ impl Sampler {
             lp.iter_mut().filter(|l| **l < floor).for_each(|l| *l = f32::NEG_INFINITY);
         }
         if o.top_k > 0 && o.top_k < lp.len() {
-            let mut sorted = lp.clone();
-            sorted.sort_by(|a, b| b.total_cmp(a));
-            let kth = sorted[o.top_k - 1];
-            let mut kept = 0;
-            for l in lp.iter_mut() {
-                if *l >= kth && kept < o.top_k {
-                    kept += 1;
-                } else {
+            // The k most probable of the tokens still in play (ties: lower ids first).
+            let mut order: Vec<usize> = (0..lp.len()).filter(|&i| lp[i].is_finite()).collect();
+            order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+            let mut keep = vec![false; lp.len()];
+            for &i in order.iter().take(o.top_k) {
+                keep[i] = true;
+            }
+            for (l, k) in lp.iter_mut().zip(keep) {
+                if !k {
                     *l = f32::NEG_INFINITY;
                 }
             }
@@ -219,6 +220,24 @@ mod tests {
         assert_eq!(kept(&Sampler::new(opts(|o| o.top_p = 0.8)).unwrap(), &L), vec![0, 1, 2]);
         // min-p 0.4: keep p >= 0.2 -> .5 and .25.
         assert_eq!(kept(&Sampler::new(opts(|o| o.min_p = 0.4)).unwrap(), &L), vec![0, 1]);
+    }
+
+    #[test]
+    fn filters_combine_like_a_direct_computation() {
+        // min-p 0.4 keeps {0, 1}; top-k 3 then keeps those two, not three tokens.
+        let s = Sampler::new(opts(|o| {
+            o.min_p = 0.4;
+            o.top_k = 3;
+        }))
+        .unwrap();
+        assert_eq!(kept(&s, &L), vec![0, 1]);
+        // top-p 0.7 keeps {0, 1}; top-k 1 keeps the most probable.
+        let s = Sampler::new(opts(|o| {
+            o.top_p = 0.7;
+            o.top_k = 1;
+        }))
+        .unwrap();
+        assert_eq!(kept(&s, &L), vec![0]);
     }
 
     #[test]

@@ -348,7 +348,17 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 /// under temporary names and renamed, the index last, so an interrupted run leaves no
 /// checkpoint that opens. Shows a progress bar when `progress` is set.
 pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bool) -> Result<()> {
+    let marker = dir.join(".slotstream-synth");
+    if let Ok(mut entries) = std::fs::read_dir(dir) {
+        if entries.next().is_some() && !marker.exists() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::other("is not empty and holds no synthetic checkpoint; refusing to write into it"),
+            ));
+        }
+    }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    std::fs::write(&marker, preset.name).map_err(|e| Error::io(&marker, e))?;
     // Overwriting: drop the old index first, so a checkpoint half-rewritten by an
     // interrupted run does not open.
     let index_path = dir.join("model.safetensors.index.json");

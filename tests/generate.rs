@@ -23,10 +23,7 @@ fn run_json(args: &[&str]) -> serde_json::Value {
     let out = slotstream().args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{args:?}: {err}");
-    // Without --device the first GPU adapter must be found: GPU runs fail, never fall back.
-    if !args.contains(&"--device") {
-        assert!(!err.contains("using the CPU backend"), "no GPU adapter: {err}");
-    }
+
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -48,14 +45,12 @@ fn greedy_generation_matches_mlx_lm_through_the_pool() {
             ("24", "32", "buffered", "off", "cpu"),
             ("40", "32", "buffered", "on", "cpu"),
             ("64", "32", "direct", "off", "cpu"),
-            // The first GPU adapter (lavapipe in CI), with its adapter's default placement.
+            // `--device gpu`: the first GPU adapter (lavapipe in CI); an error without one.
             ("24", "32", "direct", "on", "gpu"),
             ("64", "1", "buffered", "off", "gpu"),
         ] {
             let mut args: Vec<&str> = base.iter().copied().filter(|&a| a != "cpu" && a != "--device").collect();
-            if device == "cpu" {
-                args.extend(["--device", "cpu"]);
-            }
+            args.extend(["--device", device]);
             args.extend(["--pool-slots", slots, "--queue-depth", qd, "--io", io, "--lookahead", lookahead]);
             let v = run_json(&args);
             let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();

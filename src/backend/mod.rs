@@ -15,6 +15,42 @@ use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::error::Result;
 use crate::experts::ExpertRecord;
 
+/// A compute backend chosen at run time.
+pub enum Compute {
+    Cpu(cpu::CpuBackend),
+    Gpu(Box<gpu::GpuBackend>),
+}
+
+/// Opens the backend `device` names: `cpu`; `gpu` (the first GPU adapter of any kind,
+/// an error without one); or part of an adapter's name. `None` takes the first GPU, but
+/// the CPU backend (with a notice) when there is none or when the adapter is itself a CPU
+/// emulation such as lavapipe, which is slower than the CPU backend.
+pub fn open_compute(device: Option<&str>) -> Result<Compute> {
+    let gpu = |adapter: Option<&str>| {
+        gpu::GpuBackend::new(&gpu::GpuOptions {
+            adapter: adapter.map(str::to_string),
+            poison_outputs: false,
+        })
+        .map(|g| Compute::Gpu(Box::new(g)))
+    };
+    match device {
+        Some("cpu") => Ok(Compute::Cpu(cpu::CpuBackend)),
+        Some("gpu") => gpu(None),
+        Some(name) => gpu(Some(name)),
+        None => match gpu(None) {
+            Ok(Compute::Gpu(g)) if g.gpu.adapter.device_type == "Cpu" => {
+                tracing::info!(adapter = %g.gpu.adapter.name, "the only GPU adapter is a CPU emulation; using the CPU backend (--device gpu to use it)");
+                Ok(Compute::Cpu(cpu::CpuBackend))
+            }
+            Ok(c) => Ok(c),
+            Err(e) => {
+                tracing::info!(error = %e, "using the CPU backend");
+                Ok(Compute::Cpu(cpu::CpuBackend))
+            }
+        },
+    }
+}
+
 /// RoPE rotation table for rows at positions `start .. start + rows`: `[rows, rotary_dim / 2]`
 /// pairs `(cos, sin)` of `pos * theta^(-2j / rotary_dim)`, computed in f64 and rounded to
 /// f32 (non-traditional half-split RoPE, ../shared/spec/models.md §2.5). Shared by every
