@@ -60,12 +60,8 @@ struct ChatArgs {
     /// Most tokens per reply.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Seed of the sampler's random stream.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Compute device: `cpu`, or part of a GPU adapter's name.
     #[arg(long)]
     device: Option<String>,
@@ -139,24 +135,8 @@ struct GenerateArgs {
     /// Stop after this many new tokens.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep the k most probable tokens (0: off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens less probable than this fraction of the most probable (0: off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    /// Penalty on the logits of the last 20 tokens (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
-    /// Seed of the sampler's random stream.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print one JSON object (prompt ids, output ids, text, stats) instead of streaming.
     #[arg(long)]
     json: bool,
@@ -250,6 +230,58 @@ struct ScoreArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+}
+
+/// Sampling flags of `generate` and `chat` (mlx-lm's sampler; see `sampling.rs`).
+#[derive(Args, Clone, Debug)]
+struct SamplingArgs {
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most probable tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less probable than this fraction of the most probable (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on the logits of the last 20 tokens (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Seed of the sampler's random stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    fn options(&self) -> SamplingOptions {
+        SamplingOptions {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..Default::default()
+        }
+    }
+}
+
+impl Default for SamplingArgs {
+    /// Greedy, as the flags' defaults.
+    fn default() -> Self {
+        let o = SamplingOptions::default();
+        SamplingArgs {
+            temperature: o.temperature,
+            top_k: o.top_k,
+            top_p: o.top_p,
+            min_p: o.min_p,
+            repetition_penalty: o.repetition_penalty,
+            seed: o.seed,
+        }
+    }
 }
 
 /// A switch given as `on` or `off`.
@@ -431,15 +463,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     }
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
-        sampling: SamplingOptions {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            repetition_penalty: args.repetition_penalty,
-            seed: args.seed,
-            ..Default::default()
-        },
+        sampling: args.sampling.options(),
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
     options.sampling.validate()?;
@@ -638,12 +662,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         prompt_ids: None,
         raw: false,
         max_tokens: args.max_tokens,
-        temperature: 0.0,
-        top_k: 0,
-        top_p: 1.0,
-        min_p: 0.0,
-        repetition_penalty: 1.0,
-        seed: 0,
+        sampling: SamplingArgs::default(),
         json: false,
         device: args.device,
         stream: StreamArgs {
@@ -671,11 +690,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         .with_context(|| format!("{} has no chat template", args.model.display()))?;
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
-        sampling: SamplingOptions {
-            temperature: args.temperature,
-            seed: args.seed,
-            ..Default::default()
-        },
+        sampling: args.sampling.options(),
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
     };
     options.sampling.validate()?;
