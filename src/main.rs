@@ -62,7 +62,7 @@ struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
     #[command(flatten)]
@@ -110,7 +110,7 @@ struct DemoArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 48)]
     max_tokens: usize,
-    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
 }
@@ -140,7 +140,7 @@ struct GenerateArgs {
     /// Print one JSON object (prompt ids, output ids, text, stats) instead of streaming.
     #[arg(long)]
     json: bool,
-    /// Compute device: `cpu`, or part of a GPU adapter's name.
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
     #[command(flatten)]
@@ -224,7 +224,7 @@ struct ScoreArgs {
     /// Write all logits as a float32 .npy of shape [tokens, vocab].
     #[arg(long)]
     logits_out: Option<PathBuf>,
-    /// Compute device: `cpu`, or part of a GPU adapter's name (see `slotstream devices`).
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name (see `slotstream devices`).
     /// Default: the first GPU, else the CPU.
     #[arg(long)]
     device: Option<String>,
