@@ -225,7 +225,7 @@ struct ScoreArgs {
     #[arg(long)]
     logits_out: Option<PathBuf>,
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name (see `slotstream devices`).
-    /// Default: the first GPU, else the CPU.
+    /// Default: the first GPU, else the CPU (also preferred over a CPU-emulated adapter).
     #[arg(long)]
     device: Option<String>,
     #[command(flatten)]
