@@ -5,6 +5,7 @@
 //! on first use as `slotstream demo` does).
 
 use futures::StreamExt;
+use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::engine::{Engine, EngineOptions, Event, Request};
 
 #[tokio::main]
@@ -23,7 +24,10 @@ async fn main() -> anyhow::Result<()> {
     let engine = Engine::load(
         &dir,
         EngineOptions {
-            pool_slots: Some(200),
+            source: SourceOptions {
+                pool: Some(PoolSize::Slots(200)),
+                ..Default::default()
+            },
             device: Some("cpu".into()),
             ..Default::default()
         },

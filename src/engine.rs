@@ -18,41 +18,61 @@
 //! `Engine` is `Send + Sync` and cheap to clone; requests run one at a time in arrival
 //! order (the model's state and the slot pool serve one sequence at a time). Dropping the
 //! event stream cancels its request at the next token and releases its pins.
+//!
+//! Prefix reuse: the engine keeps the model state of its last few sequences. A request
+//! whose prompt ids start with every id a kept state has run continues from that state
+//! and runs only the rest (an exact token-prefix match: the recurrent layers' state
+//! cannot be rewound to a shorter prefix).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
-use futures::stream::{BoxStream, StreamExt};
+use futures::stream::{BoxStream, Stream, StreamExt};
+use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::backend::{open_compute, Backend, Compute};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::experts::{AnyExperts, MappedExperts};
+use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
-use crate::io::IoMode;
-use crate::model::Model;
-use crate::pool::{PoolExperts, PoolStats, SlotPool, StreamOptions};
+use crate::model::{Model, SequenceState};
+use crate::pool::{PoolStats, SlotPool};
 use crate::sampling::SamplingOptions;
 use crate::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
 
 /// How to load a model.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct EngineOptions {
-    /// Stream experts through a pool of this many slots (`None`: read them from the
-    /// memory-mapped checkpoint).
-    pub pool_slots: Option<usize>,
     /// As the CLI's `--device` (see [`crate::backend::open_compute`]).
     pub device: Option<String>,
-    /// Direct (default) or buffered reads.
-    pub io: Option<IoMode>,
+    /// Where experts come from (pool size, I/O, lookahead); `source.context` is also the
+    /// most tokens (prompt and generated) one sequence may hold.
+    pub source: SourceOptions,
+    /// Sequence states kept for prefix reuse (0 turns reuse off).
+    pub prompt_cache: usize,
+}
+
+impl Default for EngineOptions {
+    /// The default device, experts read from the memory-mapped checkpoint, a context of
+    /// 4096 tokens and 4 kept states.
+    fn default() -> Self {
+        EngineOptions {
+            device: None,
+            source: SourceOptions::default(),
+            prompt_cache: 4,
+        }
+    }
 }
 
 /// One generation request.
 #[derive(Clone, Debug)]
 pub struct Request {
-    /// Chat messages, rendered with the model's chat template, or raw token ids.
     pub input: Input,
+    /// At most this many new tokens (fewer if the context fills first).
     pub max_tokens: usize,
     pub sampling: SamplingOptions,
 }
@@ -60,7 +80,12 @@ pub struct Request {
 /// What a request starts from.
 #[derive(Clone, Debug)]
 pub enum Input {
+    /// Chat messages, rendered with the model's chat template (joined by newlines when
+    /// the model has none).
     Messages(Vec<Message>),
+    /// Text tokenized as is.
+    Text(String),
+    /// Token ids.
     Ids(Vec<u32>),
 }
 
@@ -85,35 +110,71 @@ pub enum Event {
     /// across tokens).
     Token { id: u32, text: String },
     /// The end: all output ids, text still held back at the end (an incomplete
-    /// character; usually empty), generation statistics and the pool's counters.
+    /// character; usually empty), generation statistics and the pool's counters for
+    /// this request.
     Done {
         output_ids: Vec<u32>,
         tail: String,
+        /// Prompt tokens taken from a kept state instead of being run
+        /// (`stats.prompt_tokens` counts those that were run).
+        reused_tokens: usize,
         stats: GenerateStats,
         pool: Option<PoolStats>,
     },
 }
 
+/// The engine's counters since it was loaded.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineStats {
+    /// Requests that ran (completed, stopped or failed after starting).
+    pub requests: u64,
+    /// Requests that continued from a kept state.
+    pub prefix_hits: u64,
+    pub prefix_misses: u64,
+    /// Prompt tokens not run thanks to kept states.
+    pub reused_tokens: u64,
+    /// States kept now.
+    pub kept_states: usize,
+}
+
 /// A loaded model, shareable across tasks.
 #[derive(Clone)]
 pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+/// What requests use without waiting for the model: tokenizing, limits, counters.
+struct Shared {
     runner: Arc<tokio::sync::Mutex<Box<dyn Runner>>>,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    eos: Vec<u32>,
+    context: usize,
+    vocab: usize,
+    pool: Option<Arc<SlotPool>>,
+    stats: Mutex<EngineStats>,
 }
 
 /// Runs one request to completion, sending events; object-safe so the engine can hold
 /// either backend.
 trait Runner: Send + Sync {
-    fn run(&self, request: Request, events: &mpsc::UnboundedSender<Result<Event>>) -> Result<()>;
+    fn run(
+        &self,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        shared: &Shared,
+        events: &mpsc::UnboundedSender<Result<Event>>,
+        cancel: &AtomicBool,
+    ) -> Result<()>;
 }
 
 struct Loaded<B: Backend> {
     backend: B,
     model: Model<B>,
     experts: AnyExperts,
-    pool: Option<Arc<SlotPool>>,
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
-    eos: Vec<u32>,
+    /// Kept sequence states, least recently used first.
+    kept: Mutex<Vec<SequenceState<B>>>,
+    prompt_cache: usize,
 }
 
 impl Engine {
@@ -124,121 +185,269 @@ impl Engine {
         let dir = dir.to_path_buf();
         // The pool's reads run on the caller's runtime.
         let handle = tokio::runtime::Handle::current();
-        let runner = tokio::task::spawn_blocking(move || -> Result<Box<dyn Runner>> {
-            Ok(match open_compute(options.device.as_deref())? {
-                Compute::Cpu(b) => Box::new(load_on(b, &dir, &options, &handle)?),
-                Compute::Gpu(b) => Box::new(load_on(*b, &dir, &options, &handle)?),
+        let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
+            let ckpt = Arc::new(Checkpoint::open(&dir)?);
+            let (runner, pool): (Box<dyn Runner>, _) = match open_compute(options.device.as_deref())? {
+                Compute::Cpu(b) => {
+                    let (l, pool) = load_on(b, &ckpt, &options, handle)?;
+                    (Box::new(l), pool)
+                }
+                Compute::Gpu(b) => {
+                    let (l, pool) = load_on(*b, &ckpt, &options, handle)?;
+                    (Box::new(l), pool)
+                }
+            };
+            let tokenizer = Tokenizer::load(&dir)?;
+            Ok(Shared {
+                runner: Arc::new(tokio::sync::Mutex::new(runner)),
+                template: ChatTemplate::load(&dir)?,
+                eos: eos_ids(&dir, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
+                tokenizer,
+                context: options.source.context,
+                vocab: ckpt.config.vocab_size,
+                pool,
+                stats: Mutex::new(EngineStats::default()),
             })
         })
         .await
         .map_err(|e| Error::InvalidInput(format!("loading task failed: {e}")))??;
         Ok(Engine {
-            runner: Arc::new(tokio::sync::Mutex::new(runner)),
+            shared: Arc::new(shared),
         })
     }
 
+    /// The most tokens (prompt and generated) one sequence may hold.
+    pub fn context(&self) -> usize {
+        self.shared.context
+    }
+
+    /// The prompt ids `input` stands for: messages rendered with the chat template and
+    /// tokenized, text tokenized, ids checked against the vocabulary. Runs without
+    /// waiting for the model. Errors: a template or tokenizer failure, an id out of
+    /// range, an empty prompt, a prompt that leaves no room in the context.
+    pub fn encode(&self, input: &Input) -> Result<Vec<u32>> {
+        let s = &self.shared;
+        let ids = match input {
+            Input::Ids(ids) => {
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= s.vocab) {
+                    return Err(Error::InvalidInput(format!(
+                        "token id {bad} is outside the vocabulary of {} tokens",
+                        s.vocab
+                    )));
+                }
+                ids.clone()
+            }
+            Input::Text(text) => s.tokenizer.encode(text)?,
+            Input::Messages(messages) => {
+                let text = match &s.template {
+                    Some(t) => t.render(messages)?,
+                    None => messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+                };
+                s.tokenizer.encode(&text)?
+            }
+        };
+        if ids.is_empty() {
+            return Err(Error::InvalidInput("the prompt is empty".into()));
+        }
+        if ids.len() >= s.context {
+            return Err(Error::ContextFull {
+                prompt: ids.len(),
+                context: s.context,
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Decodes ids to text (special tokens included).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.shared.tokenizer.decode(ids)
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> EngineStats {
+        self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The pool's counters now (since the start of the current or last request), if
+    /// experts stream through a pool.
+    pub fn pool_stats(&self) -> Option<PoolStats> {
+        self.shared.pool.as_ref().map(|p| p.stats())
+    }
+
+    /// Slots pinned now (0 between requests).
+    pub fn pinned_slots(&self) -> usize {
+        self.shared.pool.as_ref().map_or(0, |p| p.pinned_slots())
+    }
+
     /// Starts `request`; its events arrive on the returned stream once earlier requests
-    /// are done. Dropping the stream cancels the request.
-    pub fn generate(&self, request: Request) -> BoxStream<'static, Result<Event>> {
+    /// are done. Dropping the stream cancels the request. The first event is an error
+    /// when [`Engine::encode`] rejects the input or the sampling options are invalid.
+    pub fn generate(&self, request: Request) -> Generation {
         // Unbounded: a request's events are bounded by its max_tokens, and a slow reader
         // must not hold the engine (and every request behind it) hostage.
         let (tx, rx) = mpsc::unbounded_channel();
-        let runner = self.runner.clone();
-        tokio::spawn(async move {
-            let guard = runner.lock_owned().await;
-            if tx.is_closed() {
-                return; // cancelled while queued
-            }
-            let tx2 = tx.clone();
-            let outcome = tokio::task::spawn_blocking(move || guard.run(request, &tx2)).await;
-            let err = match outcome {
-                Ok(Ok(())) => return,
-                Ok(Err(e)) => e,
-                Err(e) => Error::InvalidInput(format!("generation task failed: {e}")),
+        let prepared = self.encode(&request.input).and_then(|prompt| {
+            request.sampling.validate()?;
+            let options = GenerateOptions {
+                max_tokens: request.max_tokens.min(self.shared.context - prompt.len()),
+                sampling: request.sampling,
+                eos_ids: self.shared.eos.clone(),
             };
-            let _ = tx.send(Err(err));
+            Ok((prompt, options))
         });
-        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) }).boxed()
+        let cancel = Arc::new(AtomicBool::new(false));
+        match prepared {
+            Err(e) => {
+                let _ = tx.send(Err(e));
+            }
+            Ok((prompt, options)) => {
+                let shared = self.shared.clone();
+                let cancel = cancel.clone();
+                tokio::spawn(async move {
+                    let guard = shared.runner.clone().lock_owned().await;
+                    if tx.is_closed() {
+                        return; // cancelled while queued
+                    }
+                    let tx2 = tx.clone();
+                    let outcome =
+                        tokio::task::spawn_blocking(move || guard.run(&prompt, &options, &shared, &tx2, &cancel)).await;
+                    let err = match outcome {
+                        Ok(Ok(())) => return,
+                        Ok(Err(e)) => e,
+                        Err(e) => Error::InvalidInput(format!("generation task failed: {e}")),
+                    };
+                    let _ = tx.send(Err(err));
+                });
+            }
+        }
+        Generation {
+            events: futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) }).boxed(),
+            cancel,
+        }
+    }
+}
+
+/// The events of one request ([`Engine::generate`]): a stream of [`Event`]s ending with
+/// [`Event::Done`] or an error.
+pub struct Generation {
+    events: BoxStream<'static, Result<Event>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Generation {
+    /// Stops generating after the current token; the stream still ends with
+    /// [`Event::Done`] (finish reason "stopped") and its statistics. Dropping the stream
+    /// also stops the request, without the `Done` event.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Stream for Generation {
+    type Item = Result<Event>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.events.poll_next_unpin(cx)
     }
 }
 
 fn load_on<B: Backend + 'static>(
     backend: B,
-    dir: &Path,
+    ckpt: &Arc<Checkpoint>,
     options: &EngineOptions,
-    runtime: &tokio::runtime::Handle,
-) -> Result<Loaded<B>> {
-    let ckpt = Arc::new(Checkpoint::open(dir)?);
-    let model = Model::load(&ckpt, &backend)?;
-    let index = Arc::new(model.experts.clone());
-    let (experts, pool) = match options.pool_slots {
-        None => (AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None),
-        Some(slots) => {
-            let mut stream = StreamOptions::with_slots(slots);
-            if let Some(io) = options.io {
-                stream.io = io;
-            }
-            let pool = SlotPool::open(&ckpt, index, stream, runtime.clone())?;
-            backend.attach_pool(&pool, None)?;
-            (AnyExperts::Pool(PoolExperts::new(pool.clone())), Some(pool))
-        }
-    };
-    let tokenizer = Tokenizer::load(dir)?;
-    Ok(Loaded {
-        template: ChatTemplate::load(dir)?,
-        eos: eos_ids(dir, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
-        tokenizer,
+    runtime: tokio::runtime::Handle,
+) -> Result<(Loaded<B>, Option<Arc<SlotPool>>)> {
+    let model = Model::load(ckpt, &backend)?;
+    let source = open_source(&backend, ckpt, Arc::new(model.experts.clone()), &options.source, runtime)?;
+    let loaded = Loaded {
         backend,
         model,
-        experts,
-        pool,
-    })
+        experts: source.experts,
+        kept: Mutex::new(Vec::new()),
+        prompt_cache: options.prompt_cache,
+    };
+    Ok((loaded, source.pool))
+}
+
+impl<B: Backend> Loaded<B> {
+    /// The kept state with the longest run of ids that `prompt` starts with (leaving at
+    /// least one id to run), taken out of the cache, or a fresh state.
+    fn take_state(&self, prompt: &[u32]) -> SequenceState<B> {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let best = kept
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.tokens.is_empty() && s.tokens.len() < prompt.len() && prompt.starts_with(&s.tokens))
+            .max_by_key(|(_, s)| s.tokens.len())
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => kept.remove(i),
+            None => self.model.new_state(&self.backend),
+        }
+    }
+
+    fn keep_state(&self, state: SequenceState<B>, shared: &Shared) {
+        if self.prompt_cache == 0 {
+            return;
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        kept.push(state);
+        if kept.len() > self.prompt_cache {
+            kept.remove(0);
+        }
+        shared.stats.lock().unwrap_or_else(|e| e.into_inner()).kept_states = kept.len();
+    }
 }
 
 impl<B: Backend> Runner for Loaded<B> {
-    fn run(&self, request: Request, events: &mpsc::UnboundedSender<Result<Event>>) -> Result<()> {
-        let prompt = match request.input {
-            Input::Ids(ids) => ids,
-            Input::Messages(messages) => {
-                let text = match &self.template {
-                    Some(t) => t.render(&messages)?,
-                    None => messages.into_iter().map(|m| m.content).collect::<Vec<_>>().join("\n"),
-                };
-                self.tokenizer.encode(&text)?
+    fn run(
+        &self,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        shared: &Shared,
+        events: &mpsc::UnboundedSender<Result<Event>>,
+        cancel: &AtomicBool,
+    ) -> Result<()> {
+        let mut state = self.take_state(prompt);
+        let reused = state.tokens.len();
+        {
+            let mut s = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+            s.requests += 1;
+            if reused > 0 {
+                s.prefix_hits += 1;
+                s.reused_tokens += reused as u64;
+            } else {
+                s.prefix_misses += 1;
             }
-        };
-        if prompt.is_empty() {
-            return Err(Error::InvalidInput("the prompt is empty".into()));
+            s.kept_states = self.kept.lock().unwrap_or_else(|e| e.into_inner()).len();
         }
-        let options = GenerateOptions {
-            max_tokens: request.max_tokens,
-            sampling: request.sampling,
-            eos_ids: self.eos.clone(),
-        };
-        let mut state = self.model.new_state(&self.backend);
-        let mut decoder = StreamDecoder::new();
-        if let Some(pool) = &self.pool {
+        if let Some(pool) = &shared.pool {
             pool.reset_stats();
         }
+        let mut decoder = StreamDecoder::new();
         let (output_ids, stats) = crate::generate::generate(
             &self.model,
             &self.backend,
             &self.experts,
             &mut state,
-            &prompt,
-            &options,
+            &prompt[reused..],
+            options,
             |id| {
-                let text = decoder.push(&self.tokenizer, id)?;
+                let text = decoder.push(&shared.tokenizer, id)?;
                 // A closed channel means the caller dropped the stream: stop.
-                Ok(events.send(Ok(Event::Token { id, text })).is_ok())
+                Ok(events.send(Ok(Event::Token { id, text })).is_ok() && !cancel.load(Ordering::SeqCst))
             },
         )?;
-        let tail = decoder.finish(&self.tokenizer)?;
+        // A failed generation returned above and its state (possibly part-way through
+        // a step) is dropped; a finished or stopped one is consistent and kept.
+        self.keep_state(state, shared);
+        let tail = decoder.finish(&shared.tokenizer)?;
         let _ = events.send(Ok(Event::Done {
             output_ids,
             tail,
+            reused_tokens: reused,
             stats,
-            pool: self.pool.as_ref().map(|p| p.stats()),
+            pool: shared.pool.as_ref().map(|p| p.stats()),
         }));
         Ok(())
     }

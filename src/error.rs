@@ -53,6 +53,10 @@ pub enum Error {
     #[error("GPU: {0}")]
     Gpu(String),
 
+    /// A prompt that leaves no room for new tokens in the context.
+    #[error("the prompt has {prompt} tokens, which leaves no room in the context of {context} tokens")]
+    ContextFull { prompt: usize, context: usize },
+
     /// A request is invalid for this model (token id out of range, empty input, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -8,8 +8,13 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
+use crate::backend::gpu::Placement;
+use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::io::IoMode;
+use crate::plan::Plan;
+use crate::pool::{PoolExperts, SlotPool, StreamOptions};
 
 /// Identifies the contents of a pool slot: which slot, and which load of it. A backend
 /// that mirrors the pool in device memory copies a slot again only when its generation
@@ -106,7 +111,7 @@ impl ExpertSource for MappedExperts {
 /// Either expert source, chosen at run time (the CLI's `--pool-slots`).
 pub enum AnyExperts {
     Mapped(MappedExperts),
-    Pool(crate::pool::PoolExperts),
+    Pool(PoolExperts),
 }
 
 /// A record from [`AnyExperts`].
@@ -172,4 +177,118 @@ impl ExpertSource for AnyExperts {
             p.prefetch(layer, experts);
         }
     }
+}
+
+/// How many slots a pool gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolSize {
+    /// Exactly this many slots (records).
+    Slots(usize),
+    /// This many slots per MoE layer (shared by all layers).
+    PerLayer(usize),
+    /// What a memory budget of this many bytes leaves for the pool ([`Plan`]).
+    Budget(u64),
+}
+
+/// Where routed experts come from: the options behind the CLI's streaming flags.
+#[derive(Clone, Debug)]
+pub struct SourceOptions {
+    /// `None`: read records from the memory-mapped checkpoint (no pool).
+    pub pool: Option<PoolSize>,
+    /// Tokens of context a memory budget reserves state for.
+    pub context: usize,
+    /// Demand reads in flight at once.
+    pub queue_depth: usize,
+    pub io: IoMode,
+    /// Use a valid `experts.pack` when present.
+    pub use_pack: bool,
+    /// Run the lookahead routers and prefetch what they pick.
+    pub lookahead: bool,
+    /// Where a GPU reads the slots (`None`: by adapter type).
+    pub placement: Option<Placement>,
+    /// Record every lookup ([`SlotPool::take_trace`]).
+    pub trace: bool,
+}
+
+impl Default for SourceOptions {
+    /// No pool; 4096 tokens of context, queue depth 32, direct I/O, pack if valid,
+    /// lookahead on.
+    fn default() -> Self {
+        SourceOptions {
+            pool: None,
+            context: 4096,
+            queue_depth: 32,
+            io: IoMode::Direct,
+            use_pack: true,
+            lookahead: true,
+            placement: None,
+            trace: false,
+        }
+    }
+}
+
+/// An expert source opened by [`open_source`].
+pub struct OpenedSource {
+    pub experts: AnyExperts,
+    /// The pool behind `experts`, if any (for its statistics and trace).
+    pub pool: Option<Arc<SlotPool>>,
+    /// The memory plan that sized the pool, when it was sized by a budget.
+    pub plan: Option<Plan>,
+}
+
+/// Opens the expert source `options` ask for, attaching a pool to `backend` (whose GPU
+/// may mirror or import it); the pool's reads run on `runtime`.
+/// Errors: a pool below its floor or a budget that leaves less (with every term), a
+/// trace or placement asked for without a pool, a pool that cannot read its files.
+pub fn open_source<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    index: Arc<ExpertIndex>,
+    options: &SourceOptions,
+    runtime: tokio::runtime::Handle,
+) -> Result<OpenedSource> {
+    let mut plan = None;
+    let slots = match options.pool {
+        Some(PoolSize::Slots(n)) => n,
+        Some(PoolSize::PerLayer(n)) => n
+            .checked_mul(index.moe_layers.len())
+            .ok_or_else(|| Error::InvalidInput(format!("{n} experts per layer is too many")))?,
+        Some(PoolSize::Budget(budget)) => {
+            let p = Plan::new(ckpt, &index, budget, options.context, options.queue_depth)?;
+            tracing::info!(slots = p.slots, pool = %crate::plan::human(p.pool), "memory plan");
+            let slots = p.slots;
+            plan = Some(p);
+            slots
+        }
+        None => {
+            if options.trace || options.placement.is_some() {
+                return Err(Error::InvalidInput(
+                    "a routing trace and a slot placement need a pool (a slot count, experts per layer or a memory budget)"
+                        .into(),
+                ));
+            }
+            let experts = AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index));
+            return Ok(OpenedSource {
+                experts,
+                pool: None,
+                plan: None,
+            });
+        }
+    };
+    let mut stream = StreamOptions::with_slots(slots);
+    stream.queue_depth = options.queue_depth;
+    stream.io = options.io;
+    stream.use_pack = options.use_pack;
+    let pool = SlotPool::open(ckpt, index, stream, runtime)?;
+    backend.attach_pool(&pool, options.placement)?;
+    if options.trace {
+        pool.enable_trace();
+    }
+    let mut experts = PoolExperts::new(pool.clone());
+    experts.lookahead = options.lookahead;
+    Ok(OpenedSource {
+        experts: AnyExperts::Pool(experts),
+        pool: Some(pool),
+        plan,
+    })
 }

@@ -12,6 +12,9 @@
 //!   slot pool with lookahead, and the packed one-read-per-record layout.
 //! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
 //! - [`score`]: teacher-forced log-likelihood and perplexity.
+//! - [`generate`], [`chat`], [`engine`]: generation, multi-turn chat, and the async
+//!   library API with prefix reuse.
+//! - [`server`]: the OpenAI-compatible HTTP API on the engine.
 
 pub mod atomic_file;
 pub mod backend;
@@ -30,6 +33,7 @@ pub mod plan;
 pub mod pool;
 pub mod sampling;
 pub mod score;
+pub mod server;
 pub mod synth;
 pub mod tokenizer;
 

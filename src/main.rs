@@ -11,14 +11,14 @@ use slotstream::backend::{open_compute, Compute};
 use slotstream::backend::Backend;
 use slotstream::score::Score;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::experts::{AnyExperts, MappedExperts};
+use slotstream::experts::{open_source, AnyExperts, PoolSize, SourceOptions};
 use slotstream::generate::GenerateOptions;
 use slotstream::plan::Plan;
 use slotstream::sampling::SamplingOptions;
 use slotstream::model::Model;
 use slotstream::cachesim;
 use slotstream::io::IoMode;
-use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
+use slotstream::pool::SlotPool;
 use slotstream::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
@@ -47,6 +47,8 @@ enum Command {
     Plan(PlanArgs),
     /// Write a synthetic checkpoint in the exact MLX layout of a preset (random weights).
     Synth(SynthArgs),
+    /// Serve the OpenAI API (chat and text completions, streaming or not) over HTTP.
+    Serve(ServeArgs),
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
     /// that holds a third of its experts.
     Demo(DemoArgs),
@@ -99,6 +101,42 @@ struct SynthArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to bind (127.0.0.1: this machine only).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer <KEY>` on /v1/... and /stats.
+    #[arg(long, env = "SLOTSTREAM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Name of the model in /v1/models and in requests (default: the directory's name).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Requests running or waiting at once; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    queue: u32,
+    /// Conversation states kept for prefix reuse (0: off).
+    #[arg(long, default_value_t = 4)]
+    prompt_cache: usize,
+    /// New tokens when a request does not give max_tokens.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Sampling defaults for requests that do not set their own.
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
+    #[arg(long)]
+    device: Option<String>,
+    #[command(flatten)]
+    stream: StreamArgs,
 }
 
 #[derive(Args)]
@@ -332,6 +370,7 @@ fn main() {
         Command::Plan(args) => plan(args),
         Command::Synth(args) => synth(args),
         Command::Demo(args) => demo(args),
+        Command::Serve(args) => serve(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -366,8 +405,29 @@ fn score(args: ScoreArgs) -> Result<()> {
     Ok(())
 }
 
-/// The expert source `--pool-slots` asks for: the memory-mapped checkpoint, or a slot pool
-/// (attached to the backend with its placement, tracing if asked).
+impl StreamArgs {
+    /// The library's options for these flags.
+    fn source(&self) -> SourceOptions {
+        SourceOptions {
+            pool: match (self.pool_slots, self.experts_per_layer, self.memory_budget) {
+                (Some(n), _, _) => Some(PoolSize::Slots(n)),
+                (_, Some(n), _) => Some(PoolSize::PerLayer(n)),
+                (_, _, Some(bytes)) => Some(PoolSize::Budget(bytes)),
+                _ => None,
+            },
+            context: self.context,
+            queue_depth: self.queue_depth as usize,
+            io: self.io,
+            use_pack: !self.no_pack,
+            lookahead: self.lookahead == OnOff::On,
+            placement: self.placement,
+            trace: self.trace.is_some(),
+        }
+    }
+}
+
+/// The expert source the stream flags ask for: the memory-mapped checkpoint, or a slot
+/// pool (attached to the backend with its placement, tracing if asked).
 fn open_experts<B: Backend>(
     backend: &B,
     ckpt: &Arc<Checkpoint>,
@@ -375,38 +435,8 @@ fn open_experts<B: Backend>(
     a: &StreamArgs,
     runtime: &tokio::runtime::Runtime,
 ) -> Result<(AnyExperts, Option<Arc<SlotPool>>, Option<Plan>)> {
-    let mut plan = None;
-    let slots = match (a.pool_slots, a.experts_per_layer, a.memory_budget) {
-        (Some(n), _, _) => n,
-        (_, Some(n), _) => n
-            .checked_mul(index.moe_layers.len())
-            .with_context(|| format!("--experts-per-layer {n} is too large"))?,
-        (_, _, Some(budget)) => {
-            let p = Plan::new(ckpt, &index, budget, a.context, a.queue_depth as usize)?;
-            tracing::info!(slots = p.slots, pool = %slotstream::plan::human(p.pool), "memory plan");
-            let slots = p.slots;
-            plan = Some(p);
-            slots
-        }
-        _ => {
-            if a.trace.is_some() || a.placement.is_some() {
-                bail!("--trace and --placement need a pool (--pool-slots, --experts-per-layer or --memory-budget)");
-            }
-            return Ok((AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)), None, None));
-        }
-    };
-    let mut options = StreamOptions::with_slots(slots);
-    options.queue_depth = a.queue_depth as usize;
-    options.io = a.io;
-    options.use_pack = !a.no_pack;
-    let pool = SlotPool::open(ckpt, index, options, runtime.handle().clone())?;
-    backend.attach_pool(&pool, a.placement)?;
-    if a.trace.is_some() {
-        pool.enable_trace();
-    }
-    let mut experts = PoolExperts::new(pool.clone());
-    experts.lookahead = a.lookahead == OnOff::On;
-    Ok((AnyExperts::Pool(experts), Some(pool), plan))
+    let s = open_source(backend, ckpt, index, &a.source(), runtime.handle().clone())?;
+    Ok((s.experts, s.pool, s.plan))
 }
 
 /// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
@@ -735,6 +765,56 @@ fn chat_on<B: Backend>(
         }
     }
     finish_pool(&pool, &args.stream)
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    use slotstream::engine::{Engine, EngineOptions};
+    use slotstream::server::{router, ServerOptions};
+    if args.stream.trace.is_some() {
+        bail!("serve does not write a routing trace (use generate or score with --trace)");
+    }
+    args.sampling.options().validate()?;
+    let model_id = match &args.model_name {
+        Some(n) => n.clone(),
+        None => std::fs::canonicalize(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    runtime.block_on(async {
+        let options = EngineOptions {
+            device: args.device.clone(),
+            source: args.stream.source(),
+            prompt_cache: args.prompt_cache,
+        };
+        let engine = Engine::load(&args.model, options)
+            .await
+            .with_context(|| format!("loading model {}", args.model.display()))?;
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let address = listener.local_addr()?;
+        eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
+        let app = router(
+            engine.clone(),
+            ServerOptions {
+                model_id,
+                queue: args.queue as usize,
+                api_key: args.api_key.clone(),
+                default_max_tokens: args.max_tokens,
+                sampling: args.sampling.options(),
+            },
+        );
+        slotstream::server::serve(listener, app).await.context("serving")?;
+        if args.stream.stats {
+            eprintln!("{}", serde_json::to_string_pretty(&serde_json::json!({
+                "engine": engine.stats(),
+                "pool": engine.pool_stats(),
+            }))?);
+        }
+        Ok(())
+    })
 }
 
 fn plan(args: PlanArgs) -> Result<()> {

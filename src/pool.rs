@@ -377,6 +377,12 @@ impl SlotPool {
         s
     }
 
+    /// Slots pinned now: held by a caller, or in flight (0 when no request runs and no
+    /// read is pending).
+    pub fn pinned_slots(&self) -> usize {
+        self.lock().slots.iter().filter(|s| s.pins > 0).count()
+    }
+
     /// Zeroes the counters (the pool's contents stay).
     pub fn reset_stats(&self) {
         let mut inner = self.lock();

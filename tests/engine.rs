@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use futures::StreamExt;
+use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
 
 fn expected(name: &str) -> Vec<u32> {
@@ -32,7 +33,10 @@ async fn concurrent_requests_match_mlx_lm_and_cancellation_frees_the_engine() {
     let engine = Engine::load(
         &fixture_dir(name),
         EngineOptions {
-            pool_slots: Some(24),
+            source: SourceOptions {
+                pool: Some(PoolSize::Slots(24)),
+                ..Default::default()
+            },
             device: Some("cpu".into()),
             ..Default::default()
         },

@@ -1,0 +1,125 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a
+//! 4xx or 5xx status.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// An error response.
+#[derive(Debug, Serialize)]
+pub struct ApiError {
+    #[serde(skip)]
+    pub status: StatusCode,
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: String) -> Self {
+        ApiError {
+            status,
+            message,
+            kind,
+            param: None,
+            code,
+        }
+    }
+
+    /// 400: a field with a bad value.
+    pub fn invalid(param: &str, message: &str) -> Self {
+        ApiError {
+            param: Some(param.to_string()),
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                None,
+                format!("{param}: {message}"),
+            )
+        }
+    }
+
+    /// 400: a body that is not JSON, or not of the request's shape.
+    pub fn malformed(message: String) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+    }
+
+    /// 400: prompt and max_tokens do not fit the context.
+    pub fn context_length(message: String) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("context_length_exceeded"),
+            message,
+        )
+    }
+
+    /// 404: a model this server does not serve.
+    pub fn model_not_found(asked: &str, served: &str) -> Self {
+        ApiError {
+            param: Some("model".into()),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!("the model `{asked}` does not exist; this server serves `{served}`"),
+            )
+        }
+    }
+
+    /// 401: a missing or wrong API key.
+    pub fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            "missing or incorrect API key (send `Authorization: Bearer <key>`)".into(),
+        )
+    }
+
+    /// 404: an unknown path.
+    pub fn no_route(path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            None,
+            format!("no endpoint {path} (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions)"),
+        )
+    }
+
+    /// 503 with `Retry-After`: the queue is full.
+    pub fn busy(queue: usize) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("queue_full"),
+            format!("the server is busy ({queue} requests running or queued); retry shortly"),
+        )
+    }
+
+    /// 500: the engine failed while generating.
+    pub fn engine(e: &crate::Error) -> Self {
+        match e {
+            crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
+            crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
+            _ => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, e.to_string()),
+        }
+    }
+
+    /// The body: `{"error": {...}}`.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({ "error": self })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}

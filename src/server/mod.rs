@@ -1,0 +1,382 @@
+//! `slotstream serve`: an OpenAI-compatible HTTP API on an [`Engine`].
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (with `stream: true`,
+//! server-sent events in OpenAI's chunk format ending with `data: [DONE]`), `GET
+//! /v1/models`, `GET /health`, and `GET /stats` (the engine's and the pool's counters).
+//!
+//! Requests run one at a time in arrival order (the engine's queue); at most
+//! [`ServerOptions::queue`] may be running or waiting, and the next one gets 503 with
+//! `Retry-After`. A client that disconnects cancels its generation at the next token.
+//! A request with `"slotstream_stats": true` gets its statistics in the response (the
+//! last streamed chunk) as `slotstream_stats`.
+
+pub mod error;
+mod openai;
+mod stop;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Request as HttpRequest, State};
+use axum::http::{header, Uri};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use crate::engine::{Engine, Event, Generation, Input};
+use crate::sampling::SamplingOptions;
+use error::ApiError;
+use openai::{ChatRequest, CompletionRequest, Params, Usage};
+use stop::StopMatcher;
+
+/// How the server behaves.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The model's name in `/v1/models`; a request naming another model gets 404.
+    pub model_id: String,
+    /// Requests running or waiting at once; more get 503 (at least 1).
+    pub queue: usize,
+    /// When set, `/v1/...` and `/stats` need `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// New tokens when a request gives no `max_tokens` (capped by the context).
+    pub default_max_tokens: usize,
+    /// Sampling when a request does not say (a request without `seed` gets a random one).
+    pub sampling: SamplingOptions,
+}
+
+struct App {
+    engine: Engine,
+    options: ServerOptions,
+    queue: Arc<Semaphore>,
+    created: u64,
+}
+
+/// The HTTP routes over `engine`.
+pub fn router(engine: Engine, options: ServerOptions) -> Router {
+    let app = Arc::new(App {
+        engine,
+        queue: Arc::new(Semaphore::new(options.queue.max(1))),
+        options,
+        created: unix_now(),
+    });
+    let authenticated = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/stats", get(stats))
+        .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
+    Router::new()
+        .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
+        .merge(authenticated)
+        .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
+        .with_state(app)
+}
+
+/// Serves `router` on `listener` until Ctrl-C (requests in progress finish first).
+pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+}
+
+async fn authenticate(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
+    if let Some(key) = &app.options.api_key {
+        let token = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !token.is_some_and(|t| same_secret(t.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares in time independent of where the inputs differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.options.model_id,
+            "object": "model",
+            "created": app.created,
+            "owned_by": "slotstream",
+        }],
+    }))
+}
+
+async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({
+        "engine": app.engine.stats(),
+        "pool": app.engine.pool_stats(),
+        "queued_or_running": app.options.queue.max(1) - app.queue.available_permits(),
+    }))
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let parsed = ChatRequest::parse(&body).and_then(|r| {
+        let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
+        Ok((r.input()?, params))
+    });
+    match parsed {
+        Ok((input, params)) => respond(app, Endpoint::Chat, input, params).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let parsed = CompletionRequest::parse(&body).and_then(|r| {
+        let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
+        Ok((r.input()?, params))
+    });
+    match parsed {
+        Ok((input, params)) => respond(app, Endpoint::Completion, input, params).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completion,
+}
+
+/// What every chunk or response of one request repeats.
+struct Meta {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+}
+
+impl Meta {
+    /// One choice (chat: `delta` or `message`; completion: `text`) in an envelope.
+    fn envelope(&self, text: Option<&str>, finish: Option<&str>, streaming: bool) -> Value {
+        let (object, choice) = match (self.endpoint, streaming) {
+            (Endpoint::Chat, true) => (
+                "chat.completion.chunk",
+                json!({ "index": 0, "delta": text.map_or(json!({}), |t| json!({ "content": t })),
+                        "logprobs": null, "finish_reason": finish }),
+            ),
+            (Endpoint::Chat, false) => (
+                "chat.completion",
+                json!({ "index": 0, "message": { "role": "assistant", "content": text.unwrap_or_default() },
+                        "logprobs": null, "finish_reason": finish }),
+            ),
+            (Endpoint::Completion, _) => (
+                "text_completion",
+                json!({ "index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish }),
+            ),
+        };
+        json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice] })
+    }
+}
+
+/// A request's statistics (`slotstream_stats` in the response).
+#[derive(Clone, Debug, Serialize)]
+pub struct RequestStats {
+    /// Prompt tokens continued from a kept state instead of being run.
+    pub reused_prompt_tokens: usize,
+    /// Prompt tokens run.
+    pub prefill_tokens: usize,
+    pub prefill_tps: f64,
+    pub decode_tps: f64,
+    /// Pool hit rate (null when experts are not streamed through a pool).
+    pub hit_rate: Option<f64>,
+    /// Expert bytes read from disk (demand, speculative, prefill sweeps, admission).
+    pub bytes_read: u64,
+    pub prefetches_used: u64,
+    pub prefetches_wasted: u64,
+    /// Seconds of decode spent waiting on expert reads.
+    pub decode_wait_seconds: f64,
+}
+
+/// How a generation ended.
+struct Outcome {
+    completion_tokens: usize,
+    finish_reason: &'static str,
+    stats: RequestStats,
+}
+
+async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params) -> Response {
+    // Tokenizing is quick next to the model; it runs here so bad prompts are refused
+    // before they queue.
+    let prompt = match app.engine.encode(&input) {
+        Ok(p) => p,
+        Err(e) => return ApiError::engine(&e).into_response(),
+    };
+    let prompt_tokens = prompt.len();
+    let request =
+        match openai::request(prompt, &params, app.engine.context(), app.options.default_max_tokens) {
+            Ok(r) => r,
+            Err(e) => return e.into_response(),
+        };
+    let Ok(permit) = app.queue.clone().try_acquire_owned() else {
+        return ApiError::busy(app.options.queue).into_response();
+    };
+    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let meta = Meta {
+        endpoint,
+        id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+        created: unix_now(),
+        model: app.options.model_id.clone(),
+        prompt_tokens,
+    };
+    let generation = app.engine.generate(request);
+    if params.stream {
+        stream_response(meta, generation, params, permit)
+    } else {
+        let _permit = permit;
+        let mut text = String::new();
+        match drive(generation, params.stops.clone(), |piece| {
+            text.push_str(&piece);
+            true
+        })
+        .await
+        {
+            Ok(Some(outcome)) => {
+                let mut body = meta.envelope(Some(&text), Some(outcome.finish_reason), false);
+                body["usage"] = json!(Usage::new(prompt_tokens, outcome.completion_tokens));
+                if params.stats {
+                    body["slotstream_stats"] = json!(outcome.stats);
+                }
+                Json(body).into_response()
+            }
+            Ok(None) => ApiError::engine(&crate::Error::InvalidInput("generation ended early".into())).into_response(),
+            Err(e) => ApiError::engine(&e).into_response(),
+        }
+    }
+}
+
+/// Server-sent events for one request. The events are produced by a task that owns the
+/// generation and the queue permit; when the client goes away the body (and with it the
+/// channel) is dropped, the task's next send fails, and dropping the generation cancels
+/// it.
+fn stream_response(meta: Meta, generation: Generation, params: Params, permit: OwnedSemaphorePermit) -> Response {
+    let (tx, rx) = mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        let _permit = permit;
+        if meta.endpoint == Endpoint::Chat {
+            let mut first = meta.envelope(Some(""), None, true);
+            first["choices"][0]["delta"] = json!({ "role": "assistant", "content": "" });
+            if tx.send(first.to_string()).is_err() {
+                return;
+            }
+        }
+        let result = drive(generation, params.stops.clone(), |piece| {
+            tx.send(meta.envelope(Some(&piece), None, true).to_string()).is_ok()
+        })
+        .await;
+        match result {
+            Ok(Some(outcome)) => {
+                let mut last = meta.envelope(None, Some(outcome.finish_reason), true);
+                if params.stats {
+                    last["slotstream_stats"] = json!(outcome.stats);
+                }
+                let _ = tx.send(last.to_string());
+                if params.include_usage {
+                    let mut usage = meta.envelope(None, None, true);
+                    usage["choices"] = json!([]);
+                    usage["usage"] = json!(Usage::new(meta.prompt_tokens, outcome.completion_tokens));
+                    let _ = tx.send(usage.to_string());
+                }
+            }
+            Ok(None) => return, // the client went away
+            Err(e) => {
+                let _ = tx.send(ApiError::engine(&e).body().to_string());
+            }
+        }
+        let _ = tx.send("[DONE]".into());
+    });
+    let events = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|data| (Ok::<_, Infallible>(SseEvent::default().data(data)), rx))
+    });
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Runs `generation` through the stop sequences, handing released text to `on_text`
+/// (which returns `false` when nobody listens any more: then this returns `Ok(None)` and
+/// dropping the generation cancels it).
+async fn drive(
+    mut generation: Generation,
+    stops: Vec<String>,
+    mut on_text: impl FnMut(String) -> bool,
+) -> crate::Result<Option<Outcome>> {
+    let mut matcher = StopMatcher::new(stops);
+    let mut stopped = false;
+    while let Some(event) = generation.next().await {
+        match event? {
+            Event::Token { text, .. } => {
+                if stopped {
+                    continue; // tokens already under way when the stop was found
+                }
+                let (out, hit) = matcher.push(&text);
+                if !out.is_empty() && !on_text(out) {
+                    return Ok(None);
+                }
+                if hit {
+                    stopped = true;
+                    generation.cancel();
+                }
+            }
+            Event::Done {
+                output_ids,
+                tail,
+                reused_tokens,
+                stats,
+                pool,
+            } => {
+                if !stopped {
+                    let (mut out, hit) = matcher.push(&tail);
+                    stopped = hit;
+                    if !hit {
+                        out.push_str(&matcher.finish());
+                    }
+                    if !out.is_empty() && !on_text(out) {
+                        return Ok(None);
+                    }
+                }
+                let finish_reason = if !stopped && stats.finish_reason == "length" { "length" } else { "stop" };
+                let request_stats = RequestStats {
+                    reused_prompt_tokens: reused_tokens,
+                    prefill_tokens: stats.prompt_tokens,
+                    prefill_tps: stats.prefill_tps,
+                    decode_tps: stats.decode_tps,
+                    hit_rate: pool.as_ref().map(|p| p.hit_rate),
+                    bytes_read: pool.as_ref().map_or(0, |p| {
+                        p.demand_bytes + p.speculative_bytes + p.sweep_bytes + p.admitted_bytes
+                    }),
+                    prefetches_used: pool.as_ref().map_or(0, |p| p.prefetches_used),
+                    prefetches_wasted: pool.as_ref().map_or(0, |p| p.prefetches_wasted),
+                    decode_wait_seconds: pool.as_ref().map_or(0.0, |p| p.decode_wait_seconds),
+                };
+                return Ok(Some(Outcome {
+                    completion_tokens: output_ids.len(),
+                    finish_reason,
+                    stats: request_stats,
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

@@ -1,0 +1,356 @@
+//! The OpenAI API's request and response bodies, as far as slotstream serves them
+//! (<https://platform.openai.com/docs/api-reference/chat> and `/completions`), and the
+//! checks that turn a request into an engine [`Request`].
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::error::ApiError;
+use crate::engine::{Input, Request};
+use crate::sampling::SamplingOptions;
+use crate::tokenizer::Message;
+
+/// Fields both endpoints take.
+#[derive(Debug, Default, Deserialize)]
+pub struct Common {
+    /// Must name the served model when present.
+    pub model: Option<String>,
+    pub max_tokens: Option<u64>,
+    /// The chat endpoint's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Extensions that llama.cpp, vLLM and mlx-lm servers accept too.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u64>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub logprobs: Option<Value>,
+    /// slotstream's extra: add this request's statistics to the response.
+    #[serde(default)]
+    pub slotstream_stats: bool,
+}
+
+/// `stop`: one string or a list of up to 4.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    pub common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    /// Text, a list of content parts, or null (an assistant turn with tool calls).
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub common: Common,
+}
+
+/// Parses a JSON object body; errors name the field at fault (`messages[2].content`).
+fn parse_object(body: &[u8]) -> Result<Value, ApiError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::malformed(format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::malformed("the body must be a JSON object".into()));
+    }
+    Ok(value)
+}
+
+/// Deserializes `value` (found at `path`), naming the innermost field at fault.
+fn typed<'v, T: Deserialize<'v>>(value: &'v Value, path: &str) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let inner = e.path().to_string();
+        let at = match (path.is_empty(), inner.as_str()) {
+            (true, inner) => inner.to_string(),
+            (false, ".") => path.to_string(),
+            (false, inner) if inner.starts_with('[') => format!("{path}{inner}"),
+            (false, inner) => format!("{path}.{inner}"),
+        };
+        ApiError::invalid(&at, &e.into_inner().to_string())
+    })
+}
+
+/// A required field of `object`.
+fn required<'v, T: Deserialize<'v>>(object: &'v Value, name: &str) -> Result<T, ApiError> {
+    match object.get(name) {
+        Some(v) => typed(v, name),
+        None => Err(ApiError::invalid(name, "missing")),
+    }
+}
+
+impl ChatRequest {
+    /// Parses a request body. Errors: not JSON, not an object, a field of the wrong type.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let value = parse_object(body)?;
+        Ok(ChatRequest {
+            messages: required(&value, "messages")?,
+            common: typed(&value, "")?,
+        })
+    }
+}
+
+impl CompletionRequest {
+    /// Parses a request body. Errors: not JSON, not an object, a field of the wrong type.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let value = parse_object(body)?;
+        Ok(CompletionRequest {
+            prompt: required(&value, "prompt")?,
+            common: typed(&value, "")?,
+        })
+    }
+}
+
+/// A completion prompt: text, token ids, or a batch of one of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// Token counts of a response.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// What the request asks of the engine besides its input, after checks.
+pub struct Params {
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingOptions,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub stats: bool,
+}
+
+impl Common {
+    /// Checks the fields against `model_id` and turns them into [`Params`], starting from
+    /// the server's `defaults`. Errors name the field.
+    pub fn params(&self, model_id: &str, defaults: &SamplingOptions) -> Result<Params, ApiError> {
+        if let Some(model) = &self.model {
+            if model != model_id {
+                return Err(ApiError::model_not_found(model, model_id));
+            }
+        }
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid("n", "only n = 1 is supported"));
+        }
+        for (field, value) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if value.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(field, "not supported; use repetition_penalty"));
+            }
+        }
+        if self.logprobs.as_ref().is_some_and(|v| !(v.is_null() || *v == Value::Bool(false))) {
+            return Err(ApiError::invalid("logprobs", "log probabilities are not supported"));
+        }
+        let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid("max_tokens", "give max_tokens or max_completion_tokens, not both"))
+            }
+            (Some(n), None) | (None, Some(n)) => {
+                if n == 0 {
+                    return Err(ApiError::invalid("max_tokens", "must be at least 1"));
+                }
+                Some(usize::try_from(n).unwrap_or(usize::MAX))
+            }
+            (None, None) => None,
+        };
+        let mut sampling = defaults.clone();
+        if let Some(t) = self.temperature {
+            if !(t.is_finite() && (0.0..=2.0).contains(&t)) {
+                return Err(ApiError::invalid("temperature", "must be in [0, 2]"));
+            }
+            sampling.temperature = t;
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid("top_p", "must be in (0, 1]"));
+            }
+            sampling.top_p = p;
+        }
+        if let Some(k) = self.top_k {
+            // -1 is how vLLM and llama.cpp clients say "off".
+            sampling.top_k = match k {
+                -1 | 0 => 0,
+                k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+                _ => return Err(ApiError::invalid("top_k", "must be >= 0 (or -1 for off)")),
+            };
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ApiError::invalid("min_p", "must be in [0, 1]"));
+            }
+            sampling.min_p = p;
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(ApiError::invalid("repetition_penalty", "must be a finite number > 0"));
+            }
+            sampling.repetition_penalty = r;
+        }
+        // No seed: a fresh one per request, as OpenAI's API behaves.
+        sampling.seed = match self.seed {
+            Some(s) => s as u64,
+            None => rand::random(),
+        };
+        let stops = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stops.len() > 4 {
+            return Err(ApiError::invalid("stop", "at most 4 stop sequences"));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+        }
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::invalid("stream_options", "only allowed with stream: true"));
+        }
+        Ok(Params {
+            max_tokens,
+            sampling,
+            stops,
+            stream: self.stream,
+            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            stats: self.slotstream_stats,
+        })
+    }
+}
+
+impl ChatRequest {
+    /// The messages as the chat template takes them. Errors: no messages, a part that
+    /// is not text.
+    pub fn input(&self) -> Result<Input, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid("messages", "must not be empty"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            ("text", None) => {
+                                return Err(ApiError::invalid(&format!("messages[{i}].content[{j}].text"), "missing"))
+                            }
+                            (kind, _) => {
+                                return Err(ApiError::invalid(
+                                    &format!("messages[{i}].content[{j}].type"),
+                                    &format!("`{kind}` parts are not supported (text only)"),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            messages.push(Message {
+                role: m.role.clone(),
+                content,
+            });
+        }
+        Ok(Input::Messages(messages))
+    }
+}
+
+impl CompletionRequest {
+    /// The prompt as text (tokenized as is) or ids. Errors: a batch of more than one.
+    pub fn input(&self) -> Result<Input, ApiError> {
+        let batch = |n: usize| ApiError::invalid("prompt", &format!("batches of {n} prompts are not supported (give one)"));
+        Ok(match &self.prompt {
+            Prompt::Text(t) => Input::Text(t.clone()),
+            Prompt::Ids(ids) => Input::Ids(ids.clone()),
+            Prompt::Texts(v) if v.len() == 1 => Input::Text(v[0].clone()),
+            Prompt::Texts(v) => return Err(batch(v.len())),
+            Prompt::IdLists(v) if v.len() == 1 => Input::Ids(v[0].clone()),
+            Prompt::IdLists(v) => return Err(batch(v.len())),
+        })
+    }
+}
+
+/// The engine request for the `prompt` ids with checked `params`; `max_tokens` defaults
+/// to `default_max_tokens`, and either must fit the context after the prompt.
+pub fn request(
+    prompt: Vec<u32>,
+    params: &Params,
+    context: usize,
+    default_max_tokens: usize,
+) -> Result<Request, ApiError> {
+    let prompt_len = prompt.len();
+    let room = context.saturating_sub(prompt_len);
+    let max_tokens = match params.max_tokens {
+        Some(n) if n > room => {
+            return Err(ApiError::context_length(format!(
+                "this model's context is {context} tokens; the prompt has {prompt_len} and max_tokens asks for {n} more"
+            )))
+        }
+        Some(n) => n,
+        None => default_max_tokens.min(room),
+    };
+    Ok(Request {
+        input: Input::Ids(prompt),
+        max_tokens,
+        sampling: params.sampling.clone(),
+    })
+}
