@@ -1,0 +1,335 @@
+//! The OpenAI-compatible server on loopback: outputs equal `slotstream generate`'s and
+//! mlx-lm's, concurrent clients, disconnects, bad input, the queue bound, the API key and
+//! prefix reuse.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use slotstream::engine::{Engine, EngineOptions};
+use slotstream::experts::{PoolSize, SourceOptions};
+use slotstream::server::{router, ServerOptions};
+
+const NAME: &str = "qwen3-next-bf16";
+/// The fixture's end-of-sequence ids (config.json).
+const EOS: [u32; 2] = [509, 511];
+
+struct Server {
+    base: String,
+    engine: Engine,
+    client: reqwest::Client,
+}
+
+async fn start(queue: usize, prompt_cache: usize, api_key: Option<&str>) -> Server {
+    let engine = Engine::load(
+        &fixture_dir(NAME),
+        EngineOptions {
+            device: Some("cpu".into()),
+            source: SourceOptions {
+                pool: Some(PoolSize::Slots(24)),
+                ..Default::default()
+            },
+            prompt_cache,
+        },
+    )
+    .await
+    .unwrap();
+    let app = router(
+        engine.clone(),
+        ServerOptions {
+            model_id: NAME.into(),
+            queue,
+            api_key: api_key.map(String::from),
+            default_max_tokens: 64,
+            sampling: Default::default(),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Server {
+        base,
+        engine,
+        client: reqwest::Client::new(),
+    }
+}
+
+impl Server {
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self.client.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap())
+    }
+
+    /// A streamed request: the text of every chunk, the finish reason and the chunks.
+    async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
+        let r = self.client.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let raw = r.text().await.unwrap();
+        let mut chunks = Vec::new();
+        let mut done = false;
+        for line in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            assert!(!done, "data after [DONE]");
+            if line == "[DONE]" {
+                done = true;
+            } else {
+                chunks.push(serde_json::from_str::<Value>(line).unwrap());
+            }
+        }
+        assert!(done, "the stream ends with [DONE]: {raw}");
+        let mut text = String::new();
+        let mut finish = String::new();
+        for c in &chunks {
+            assert!(c.get("error").is_none(), "{c}");
+            for choice in c["choices"].as_array().unwrap() {
+                let piece = choice["delta"]["content"].as_str().or(choice["text"].as_str());
+                text.push_str(piece.unwrap_or_default());
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    finish = f.to_string();
+                }
+            }
+        }
+        (text, finish, chunks)
+    }
+}
+
+/// mlx-lm's greedy continuation of the fixture's prompt, up to the first EOS.
+fn expected_ids() -> Vec<u32> {
+    reference(NAME).greedy_ids.into_iter().take_while(|t| !EOS.contains(t)).collect()
+}
+
+/// `slotstream generate --json` on the fixture.
+fn cli_generate(args: &[&str]) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .args(["generate", "--model", fixture_dir(NAME).to_str().unwrap(), "--device", "cpu", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_equal_generate_streaming_or_not() {
+    let s = start(16, 0, None).await;
+    let r = reference(NAME);
+    let n = r.greedy_ids.len();
+    // Completions from token ids: mlx-lm's greedy tokens.
+    let want = s.engine.decode(&expected_ids()).unwrap();
+    let body = json!({ "model": NAME, "prompt": r.prompt_ids, "max_tokens": n, "temperature": 0 });
+    let (status, v) = s.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["usage"]["prompt_tokens"], r.prompt_ids.len());
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (text, _, _) = s.stream("/v1/completions", &streamed).await;
+    assert_eq!(text, want);
+
+    // Chat: the same text as `slotstream generate --prompt` (chat template applied).
+    let question = "Tell me about slots.";
+    let cli = cli_generate(&["--prompt", question, "--max-tokens", "12"]);
+    let body = json!({ "model": NAME, "messages": [{ "role": "user", "content": question }], "max_tokens": 12 });
+    let (status, v) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], cli["text"]);
+    assert_eq!(v["usage"]["prompt_tokens"], cli["prompt_ids"].as_array().unwrap().len());
+    assert_eq!(v["usage"]["completion_tokens"], cli["output_ids"].as_array().unwrap().len());
+    let finish = v["choices"][0]["finish_reason"].clone();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({ "include_usage": true });
+    let (text, stream_finish, chunks) = s.stream("/v1/chat/completions", &streamed).await;
+    assert_eq!(text, cli["text"].as_str().unwrap());
+    assert_eq!(json!(stream_finish), finish);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["total_tokens"], v["usage"]["total_tokens"]);
+
+    // A stop string cuts the text before it and finishes with "stop".
+    if let Some(stop) = want.get(3..6).filter(|s| !s.trim().is_empty()) {
+        let body = json!({ "prompt": r.prompt_ids, "max_tokens": n, "stop": [stop] });
+        let (_, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(v["choices"][0]["text"], &want[..want.find(stop).unwrap()]);
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_clients_get_correct_outputs() {
+    let s = std::sync::Arc::new(start(16, 0, None).await);
+    let r = reference(NAME);
+    let want = s.engine.decode(&expected_ids()).unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (s, prompt, n) = (s.clone(), r.prompt_ids.clone(), r.greedy_ids.len());
+            tokio::spawn(async move {
+                let body = json!({ "prompt": prompt, "max_tokens": n, "stream": i % 2 == 0 });
+                if i % 2 == 0 {
+                    s.stream("/v1/completions", &body).await.0
+                } else {
+                    let (status, v) = s.post("/v1/completions", &body).await;
+                    assert_eq!(status, 200, "{v}");
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), want);
+    }
+    assert_eq!(s.engine.stats().requests, 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_the_engine() {
+    let s = start(16, 0, None).await;
+    let r = reference(NAME);
+    let body = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0, "seed": 7 });
+    let response = s.client.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    let mut bytes = response.bytes_stream();
+    // Read until the first token's chunk, then hang up.
+    let mut seen = String::new();
+    while seen.matches("data: ").count() < 2 {
+        seen.push_str(&String::from_utf8_lossy(&bytes.next().await.unwrap().unwrap()));
+    }
+    drop(bytes);
+    let next = json!({ "prompt": r.prompt_ids, "max_tokens": r.greedy_ids.len() });
+    let (status, v) = tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next))
+        .await
+        .expect("the next request starts once the disconnected one is cancelled");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], s.engine.decode(&expected_ids()).unwrap().as_str());
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 3000);
+    assert_eq!(s.engine.pinned_slots(), 0, "no pin is left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let s = start(16, 0, Some("sesame")).await;
+    let url = |p: &str| format!("{}{p}", s.base);
+    let auth = |rb: reqwest::RequestBuilder| rb.bearer_auth("sesame");
+    // The API key.
+    let r = s.client.get(url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = s.client.get(url("/v1/models")).bearer_auth("wrong").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "invalid_api_key");
+    let r = s.client.get(url("/health")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let models: Value = auth(s.client.get(url("/v1/models"))).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["id"], NAME);
+
+    let long: Vec<u32> = (0..5000).map(|i| i % 500).collect();
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{\"prompt\": ".into(), 400, ""),
+        ("/v1/completions", "[1, 2]".into(), 400, ""),
+        ("/v1/completions", json!({ "max_tokens": 4 }).to_string(), 400, "prompt"),
+        ("/v1/completions", json!({ "prompt": "hi", "max_tokens": "four" }).to_string(), 400, "max_tokens"),
+        ("/v1/completions", json!({ "prompt": "hi", "max_tokens": 0 }).to_string(), 400, "max_tokens"),
+        ("/v1/completions", json!({ "prompt": "hi", "max_tokens": 10_000_000 }).to_string(), 400, ""),
+        ("/v1/completions", json!({ "prompt": "hi", "temperature": -1 }).to_string(), 400, "temperature"),
+        ("/v1/completions", json!({ "prompt": "hi", "top_p": 1.5 }).to_string(), 400, "top_p"),
+        ("/v1/completions", json!({ "prompt": "hi", "n": 2 }).to_string(), 400, "n"),
+        ("/v1/completions", json!({ "prompt": ["a", "b"] }).to_string(), 400, "prompt"),
+        ("/v1/completions", json!({ "prompt": [1, 2, 99999] }).to_string(), 400, ""),
+        ("/v1/completions", json!({ "prompt": long }).to_string(), 400, ""),
+        ("/v1/completions", json!({ "prompt": "hi", "model": "gpt-4o" }).to_string(), 404, "model"),
+        ("/v1/chat/completions", json!({ "messages": [] }).to_string(), 400, "messages"),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": 3 }] }).to_string(), 400, "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] }).to_string(),
+            400,
+            "messages[0].content[0].type",
+        ),
+    ];
+    for (path, body, status, param) in cases {
+        let r = auth(s.client.post(url(path)))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}: {v}");
+        if !param.is_empty() {
+            assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        }
+    }
+    let r = auth(s.client.post(url("/v1/completions")))
+        .json(&json!({ "prompt": "hi", "max_tokens": 2 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_503_with_retry_after() {
+    let s = start(1, 0, None).await;
+    let r = reference(NAME);
+    let body = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
+    let busy = s.client.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    assert_eq!(busy.status().as_u16(), 200);
+    let r2 = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&json!({ "prompt": "hi", "max_tokens": 1 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r2.status().as_u16(), 503);
+    assert_eq!(r2.headers()["retry-after"], "1");
+    assert_eq!(r2.json::<Value>().await.unwrap()["error"]["code"], "queue_full");
+    drop(busy);
+    // The slot frees once the streaming request notices its client is gone.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, _) = s.post("/v1/completions", &json!({ "prompt": "hi", "max_tokens": 1 })).await;
+        if status == 200 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the queue never freed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
+    let warm = start(16, 4, None).await;
+    let cold = start(16, 0, None).await;
+    let r = reference(NAME);
+    let first = json!({ "prompt": r.prompt_ids, "max_tokens": 8, "slotstream_stats": true });
+    let (_, v1) = warm.post("/v1/completions", &first).await;
+    let s1 = &v1["slotstream_stats"];
+    assert_eq!(s1["reused_prompt_tokens"], 0);
+    assert_eq!(s1["prefill_tokens"], r.prompt_ids.len());
+    // The follow-up: the first prompt, its reply's ids, and a new turn.
+    let reply: Vec<u32> = r.greedy_ids[..8].to_vec();
+    let mut follow_up = r.prompt_ids.clone();
+    follow_up.extend(&reply);
+    follow_up.extend([17u32, 42, 99, 5]);
+    let body = json!({ "prompt": follow_up, "max_tokens": 10, "slotstream_stats": true });
+    let (_, v2) = warm.post("/v1/completions", &body).await;
+    let s2 = &v2["slotstream_stats"];
+    let reused = s2["reused_prompt_tokens"].as_u64().unwrap() as usize;
+    // Every id the state ran: the prompt and all but the last reply token.
+    assert_eq!(reused, r.prompt_ids.len() + reply.len() - 1);
+    assert_eq!(s2["prefill_tokens"].as_u64().unwrap() as usize, follow_up.len() - reused);
+    assert!(s2["prefill_tokens"].as_u64() < s1["prefill_tokens"].as_u64());
+    let (_, v3) = cold.post("/v1/completions", &body).await;
+    assert_eq!(v3["slotstream_stats"]["reused_prompt_tokens"], 0);
+    assert_eq!(v2["choices"][0]["text"], v3["choices"][0]["text"]);
+    assert_eq!(warm.engine.stats().prefix_hits, 1);
+    let stats: Value = warm.client.get(format!("{}/stats", warm.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(stats["engine"]["prefix_hits"], 1);
+}
