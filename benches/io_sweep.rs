@@ -15,7 +15,6 @@
 //! carries engine GB/s, raw GB/s and their ratio.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,10 +22,11 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
+use slotstream::bench::{raw_ranges, raw_read};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::io::{AlignedBuf, IoMode, ALIGN};
+use slotstream::io::IoMode;
 use slotstream::pack::{pack, PACK_FILE};
-use slotstream::pool::{floor_slots, slot_stride, SlotPool, StreamOptions};
+use slotstream::pool::{floor_slots, SlotPool, StreamOptions};
 use slotstream::synth::{write_checkpoint, Preset, FLASH_NEXT_EXPERTS, QWEN3_NEXT_80B};
 
 /// Records read per measured batch (enough to keep 64 reads in flight).
@@ -63,64 +63,6 @@ fn prepare(preset: &Preset, layers: usize) -> PathBuf {
         pack(&ckpt, &index, &dir, true).expect("pack");
     }
     dir
-}
-
-/// Byte ranges (file, offset, len) a raw reader fetches for a record, aligned outward.
-fn raw_ranges(ckpt: &Checkpoint, index: &ExpertIndex, key: (usize, usize), packed: bool) -> Vec<(usize, u64, usize)> {
-    let a = ALIGN as u64;
-    if packed {
-        let pos = index.moe_position(key.0).unwrap_or(0) * index.num_experts + key.1;
-        let stride = slot_stride(index.layout.record_bytes);
-        return vec![(ckpt.shards().len(), (pos * stride) as u64, stride)];
-    }
-    let ranges = index.ranges(key.0, key.1).expect("record");
-    ranges
-        .iter()
-        .map(|r| {
-            let start = r.offset / a * a;
-            let end = (r.offset + r.len).next_multiple_of(a);
-            (r.shard, start, (end - start) as usize)
-        })
-        .collect()
-}
-
-/// Plain threads doing O_DIRECT preads of `ranges`, `depth` at a time. Returns seconds.
-fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize) -> f64 {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let handles: Vec<std::fs::File> = files
-        .iter()
-        .map(|p| {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true);
-            #[cfg(target_os = "linux")]
-            o.custom_flags(libc::O_DIRECT);
-            o.open(p).or_else(|_| std::fs::File::open(p)).expect("open for raw read")
-        })
-        .collect();
-    let next = AtomicUsize::new(0);
-    let start = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..depth {
-            s.spawn(|| {
-                let mut buf = AlignedBuf::zeroed(ranges.iter().map(|r| r.2).max().unwrap_or(ALIGN)).expect("buffer");
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(f, off, len)) = ranges.get(i) else { break };
-                    let dst = &mut buf.as_mut_slice()[..len];
-                    let mut done = 0;
-                    while done < len {
-                        match handles[f].read_at(&mut dst[done..], off + done as u64) {
-                            Ok(0) => break,
-                            Ok(n) => done += n,
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                            Err(e) => panic!("raw read: {e}"),
-                        }
-                    }
-                }
-            });
-        }
-    });
-    start.elapsed().as_secs_f64()
 }
 
 fn sweep(c: &mut Criterion) {
@@ -180,9 +122,9 @@ fn sweep(c: &mut Criterion) {
                                 total += dt;
                                 let ranges: Vec<_> = raw_keys[..BATCH]
                                     .iter()
-                                    .flat_map(|&(l, e)| raw_ranges(&ckpt, &index, (l, e as usize), packed))
+                                    .flat_map(|&(l, e)| raw_ranges(&ckpt, &index, (l, e as usize), packed).expect("record"))
                                     .collect();
-                                raw_secs += raw_read(&files, &ranges, depth);
+                                raw_secs += raw_read(&files, &ranges, depth).expect("raw read");
                                 raw_bytes += (BATCH * record_bytes) as u64;
                             }
                             total

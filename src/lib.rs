@@ -18,6 +18,7 @@
 
 pub mod atomic_file;
 pub mod backend;
+pub mod bench;
 pub mod cachesim;
 pub mod chat;
 pub mod checkpoint;

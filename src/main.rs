@@ -47,6 +47,9 @@ enum Command {
     Plan(PlanArgs),
     /// Write a synthetic checkpoint in the exact MLX layout of a preset (random weights).
     Synth(SynthArgs),
+    /// Measure prefill and decode speed at several pool sizes, each beside its limit
+    /// (copy bandwidth when all experts are resident, raw disk reads when streaming).
+    Bench(BenchArgs),
     /// Serve the OpenAI API (chat and text completions, streaming or not) over HTTP.
     Serve(ServeArgs),
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
@@ -101,6 +104,52 @@ struct SynthArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Model directory (for example one written by `slotstream synth`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Pool sizes, comma-separated: `floor`, `all` (every record, loaded before timing),
+    /// a share of the records (`30%`) or a memory budget (`8GiB`).
+    #[arg(long, value_delimiter = ',', default_value = "floor,30%,all")]
+    budgets: Vec<slotstream::bench::Budget>,
+    /// Tokens to decode per row (the first --warmup are left out of the decode figures).
+    #[arg(long, default_value_t = 96)]
+    tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    warmup: usize,
+    /// Prompt length in tokens (random ids).
+    #[arg(long, default_value_t = 64)]
+    prompt_len: usize,
+    /// Lookahead settings to run each budget with.
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    lookahead: Vec<OnOff>,
+    /// Seed of the prompt.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
+    #[arg(long)]
+    device: Option<String>,
+    /// Tokens of context the memory plan reserves (for byte budgets).
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Demand reads in flight at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    queue_depth: u16,
+    /// direct (O_DIRECT / F_NOCACHE) or buffered reads.
+    #[arg(long, default_value = "direct")]
+    io: IoMode,
+    /// Read the checkpoint shards even if a valid experts.pack is present.
+    #[arg(long)]
+    no_pack: bool,
+    /// Where a GPU reads the slots (`unified` or `device`; default by adapter type).
+    #[arg(long)]
+    placement: Option<Placement>,
 }
 
 #[derive(Args)]
@@ -371,6 +420,7 @@ fn main() {
         Command::Synth(args) => synth(args),
         Command::Demo(args) => demo(args),
         Command::Serve(args) => serve(args),
+        Command::Bench(args) => bench(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -815,6 +865,51 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         Ok(())
     })
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    use slotstream::bench::BenchOptions;
+    let ckpt = Arc::new(
+        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+    );
+    let options = BenchOptions {
+        budgets: args.budgets.clone(),
+        lookahead: args.lookahead.iter().map(|l| *l == OnOff::On).collect(),
+        prompt_len: args.prompt_len,
+        tokens: args.tokens,
+        warmup: args.warmup,
+        source: SourceOptions {
+            context: args.context,
+            queue_depth: args.queue_depth as usize,
+            io: args.io,
+            use_pack: !args.no_pack,
+            placement: args.placement,
+            ..Default::default()
+        },
+        seed: args.seed,
+    };
+    if args.prompt_len == 0 {
+        bail!("--prompt-len must be at least 1");
+    }
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let steps = (options.budgets.len() * options.lookahead.len()) as u64 + 2;
+    let bar = indicatif::ProgressBar::new(steps)
+        .with_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("template"));
+    let progress = |what: &str| {
+        bar.set_message(what.to_string());
+        bar.inc(1);
+    };
+    let report = match open_compute(args.device.as_deref())? {
+        Compute::Cpu(b) => slotstream::bench::run(&b, &ckpt, &options, &runtime, progress)?,
+        Compute::Gpu(b) => slotstream::bench::run(&*b, &ckpt, &options, &runtime, progress)?,
+    };
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
 }
 
 fn plan(args: PlanArgs) -> Result<()> {

@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::checkpoint::{Checkpoint, ExpertIndex, TensorEntry};
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
 use crate::model::PREFILL_CHUNK;
@@ -51,14 +51,7 @@ impl Plan {
     /// message gives every term).
     pub fn new(ckpt: &Checkpoint, index: &ExpertIndex, budget: u64, context: usize, queue_depth: usize) -> Result<Self> {
         let cfg = &ckpt.config;
-        let resident_weights: u64 = ckpt
-            .tensors()
-            .filter(|t| !t.name.contains(".switch_mlp.") && !t.name.starts_with("mtp."))
-            .map(|t| match t.dtype {
-                safetensors::Dtype::BF16 | safetensors::Dtype::F16 if !ckpt.contains(&scales_of(&t.name)) => t.len * 2,
-                _ => t.len,
-            })
-            .sum();
+        let resident_weights: u64 = resident_tensors(ckpt).map(|(_, held)| held).sum();
         let per_token_kv = (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
         let delta_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()
             + cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)
@@ -161,6 +154,21 @@ impl Plan {
         );
         out
     }
+}
+
+/// The tensors the backends keep resident (everything but routed experts and the MTP
+/// head), each with the bytes it is held in: as stored, except bf16/f16 tensors without
+/// scales, which are widened to f32.
+pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&TensorEntry, u64)> {
+    ckpt.tensors()
+        .filter(|t| !t.name.contains(".switch_mlp.") && !t.name.starts_with("mtp."))
+        .map(|t| {
+            let held = match t.dtype {
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16 if !ckpt.contains(&scales_of(&t.name)) => t.len * 2,
+                _ => t.len,
+            };
+            (t, held)
+        })
 }
 
 fn scales_of(weight: &str) -> String {

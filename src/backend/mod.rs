@@ -138,6 +138,26 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Bytes per second (read plus written) of a large copy in the memory this backend
+    /// computes from: the ceiling a bandwidth-bound decode step is compared with. The
+    /// default times a 512 MiB host copy on the rayon pool (the CPU backend's threads).
+    /// Errors: the memory cannot be allocated.
+    fn copy_bandwidth(&self) -> Result<f64> {
+        use rayon::prelude::*;
+        const LEN: usize = 512 << 20;
+        const CHUNK: usize = 4 << 20;
+        let src = vec![1u8; LEN];
+        let mut dst = vec![0u8; LEN];
+        let copy = |dst: &mut [u8]| dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+        copy(&mut dst); // fault the pages in
+        let runs = 4;
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            copy(&mut dst);
+        }
+        Ok((2 * LEN * runs) as f64 / start.elapsed().as_secs_f64())
+    }
+
     /// Makes a weight resident. Errors: the backend cannot hold it.
     fn upload_weight(&self, w: LinearWeight) -> Result<Self::Weight>;
     /// Uploads `[rows, cols]` values.

@@ -237,6 +237,23 @@ impl Backend for GpuBackend {
         self.place_pool(pool, placement.unwrap_or_else(|| self.default_placement()))
     }
 
+    /// A device-to-device copy of 1 GiB (or what one binding allows), timed over a few
+    /// runs after a warm-up.
+    fn copy_bandwidth(&self) -> Result<f64> {
+        let limits = &self.gpu.limits;
+        let len = (1u64 << 30).min(limits.max_buffer_size / 2).min(limits.max_storage_buffer_binding_size);
+        let (src, dst) = (self.gpu.zeroed(len), self.gpu.zeroed(len));
+        self.gpu.copy(&src, 0, &dst, 0, len);
+        self.gpu.sync()?;
+        let runs = 10;
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            self.gpu.copy(&src, 0, &dst, 0, len);
+        }
+        self.gpu.sync()?;
+        Ok((2 * len * runs) as f64 / start.elapsed().as_secs_f64())
+    }
+
     fn upload_weight(&self, w: LinearWeight) -> Result<GpuWeight> {
         quant::upload_weight(self, w)
     }

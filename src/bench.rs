@@ -1,0 +1,447 @@
+//! `slotstream bench`: decode and prefill speed of a model at several pool sizes, each row
+//! beside the limit it is measured against, both measured in the same run:
+//! - a pool that holds every record (all experts resident, loaded before timing) against
+//!   the time to move one token's active bytes at the backend's copy bandwidth;
+//! - a streamed pool against the time to read the bytes it read per token at the disk's
+//!   raw direct-read bandwidth (plain threads doing `O_DIRECT` `pread`s of random
+//!   records, no pool).
+//!
+//! Each row prefills a prompt of random ids, then decodes greedily (end-of-sequence ids
+//! ignored, so every row decodes the same number of tokens). Decode figures cover the
+//! tokens after a warm-up (default 32), while the pool fills.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::error::{Error, Result};
+use crate::experts::{open_source, ExpertSource, PoolSize, SourceOptions};
+use crate::generate::{generate, GenerateOptions};
+use crate::io::{AlignedBuf, ALIGN};
+use crate::model::Model;
+use crate::pack::PACK_FILE;
+use crate::plan::{human, parse_size, peak_rss, resident_tensors};
+use crate::pool::{floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
+
+/// One pool size to measure.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Budget {
+    /// The smallest pool the engine accepts.
+    Floor,
+    /// Every record resident (loaded before timing).
+    All,
+    /// This share of the records (0-100).
+    Percent(f64),
+    /// What a memory budget of this many bytes leaves ([`crate::plan::Plan`]).
+    Bytes(u64),
+}
+
+impl std::str::FromStr for Budget {
+    type Err = String;
+
+    /// `floor`, `all`, `30%` or a size such as `8GiB`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "floor" => Ok(Budget::Floor),
+            "all" => Ok(Budget::All),
+            p if p.ends_with('%') => match p[..p.len() - 1].trim().parse::<f64>() {
+                Ok(v) if v > 0.0 && v <= 100.0 => Ok(Budget::Percent(v)),
+                _ => Err(format!("`{p}`: a share of the records must be in (0, 100]%")),
+            },
+            size => parse_size(size).map(Budget::Bytes).map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Budget::Floor => write!(f, "floor"),
+            Budget::All => write!(f, "all"),
+            Budget::Percent(p) => write!(f, "{p}%"),
+            Budget::Bytes(b) => write!(f, "{}", human(*b)),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub budgets: Vec<Budget>,
+    /// Lookahead settings to run each budget with.
+    pub lookahead: Vec<bool>,
+    /// Prompt length in tokens (random ids).
+    pub prompt_len: usize,
+    /// Tokens decoded per row, warm-up included.
+    pub tokens: usize,
+    /// Decoded tokens left out of the decode figures.
+    pub warmup: usize,
+    /// Everything else about the expert source (I/O mode, queue depth, context,
+    /// placement); its `pool` and `lookahead` are set per row.
+    pub source: SourceOptions,
+    /// Seed of the prompt's ids.
+    pub seed: u64,
+}
+
+/// One measured row. Decode figures cover the tokens after the warm-up.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub budget: String,
+    pub slots: usize,
+    pub pool_bytes: u64,
+    pub lookahead: bool,
+    pub prefill_tokens: usize,
+    pub prefill_tps: f64,
+    pub decode_tokens: usize,
+    pub decode_tps: f64,
+    pub lookups: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub hit_rate: f64,
+    /// Demand plus speculative bytes read while decoding.
+    pub bytes_read: u64,
+    pub speculative_bytes: u64,
+    pub mb_read_per_token: f64,
+    /// Share of decode time spent waiting on expert reads.
+    pub wait_share: f64,
+    pub prefetches_used: u64,
+    pub prefetches_wasted: u64,
+    /// Seconds spent loading every record before timing (the `all` row).
+    pub preload_seconds: f64,
+    /// Peak resident memory of the process during the row (Linux; elsewhere since start).
+    pub peak_rss: Option<u64>,
+    /// `compute` (all resident: active bytes at the copy bandwidth) or `read` (bytes read
+    /// per token at the raw disk bandwidth).
+    pub limit_kind: &'static str,
+    /// Tokens per second the limit allows (`None` when nothing was read).
+    pub limit_tps: Option<f64>,
+}
+
+/// The whole run: what was measured against, and the rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub backend: String,
+    pub layers: usize,
+    pub moe_layers: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub records: usize,
+    pub record_bytes: usize,
+    /// Non-expert weight bytes read per token (as held: bf16 widened to f32, the embedding
+    /// table counted as one row) plus top-k records per MoE layer.
+    pub active_bytes_per_token: u64,
+    /// The backend's large copy, read plus written bytes per second.
+    pub copy_bytes_per_second: f64,
+    /// Raw `O_DIRECT` reads of random records at the run's queue depth.
+    pub raw_read_bytes_per_second: f64,
+    pub raw_read_source: String,
+    pub queue_depth: usize,
+    pub rows: Vec<BenchRow>,
+}
+
+/// Runs every budget x lookahead row on `backend`. `progress` receives a line per step.
+/// Errors: a budget below the floor, an I/O or forward-pass error.
+pub fn run<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    options: &BenchOptions,
+    runtime: &tokio::runtime::Runtime,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport> {
+    if options.tokens <= options.warmup {
+        return Err(Error::InvalidInput(format!(
+            "--tokens {} must exceed the warm-up of {} tokens",
+            options.tokens, options.warmup
+        )));
+    }
+    let model = Model::load(ckpt, backend)?;
+    let index = Arc::new(model.experts.clone());
+    let cfg = &ckpt.config;
+    let records = index.records();
+    let record_bytes = index.layout.record_bytes;
+    progress("measuring the copy bandwidth");
+    let copy = backend.copy_bandwidth()?;
+    // Measured with the first pool, which knows whether the pack is usable.
+    let mut raw: Option<(f64, String)> = None;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed);
+    let prompt: Vec<u32> = (0..options.prompt_len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+    let active = active_bytes_per_token(ckpt, &index);
+    let mut rows = Vec::new();
+    for budget in &options.budgets {
+        for &lookahead in &options.lookahead {
+            progress(&format!("budget {budget}, lookahead {}", if lookahead { "on" } else { "off" }));
+            let mut source = options.source.clone();
+            source.lookahead = lookahead;
+            source.pool = Some(match budget {
+                Budget::Floor => PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP)),
+                Budget::All => PoolSize::Slots(records),
+                Budget::Percent(p) => PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1)),
+                Budget::Bytes(b) => PoolSize::Budget(*b),
+            });
+            reset_peak_rss();
+            let opened = open_source(backend, ckpt, index.clone(), &source, runtime.handle().clone())?;
+            let pool = opened.pool.clone().ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
+            if raw.is_none() {
+                progress("measuring raw direct reads");
+                raw = Some(raw_bandwidth(ckpt, &index, pool.packed(), options.source.queue_depth, options.seed)?);
+            }
+            let raw_bps = raw.as_ref().map_or(0.0, |r| r.0);
+            let mut preload_seconds = 0.0;
+            if pool.slots() >= records {
+                let start = Instant::now();
+                for &layer in &index.moe_layers {
+                    let all: Vec<u32> = (0..index.num_experts as u32).collect();
+                    drop(opened.experts.fetch(layer, &all)?);
+                }
+                preload_seconds = start.elapsed().as_secs_f64();
+            }
+            pool.reset_stats();
+            let generate_options = GenerateOptions {
+                max_tokens: options.tokens,
+                sampling: Default::default(),
+                eos_ids: Vec::new(),
+            };
+            let mut state = model.new_state(backend);
+            let mut at_warmup: Option<(Instant, PoolStats)> = None;
+            let mut count = 0;
+            let (_, stats) = generate(&model, backend, &opened.experts, &mut state, &prompt, &generate_options, |_| {
+                count += 1;
+                // The first token comes from prefill; decode steps follow it.
+                if count == options.warmup + 1 {
+                    at_warmup = Some((Instant::now(), pool.stats()));
+                }
+                Ok(true)
+            })?;
+            let end = (Instant::now(), pool.stats());
+            let (t0, s0) = at_warmup.ok_or_else(|| Error::InvalidInput("generation ended before the warm-up".into()))?;
+            let seconds = end.0.duration_since(t0).as_secs_f64();
+            let s1 = end.1;
+            let decode_tokens = stats.generated_tokens - options.warmup - 1;
+            let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
+            let speculative_bytes = s1.speculative_bytes - s0.speculative_bytes;
+            let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
+            let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
+            let all = pool.slots() >= records;
+            rows.push(BenchRow {
+                budget: budget.to_string(),
+                slots: pool.slots(),
+                pool_bytes: (pool.slots() * pool.stride()) as u64,
+                lookahead,
+                prefill_tokens: stats.prompt_tokens,
+                prefill_tps: stats.prefill_tps,
+                decode_tokens,
+                decode_tps: decode_tokens as f64 / seconds,
+                lookups: hits + misses,
+                hits,
+                misses,
+                hit_rate: if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 },
+                bytes_read,
+                speculative_bytes,
+                mb_read_per_token: per_token / 1e6,
+                wait_share: (s1.decode_wait_seconds - s0.decode_wait_seconds) / seconds,
+                prefetches_used: s1.prefetches_used - s0.prefetches_used,
+                prefetches_wasted: s1.prefetches_wasted - s0.prefetches_wasted,
+                preload_seconds,
+                peak_rss: peak_rss(),
+                limit_kind: if all { "compute" } else { "read" },
+                limit_tps: if all {
+                    Some(copy / active as f64)
+                } else if per_token > 0.0 {
+                    Some(raw_bps / per_token)
+                } else {
+                    None
+                },
+            });
+        }
+    }
+    let (raw_read_bytes_per_second, raw_read_source) = raw.unwrap_or_default();
+    Ok(BenchReport {
+        model: ckpt.dir.display().to_string(),
+        backend: backend.name(),
+        layers: cfg.num_hidden_layers,
+        moe_layers: index.moe_layers.len(),
+        experts: index.num_experts,
+        top_k: cfg.num_experts_per_tok,
+        records,
+        record_bytes,
+        active_bytes_per_token: active,
+        copy_bytes_per_second: copy,
+        raw_read_bytes_per_second,
+        raw_read_source,
+        queue_depth: options.source.queue_depth,
+        rows,
+    })
+}
+
+impl BenchReport {
+    /// The rows as a Markdown table, with the limits in a header line.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{} on {}: {} MoE layers x {} experts (top-{}), records of {}; active bytes per token {}; \
+             copy {:.1} GB/s; raw direct reads {:.2} GB/s (queue depth {}, {})\n\n",
+            self.model,
+            self.backend,
+            self.moe_layers,
+            self.experts,
+            self.top_k,
+            human(self.record_bytes as u64),
+            human(self.active_bytes_per_token),
+            self.copy_bytes_per_second / 1e9,
+            self.raw_read_bytes_per_second / 1e9,
+            self.queue_depth,
+            self.raw_read_source
+        );
+        s += "| budget | slots | lookahead | prefill tok/s | decode tok/s | limit tok/s | of limit | hit rate | MB read/token | wait share | prefetch used/wasted | peak RSS |\n";
+        s += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        for r in &self.rows {
+            let (limit, of) = match r.limit_tps {
+                Some(l) => (format!("{l:.1} ({})", r.limit_kind), format!("{:.2}", r.decode_tps / l)),
+                None => (format!("- ({})", r.limit_kind), "-".into()),
+            };
+            s += &format!(
+                "| {} | {} | {} | {:.1} | {:.2} | {} | {} | {:.3} | {:.2} | {:.1}% | {}/{} | {} |\n",
+                r.budget,
+                r.slots,
+                if r.lookahead { "on" } else { "off" },
+                r.prefill_tps,
+                r.decode_tps,
+                limit,
+                of,
+                r.hit_rate,
+                r.mb_read_per_token,
+                100.0 * r.wait_share,
+                r.prefetches_used,
+                r.prefetches_wasted,
+                r.peak_rss.map_or("-".into(), human)
+            );
+        }
+        s
+    }
+}
+
+/// Non-expert bytes a decode step reads (as the backends hold them: bf16/f16 tensors
+/// without scales widened to f32; the embedding table counted as one row), plus the
+/// top-k records of every MoE layer.
+pub fn active_bytes_per_token(ckpt: &Checkpoint, index: &ExpertIndex) -> u64 {
+    let cfg = &ckpt.config;
+    let dense: u64 = resident_tensors(ckpt)
+        .map(|(t, held)| if t.name.contains("embed_tokens") { held / cfg.vocab_size.max(1) as u64 } else { held })
+        .sum();
+    dense + (cfg.num_experts_per_tok * index.moe_layers.len() * index.layout.record_bytes) as u64
+}
+
+/// Raw direct-read bandwidth over up to 512 random records (bytes per second), and what
+/// was read.
+fn raw_bandwidth(
+    ckpt: &Checkpoint,
+    index: &ExpertIndex,
+    packed: bool,
+    depth: usize,
+    seed: u64,
+) -> Result<(f64, String)> {
+    let mut keys: Vec<(usize, usize)> =
+        index.moe_layers.iter().flat_map(|&l| (0..index.num_experts).map(move |e| (l, e))).collect();
+    keys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed));
+    keys.truncate(512);
+    let mut files: Vec<PathBuf> = ckpt.shards().iter().map(|s| s.path.clone()).collect();
+    files.push(ckpt.dir.join(PACK_FILE));
+    let ranges: Vec<_> = keys
+        .iter()
+        .map(|&k| raw_ranges(ckpt, index, k, packed))
+        .collect::<Result<Vec<_>>>()?
+        .concat();
+    if ranges.is_empty() {
+        return Err(Error::InvalidInput("the model has no expert records to read".into()));
+    }
+    let seconds = raw_read(&files, &ranges, depth)?;
+    let bytes = (keys.len() * index.layout.record_bytes) as f64;
+    let what = format!("{} records from {}", keys.len(), if packed { "experts.pack" } else { "the shards" });
+    Ok((bytes / seconds, what))
+}
+
+/// The byte ranges `(file, offset, len)` a raw reader fetches for record `key` = (layer,
+/// expert): the packed record (file index = number of shards, i.e. the pack after the
+/// shards), or each piece's range aligned outward to [`ALIGN`].
+/// Errors: a record the index lacks.
+pub fn raw_ranges(ckpt: &Checkpoint, index: &ExpertIndex, key: (usize, usize), packed: bool) -> Result<Vec<(usize, u64, usize)>> {
+    let a = ALIGN as u64;
+    let missing = || Error::InvalidInput(format!("no expert record ({}, {})", key.0, key.1));
+    if packed {
+        let position = index.moe_position(key.0).ok_or_else(missing)?;
+        let stride = slot_stride(index.layout.record_bytes);
+        let at = (position * index.num_experts + key.1) * stride;
+        return Ok(vec![(ckpt.shards().len(), at as u64, stride)]);
+    }
+    Ok(index
+        .ranges(key.0, key.1)
+        .ok_or_else(missing)?
+        .iter()
+        .map(|r| {
+            let start = r.offset / a * a;
+            let end = (r.offset + r.len).next_multiple_of(a);
+            (r.shard, start, (end - start) as usize)
+        })
+        .collect())
+}
+
+/// Plain threads doing `O_DIRECT` (Linux; buffered elsewhere) `pread`s of `ranges`,
+/// `depth` at a time: the baseline the engine's reads are compared with. Returns seconds.
+/// Errors: a file that cannot be opened or read.
+pub fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize) -> Result<f64> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let mut handles = Vec::with_capacity(files.len());
+    for p in files {
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true);
+        #[cfg(target_os = "linux")]
+        o.custom_flags(libc::O_DIRECT);
+        // A file that is not used (the pack when reading shards) may be absent.
+        handles.push(o.open(p).or_else(|_| std::fs::File::open(p)).ok());
+    }
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    let failures: Vec<Error> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..depth.max(1))
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let longest = ranges.iter().map(|r| r.2).max().unwrap_or(ALIGN);
+                    let mut buf = AlignedBuf::zeroed(longest)?;
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(f, offset, len)) = ranges.get(i) else { return Ok(()) };
+                        let file = handles[f].as_ref().ok_or_else(|| Error::io(&files[f], std::io::ErrorKind::NotFound.into()))?;
+                        let dst = &mut buf.as_mut_slice()[..len];
+                        let mut done = 0;
+                        while done < len {
+                            match file.read_at(&mut dst[done..], offset + done as u64) {
+                                Ok(0) => break,
+                                Ok(n) => done += n,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(e) => return Err(Error::io(&files[f], e)),
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().filter_map(|w| w.join().ok().and_then(|r| r.err())).collect()
+    });
+    if let Some(e) = failures.into_iter().next() {
+        return Err(e);
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Starts a new peak-RSS window (Linux: writing 5 to `clear_refs` resets `VmHWM`).
+fn reset_peak_rss() {
+    #[cfg(target_os = "linux")]
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
