@@ -127,6 +127,72 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     }
 }
 
+// The 4-bit case of qmatmul with 16-byte loads: each lane takes 4 packed words (32
+// columns, within one quantization group since groups are multiples of 32) and their 32
+// activations as 8 vec4s, unrolled. These views alias bindings 1 and 2; WGSL allows it
+// because no entry point uses both a view and its scalar twin. Callers guarantee
+// cols % 32 == 0, group_size % 32 == 0 and 16-byte aligned record bases and w_off.
+@group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
+
+fn scale4(e: u32) -> f32 {
+    if (p.scale_dtype == 0u) {
+        return bitcast<f32>(w4[e >> 2u][e & 3u]);
+    }
+    let word = w4[e >> 3u][(e >> 1u) & 3u];
+    let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
+    if (p.scale_dtype == 2u) {
+        return bitcast<f32>(bits16 << 16u);
+    }
+    return f16_bits_to_f32(bits16);
+}
+
+@compute @workgroup_size(256)
+fn qmatmul4(@builtin(local_invocation_index) li: u32,
+            @builtin(workgroup_id) wid: vec3<u32>,
+            @builtin(num_workgroups) nwg: vec3<u32>) {
+    let block = wid.x + wid.y * nwg.x;
+    let z = wid.z;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
+    var t = z;
+    var base = 0u;
+    if (p.routed == 1u) {
+        base = aux[z * 2u];
+        t = aux[z * 2u + 1u];
+    }
+    var acc = 0.0;
+    if (row < p.rows) {
+        let vecs_per_row = p.cols / 32u;
+        let groups = p.cols / p.group_size;
+        let v0 = (base + p.w_off) / 4u + row * vecs_per_row;
+        let sbase = base * elems_per_word() + p.s_off + row * groups;
+        let bbase = base * elems_per_word() + p.b_off + row * groups;
+        let x0 = t * p.cols / 4u;
+        for (var vi = lane; vi < vecs_per_row; vi += LANES) {
+            let q = w4[v0 + vi];
+            let g = vi * 32u / p.group_size;
+            let xb = x0 + vi * 8u;
+            var qx = 0.0;
+            var sx = 0.0;
+            for (var k = 0u; k < 4u; k++) {
+                let word = q[k];
+                let xa = act4[xb + 2u * k];
+                let xc = act4[xb + 2u * k + 1u];
+                let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+                let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+                qx += dot(lo, xa) + dot(hi, xc);
+                sx += dot(xa + xc, vec4<f32>(1.0));
+            }
+            acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
+        }
+    }
+    let total = row_sum(li, lane, acc);
+    if (lane == 0u && row < p.rows) {
+        out[z * p.rows + row] = total;
+    }
+}
+
 // Dense f32 weights (w holds f32 bits): the same shape of work as qmatmul.
 @compute @workgroup_size(256)
 fn matmul_dense(@builtin(local_invocation_index) li: u32,

@@ -20,6 +20,7 @@ const fn kernel(entry: &'static str) -> Kernel {
     Kernel::new("quant.wgsl", entry, BINDINGS)
 }
 const QMATMUL: Kernel = kernel("qmatmul");
+const QMATMUL4: Kernel = kernel("qmatmul4");
 const DENSE: Kernel = kernel("matmul_dense");
 const EMBED: Kernel = kernel("embed");
 const COMBINE: Kernel = kernel("moe_combine");
@@ -59,6 +60,17 @@ struct Params {
 }
 
 impl Params {
+    /// The qmatmul entry for these parameters: the 16-byte-load 4-bit one when its
+    /// alignment conditions hold (record bases are 16-byte aligned: slot strides and
+    /// piece offsets are multiples of 16).
+    fn qmatmul_kernel(&self) -> &'static Kernel {
+        if self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0 {
+            &QMATMUL4
+        } else {
+            &QMATMUL
+        }
+    }
+
     /// Parameters of a resident quantized weight (packed words at 0 in its buffer).
     fn resident(spec: QuantSpec, rows: usize, cols: usize, scale_dtype: u32, s_off: u32, b_off: u32) -> Self {
         Params {
@@ -92,7 +104,7 @@ impl Params {
 }
 
 /// Packed words, scales and biases in one buffer (each part starting on a 4-byte
-/// boundary), as the kernels read them.
+/// boundary, the whole padded to 16 bytes), as the kernels read them.
 pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight> {
     let max = b.gpu.limits.max_storage_buffer_binding_size as u64;
     match w {
@@ -104,6 +116,8 @@ pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight
             bytes.resize(bytes.len().next_multiple_of(4), 0);
             let b_start = bytes.len();
             bytes.extend_from_slice(&q.biases);
+            // Whole 16-byte vectors, so qmatmul4's vec4 view reaches the last bias.
+            bytes.resize(bytes.len().next_multiple_of(16), 0);
             if bytes.len() as u64 > max {
                 return Err(Error::Gpu(format!(
                     "a {}x{} weight needs {} bytes, above the adapter's storage binding limit of {max}",
@@ -183,7 +197,7 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
             assert_eq!(x.cols, *cols, "matmul input width");
             let out = b.empty(x.rows, *rows);
             let params = Params::resident(*spec, *rows, *cols, *scale_dtype, *s_off, *b_off);
-            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
+            b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
             out
         }
         GpuWeight::Dense { rows, cols, data } => {
@@ -321,7 +335,7 @@ pub(super) fn moe_experts(
         for (proj, full) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
             let params = proj_params(proj, n);
             let target = if single { full.clone() } else { b.empty(n, inter) };
-            b.gpu.dispatch(&QMATMUL, &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, n));
+            b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, n));
             if !single {
                 scatter(&target, full, order);
             }
@@ -335,7 +349,7 @@ pub(super) fn moe_experts(
         let down_buf = b.gpu.buffer_with(bytemuck::cast_slice(&down_table));
         let params = proj_params(Projection::Down, n);
         let target = if single { y.clone() } else { b.empty(n, d) };
-        b.gpu.dispatch(&QMATMUL, &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, n));
+        b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, n));
         if !single {
             scatter(&target, &y, order);
         }
