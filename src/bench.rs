@@ -208,6 +208,7 @@ pub fn run<B: Backend>(
                 max_tokens: options.tokens,
                 sampling: Default::default(),
                 eos_ids: Vec::new(),
+                cancel: None,
             };
             let mut state = model.new_state(backend);
             let mut at_warmup: Option<(Instant, PoolStats)> = None;

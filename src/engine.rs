@@ -164,7 +164,6 @@ trait Runner: Send + Sync {
         options: &GenerateOptions,
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
-        cancel: &AtomicBool,
     ) -> Result<()>;
 }
 
@@ -210,7 +209,7 @@ impl Engine {
             })
         })
         .await
-        .map_err(|e| Error::InvalidInput(format!("loading task failed: {e}")))??;
+        .map_err(|e| Error::Internal(format!("loading task failed: {e}")))??;
         Ok(Engine {
             shared: Arc::new(shared),
         })
@@ -240,7 +239,12 @@ impl Engine {
             Input::Text(text) => s.tokenizer.encode(text)?,
             Input::Messages(messages) => {
                 let text = match &s.template {
-                    Some(t) => t.render(messages)?,
+                    // A template that refuses the messages (raise_exception) is the
+                    // request's fault, not the model's.
+                    Some(t) => t.render(messages).map_err(|e| match e {
+                        Error::Tokenizer { message, .. } => Error::InvalidInput(message),
+                        e => e,
+                    })?,
                     None => messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
                 };
                 s.tokenizer.encode(&text)?
@@ -286,23 +290,23 @@ impl Engine {
         // Unbounded: a request's events are bounded by its max_tokens, and a slow reader
         // must not hold the engine (and every request behind it) hostage.
         let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
         let prepared = self.encode(&request.input).and_then(|prompt| {
             request.sampling.validate()?;
             let options = GenerateOptions {
                 max_tokens: request.max_tokens.min(self.shared.context - prompt.len()),
                 sampling: request.sampling,
                 eos_ids: self.shared.eos.clone(),
+                cancel: Some(cancel.clone()),
             };
             Ok((prompt, options))
         });
-        let cancel = Arc::new(AtomicBool::new(false));
         match prepared {
             Err(e) => {
                 let _ = tx.send(Err(e));
             }
             Ok((prompt, options)) => {
                 let shared = self.shared.clone();
-                let cancel = cancel.clone();
                 tokio::spawn(async move {
                     let guard = shared.runner.clone().lock_owned().await;
                     if tx.is_closed() {
@@ -310,11 +314,11 @@ impl Engine {
                     }
                     let tx2 = tx.clone();
                     let outcome =
-                        tokio::task::spawn_blocking(move || guard.run(&prompt, &options, &shared, &tx2, &cancel)).await;
+                        tokio::task::spawn_blocking(move || guard.run(&prompt, &options, &shared, &tx2)).await;
                     let err = match outcome {
                         Ok(Ok(())) => return,
                         Ok(Err(e)) => e,
-                        Err(e) => Error::InvalidInput(format!("generation task failed: {e}")),
+                        Err(e) => Error::Internal(format!("generation task failed: {e}")),
                     };
                     let _ = tx.send(Err(err));
                 });
@@ -335,11 +339,17 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Stops generating after the current token; the stream still ends with
-    /// [`Event::Done`] (finish reason "stopped") and its statistics. Dropping the stream
-    /// also stops the request, without the `Done` event.
+    /// Stops generating at the next token (or prompt chunk, during prefill); the stream
+    /// still ends with [`Event::Done`] (finish reason "stopped") and its statistics.
+    /// Dropping the stream also stops the request, without the `Done` event.
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        self.cancel();
     }
 }
 
@@ -391,6 +401,8 @@ impl<B: Backend> Loaded<B> {
             return;
         }
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        // A retry of the same request replaces its twin rather than evicting another.
+        kept.retain(|k| k.tokens != state.tokens);
         kept.push(state);
         if kept.len() > self.prompt_cache {
             kept.remove(0);
@@ -406,7 +418,6 @@ impl<B: Backend> Runner for Loaded<B> {
         options: &GenerateOptions,
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
-        cancel: &AtomicBool,
     ) -> Result<()> {
         let mut state = self.take_state(prompt);
         let reused = state.tokens.len();
@@ -435,7 +446,7 @@ impl<B: Backend> Runner for Loaded<B> {
             |id| {
                 let text = decoder.push(&shared.tokenizer, id)?;
                 // A closed channel means the caller dropped the stream: stop.
-                Ok(events.send(Ok(Event::Token { id, text })).is_ok() && !cancel.load(Ordering::SeqCst))
+                Ok(events.send(Ok(Event::Token { id, text })).is_ok())
             },
         )?;
         // A failed generation returned above and its state (possibly part-way through

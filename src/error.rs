@@ -57,6 +57,10 @@ pub enum Error {
     #[error("the prompt has {prompt} tokens, which leaves no room in the context of {context} tokens")]
     ContextFull { prompt: usize, context: usize },
 
+    /// A bug or a crashed task inside the engine (not the caller's fault).
+    #[error("internal error: {0}")]
+    Internal(String),
+
     /// A request is invalid for this model (token id out of range, empty input, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),

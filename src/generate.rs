@@ -1,12 +1,14 @@
 //! The generation loop: prefill the prompt, then sample one token at a time until an
 //! end-of-sequence id or the token limit, reporting each token as it is produced.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::experts::ExpertSource;
-use crate::model::{Logits, Model, SequenceState};
+use crate::model::{Logits, Model, SequenceState, PREFILL_CHUNK};
 use crate::sampling::{Sampler, SamplingOptions};
 
 /// What to generate.
@@ -17,6 +19,15 @@ pub struct GenerateOptions {
     pub sampling: SamplingOptions,
     /// Stop when one of these is sampled; it is not emitted.
     pub eos_ids: Vec<u32>,
+    /// When set to true (by another thread), generation stops at the next prefill chunk
+    /// or token with finish reason "stopped"; the state stays consistent.
+    pub cancel: Option<Arc<AtomicBool>>,
+}
+
+impl GenerateOptions {
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst))
+    }
 }
 
 /// Timings and counts of one generation.
@@ -58,7 +69,18 @@ pub fn generate<B: Backend, E: ExpertSource>(
         return Ok((out, stats));
     }
     let start = Instant::now();
-    let mut logits = model.forward(backend, state, prompt, experts, Logits::Last)?;
+    // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
+    // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
+        if options.cancelled() {
+            experts.end_prefill();
+            stats.finish_reason = "stopped".into();
+            stats.prefill_seconds = start.elapsed().as_secs_f64();
+            return Ok((out, stats));
+        }
+    }
     experts.end_prefill();
     stats.prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
@@ -69,7 +91,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
             break;
         }
         out.push(next);
-        if !on_token(next)? {
+        if !on_token(next)? || options.cancelled() {
             stats.finish_reason = "stopped".into();
             break;
         }

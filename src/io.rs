@@ -20,7 +20,12 @@ use crate::error::{Error, Result};
 /// size of every SSD in use and the page size of x86-64 Linux.
 pub const ALIGN: usize = 4096;
 
-/// Zeroed, `ALIGN`-aligned heap memory that direct reads can land in.
+/// Alignment and length granule of [`AlignedBuf`]: a 16 KiB page, so a slot pool can also
+/// be wrapped as no-copy Metal buffers on Apple Silicon (whose pages are 16 KiB); a
+/// multiple of [`ALIGN`].
+pub const PAGE: usize = 16 << 10;
+
+/// Zeroed, [`PAGE`]-aligned heap memory that direct reads can land in.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
@@ -31,16 +36,16 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Allocates `len` zeroed bytes (rounded up to a multiple of `ALIGN`).
+    /// Allocates `len` zeroed bytes (rounded up to a multiple of [`PAGE`]).
     /// Errors: the allocation fails (reported, not aborted, so a pool too large for the
     /// machine is a clear error).
     pub fn zeroed(len: usize) -> Result<Self> {
         let len = len
             .max(1)
-            .checked_next_multiple_of(ALIGN)
+            .checked_next_multiple_of(PAGE)
             .ok_or_else(|| Error::Pool(format!("a buffer of {len} bytes is too large")))?;
         let layout =
-            Layout::from_size_align(len, ALIGN).map_err(|e| Error::Pool(format!("buffer of {len} bytes: {e}")))?;
+            Layout::from_size_align(len, PAGE).map_err(|e| Error::Pool(format!("buffer of {len} bytes: {e}")))?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr)
@@ -75,7 +80,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this exact layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, ALIGN)) }
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, PAGE)) }
     }
 }
 

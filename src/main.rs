@@ -545,6 +545,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         sampling: args.sampling.options(),
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
+        cancel: None,
     };
     options.sampling.validate()?;
     match open_compute(args.device.as_deref())? {
@@ -772,6 +773,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         sampling: args.sampling.options(),
         eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
+        cancel: None,
     };
     options.sampling.validate()?;
     match open_compute(args.device.as_deref())? {

@@ -54,8 +54,9 @@ impl SamplingOptions {
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad("min-p must be in [0, 1]");
         }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition penalty must be a finite number > 0");
+        // Beyond these bounds penalized logits overflow or vanish in f32.
+        if !(1e-3..=1e3).contains(&self.repetition_penalty) {
+            return bad("repetition penalty must be in [0.001, 1000]");
         }
         Ok(())
     }
@@ -82,7 +83,10 @@ impl Sampler {
             return argmax(&logprobs);
         }
         let t = self.options.temperature;
-        let probs = softmax(&logprobs.iter().map(|l| l / t).collect::<Vec<_>>());
+        // Shift by the maximum before dividing, so a tiny temperature sends the others to
+        // -inf instead of overflowing the largest to +inf (which would make NaNs).
+        let top = logprobs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let probs = softmax(&logprobs.iter().map(|l| (l - top) / t).collect::<Vec<_>>());
         let mut u: f64 = self.rng.random::<f64>();
         for (i, &p) in probs.iter().enumerate() {
             u -= p as f64;
@@ -204,6 +208,15 @@ mod tests {
 
     // probs of [ln .5, ln .25, ln .15, ln .1] = .5 .25 .15 .1
     const L: [f32; 4] = [-0.693_147_2, -1.386_294_4, -1.897_12, -2.302_585];
+
+    #[test]
+    fn a_tiny_temperature_samples_the_argmax() {
+        let logits: Vec<f32> = (0..100).map(|_| rand::random::<f32>() * 40.0 - 20.0).collect();
+        let mut s = Sampler::new(opts(|o| o.temperature = 1e-30)).unwrap();
+        for _ in 0..10 {
+            assert_eq!(s.sample(&logits, &[]), argmax(&logits));
+        }
+    }
 
     #[test]
     fn greedy_is_argmax() {

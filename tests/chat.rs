@@ -21,6 +21,7 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         sampling: Default::default(),
         // No EOS: every reply runs to 12 tokens.
         eos_ids: vec![],
+        cancel: None,
     };
     let turns = ["the cat sat on the mat", "and then what", "tell me more"];
     let mut kept = Conversation::new(&l.model, &CpuBackend);

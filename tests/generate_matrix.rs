@@ -27,6 +27,7 @@ fn matrix<B: Backend>(backend: &B, rt: &tokio::runtime::Runtime) {
             max_tokens: r.greedy_ids.len(),
             sampling: Default::default(),
             eos_ids: vec![509, 511],
+            cancel: None,
         };
         for slots in [floor, (floor + index.records()) / 2, index.records()] {
             for qd in [1, 32] {

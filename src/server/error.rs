@@ -69,6 +69,21 @@ impl ApiError {
         }
     }
 
+    /// A body that could not be read (413 when over the limit).
+    pub fn unreadable_body(status: StatusCode, message: String) -> Self {
+        Self::new(status, "invalid_request_error", None, message)
+    }
+
+    /// 405: a known path with another method.
+    pub fn method_not_allowed(method: &axum::http::Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            None,
+            format!("{method} is not allowed on {path}"),
+        )
+    }
+
     /// 401: a missing or wrong API key.
     pub fn unauthorized() -> Self {
         Self::new(
@@ -104,6 +119,7 @@ impl ApiError {
         match e {
             crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
+            crate::Error::Tokenizer { message, .. } => Self::malformed(format!("tokenizer: {message}")),
             _ => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, e.to_string()),
         }
     }

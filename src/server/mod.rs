@@ -16,11 +16,12 @@ mod stop;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Request as HttpRequest, State};
-use axum::http::{header, Uri};
+use axum::http::{header, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -30,6 +31,12 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tower_http::timeout::RequestBodyTimeoutLayer;
+
+/// How long a request body may take to arrive.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a shutdown waits for requests in progress before the process exits.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 use crate::engine::{Engine, Event, Generation, Input};
 use crate::sampling::SamplingOptions;
@@ -77,14 +84,28 @@ pub fn router(engine: Engine, options: ServerOptions) -> Router {
         .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
         .merge(authenticated)
         .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::method_not_allowed(&method, uri.path())
+        })
+        // A client that stops sending its body mid-way is dropped, not waited for.
+        .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT))
         .with_state(app)
 }
 
-/// Serves `router` on `listener` until Ctrl-C (requests in progress finish first).
+/// Serves `router` on `listener` until Ctrl-C. Requests in progress then get up to 30 s
+/// to finish; a second Ctrl-C, or the end of that grace, ends the process.
 pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
     axum::serve(listener, router)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down: finishing requests in progress (Ctrl-C again to stop now)");
+            tokio::spawn(async {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("requests still open after the grace period"),
+                }
+                std::process::exit(130);
+            });
         })
         .await
 }
@@ -95,7 +116,9 @@ async fn authenticate(State(app): State<Arc<App>>, request: HttpRequest, next: N
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
         if !token.is_some_and(|t| same_secret(t.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
@@ -128,8 +151,13 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     }))
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let parsed = ChatRequest::parse(&body).and_then(|r| {
+/// The body, or an OpenAI-shaped error (too large: 413).
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let parsed = body_bytes(body).and_then(|b| ChatRequest::parse(&b)).and_then(|r| {
         let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
         Ok((r.input()?, params))
     });
@@ -139,8 +167,8 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response 
     }
 }
 
-async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let parsed = CompletionRequest::parse(&body).and_then(|r| {
+async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let parsed = body_bytes(body).and_then(|b| CompletionRequest::parse(&b)).and_then(|r| {
         let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
         Ok((r.input()?, params))
     });
@@ -217,9 +245,12 @@ struct Outcome {
 async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params) -> Response {
     // Tokenizing is quick next to the model; it runs here so bad prompts are refused
     // before they queue.
-    let prompt = match app.engine.encode(&input) {
-        Ok(p) => p,
-        Err(e) => return ApiError::engine(&e).into_response(),
+    let engine = app.engine.clone();
+    let encoded = tokio::task::spawn_blocking(move || engine.encode(&input)).await;
+    let prompt = match encoded {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return ApiError::engine(&e).into_response(),
+        Err(e) => return ApiError::engine(&crate::Error::Internal(e.to_string())).into_response(),
     };
     let prompt_tokens = prompt.len();
     let request =
@@ -258,7 +289,7 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
                 }
                 Json(body).into_response()
             }
-            Ok(None) => ApiError::engine(&crate::Error::InvalidInput("generation ended early".into())).into_response(),
+            Ok(None) => ApiError::engine(&crate::Error::Internal("generation ended early".into())).into_response(),
             Err(e) => ApiError::engine(&e).into_response(),
         }
     }
@@ -279,10 +310,15 @@ fn stream_response(meta: Meta, generation: Generation, params: Params, permit: O
                 return;
             }
         }
-        let result = drive(generation, params.stops.clone(), |piece| {
+        let driven = drive(generation, params.stops.clone(), |piece| {
             tx.send(meta.envelope(Some(&piece), None, true).to_string()).is_ok()
-        })
-        .await;
+        });
+        // A client that leaves while the request waits or prefills has sent nothing to
+        // fail on: watch the channel, and drop (cancel) the generation when it closes.
+        let result = tokio::select! {
+            r = driven => r,
+            _ = tx.closed() => return,
+        };
         match result {
             Ok(Some(outcome)) => {
                 let mut last = meta.envelope(None, Some(outcome.finish_reason), true);
@@ -320,12 +356,16 @@ async fn drive(
 ) -> crate::Result<Option<Outcome>> {
     let mut matcher = StopMatcher::new(stops);
     let mut stopped = false;
+    // Tokens up to the one that completed a stop sequence (later ones were already under
+    // way when it was found, and are neither returned nor counted).
+    let mut counted = 0;
     while let Some(event) = generation.next().await {
         match event? {
             Event::Token { text, .. } => {
                 if stopped {
-                    continue; // tokens already under way when the stop was found
+                    continue;
                 }
+                counted += 1;
                 let (out, hit) = matcher.push(&text);
                 if !out.is_empty() && !on_text(out) {
                     return Ok(None);
@@ -367,7 +407,7 @@ async fn drive(
                     decode_wait_seconds: pool.as_ref().map_or(0.0, |p| p.decode_wait_seconds),
                 };
                 return Ok(Some(Outcome {
-                    completion_tokens: output_ids.len(),
+                    completion_tokens: if stopped { counted } else { output_ids.len() },
                     finish_reason,
                     stats: request_stats,
                 }));

@@ -10,6 +10,9 @@ use crate::engine::{Input, Request};
 use crate::sampling::SamplingOptions;
 use crate::tokenizer::Message;
 
+/// The longest stop sequence accepted (they are matched against the text after each token).
+const MAX_STOP_BYTES: usize = 256;
+
 /// Fields both endpoints take.
 #[derive(Debug, Default, Deserialize)]
 pub struct Common {
@@ -26,13 +29,18 @@ pub struct Common {
     pub repetition_penalty: Option<f32>,
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
-    #[serde(default)]
-    pub stream: bool,
+    /// `null` counts as absent (false), as OpenAI treats it.
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<u64>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub logprobs: Option<Value>,
+    /// Refused when non-empty: the engine does not do tool calls, constrained output or
+    /// logit biases, and ignoring them would answer something other than asked.
+    pub tools: Option<Vec<Value>>,
+    pub response_format: Option<Value>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// slotstream's extra: add this request's statistics to the response.
     #[serde(default)]
     pub slotstream_stats: bool,
@@ -199,6 +207,15 @@ impl Common {
         if self.logprobs.as_ref().is_some_and(|v| !(v.is_null() || *v == Value::Bool(false))) {
             return Err(ApiError::invalid("logprobs", "log probabilities are not supported"));
         }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid("tools", "tool calling is not supported"));
+        }
+        if self.response_format.as_ref().is_some_and(|f| !(f.is_null() || f["type"] == "text")) {
+            return Err(ApiError::invalid("response_format", "only {\"type\": \"text\"} is supported"));
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(ApiError::invalid("logit_bias", "not supported"));
+        }
         let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
             (Some(_), Some(_)) => {
                 return Err(ApiError::invalid("max_tokens", "give max_tokens or max_completion_tokens, not both"))
@@ -239,8 +256,8 @@ impl Common {
             sampling.min_p = p;
         }
         if let Some(r) = self.repetition_penalty {
-            if !(r.is_finite() && r > 0.0) {
-                return Err(ApiError::invalid("repetition_penalty", "must be a finite number > 0"));
+            if !(1e-3..=1e3).contains(&r) {
+                return Err(ApiError::invalid("repetition_penalty", "must be in [0.001, 1000]"));
             }
             sampling.repetition_penalty = r;
         }
@@ -257,17 +274,18 @@ impl Common {
         if stops.len() > 4 {
             return Err(ApiError::invalid("stop", "at most 4 stop sequences"));
         }
-        if stops.iter().any(String::is_empty) {
-            return Err(ApiError::invalid("stop", "stop sequences must not be empty"));
+        if stops.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid("stop", &format!("stop sequences must have 1 to {MAX_STOP_BYTES} bytes")));
         }
-        if self.stream_options.is_some() && !self.stream {
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
             return Err(ApiError::invalid("stream_options", "only allowed with stream: true"));
         }
         Ok(Params {
             max_tokens,
             sampling,
             stops,
-            stream: self.stream,
+            stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             stats: self.slotstream_stats,
         })

@@ -202,10 +202,7 @@ impl Gpu {
             required_limits: limits.clone(),
             ..Default::default()
         };
-        #[cfg(not(target_os = "macos"))]
         let with_import = super::host_memory::open_device(&adapter, &desc);
-        #[cfg(target_os = "macos")]
-        let with_import = None;
         let (device, queue) = match with_import {
             Some(Ok(pair)) => pair,
             other => {
@@ -216,10 +213,7 @@ impl Gpu {
                     .map_err(|e| Error::Gpu(format!("could not open {}: {e}", adapter.get_info().name)))?
             }
         };
-        #[cfg(not(target_os = "macos"))]
         let host_import = super::host_memory::supported(&device);
-        #[cfg(target_os = "macos")]
-        let host_import = false;
         let dummy = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("unused binding"),
             size: 4,

@@ -15,6 +15,10 @@ use crate::error::{Error, Result};
 
 const EXT: &CStr = ash::ext::external_memory_host::NAME;
 
+/// The host page arenas are laid out in; [`import`] checks the driver's own alignment
+/// (`minImportedHostPointerAlignment`, 4096 on the drivers seen).
+pub(super) const PAGE: usize = 4096;
+
 /// Opens `adapter` with `VK_EXT_external_memory_host` enabled. `None` when the adapter is
 /// not Vulkan or lacks the extension (the caller then opens it the ordinary way).
 pub(super) fn open_device(

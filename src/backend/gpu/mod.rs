@@ -10,7 +10,8 @@ mod conv;
 pub mod device;
 mod elementwise;
 mod gated_delta;
-#[cfg(not(target_os = "macos"))]
+// Host memory the GPU reads in place: VK_EXT_external_memory_host, or Metal no-copy buffers.
+#[cfg_attr(target_os = "macos", path = "host_memory_metal.rs")]
 mod host_memory;
 mod norm;
 mod quant;
@@ -136,6 +137,14 @@ pub struct GpuBackend {
     mirror: Mutex<Option<Mirror>>,
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 impl GpuBackend {
     /// Opens a GPU. Errors: no adapter (the message says which driver to install).
     pub fn new(options: &GpuOptions) -> Result<Self> {
@@ -164,8 +173,10 @@ impl GpuBackend {
         let mirror = match placement {
             Placement::Device => Mirror::device(&self.gpu, pool.id(), slots, stride),
             Placement::Unified => {
+                // Arenas start on host pages: a whole number of pages per arena.
+                let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
                 let per_arena = Mirror::slots_per_arena(&self.gpu, stride).min(slots.max(1));
-                self.import_pool(pool, per_arena)?
+                self.import_pool(pool, (per_arena / unit * unit).max(unit))?
             }
         };
         tracing::info!(?placement, slots, arenas = mirror.arenas.len(), "slot pool attached to the GPU");
@@ -178,7 +189,6 @@ impl GpuBackend {
         Ok(())
     }
 
-    #[cfg(not(target_os = "macos"))]
     fn import_pool(&self, pool: &Arc<crate::pool::SlotPool>, per_arena: usize) -> Result<Mirror> {
         let (base, len) = pool.memory();
         let stride = pool.stride();
@@ -186,12 +196,16 @@ impl GpuBackend {
         let mut arenas = Vec::new();
         for a in 0..slots.div_ceil(per_arena) {
             let n = per_arena.min(slots - a * per_arena);
-            // SAFETY: the range lies inside the pool's page-aligned memory (stride is a
-            // multiple of 4096), and the Mirror keeps the pool alive while the buffers live.
-            let buf = unsafe { host_memory::import(&self.gpu.device, base.add(a * per_arena * stride), (n * stride) as u64)? };
+            let start = a * per_arena * stride;
+            // The last arena's length rounded up to a page; the pool's memory is allocated
+            // in whole pages (io::AlignedBuf), so it stays inside.
+            let bytes = (n * stride).next_multiple_of(host_memory::PAGE).min(len - start);
+            // SAFETY: the range lies inside the pool's memory and starts on a host page
+            // (per_arena * stride is a whole number of pages; the allocation is
+            // page-aligned), and the Mirror keeps the pool alive while the buffers live.
+            let buf = unsafe { host_memory::import(&self.gpu.device, base.add(start), bytes as u64)? };
             arenas.push(buf);
         }
-        debug_assert!(slots * stride <= len);
         Ok(Mirror {
             pool: pool.id(),
             stride,
@@ -200,13 +214,6 @@ impl GpuBackend {
             generations: Vec::new(),
             unified: Some(pool.clone()),
         })
-    }
-
-    #[cfg(target_os = "macos")]
-    fn import_pool(&self, _pool: &Arc<crate::pool::SlotPool>, _per_arena: usize) -> Result<Mirror> {
-        Err(crate::error::Error::Gpu(
-            "unified placement is not implemented on Metal yet; use device placement".into(),
-        ))
     }
 
     fn tensor(&self, buf: wgpu::Buffer, rows: usize, cols: usize) -> GpuTensor {
