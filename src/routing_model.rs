@@ -581,7 +581,12 @@ mod tests {
         // Seed to seed the figures vary by about 0.002 (touched by about 20 records); the
         // tolerances leave room for that around the fit (Belady is the furthest, +0.016).
         let checks = [
-            ("touched share", f.touched_share(), t.touched_share(), 0.03 * t.touched_share()),
+            (
+                "touched share",
+                f.touched_share(),
+                t.touched_share(),
+                0.03 * t.touched_share(),
+            ),
             ("top-decile share", f.top_decile_share, t.top_decile_share, 0.02),
             ("CLOCK", f.clock, t.clock, 0.02),
             ("LRU", f.lru, t.lru, 0.02),
