@@ -103,7 +103,7 @@ struct SynthArgs {
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
-    /// `synthetic`: write the preset's calibrated routing model (synthetic_routing.json),
+    /// `synthetic`: write the calibrated routing model (synthetic_routing.json),
     /// which replaces the random router's expert ids with realistic ones; `router`: keep
     /// the checkpoint's random router (routing almost uniform).
     #[arg(long, value_enum, default_value = "synthetic")]
