@@ -77,6 +77,23 @@ pub fn write_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
     file.commit()
 }
 
+/// Writes requests as a trace CSV without outcomes (`token,layer,expert`), atomically; for
+/// traces that no pool served, such as [`crate::routing_model::RoutingModel::trace`].
+pub fn write_requests(path: &Path, requests: &[Request]) -> Result<()> {
+    let file = AtomicFile::create(path)?;
+    {
+        let mut out = BufWriter::new(file.file());
+        writeln!(out, "token,layer,expert").map_err(|e| Error::io(path, e))?;
+        for r in requests {
+            for e in &r.experts {
+                writeln!(out, "{},{},{}", r.token, r.layer, e).map_err(|e| Error::io(path, e))?;
+            }
+        }
+        out.flush().map_err(|e| Error::io(path, e))?;
+    }
+    file.commit()
+}
+
 /// Reads a trace CSV into requests. Errors name the line that is malformed.
 pub fn read_trace(path: &Path) -> Result<Vec<Request>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;

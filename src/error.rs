@@ -64,6 +64,10 @@ pub enum Error {
     /// A request is invalid for this model (token id out of range, empty input, ...).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+
+    /// A synthetic checkpoint's routing model file is unreadable or malformed.
+    #[error(transparent)]
+    Routing(#[from] crate::routing_model::RoutingModelError),
 }
 
 impl Error {

@@ -32,6 +32,7 @@ pub mod model;
 pub mod pack;
 pub mod plan;
 pub mod pool;
+pub mod routing_model;
 pub mod sampling;
 pub mod score;
 pub mod server;

@@ -10,6 +10,7 @@ use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord};
+use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
 struct DeltaNet<B: Backend> {
     in_proj_qkvz: B::Weight,
@@ -82,6 +83,9 @@ struct Columns<B: Backend> {
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
     pub experts: ExpertIndex,
+    /// The synthetic routing model of the checkpoint directory ([`ROUTING_FILE`]), if it
+    /// has one: it then picks the routed expert ids (the router's mixing weights stay).
+    pub routing: Option<RoutingModel>,
     embed: B::Weight,
     lm_head: Option<B::Weight>,
     final_norm: B::Tensor,
@@ -101,6 +105,8 @@ pub struct SequenceState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// Tokens already processed, in order.
     pub tokens: Vec<u32>,
+    /// The synthetic routing model's state, when the model has one.
+    routing: Option<RoutingState>,
     /// Set while a forward call runs: a call that failed part-way leaves some layers
     /// advanced and others not, so the state must not be used again.
     broken: bool,
@@ -112,6 +118,15 @@ pub const PREFILL_CHUNK: usize = 256;
 /// Passes of at least this many tokens get their experts through
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
 pub const SWEEP_MIN_TOKENS: usize = 32;
+
+/// The tokens of a chunk as the MoE blocks see them: ids, where the chunk starts in its
+/// sequence, and the sequence's synthetic routing state (when the model has a routing
+/// model).
+struct Tokens<'a> {
+    ids: &'a [u32],
+    start: u64,
+    routing: Option<&'a mut RoutingState>,
+}
 
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -214,9 +229,23 @@ impl<B: Backend> Model<B> {
         }
         let experts = ExpertIndex::build(ckpt)?;
         let columns = Self::columns(&cfg, backend);
+        let routing = if cfg.moe_layers().is_empty() {
+            None
+        } else {
+            RoutingModel::open(&ckpt.dir, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok)?
+        };
+        if let Some(r) = &routing {
+            tracing::info!(
+                file = %ckpt.dir.join(ROUTING_FILE).display(),
+                active_experts = r.active_experts(),
+                forecast_accuracy = r.params.forecast_accuracy,
+                "synthetic routing active: routed expert ids come from the routing model, not the router"
+            );
+        }
         Ok(Model {
             config: cfg,
             experts,
+            routing,
             embed,
             lm_head,
             final_norm,
@@ -283,6 +312,7 @@ impl<B: Backend> Model<B> {
         SequenceState {
             layers,
             tokens: Vec::new(),
+            routing: self.routing.as_ref().map(RoutingModel::new_state),
             broken: false,
         }
     }
@@ -343,6 +373,8 @@ impl<B: Backend> Model<B> {
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         experts.begin_step();
+        // Where this chunk starts in its sequence (synthetic routing is per position).
+        let start = state.tokens.len() as u64;
         let mut in_use = Vec::new();
         let mut h = backend.embed(&self.embed, ids)?;
         for (i, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
@@ -357,11 +389,15 @@ impl<B: Backend> Model<B> {
             h = backend.add(&h, &r);
             // A long chunk reads its experts outside the pool: guesses would only churn it.
             if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
-                self.lookahead(backend, i + 2, &h, experts)?;
+                let tokens = Tokens { ids, start, routing: state.routing.as_mut() };
+                self.lookahead(backend, i + 2, &h, experts, tokens)?;
             }
             let x = backend.rms_norm(&h, Some(&layer.post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
             let m = match &layer.mlp {
-                Mlp::Moe(w) => self.moe(backend, w, i, &x, experts, &mut in_use)?,
+                Mlp::Moe(w) => {
+                    let tokens = Tokens { ids, start, routing: state.routing.as_mut() };
+                    self.moe(backend, w, i, &x, tokens, experts, &mut in_use)?
+                }
                 Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
             };
             h = backend.add(&h, &m);
@@ -454,12 +490,25 @@ impl<B: Backend> Model<B> {
     }
 
     /// Lookahead: layer `target`'s router on the current hidden state guesses the experts
-    /// that layer will route to, and the source starts reading them. Guesses change only
-    /// what is read ahead, never what is computed.
-    fn lookahead<E: ExpertSource>(&self, backend: &B, target: usize, h: &B::Tensor, experts: &E) -> Result<()> {
+    /// that layer will route to, and the source starts reading them. With a synthetic
+    /// routing model the guess is its forecast instead (the random router knows nothing of
+    /// the ids the model will pick). Guesses change only what is read ahead, never what is
+    /// computed.
+    fn lookahead<E: ExpertSource>(
+        &self,
+        backend: &B,
+        target: usize,
+        h: &B::Tensor,
+        experts: &E,
+        tokens: Tokens<'_>,
+    ) -> Result<()> {
         let Some(Layer { post_norm, mlp: Mlp::Moe(w), .. }) = self.layers.get(target) else {
             return Ok(());
         };
+        if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
+            experts.prefetch(target, &model.forecast(state, target, tokens.start, tokens.ids)?);
+            return Ok(());
+        }
         let cfg = &self.config;
         let x = backend.rms_norm(h, Some(post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
         let guess = backend.router_top_k(&backend.matmul(&x, &w.router), cfg.num_experts_per_tok, false)?;
@@ -470,18 +519,28 @@ impl<B: Backend> Model<B> {
     /// The MoE block of `layer`. `in_use` holds the previous MoE layer's records: a
     /// backend may still be reading them (GPU work runs after it is recorded), so they stay
     /// pinned until this layer's routing read-back has waited for that work.
+    #[allow(clippy::too_many_arguments)]
     fn moe<'e, E: ExpertSource>(
         &self,
         backend: &B,
         w: &Moe<B>,
         layer: usize,
         x: &B::Tensor,
+        tokens: Tokens<'_>,
         experts: &'e E,
         in_use: &mut Vec<E::Record<'e>>,
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let logits = backend.matmul(x, &w.router);
-        let routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
+        let mut routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
+        if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
+            // The router's weights stay, rank by rank; the routing model picks the ids, one
+            // position at a time in order (its state is per position).
+            let k = routing.top_k;
+            for ((t, &token), slot) in tokens.ids.iter().enumerate().zip(routing.ids.chunks_mut(k)) {
+                slot.copy_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
+            }
+        }
         in_use.clear();
         let distinct = routing.distinct();
         let held = if routing.tokens() >= SWEEP_MIN_TOKENS {

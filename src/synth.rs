@@ -7,6 +7,10 @@
 //! The weights are random: quantized values uniform, scales chosen so each dequantized
 //! row has unit-scale dot products, norms 1. Text generated from them is noise; the point
 //! is the layout, the sizes and the I/O they cause.
+//!
+//! A random router routes almost uniformly, so by default a checkpoint also carries a
+//! synthetic routing model ([`crate::routing_model`], `synthetic_routing.json`) calibrated
+//! to real traces, which picks the routed expert ids instead.
 
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -15,6 +19,7 @@ use serde_json::json;
 
 use crate::atomic_file::AtomicFile;
 use crate::error::{Error, Result};
+use crate::routing_model::{RoutingParams, ROUTING_FILE};
 
 /// Geometry of a synthetic model (`model_type: qwen3_next`).
 #[derive(Clone, Copy, Debug)]
@@ -346,8 +351,23 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 /// per layer), `model.safetensors.index.json`, and a byte-level tokenizer built in code
 /// (`tokenizer.json`, `tokenizer_config.json` with a ChatML template). Files are written
 /// under temporary names and renamed, the index last, so an interrupted run leaves no
-/// checkpoint that opens. Shows a progress bar when `progress` is set.
+/// checkpoint that opens. Shows a progress bar when `progress` is set. The checkpoint
+/// carries the preset's calibrated routing model
+/// ([`crate::routing_model::RoutingParams::calibrated`]); see [`write_checkpoint_with`].
 pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bool) -> Result<()> {
+    write_checkpoint_with(dir, preset, layers, progress, Some(&RoutingParams::calibrated()))
+}
+
+/// [`write_checkpoint`] with a chosen routing model: `Some` writes it as
+/// [`ROUTING_FILE`] (the engine then routes by it), `None` removes any such file left by an
+/// earlier run, so the checkpoint's random router routes.
+pub fn write_checkpoint_with(
+    dir: &Path,
+    preset: &Preset,
+    layers: usize,
+    progress: bool,
+    routing: Option<&RoutingParams>,
+) -> Result<()> {
     let marker = dir.join(".slotstream-synth");
     if let Ok(mut entries) = std::fs::read_dir(dir) {
         if entries.next().is_some() && !marker.exists() {
@@ -417,6 +437,16 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
     }
     write_json(dir, "config.json", &preset.config(layers))?;
     write_tokenizer(dir, preset.vocab)?;
+    match routing {
+        Some(params) => params.write(dir)?,
+        None => {
+            let path = dir.join(ROUTING_FILE);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&path, e)),
+                _ => {}
+            }
+        }
+    }
     // The index last: a checkpoint without it does not open.
     write_json(dir, "model.safetensors.index.json", &json!({"metadata": {}, "weight_map": weight_map}))
 }

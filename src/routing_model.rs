@@ -1,0 +1,674 @@
+//! Synthetic routing: an explicit model of which experts a trained router picks, carried
+//! by synthetic checkpoints so that their expert traffic looks like a real model's.
+//!
+//! A synthetic checkpoint has random router weights, and a random router routes almost
+//! uniformly: every expert is about equally likely at every token, which no trained model
+//! does. Cache and I/O benchmarks on such a model measure the wrong thing. When a model
+//! directory holds [`ROUTING_FILE`], [`crate::model::Model`] keeps the mixing weights its
+//! router computes but replaces the routed expert **ids** with the ones this model picks.
+//!
+//! # The model
+//!
+//! For each layer `l` (its own seeded draw, so layers differ):
+//! - an *active set*: `A = round(active_fraction * num_experts)` experts (at least
+//!   `top_k`), a seeded random subset; the others are never routed to. One prompt of a
+//!   trained model touches only part of each layer's experts (about 40% over 220 decode
+//!   steps in the reference traces), and their count distribution stops abruptly rather
+//!   than thinning out smoothly, which an active subset reproduces and a smooth popularity
+//!   law does not;
+//! - a popularity rank `r = 0..A` over the active set (seeded order) and a static score
+//!   `b_r = -zipf_exponent * ln(1 + min(r, H))` with `H = round(head_fraction *
+//!   num_experts)`: a Zipf-like head of popular experts, then a flat tail. The traces need
+//!   both: the best fixed 30 experts a layer serve 60% of selections (the offline hot-set
+//!   bound of reference-system.md B.4) and the best 51 (10%) about 70%, so popularity falls
+//!   steeply over the first few dozen ranks and hardly at all after.
+//!
+//! At each token, each active expert `r` gets
+//!
+//! ```text
+//! c_r(t) = rho * c_r(t-1) + sqrt(1 - rho^2) * n1      (context, unit variance, AR(1))
+//! s_r(t) = b_r + sqrt(w) * c_r(t) + sqrt(1 - w) * n2   (score)
+//! ```
+//!
+//! with `rho = context_correlation`, `w = context_weight` and `n1`, `n2` standard normal,
+//! and the layer routes to the `top_k` highest scores, best first (so rank `j` of the
+//! router's mixing weights goes with the `j`-th best score). The context term is what
+//! makes routing correlated from token to token: an expert whose context is high stays
+//! likely for a few tokens (about `1 / (1 - rho)`), so rarely used experts come in short
+//! bursts, which recency-based caches (CLOCK, LRU) catch and an optimal one exploits
+//! further. The noise is a hash of `(seed, layer, position, token id, expert)`, so routing
+//! is deterministic, the same prompt routes the same way, and a sequence routed in one
+//! pass or token by token gives the same ids.
+//!
+//! The per-sequence state is the context vector of every layer ([`RoutingState`]), kept in
+//! the model's [`crate::model::SequenceState`].
+//!
+//! # Lookahead forecast
+//!
+//! The engine guesses layer `L+2`'s experts on layer `L`'s hidden state. With this model a
+//! guess from the random router would be worthless, so [`RoutingModel::forecast`] stands in
+//! for it: it computes the selection layer `L+2` will make and keeps each of its ids with
+//! probability `forecast_accuracy`, replacing the others with popularity draws from the
+//! rest of the active set. That accuracy is an assumption, not a measurement (the
+//! reference only reports the speed-up its forecast gives); it makes `--lookahead on|off`
+//! comparisons mean something, and can be set per checkpoint. A forecast never changes
+//! the routing state or what is computed.
+//!
+//! # Calibration
+//!
+//! [`RoutingModel::trace`] generates decode steps straight from the model (no forward
+//! pass), and [`Figures::measure`] replays them with [`crate::cachesim`]. The defaults of
+//! [`RoutingParams::calibrated`] were fitted to [`TARGETS`], the reference's published
+//! summaries of real traces (48 layers x 512 experts, top-10, 220 decode steps):
+//! `slotstream routing-calibration` prints both (BENCHMARKS.md, "Synthetic routing
+//! calibration").
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::atomic_file::AtomicFile;
+use crate::cachesim::{simulate, Policy, Request};
+
+/// The routing model's file in a model directory.
+pub const ROUTING_FILE: &str = "synthetic_routing.json";
+
+/// The format version this build reads and writes.
+pub const VERSION: u32 = 1;
+
+/// Errors reading a routing model file. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum RoutingModelError {
+    /// The file could not be read.
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
+
+    /// The file is not JSON, lacks a field, has an unknown one, or a field has the wrong
+    /// type (serde's message names the field, line and column).
+    #[error("{path}: malformed routing model: {message}")]
+    Malformed { path: PathBuf, message: String },
+
+    /// A field's value is outside its range.
+    #[error("{path}: field `{field}`: {message}")]
+    Field {
+        path: PathBuf,
+        field: &'static str,
+        message: String,
+    },
+}
+
+/// The parameters of a routing model, as stored in [`ROUTING_FILE`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingParams {
+    /// Format version ([`VERSION`]).
+    pub version: u32,
+    /// Seeds every draw: active sets, ranks, noise.
+    pub seed: u64,
+    /// Share of each layer's experts that the layer routes to at all, in `(0, 1]`.
+    pub active_fraction: f64,
+    /// Zipf exponent of the static popularity over a layer's active experts, `>= 0`
+    /// (0: no static preference).
+    pub zipf_exponent: f64,
+    /// Zipf's law holds over the first `head_fraction * num_experts` ranks; later active
+    /// ranks all get the last head rank's static score (a flat tail). In `(0, 1]`.
+    pub head_fraction: f64,
+    /// Share of the score's noise variance that is the slowly varying context (the rest
+    /// is fresh at every token), in `[0, 1]`.
+    pub context_weight: f64,
+    /// Token-to-token correlation of the context, in `[0, 1)`.
+    pub context_correlation: f64,
+    /// Probability that each id of a lookahead forecast is one the layer will route to,
+    /// in `[0, 1]` (an assumption; see the module docs).
+    pub forecast_accuracy: f64,
+}
+
+impl RoutingParams {
+    /// The calibrated defaults (fitted with `slotstream routing-calibration`; see
+    /// [`TARGETS`]). Every size is a fraction of a layer's experts, so the same values
+    /// serve every preset: the 512-expert ones they were fitted on, and the demo's 64
+    /// experts a layer, which give the same shape at a smaller scale (its figures at pools
+    /// scaled to its size are in BENCHMARKS.md).
+    pub fn calibrated() -> RoutingParams {
+        RoutingParams {
+            version: VERSION,
+            seed: DEFAULT_SEED,
+            active_fraction: 0.42,
+            zipf_exponent: 0.69,
+            head_fraction: 0.11,
+            context_weight: 0.44,
+            context_correlation: 0.86,
+            forecast_accuracy: DEFAULT_FORECAST_ACCURACY,
+        }
+    }
+
+    /// Reads and checks `path`. Errors: the file is unreadable, not JSON of this shape
+    /// (unknown fields are refused, so a misspelt one is not silently ignored), of another
+    /// version, or a field is out of range.
+    pub fn load(path: &Path) -> Result<RoutingParams, RoutingModelError> {
+        let text = std::fs::read_to_string(path).map_err(|io| RoutingModelError::Io {
+            path: path.to_path_buf(),
+            io,
+        })?;
+        let params: RoutingParams = serde_json::from_str(&text).map_err(|e| RoutingModelError::Malformed {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        params.check(path)?;
+        Ok(params)
+    }
+
+    /// Checks every field's range; `path` names the file in errors.
+    pub fn check(&self, path: &Path) -> Result<(), RoutingModelError> {
+        let bad = |field: &'static str, message: String| RoutingModelError::Field {
+            path: path.to_path_buf(),
+            field,
+            message,
+        };
+        if self.version != VERSION {
+            return Err(bad(
+                "version",
+                format!("{} is not supported (this build reads {VERSION})", self.version),
+            ));
+        }
+        // (field, value, 0 excluded, upper bound, upper bound excluded)
+        let ranges: [(&'static str, f64, bool, f64, bool); 6] = [
+            ("active_fraction", self.active_fraction, true, 1.0, false),
+            ("zipf_exponent", self.zipf_exponent, false, f64::INFINITY, true),
+            ("head_fraction", self.head_fraction, true, 1.0, false),
+            ("context_weight", self.context_weight, false, 1.0, false),
+            ("context_correlation", self.context_correlation, false, 1.0, true),
+            ("forecast_accuracy", self.forecast_accuracy, false, 1.0, false),
+        ];
+        for (field, v, low_open, high, high_open) in ranges {
+            let above = if low_open { v > 0.0 } else { v >= 0.0 };
+            let below = if high_open { v < high } else { v <= high };
+            if !(v.is_finite() && above && below) {
+                let low = if low_open { "(0" } else { "[0" };
+                let high = match (high.is_finite(), high_open) {
+                    (false, _) => "inf)".to_string(),
+                    (true, true) => format!("{high})"),
+                    (true, false) => format!("{high}]"),
+                };
+                return Err(bad(field, format!("{v} is outside {low}, {high}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the parameters to `dir`/[`ROUTING_FILE`] (atomically).
+    pub fn write(&self, dir: &Path) -> crate::Result<()> {
+        let path = dir.join(ROUTING_FILE);
+        let out = AtomicFile::create(&path)?;
+        serde_json::to_writer_pretty(out.file(), self).map_err(|e| crate::Error::Json {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        out.commit()
+    }
+}
+
+/// Seed of the presets' routing models.
+pub const DEFAULT_SEED: u64 = 0x5107_0001;
+
+/// Assumed share of a lookahead forecast's ids that are right (see the module docs).
+pub const DEFAULT_FORECAST_ACCURACY: f64 = 0.8;
+
+/// One layer's fixed part: its active experts by rank and their static scores.
+#[derive(Clone, Debug)]
+struct LayerModel {
+    /// `experts[r]`: the expert of popularity rank `r`.
+    experts: Vec<u32>,
+    /// `bias[r] = -zipf_exponent * ln(1 + r)`.
+    bias: Vec<f32>,
+    /// Running sums of `exp(bias)`, for popularity draws (forecast replacements).
+    cumulative: Vec<f64>,
+}
+
+/// A routing model for one geometry: [`RoutingParams`] expanded into per-layer tables.
+#[derive(Clone, Debug)]
+pub struct RoutingModel {
+    pub params: RoutingParams,
+    pub num_experts: usize,
+    pub top_k: usize,
+    layers: Vec<LayerModel>,
+}
+
+/// The per-sequence state: each layer's context vector (one value per active expert, in
+/// rank order), as of the last position routed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoutingState {
+    context: Vec<Vec<f32>>,
+}
+
+/// Hash streams: which draw a hash feeds (keeps draws of one step independent).
+const STREAM_LAYER: u64 = 1;
+const STREAM_INIT: u64 = 2;
+const STREAM_CONTEXT: u64 = 3;
+const STREAM_NOISE: u64 = 4;
+const STREAM_KEEP: u64 = 5;
+const STREAM_DRAW: u64 = 6;
+
+/// splitmix64's finalizer: a bijective 64-bit mix. Draws come from hashes rather than a
+/// sequential generator so that a draw depends only on what it is for (layer, position,
+/// token, expert), not on how many draws came before; `rand`'s generators are also not
+/// promised to stay the same across versions, and a checkpoint's routing should.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A hash of several words, each mixed in turn.
+fn hash(words: &[u64]) -> u64 {
+    words.iter().fold(0u64, |h, &w| mix(h ^ w))
+}
+
+/// Uniform in `(0, 1)` from the high 53 bits of `h`.
+fn uniform(h: u64) -> f64 {
+    ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// Standard normal from one hash (Box-Muller on its two 32-bit halves).
+fn normal(h: u64) -> f32 {
+    let u1 = ((h >> 32) as f64 + 0.5) / 4_294_967_296.0;
+    let u2 = (h & 0xFFFF_FFFF) as f64 / 4_294_967_296.0;
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+impl RoutingModel {
+    /// Expands `params` for a model of `layers` layers of `num_experts` experts routing
+    /// `top_k` per token. Every layer index gets a table (dense layers simply never ask).
+    /// Errors: `top_k` is 0 or more than `num_experts`.
+    pub fn new(params: RoutingParams, layers: usize, num_experts: usize, top_k: usize) -> crate::Result<Self> {
+        if top_k == 0 || top_k > num_experts {
+            return Err(crate::Error::InvalidInput(format!(
+                "synthetic routing needs 0 < top_k <= experts, got top-{top_k} of {num_experts}"
+            )));
+        }
+        let active = ((params.active_fraction * num_experts as f64).round() as usize).clamp(top_k, num_experts);
+        let head = (params.head_fraction * num_experts as f64).round() as usize;
+        let layers = (0..layers)
+            .map(|l| {
+                // A seeded Fisher-Yates shuffle: its first `active` entries are the active
+                // set, in rank order.
+                let mut order: Vec<u32> = (0..num_experts as u32).collect();
+                for i in (1..num_experts).rev() {
+                    let j = (hash(&[params.seed, STREAM_LAYER, l as u64, i as u64]) % (i as u64 + 1)) as usize;
+                    order.swap(i, j);
+                }
+                order.truncate(active);
+                let bias: Vec<f32> = (0..active)
+                    .map(|r| (-params.zipf_exponent * (1.0 + r.min(head) as f64).ln()) as f32)
+                    .collect();
+                let cumulative = bias
+                    .iter()
+                    .scan(0.0f64, |acc, &b| {
+                        *acc += (b as f64).exp();
+                        Some(*acc)
+                    })
+                    .collect();
+                LayerModel {
+                    experts: order,
+                    bias,
+                    cumulative,
+                }
+            })
+            .collect();
+        Ok(RoutingModel {
+            params,
+            num_experts,
+            top_k,
+            layers,
+        })
+    }
+
+    /// Reads `dir`/[`ROUTING_FILE`] for a model of the given geometry; `Ok(None)` when the
+    /// directory has none. Errors: those of [`RoutingParams::load`] and [`RoutingModel::new`].
+    pub fn open(dir: &Path, layers: usize, num_experts: usize, top_k: usize) -> crate::Result<Option<Self>> {
+        let path = dir.join(ROUTING_FILE);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let params = RoutingParams::load(&path)?;
+        Ok(Some(RoutingModel::new(params, layers, num_experts, top_k)?))
+    }
+
+    /// Experts each layer routes to at all.
+    pub fn active_experts(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.experts.len())
+    }
+
+    /// A fresh sequence's state: every context drawn from its stationary distribution
+    /// (standard normal), the same for every sequence of this model.
+    pub fn new_state(&self) -> RoutingState {
+        let context = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, m)| {
+                (0..m.experts.len())
+                    .map(|r| normal(hash(&[self.params.seed, STREAM_INIT, l as u64, r as u64])))
+                    .collect()
+            })
+            .collect();
+        RoutingState { context }
+    }
+
+    fn layer(&self, layer: usize) -> crate::Result<&LayerModel> {
+        self.layers.get(layer).ok_or_else(|| {
+            crate::Error::InvalidInput(format!(
+                "synthetic routing has {} layers, asked for layer {layer}",
+                self.layers.len()
+            ))
+        })
+    }
+
+    /// Advances `context` (one layer's, in rank order) to `position` with `token` and
+    /// returns the `top_k` chosen ranks, best score first (ties: lower rank first).
+    fn step(&self, m: &LayerModel, layer: usize, context: &mut [f32], position: u64, token: u32) -> Vec<usize> {
+        let p = &self.params;
+        let rho = p.context_correlation as f32;
+        let fresh = (1.0 - rho * rho).sqrt();
+        let (wc, wn) = ((p.context_weight as f32).sqrt(), (1.0 - p.context_weight as f32).sqrt());
+        let key = hash(&[p.seed, layer as u64, position, token as u64]);
+        let scores: Vec<f32> = context
+            .iter_mut()
+            .zip(&m.bias)
+            .enumerate()
+            .map(|(r, (c, &b))| {
+                *c = rho * *c + fresh * normal(hash(&[key, STREAM_CONTEXT, r as u64]));
+                b + wc * *c + wn * normal(hash(&[key, STREAM_NOISE, r as u64]))
+            })
+            .collect();
+        let mut ranks: Vec<usize> = (0..scores.len()).collect();
+        let by_score = |&a: &usize, &b: &usize| scores[b].total_cmp(&scores[a]).then(a.cmp(&b));
+        if self.top_k < ranks.len() {
+            ranks.select_nth_unstable_by(self.top_k - 1, by_score);
+            ranks.truncate(self.top_k);
+        }
+        ranks.sort_unstable_by(by_score);
+        ranks
+    }
+
+    /// Routes one token: advances `state` at `layer` to `position` (the token's index in
+    /// its sequence) and returns the `top_k` distinct expert ids (each `< num_experts`),
+    /// best first. Positions must be routed in order, each once, for the sequence to
+    /// route as one pass would. Errors: `layer` beyond the model's layers.
+    pub fn route(&self, state: &mut RoutingState, layer: usize, position: u64, token: u32) -> crate::Result<Vec<u32>> {
+        let m = self.layer(layer)?;
+        let context = state.context.get_mut(layer).ok_or_else(|| {
+            crate::Error::InvalidInput(format!("routing state has no layer {layer} (made by another model)"))
+        })?;
+        Ok(self
+            .step(m, layer, context, position, token)
+            .into_iter()
+            .map(|r| m.experts[r])
+            .collect())
+    }
+
+    /// The lookahead forecast for `layer` of the tokens `tokens` at positions `start..`:
+    /// per token, the ids the layer will route to (computed on a copy of the state: the
+    /// state is not changed), each kept with probability `forecast_accuracy` and otherwise
+    /// replaced by a popularity draw among the active experts outside that token's true
+    /// selection. Returns the distinct ids of all tokens, ascending. Errors: `layer` beyond
+    /// the model's layers.
+    pub fn forecast(&self, state: &RoutingState, layer: usize, start: u64, tokens: &[u32]) -> crate::Result<Vec<u32>> {
+        let m = self.layer(layer)?;
+        let mut context = state.context.get(layer).cloned().unwrap_or_default();
+        if context.len() != m.experts.len() {
+            return Err(crate::Error::InvalidInput(format!(
+                "routing state has no layer {layer} (made by another model)"
+            )));
+        }
+        let mut out = Vec::new();
+        for (i, &token) in tokens.iter().enumerate() {
+            let position = start + i as u64;
+            let truth = self.step(m, layer, &mut context, position, token);
+            let key = hash(&[self.params.seed, layer as u64, position, token as u64]);
+            let mut taken = vec![false; m.experts.len()];
+            for &r in &truth {
+                taken[r] = true;
+            }
+            for (j, &r) in truth.iter().enumerate() {
+                if uniform(hash(&[key, STREAM_KEEP, j as u64])) < self.params.forecast_accuracy {
+                    out.push(m.experts[r]);
+                } else if let Some(d) = popularity_draw(m, &taken, hash(&[key, STREAM_DRAW, j as u64])) {
+                    taken[d] = true;
+                    out.push(m.experts[d]);
+                }
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
+    /// `steps` decode steps of a fresh sequence through `layers` (the MoE layers, in
+    /// order) at each step, as cache lookups (token `t`, layer, the routed experts),
+    /// straight from the model with no forward pass. The token id fed to each step is 0:
+    /// it only reseeds the noise, so any value gives statistically the same trace.
+    /// Errors: a layer beyond the model's layers.
+    pub fn trace(&self, layers: &[usize], steps: usize) -> crate::Result<Vec<Request>> {
+        let mut state = self.new_state();
+        let mut out = Vec::with_capacity(steps * layers.len());
+        for t in 0..steps {
+            for &l in layers {
+                out.push(Request {
+                    token: t as u64,
+                    layer: l as u32,
+                    experts: self.route(&mut state, l, t as u64, 0)?,
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A rank drawn with probability proportional to `exp(bias)` among those not `taken`
+/// (rejection sampling on the running sums, then the most popular free rank), or `None`
+/// when every rank is taken.
+fn popularity_draw(m: &LayerModel, taken: &[bool], seed: u64) -> Option<usize> {
+    let total = *m.cumulative.last()?;
+    for attempt in 0..32u64 {
+        let x = uniform(hash(&[seed, attempt])) * total;
+        let r = m.cumulative.partition_point(|&c| c <= x).min(m.cumulative.len() - 1);
+        if !taken[r] {
+            return Some(r);
+        }
+    }
+    taken.iter().position(|&t| !t)
+}
+
+/// The published summaries of real Qwen3-Next traces (48 layers x 512 experts, top-10,
+/// 220 decode steps), as the benchmark issue quotes the reference's trace study
+/// (reference-system.md B.4 has its CLOCK figure, 0.557 at 30 experts a layer).
+pub const TARGETS: Figures = Figures {
+    records: 48 * 512,
+    touched: 9_956,
+    top_decile_share: 0.70,
+    clock: 0.56,
+    lru: 0.71,
+    belady: 0.85,
+};
+
+/// Decode steps of the reference traces.
+pub const TARGET_STEPS: usize = 220;
+
+/// The five figures of a trace that the calibration compares.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Figures {
+    /// Records (layers x experts) of the model.
+    pub records: usize,
+    /// Distinct records looked up at least once.
+    pub touched: usize,
+    /// Share of all lookups that go to the 10% most looked-up records.
+    pub top_decile_share: f64,
+    /// CLOCK hit rate with 30 slots per layer for 512 experts ([`Figures::pools`]).
+    pub clock: f64,
+    /// LRU hit rate with 60 slots per layer for 512 experts.
+    pub lru: f64,
+    /// Belady hit rate with 17% of the records.
+    pub belady: f64,
+}
+
+impl Figures {
+    /// Pool sizes (total slots) of the three hit rates for `layers` x `experts`: CLOCK 30
+    /// and LRU 60 experts a layer for 512 experts (scaled by `experts / 512`, at least 1),
+    /// Belady 17% of the records, as the reference study reports them.
+    pub fn pools(layers: usize, experts: usize) -> [usize; 3] {
+        let per_layer = |n: usize| ((n * experts) as f64 / 512.0).round().max(1.0) as usize * layers;
+        [
+            per_layer(30),
+            per_layer(60),
+            ((0.17 * (layers * experts) as f64).round() as usize).max(1),
+        ]
+    }
+
+    /// Measures a trace of a model with `layers` MoE layers of `experts` experts: counts,
+    /// then the three replays of [`crate::cachesim::simulate`] at the sizes of
+    /// [`Figures::pools`].
+    pub fn measure(requests: &[Request], layers: usize, experts: usize) -> Figures {
+        let records = layers * experts;
+        let mut counts: HashMap<(u32, u32), u64> = HashMap::new();
+        for r in requests {
+            for &e in &r.experts {
+                *counts.entry((r.layer, e)).or_default() += 1;
+            }
+        }
+        let total: u64 = counts.values().sum();
+        let mut counts: Vec<u64> = counts.into_values().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        let decile: u64 = counts.iter().take(records.div_ceil(10)).sum();
+        let [clock, lru, belady] = Self::pools(layers, experts);
+        Figures {
+            records,
+            touched: counts.len(),
+            top_decile_share: if total == 0 { 0.0 } else { decile as f64 / total as f64 },
+            clock: simulate(requests, clock, Policy::Clock).hit_rate(),
+            lru: simulate(requests, lru, Policy::Lru).hit_rate(),
+            belady: simulate(requests, belady, Policy::Belady).hit_rate(),
+        }
+    }
+
+    /// Share of the records touched.
+    pub fn touched_share(&self) -> f64 {
+        self.touched as f64 / self.records.max(1) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(seed: u64) -> RoutingModel {
+        let mut p = RoutingParams::calibrated();
+        p.seed = seed;
+        RoutingModel::new(p, 48, 512, 10).unwrap()
+    }
+
+    /// The calibration: a trace of the 80B preset's defaults lands near every target, for
+    /// a fresh seed each run (printed on failure).
+    #[test]
+    fn calibrated_trace_lands_near_the_targets() {
+        let seed: u64 = rand::random();
+        let m = model(seed);
+        let layers: Vec<usize> = (0..48).collect();
+        let f = Figures::measure(&m.trace(&layers, TARGET_STEPS).unwrap(), 48, 512);
+        let t = TARGETS;
+        // Seed to seed the figures vary by about 0.002 (touched by about 20 records); the
+        // tolerances leave room for that around the fit (Belady is the furthest, +0.016).
+        let checks = [
+            (
+                "touched share",
+                f.touched_share(),
+                t.touched_share(),
+                0.03 * t.touched_share(),
+            ),
+            ("top-decile share", f.top_decile_share, t.top_decile_share, 0.02),
+            ("CLOCK", f.clock, t.clock, 0.02),
+            ("LRU", f.lru, t.lru, 0.02),
+            ("Belady", f.belady, t.belady, 0.025),
+        ];
+        for (name, got, want, tol) in checks {
+            assert!(
+                (got - want).abs() <= tol,
+                "seed {seed}: {name} {got:.3}, target {want:.3} +- {tol}: {f:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn routing_is_deterministic_and_distinct() {
+        let seed: u64 = rand::random();
+        let (a, b) = (model(seed), model(seed));
+        let layers: Vec<usize> = (0..48).collect();
+        let trace = |m: &RoutingModel| m.trace(&layers, 20).unwrap();
+        assert_eq!(trace(&a), trace(&b), "seed {seed}");
+        assert_ne!(trace(&a), trace(&model(seed ^ 1)), "seed {seed}");
+        for r in trace(&a) {
+            let mut ids = r.experts.clone();
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!(ids.len(), 10, "seed {seed}: {r:?}");
+            assert!(ids.iter().all(|&e| e < 512), "seed {seed}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn token_by_token_equals_one_pass_and_forecast_leaves_state_alone() {
+        let seed: u64 = rand::random();
+        let m = model(seed);
+        let tokens = [5u32, 9, 9, 100, 7];
+        let mut s1 = m.new_state();
+        let before = s1.clone();
+        let forecast = m.forecast(&s1, 3, 0, &tokens).unwrap();
+        assert_eq!(s1, before, "seed {seed}: forecast changed the state");
+        assert!(!forecast.is_empty() && forecast.len() <= 50);
+        let mut s2 = m.new_state();
+        for (t, &tok) in tokens.iter().enumerate() {
+            let a = m.route(&mut s1, 3, t as u64, tok).unwrap();
+            let b = m.route(&mut s2, 3, t as u64, tok).unwrap();
+            assert_eq!(a, b, "seed {seed}");
+        }
+        assert!(m.route(&mut s1, 48, 0, 0).is_err());
+    }
+
+    #[test]
+    fn forecast_accuracy_is_as_stated() {
+        let seed: u64 = rand::random();
+        let mut p = RoutingParams::calibrated();
+        p.seed = seed;
+        p.forecast_accuracy = 0.7;
+        let m = RoutingModel::new(p, 4, 512, 10).unwrap();
+        let mut state = m.new_state();
+        let (mut right, mut total) = (0usize, 0usize);
+        for t in 0..400u64 {
+            let guess = m.forecast(&state, 2, t, &[t as u32]).unwrap();
+            let truth = m.route(&mut state, 2, t, t as u32).unwrap();
+            right += guess.iter().filter(|g| truth.contains(g)).count();
+            total += truth.len();
+        }
+        let acc = right as f64 / total as f64;
+        assert!((acc - 0.7).abs() < 0.04, "seed {seed}: accuracy {acc}");
+    }
+
+    #[test]
+    fn out_of_range_fields_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(ROUTING_FILE);
+        let mut p = RoutingParams::calibrated();
+        p.context_correlation = 1.0;
+        std::fs::write(&path, serde_json::to_string(&p).unwrap()).unwrap();
+        let e = RoutingParams::load(&path).unwrap_err().to_string();
+        assert!(e.contains(ROUTING_FILE) && e.contains("context_correlation"), "{e}");
+        std::fs::write(&path, r#"{"version": 1, "seed": 1, "active_fraction": 0.5, "zipf_exponent": 0.5, "head_fraction": 0.1, "context_weight": 0.5, "context_correlation": 0.5, "forecast_accuracy": 0.8, "stickiness": 1}"#).unwrap();
+        let e = RoutingParams::load(&path).unwrap_err().to_string();
+        assert!(e.contains(ROUTING_FILE) && e.contains("stickiness"), "{e}");
+        std::fs::write(&path, "{").unwrap();
+        let e = RoutingParams::load(&path).unwrap_err().to_string();
+        assert!(e.contains(ROUTING_FILE), "{e}");
+    }
+}

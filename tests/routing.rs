@@ -1,0 +1,202 @@
+//! Synthetic routing end to end: a synthetic checkpoint that carries a routing model routes
+//! by it (the pool sees its ids), gives the same logits through the pool as from the
+//! mapped checkpoint with lookahead on or off, can opt out, and refuses a malformed
+//! routing file with a message that names it. The calibration itself is a unit test of
+//! `slotstream::routing_model`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::checkpoint::Checkpoint;
+use slotstream::experts::MappedExperts;
+use slotstream::model::{Logits, Model};
+use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
+use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
+use slotstream::synth::{write_checkpoint_with, Preset};
+
+/// A Qwen3-Next body small enough to write in milliseconds: 4 layers (one full attention),
+/// 32 experts, top-4.
+const TINY: Preset = Preset {
+    name: "tiny",
+    hidden: 128,
+    layers: 4,
+    vocab: 320,
+    heads: 2,
+    kv_heads: 1,
+    head_dim: 64,
+    linear_key_heads: 2,
+    linear_value_heads: 4,
+    linear_head_dim: 32,
+    experts: 32,
+    top_k: 4,
+    intermediate: 64,
+    group_size: 64,
+    rope_theta: 1e7,
+};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn write(dir: &Path, routing: Option<&RoutingParams>) -> (Arc<Checkpoint>, Model<CpuBackend>) {
+    write_checkpoint_with(dir, &TINY, TINY.layers, false, routing).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir).unwrap());
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    (ckpt, model)
+}
+
+fn params(seed: u64) -> RoutingParams {
+    RoutingParams {
+        seed,
+        ..RoutingParams::calibrated()
+    }
+}
+
+const PROMPT: [u32; 5] = [10, 200, 33, 33, 7];
+
+#[test]
+fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
+    let seed: u64 = rand::random();
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, model) = write(dir.path(), Some(&params(seed)));
+    let routing = model.routing.as_ref().expect("the routing file is picked up");
+    assert_eq!(routing.params.seed, seed);
+    let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+    let rt = runtime();
+    // The floor: one layer's experts plus the speculative reads.
+    let slots = TINY.experts + 8;
+    for lookahead in [false, true] {
+        let pool = SlotPool::open(
+            &ckpt,
+            Arc::new(model.experts.clone()),
+            StreamOptions::with_slots(slots),
+            rt.handle().clone(),
+        )
+        .unwrap();
+        pool.enable_trace();
+        let mut pooled = PoolExperts::new(pool.clone());
+        pooled.lookahead = lookahead;
+        // A short prompt (its lookups go through the pool), then decode steps.
+        let (mut s1, mut s2) = (model.new_state(&CpuBackend), model.new_state(&CpuBackend));
+        let a = model
+            .forward(&CpuBackend, &mut s1, &PROMPT, &pooled, Logits::All)
+            .unwrap();
+        let b = model
+            .forward(&CpuBackend, &mut s2, &PROMPT, &mapped, Logits::All)
+            .unwrap();
+        assert!(a == b, "seed {seed}, lookahead {lookahead}: prompt logits differ");
+        let decode: Vec<u32> = (0..12).map(|i| (i * 37 % 300) as u32).collect();
+        for &id in &decode {
+            let a = model
+                .forward(&CpuBackend, &mut s1, &[id], &pooled, Logits::Last)
+                .unwrap();
+            let b = model
+                .forward(&CpuBackend, &mut s2, &[id], &mapped, Logits::Last)
+                .unwrap();
+            assert!(a == b, "seed {seed}, lookahead {lookahead}: decode logits differ");
+        }
+        // The decode steps' lookups are exactly the routing model's ids.
+        let mut state = routing.new_state();
+        for (t, &id) in PROMPT.iter().enumerate() {
+            for l in 0..TINY.layers {
+                routing.route(&mut state, l, t as u64, id).unwrap();
+            }
+        }
+        let trace = pool.take_trace();
+        let steps: std::collections::BTreeSet<u64> = trace.iter().map(|e| e.token).collect();
+        let decode_steps: Vec<u64> = steps.into_iter().skip(1).collect();
+        assert_eq!(decode_steps.len(), decode.len(), "seed {seed}");
+        for (i, (&step, &id)) in decode_steps.iter().zip(&decode).enumerate() {
+            for l in 0..TINY.layers {
+                let mut want = routing.route(&mut state, l, (PROMPT.len() + i) as u64, id).unwrap();
+                want.sort_unstable();
+                let mut got: Vec<u32> = trace
+                    .iter()
+                    .filter(|e| e.token == step && e.layer as usize == l)
+                    .map(|e| e.expert)
+                    .collect();
+                got.sort_unstable();
+                assert_eq!(got, want, "seed {seed}, lookahead {lookahead}: step {i}, layer {l}");
+            }
+        }
+        let stats = pool.stats();
+        if lookahead {
+            assert!(
+                stats.prefetches_used > 0,
+                "seed {seed}: the forecast prefetched nothing useful: {stats:?}"
+            );
+        } else {
+            assert_eq!(stats.speculative_reads, 0, "seed {seed}");
+        }
+    }
+}
+
+#[test]
+fn opting_out_keeps_the_router_and_removes_a_stale_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, model) = write(dir.path(), Some(&params(1)));
+    assert!(model.routing.is_some());
+    let (_, model) = write(dir.path(), None);
+    assert!(model.routing.is_none());
+    assert!(!dir.path().join(ROUTING_FILE).exists());
+}
+
+#[test]
+fn a_malformed_routing_file_is_refused_naming_the_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint_with(dir.path(), &TINY, TINY.layers, false, Some(&params(1))).unwrap();
+    let path = dir.path().join(ROUTING_FILE);
+    let load = || match Model::load(&Checkpoint::open(dir.path()).unwrap(), &CpuBackend) {
+        Ok(_) => panic!("a malformed routing file was accepted"),
+        Err(e) => e.to_string(),
+    };
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replace("\"active_fraction\": 0.42", "\"active_fraction\": 0"),
+    )
+    .unwrap();
+    let e = load();
+    assert!(e.contains(ROUTING_FILE) && e.contains("active_fraction"), "{e}");
+    std::fs::write(&path, text.replace("\"seed\"", "\"sead\"")).unwrap();
+    let e = load();
+    assert!(e.contains(ROUTING_FILE) && e.contains("sead"), "{e}");
+    std::fs::write(&path, "not json").unwrap();
+    let e = load();
+    assert!(e.contains(ROUTING_FILE), "{e}");
+}
+
+#[test]
+fn calibration_command_reports_the_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.csv");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .args([
+            "routing-calibration",
+            "--preset",
+            "demo",
+            "--steps",
+            "40",
+            "--json",
+            "--trace",
+        ])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = &v["figures"];
+    assert!(
+        f["touched"].as_u64().unwrap() > 0 && f["belady"].as_f64().unwrap() >= f["lru"].as_f64().unwrap(),
+        "{v}"
+    );
+    // The trace replays in cachesim to the same numbers.
+    let requests = slotstream::cachesim::read_trace(&trace).unwrap();
+    let model = RoutingModel::new(RoutingParams::calibrated(), 8, 64, 4).unwrap();
+    assert_eq!(requests, model.trace(&(0..8).collect::<Vec<_>>(), 40).unwrap());
+}
