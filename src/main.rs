@@ -940,6 +940,9 @@ fn serve(args: ServeArgs) -> Result<()> {
         bail!("serve does not write a routing trace (use generate or score with --trace)");
     }
     args.sampling.options().validate()?;
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
+    }
     let model_id = match &args.model_name {
         Some(n) => n.clone(),
         None => std::fs::canonicalize(&args.model)

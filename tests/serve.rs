@@ -237,6 +237,8 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ("/v1/completions", json!({ "prompt": "hi", "temperature": -1 }).to_string(), 400, "temperature"),
         ("/v1/completions", json!({ "prompt": "hi", "top_p": 1.5 }).to_string(), 400, "top_p"),
         ("/v1/completions", json!({ "prompt": "hi", "n": 2 }).to_string(), 400, "n"),
+        ("/v1/completions", json!({ "prompt": "hi", "tools": [{ "type": "function" }] }).to_string(), 400, "tools"),
+        ("/v1/completions", json!({ "prompt": "hi", "stop": "x".repeat(300) }).to_string(), 400, "stop"),
         ("/v1/completions", json!({ "prompt": ["a", "b"] }).to_string(), 400, "prompt"),
         ("/v1/completions", json!({ "prompt": [1, 2, 99999] }).to_string(), 400, ""),
         ("/v1/completions", json!({ "prompt": long }).to_string(), 400, ""),
@@ -264,13 +266,45 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             assert_eq!(v["error"]["param"], param, "{body}: {v}");
         }
     }
-    let r = auth(s.client.post(url("/v1/completions")))
-        .json(&json!({ "prompt": "hi", "max_tokens": 2 }))
+    // Methods and sizes get JSON errors too.
+    let r = auth(s.client.get(url("/v1/chat/completions"))).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
+    let huge = "x".repeat(3 << 20);
+    let r = auth(s.client.post(url("/v1/completions"))).body(huge).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
+    // The auth scheme is case-insensitive; `stream: null` is the default.
+    let r = s
+        .client
+        .post(url("/v1/completions"))
+        .header("authorization", "bearer sesame")
+        .json(&json!({ "prompt": "hi", "max_tokens": 2, "stream": null }))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(r.json::<Value>().await.unwrap()["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_abandoned_while_queued_never_runs() {
+    let s = start(4, 0, None).await;
+    let r = reference(NAME);
+    let long = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
+    let running = s.client.post(format!("{}/v1/completions", s.base)).json(&long).send().await.unwrap();
+    let queued = s.client.post(format!("{}/v1/completions", s.base)).json(&long).send().await.unwrap();
+    assert_eq!((running.status().as_u16(), queued.status().as_u16()), (200, 200));
+    drop(queued);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(running);
+    let next = json!({ "prompt": r.prompt_ids, "max_tokens": 4 });
+    let (status, _) = tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next)).await.unwrap();
+    assert_eq!(status, 200);
+    // The first stream and this request ran; the abandoned one never reached the model.
+    assert_eq!(s.engine.stats().requests, 2);
+    let stats: Value = s.client.get(format!("{}/stats", s.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(stats["queued_or_running"], 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
