@@ -393,19 +393,25 @@ pub fn raw_ranges(ckpt: &Checkpoint, index: &ExpertIndex, key: (usize, usize), p
         .collect())
 }
 
-/// Plain threads doing `O_DIRECT` (Linux; buffered elsewhere) `pread`s of `ranges`,
+/// Plain threads doing `O_DIRECT` (Linux; `F_NOCACHE` on macOS) `pread`s of `ranges`,
 /// `depth` at a time: the baseline the engine's reads are compared with. Returns seconds.
 /// Errors: a file that cannot be opened or read.
 pub fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize) -> Result<f64> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::os::unix::fs::FileExt;
     let mut handles = Vec::with_capacity(files.len());
     for p in files {
         let mut o = std::fs::OpenOptions::new();
         o.read(true);
         #[cfg(target_os = "linux")]
-        o.custom_flags(libc::O_DIRECT);
+        std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_DIRECT);
         // A file that is not used (the pack when reading shards) may be absent.
-        handles.push(o.open(p).or_else(|_| std::fs::File::open(p)).ok());
+        let file = o.open(p).or_else(|_| std::fs::File::open(p)).ok();
+        #[cfg(target_os = "macos")]
+        if let Some(f) = &file {
+            // SAFETY: fcntl on an open descriptor; F_NOCACHE only changes caching.
+            unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(f), libc::F_NOCACHE, 1) };
+        }
+        handles.push(file);
     }
     let next = AtomicUsize::new(0);
     let start = Instant::now();
