@@ -168,6 +168,7 @@ pub fn run<B: Backend>(
     let records = index.records();
     let record_bytes = index.layout.record_bytes;
     progress("measuring the copy bandwidth");
+    tracing::info!("bench: model loaded; measuring the copy bandwidth");
     let copy = backend.copy_bandwidth()?;
     // Measured with the first pool, which knows whether the pack is usable.
     let mut raw: Option<(f64, String)> = None;
@@ -178,6 +179,7 @@ pub fn run<B: Backend>(
     for budget in &options.budgets {
         for &lookahead in &options.lookahead {
             progress(&format!("budget {budget}, lookahead {}", if lookahead { "on" } else { "off" }));
+            tracing::info!(%budget, lookahead, "bench row");
             let mut source = options.source.clone();
             source.lookahead = lookahead;
             source.pool = Some(match budget {
@@ -202,6 +204,9 @@ pub fn run<B: Backend>(
                     drop(opened.experts.fetch(layer, &all)?);
                 }
                 preload_seconds = start.elapsed().as_secs_f64();
+            }
+            if preload_seconds > 0.0 {
+                tracing::info!(seconds = preload_seconds, "every record loaded");
             }
             pool.reset_stats();
             let generate_options = GenerateOptions {
@@ -231,6 +236,12 @@ pub fn run<B: Backend>(
             let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
             let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
             let all = pool.slots() >= records;
+            tracing::info!(
+                prefill_tps = stats.prefill_tps,
+                decode_tps = decode_tokens as f64 / seconds,
+                hit_rate = hits as f64 / (hits + misses).max(1) as f64,
+                "bench row done"
+            );
             rows.push(BenchRow {
                 budget: budget.to_string(),
                 slots: pool.slots(),

@@ -25,10 +25,12 @@ pub const ALIGN: usize = 4096;
 /// multiple of [`ALIGN`].
 pub const PAGE: usize = 16 << 10;
 
-/// Zeroed, [`PAGE`]-aligned heap memory that direct reads can land in.
+/// Zeroed, [`PAGE`]-aligned heap memory that direct reads can land in: `len` bytes (a
+/// multiple of [`ALIGN`]) in an allocation of whole pages.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    capacity: usize,
 }
 
 // SAFETY: AlignedBuf owns its allocation like a Vec<u8>.
@@ -36,21 +38,30 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// Allocates `len` zeroed bytes (rounded up to a multiple of [`PAGE`]).
+    /// Allocates `len` zeroed bytes (rounded up to a multiple of [`ALIGN`]; the allocation
+    /// to a multiple of [`PAGE`]).
     /// Errors: the allocation fails (reported, not aborted, so a pool too large for the
     /// machine is a clear error).
     pub fn zeroed(len: usize) -> Result<Self> {
-        let len = len
-            .max(1)
-            .checked_next_multiple_of(PAGE)
-            .ok_or_else(|| Error::Pool(format!("a buffer of {len} bytes is too large")))?;
-        let layout =
-            Layout::from_size_align(len, PAGE).map_err(|e| Error::Pool(format!("buffer of {len} bytes: {e}")))?;
+        let too_large = || Error::Pool(format!("a buffer of {len} bytes is too large"));
+        let rounded = len.max(1).checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
+        let capacity = rounded.checked_next_multiple_of(PAGE).ok_or_else(too_large)?;
+        let layout = Layout::from_size_align(capacity, PAGE)
+            .map_err(|e| Error::Pool(format!("buffer of {capacity} bytes: {e}")))?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::Pool(format!("could not allocate {len} bytes of aligned memory")))?;
-        Ok(AlignedBuf { ptr, len })
+            .ok_or_else(|| Error::Pool(format!("could not allocate {capacity} bytes of aligned memory")))?;
+        Ok(AlignedBuf {
+            ptr,
+            len: rounded,
+            capacity,
+        })
+    }
+
+    /// Bytes allocated (whole pages, at least `len`).
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn len(&self) -> usize {
@@ -80,7 +91,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this exact layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, PAGE)) }
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.capacity, PAGE)) }
     }
 }
 

@@ -342,10 +342,11 @@ impl SlotPool {
         self.floor
     }
 
-    /// The pool's memory: base pointer and length in bytes (slots x stride), page-aligned,
-    /// for backends that let the GPU read it in place. It lives as long as the pool.
+    /// The pool's memory: base pointer and allocated bytes (slots x stride, rounded up to
+    /// whole pages), page-aligned, for backends that let the GPU read it in place. It lives
+    /// as long as the pool.
     pub(crate) fn memory(&self) -> (*mut u8, usize) {
-        (self.memory.as_ptr(), self.memory.len())
+        (self.memory.as_ptr(), self.memory.capacity())
     }
 
     /// Process-unique id of this pool (see [`SlotTag::pool`]).
