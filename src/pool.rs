@@ -697,6 +697,37 @@ impl SlotPool {
         rx
     }
 
+    /// Pins the records of `experts` of `layer` that are resident (`Ready`) now, without
+    /// reading anything or counting lookups; `None` for the others. Prefill sweeps use it
+    /// to read only what the pool lacks.
+    pub fn pin_resident(self: &Arc<Self>, layer: usize, experts: &[u32]) -> Vec<Option<SlotRecord>> {
+        let mut inner = self.lock();
+        let slots = inner.slots.len();
+        experts
+            .iter()
+            .map(|&e| {
+                let i = inner.map.get(&(layer as u32, e)).copied()?;
+                let s = &mut inner.slots[i];
+                if s.state != State::Ready {
+                    return None;
+                }
+                s.pins += 1;
+                s.referenced = true;
+                Some(SlotRecord {
+                    pool: self.clone(),
+                    tag: SlotTag {
+                        pool: self.id,
+                        slot: i,
+                        generation: s.generation,
+                        slots,
+                        stride: self.stride,
+                    },
+                    len: self.index.layout.record_bytes,
+                })
+            })
+            .collect()
+    }
+
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
     /// the pool, one read per run of consecutive ids (per piece from the shards, or per
     /// run from a pack). Counted as `sweep_bytes`, not as hits or misses.
@@ -888,7 +919,17 @@ impl ExpertSource for PoolExperts {
                 *counts.entry((layer as u32, e)).or_default() += n as u64;
             }
         }
-        Ok(self.pool.read_runs(layer, experts)?.into_iter().map(PoolRecord::Sweep).collect())
+        // Records already in the pool are used where they are; the rest are read in runs.
+        let resident = self.pool.pin_resident(layer, experts);
+        let missing: Vec<u32> = experts.iter().zip(&resident).filter(|(_, r)| r.is_none()).map(|(&e, _)| e).collect();
+        let mut read = self.pool.read_runs(layer, &missing)?.into_iter();
+        resident
+            .into_iter()
+            .map(|r| match r {
+                Some(r) => Ok(PoolRecord::Slot(r)),
+                None => read.next().map(PoolRecord::Sweep).ok_or_else(|| Error::Internal("a sweep read went missing".into())),
+            })
+            .collect()
     }
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
@@ -920,8 +961,10 @@ impl ExpertSource for PoolExperts {
         self.pool.begin_step();
     }
 
+    /// On when asked for, unless the pool holds every record (nothing to read ahead, and
+    /// each guess would cost a GPU read-back).
     fn lookahead(&self) -> bool {
-        self.lookahead
+        self.lookahead && self.pool.slots() < self.pool.index.records()
     }
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {

@@ -4,7 +4,7 @@
 #   cargo build --release && mkdir -p .devbin && cp target/release/slotstream .devbin/ && strip .devbin/slotstream
 # There (with the Vulkan loader packages in .gl/, see the device README):
 #   tools/device_bench.sh synth PRESET LAYERS         # writes /tmp/bench-PRESET-LAYERS
-#   tools/device_bench.sh run PRESET LAYERS BUDGETS [TOKENS] [WARMUP]
+#   tools/device_bench.sh run PRESET LAYERS BUDGETS [TOKENS] [WARMUP] [LOOKAHEAD] [PROMPT_LEN]
 # Results (table, JSON, machine) go to $OUT (or ./bench-out).
 set -euo pipefail
 what=$1 preset=$2 layers=$3
@@ -19,18 +19,20 @@ case $what in
     df -h /tmp | tail -1
     ;;
   run)
-    budgets=$4 tokens=${5:-80} warmup=${6:-32}
+    budgets=$4 tokens=${5:-80} warmup=${6:-32} lookahead=${7:-on,off} prompt=${8:-64}
     for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json WGPU_BACKEND=vulkan
-    export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)} RUST_LOG=${RUST_LOG:-slotstream=warn}
+    export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)} RUST_LOG=${RUST_LOG:-slotstream=info}
     {
       echo "machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB RAM"
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       df -h /tmp | tail -1
     } | tee "$out/machine.txt"
-    tag=$preset-$layers-$(echo "$budgets" | tr ',%' '_p')
-    .devbin/slotstream bench --model "$dir" --device gpu --budgets "$budgets" --lookahead on,off \
-      --tokens "$tokens" --warmup "$warmup" --json > "$out/bench-$tag.json"
+    tag=$preset-$layers-$(echo "$budgets-$lookahead" | tr ',%' '_p')
+    .devbin/slotstream bench --model "$dir" --device gpu --budgets "$budgets" --lookahead "$lookahead" \
+      --tokens "$tokens" --warmup "$warmup" --prompt-len "$prompt" --json > "$out/bench-$tag.json" 2> "$out/log-$tag.txt"
+    tail -5 "$out/log-$tag.txt"
+    command -v python3 >/dev/null || exit 0
     python3 - "$out/bench-$tag.json" <<'EOF' | tee "$out/bench-$tag.md"
 import json, sys
 r = json.load(open(sys.argv[1]))
