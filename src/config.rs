@@ -1,9 +1,23 @@
 //! `config.json` of a checkpoint: the model's geometry and its MLX quantization block.
 //!
 //! Field names follow the Hugging Face / mlx-lm configs (mlx-lm 0.32.2
-//! `mlx_lm/models/qwen3_next.py`, `ModelArgs`). Newer multimodal checkpoints nest the
-//! text model's fields under `text_config`; those fields take precedence over the top level.
+//! `mlx_lm/models/qwen3_next.py` `ModelArgs`, `qwen3_5.py` `TextModelArgs`). Newer
+//! multimodal checkpoints nest the text model's fields under `text_config`.
+//!
+//! Qwen3.5-MoE (`qwen3_5_moe`) is read as mlx-lm reads it, which differs from
+//! ../shared/spec/models.md (§1.2, §2.10) in places the spec leaves open:
+//! - with a `text_config`, the text model's fields come from it alone (mlx-lm's
+//!   `ModelArgs.from_dict`); the top level supplies only `quantization` (and
+//!   `eos_token_id` when `text_config` has none);
+//! - RoPE comes from `rope_parameters` (theta default 1e5, partial factor default 0.25);
+//!   a top-level `rope_theta` / `partial_rotary_factor` counts only when `rope_parameters`
+//!   is `null`. `mrope_section` / `mrope_interleaved` are ignored: mlx-lm builds a plain
+//!   `nn.RoPE` for rope type `default`, which is what M-RoPE reduces to for text positions;
+//! - the layer pattern follows `full_attention_interval` (mlx-lm ignores `layer_types`);
+//! - every layer is MoE when `num_experts > 0` (`mlp_only_layers` and
+//!   `decoder_sparse_step` are ignored), and `norm_topk_prob` defaults to true.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -12,7 +26,57 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 /// Model families this build implements, by `model_type`.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next", "qwen3_5_moe"];
+
+/// A model family: what differs between the supported `model_type`s is data (tensor
+/// names, the gated DeltaNet's projection layout, config defaults); the forward pass is one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `qwen3_next` (mlx-lm `qwen3_next.py`): keys `model.*` and `lm_head.*`.
+    Qwen3Next,
+    /// `qwen3_5_moe` (mlx-lm `qwen3_5_moe.py` over `qwen3_5.py`): keys
+    /// `language_model.model.*` and `language_model.lm_head.*`.
+    Qwen35Moe,
+}
+
+impl Family {
+    fn from_model_type(model_type: &str) -> Option<Self> {
+        match model_type {
+            "qwen3_next" => Some(Family::Qwen3Next),
+            "qwen3_5_moe" => Some(Family::Qwen35Moe),
+            _ => None,
+        }
+    }
+
+    /// Prefix of every text-model tensor name (mlx-lm's module path of the text model).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Family::Qwen3Next => "",
+            Family::Qwen35Moe => "language_model.",
+        }
+    }
+
+    /// How the gated DeltaNet's input projections are stored.
+    pub fn delta_net_projections(self) -> DeltaNetProjections {
+        match self {
+            Family::Qwen3Next => DeltaNetProjections::Fused,
+            Family::Qwen35Moe => DeltaNetProjections::Split,
+        }
+    }
+}
+
+/// The gated DeltaNet's input projections as a checkpoint stores them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeltaNetProjections {
+    /// Qwen3-Next: `in_proj_qkvz` `[2*key_dim + 2*value_dim, hidden]` and `in_proj_ba`
+    /// `[2*value_heads, hidden]`, each interleaved per key-head group
+    /// (`[q | k | v | z]` and `[b | a]` per group; ../shared/spec/models.md §2.4).
+    Fused,
+    /// Qwen3.5: `in_proj_qkv` `[2*key_dim + value_dim, hidden]` whose output is the conv
+    /// input `[q | k | v]` as is, `in_proj_z` `[value_dim, hidden]`, `in_proj_b` and
+    /// `in_proj_a` `[value_heads, hidden]` (§2.10).
+    Split,
+}
 
 /// Kind of token mixer of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +151,7 @@ pub struct ModelConfig {
     /// Directory-relative path of the file this was read from, for error messages.
     pub path: PathBuf,
     pub model_type: String,
+    pub family: Family,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
     pub vocab_size: usize,
@@ -213,41 +278,66 @@ impl ModelConfig {
                 message: "expected a JSON object".into(),
             });
         };
-        // The text model's fields, with `text_config` overriding the top level.
-        let mut merged = top.clone();
-        if let Some(Value::Object(text)) = top.get("text_config") {
-            for (k, v) in text {
-                if k != "model_type" {
-                    merged.insert(k.clone(), v.clone());
-                }
-            }
-        }
-        let f = Fields { obj: &merged, path };
-        let model_type = f
+        let top_f = Fields { obj: top, path };
+        let model_type = top_f
             .get("model_type")
             .and_then(Value::as_str)
-            .ok_or_else(|| f.err("model_type", "missing"))?
+            .ok_or_else(|| top_f.err("model_type", "missing"))?
             .to_string();
-        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+        let Some(family) = Family::from_model_type(&model_type) else {
             return Err(Error::UnsupportedModel {
                 path: path.to_path_buf(),
                 model_type,
                 supported: SUPPORTED_MODEL_TYPES.join(", "),
             });
-        }
-        if f.get("rope_scaling").is_some() {
-            return Err(f.err("rope_scaling", "RoPE scaling is not supported"));
-        }
-        // `rope_parameters` (newer HF configs) carries theta and the partial factor.
-        let rope = f.get("rope_parameters").and_then(Value::as_object);
-        let rope_f = rope.map(|obj| Fields { obj, path });
-        let rope_theta = match &rope_f {
-            Some(r) if r.get("rope_theta").is_some() => r.f64_or("rope_theta", None)?,
-            _ => f.f64_or("rope_theta", Some(10_000.0))?,
         };
-        let partial = match &rope_f {
-            Some(r) if r.get("partial_rotary_factor").is_some() => r.f64_or("partial_rotary_factor", None)?,
-            _ => f.f64_or("partial_rotary_factor", Some(1.0))?,
+        let text_config = match top.get("text_config") {
+            Some(Value::Object(text)) => Some(text),
+            _ => None,
+        };
+        // The text model's fields.
+        let merged = match (family, text_config) {
+            // mlx-lm qwen3_5_moe `ModelArgs.from_dict`: `text_config` alone; the top level
+            // keeps the quantization block (read by `load_model`) and, here, the EOS ids.
+            (Family::Qwen35Moe, Some(text)) => {
+                let mut m = text.clone();
+                m.remove("quantization");
+                if let Some(eos) = top.get("eos_token_id").filter(|_| !text.contains_key("eos_token_id")) {
+                    m.insert("eos_token_id".into(), eos.clone());
+                }
+                m
+            }
+            // `text_config` overriding the top level.
+            _ => {
+                let mut m = top.clone();
+                for (k, v) in text_config.into_iter().flatten() {
+                    if k != "model_type" {
+                        m.insert(k.clone(), v.clone());
+                    }
+                }
+                m
+            }
+        };
+        let f = Fields { obj: &merged, path };
+        let (rope_theta, partial) = match family {
+            Family::Qwen3Next => {
+                if f.get("rope_scaling").is_some() {
+                    return Err(f.err("rope_scaling", "RoPE scaling is not supported"));
+                }
+                // `rope_parameters` (newer HF configs) carries theta and the partial factor.
+                let rope = f.get("rope_parameters").and_then(Value::as_object);
+                let rope_f = rope.map(|obj| Fields { obj, path });
+                let rope_theta = match &rope_f {
+                    Some(r) if r.get("rope_theta").is_some() => r.f64_or("rope_theta", None)?,
+                    _ => f.f64_or("rope_theta", Some(10_000.0))?,
+                };
+                let partial = match &rope_f {
+                    Some(r) if r.get("partial_rotary_factor").is_some() => r.f64_or("partial_rotary_factor", None)?,
+                    _ => f.f64_or("partial_rotary_factor", Some(1.0))?,
+                };
+                (rope_theta, partial)
+            }
+            Family::Qwen35Moe => qwen35_rope(&f, &merged)?,
         };
 
         let hidden_size = f.usize("hidden_size")?;
@@ -258,7 +348,19 @@ impl ModelConfig {
             return Err(f.err("partial_rotary_factor", format!("gives {rotary_dim} rotary dims of {head_dim}")));
         }
         let num_hidden_layers = f.usize("num_hidden_layers")?;
-        let layer_kinds = match f.get("layer_types") {
+        let interval_kinds = |f: &Fields<'_>| -> Result<Vec<LayerKind>> {
+            let interval = f.usize_or("full_attention_interval", Some(4))?.max(1);
+            Ok((0..num_hidden_layers)
+                .map(|i| {
+                    if (i + 1) % interval == 0 {
+                        LayerKind::FullAttention
+                    } else {
+                        LayerKind::LinearAttention
+                    }
+                })
+                .collect())
+        };
+        let layer_types = match f.get("layer_types") {
             Some(Value::Array(types)) => {
                 if types.len() != num_hidden_layers {
                     return Err(f.err(
@@ -266,39 +368,61 @@ impl ModelConfig {
                         format!("has {} entries for {num_hidden_layers} layers", types.len()),
                     ));
                 }
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        Some("linear_attention") => Ok(LayerKind::LinearAttention),
-                        Some("full_attention") => Ok(LayerKind::FullAttention),
-                        _ => Err(f.err("layer_types", format!("unknown layer type {t}"))),
-                    })
-                    .collect::<Result<Vec<_>>>()?
+                Some(
+                    types
+                        .iter()
+                        .map(|t| match t.as_str() {
+                            Some("linear_attention") => Ok(LayerKind::LinearAttention),
+                            Some("full_attention") => Ok(LayerKind::FullAttention),
+                            _ => Err(f.err("layer_types", format!("unknown layer type {t}"))),
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                )
             }
-            _ => {
-                let interval = f.usize_or("full_attention_interval", Some(4))?.max(1);
-                (0..num_hidden_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerKind::FullAttention
-                        } else {
-                            LayerKind::LinearAttention
-                        }
-                    })
-                    .collect()
+            _ => None,
+        };
+        let layer_kinds = match (family, layer_types) {
+            (Family::Qwen3Next, Some(kinds)) => kinds,
+            (Family::Qwen35Moe, Some(kinds)) => {
+                // mlx-lm qwen3_5 `DecoderLayer` follows the interval only.
+                let by_interval = interval_kinds(&f)?;
+                if kinds != by_interval {
+                    tracing::warn!(
+                        config = %path.display(),
+                        "layer_types disagrees with full_attention_interval; following the interval as mlx-lm does"
+                    );
+                }
+                by_interval
             }
+            (_, None) => interval_kinds(&f)?,
+        };
+        // mlx-lm qwen3_5: MoE in every layer when num_experts > 0; the router renormalizes
+        // by default.
+        let (norm_topk_default, kv_heads_default, mlp_only_layers, decoder_sparse_step) = match family {
+            Family::Qwen3Next => (
+                false,
+                num_attention_heads,
+                f.usize_list("mlp_only_layers")?,
+                f.usize_or("decoder_sparse_step", Some(1))?.max(1),
+            ),
+            Family::Qwen35Moe => (true, 8, Vec::new(), 1),
+        };
+        let quantization = match family {
+            Family::Qwen3Next => parse_quantization(&f)?,
+            Family::Qwen35Moe => parse_quantization(&top_f)?,
         };
 
         let cfg = ModelConfig {
             path: path.to_path_buf(),
             model_type,
+            family,
             hidden_size,
             num_hidden_layers,
             vocab_size: f.usize("vocab_size")?,
             rms_norm_eps: f.f64_or("rms_norm_eps", Some(1e-6))? as f32,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
             num_attention_heads,
-            num_key_value_heads: f.usize_or("num_key_value_heads", Some(num_attention_heads))?,
+            num_key_value_heads: f.usize_or("num_key_value_heads", Some(kv_heads_default))?,
             head_dim,
             rotary_dim,
             rope_theta,
@@ -311,17 +435,17 @@ impl ModelConfig {
             num_experts_per_tok: f.usize("num_experts_per_tok")?,
             moe_intermediate_size: f.usize("moe_intermediate_size")?,
             shared_expert_intermediate_size: f.usize("shared_expert_intermediate_size")?,
-            norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
+            norm_topk_prob: f.bool_or("norm_topk_prob", norm_topk_default)?,
             intermediate_size: f.usize_or("intermediate_size", Some(0))?,
-            decoder_sparse_step: f.usize_or("decoder_sparse_step", Some(1))?.max(1),
-            mlp_only_layers: f.usize_list("mlp_only_layers")?,
+            decoder_sparse_step,
+            mlp_only_layers,
             layer_kinds,
             eos_token_ids: f
                 .usize_list("eos_token_id")?
                 .into_iter()
                 .map(|v| u32::try_from(v).map_err(|_| f.err("eos_token_id", format!("{v} is not a token id"))))
                 .collect::<Result<_>>()?,
-            quantization: parse_quantization(&f)?,
+            quantization,
         };
         cfg.check()?;
         Ok(cfg)
@@ -385,6 +509,55 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Prefix of the text model's tensor names: `""` (Qwen3-Next) or `language_model.`
+    /// (Qwen3.5-MoE).
+    pub fn prefix(&self) -> &'static str {
+        self.family.prefix()
+    }
+
+    /// The full name of a text-model module or tensor: `name("model.norm.weight")` is
+    /// `language_model.model.norm.weight` for Qwen3.5-MoE. Quantization overrides are
+    /// keyed by these names too (mlx-lm's module paths).
+    pub fn name(&self, rest: &str) -> String {
+        format!("{}{rest}", self.prefix())
+    }
+
+    /// `name("model.layers.{layer}.{rest}")`.
+    pub fn layer_name(&self, layer: usize, rest: &str) -> String {
+        format!("{}model.layers.{layer}.{rest}", self.prefix())
+    }
+
+    /// Whether tensor `name` belongs to the text model the engine runs: under `model.` or
+    /// `lm_head.` after the family's prefix, not an MTP head (vision towers and MTP
+    /// weights are ignored, as mlx-lm's `sanitize` drops them).
+    pub fn is_text_tensor(&self, name: &str) -> bool {
+        let Some(rest) = name.strip_prefix(self.prefix()) else {
+            return false;
+        };
+        (rest.starts_with("model.") || rest.starts_with("lm_head.")) && !rest.contains("mtp.")
+    }
+
+    /// The name mlx-lm's `sanitize` gives a stored tensor. Qwen3.5-MoE (`qwen3_5_moe.py`):
+    /// `model.language_model.*` becomes `language_model.model.*`, `language_model.*` stays,
+    /// vision tensors (`vision_tower*`, `model.visual*`) keep their names (and are unused),
+    /// anything else gets `language_model.` in front. Qwen3-Next names are kept.
+    pub fn canonical_name<'a>(&self, stored: &'a str) -> Cow<'a, str> {
+        match self.family {
+            Family::Qwen3Next => Cow::Borrowed(stored),
+            Family::Qwen35Moe => {
+                if stored.starts_with("vision_tower") || stored.starts_with("model.visual") {
+                    Cow::Borrowed(stored)
+                } else if let Some(rest) = stored.strip_prefix("model.language_model") {
+                    Cow::Owned(format!("language_model.model{rest}"))
+                } else if stored.starts_with("language_model.") {
+                    Cow::Borrowed(stored)
+                } else {
+                    Cow::Owned(format!("language_model.{stored}"))
+                }
+            }
+        }
+    }
+
     /// Whether layer `i` has a routed-expert MoE block (else a dense MLP),
     /// as mlx-lm's `Qwen3NextDecoderLayer` decides it.
     pub fn is_moe_layer(&self, i: usize) -> bool {
@@ -409,6 +582,41 @@ impl ModelConfig {
     /// Channels of the causal conv: q, k and v concatenated.
     pub fn conv_dim(&self) -> usize {
         2 * self.linear_key_dim() + self.linear_value_dim()
+    }
+}
+
+/// RoPE `(theta, partial_rotary_factor)` as mlx-lm qwen3_5 `TextModelArgs.__post_init__`
+/// derives them: from `rope_parameters` when it is a non-empty object (defaults 1e5 and
+/// 0.25), else from the top-level fields (same defaults); `rope_parameters` also becomes
+/// the scaling config, of which only type `default` (plain RoPE; `mrope_section` unused)
+/// is supported.
+fn qwen35_rope(f: &Fields<'_>, obj: &Map<String, Value>) -> Result<(f64, f64)> {
+    const THETA: f64 = 100_000.0;
+    const PARTIAL: f64 = 0.25;
+    match obj.get("rope_parameters") {
+        // The dataclass default: {type: default, rope_theta: 1e5, partial_rotary_factor: 0.25}.
+        None => Ok((THETA, PARTIAL)),
+        Some(Value::Object(rope)) if !rope.is_empty() => {
+            let r = Fields { obj: rope, path: f.path };
+            match r.get("type").or_else(|| r.get("rope_type")) {
+                None => {}
+                Some(Value::String(kind)) if kind == "default" => {}
+                Some(kind) => {
+                    return Err(f.err(
+                        "rope_parameters",
+                        format!("rope type {kind} is not supported (supported: \"default\")"),
+                    ))
+                }
+            }
+            Ok((r.f64_or("rope_theta", Some(THETA))?, r.f64_or("partial_rotary_factor", Some(PARTIAL))?))
+        }
+        Some(Value::Null) | Some(Value::Object(_)) => {
+            if f.get("rope_scaling").is_some() {
+                return Err(f.err("rope_scaling", "RoPE scaling is not supported"));
+            }
+            Ok((f.f64_or("rope_theta", Some(THETA))?, f.f64_or("partial_rotary_factor", Some(PARTIAL))?))
+        }
+        Some(v) => Err(f.err("rope_parameters", format!("expected an object, found {v}"))),
     }
 }
 
@@ -493,12 +701,111 @@ mod tests {
         assert_eq!(cfg.hidden_size, 128);
     }
 
+    /// A Qwen3.5-MoE config as released: the text model under `text_config`, the
+    /// quantization block at the top.
+    fn qwen35() -> Value {
+        let mut text = base();
+        let obj = text.as_object_mut().unwrap();
+        for k in ["quantization", "rope_theta", "partial_rotary_factor"] {
+            obj.remove(k);
+        }
+        obj.insert("model_type".into(), json!("qwen3_5_moe_text"));
+        obj.insert(
+            "rope_parameters".into(),
+            json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                   "mrope_section": [1, 1, 2], "mrope_interleaved": true}),
+        );
+        json!({
+            "model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": true,
+            "rope_theta": 5.0, "hidden_size": 4096,
+            "quantization": {"group_size": 64, "bits": 4,
+                             "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}
+        })
+    }
+
+    #[test]
+    fn qwen35_moe_reads_text_config_as_mlx_lm_does() {
+        let cfg = ModelConfig::from_json(&qwen35(), Path::new("config.json")).unwrap();
+        assert_eq!(cfg.family, Family::Qwen35Moe);
+        assert_eq!(cfg.family.delta_net_projections(), DeltaNetProjections::Split);
+        // Top-level model fields are not the text model's.
+        assert_eq!(cfg.hidden_size, 64);
+        assert!(!cfg.tie_word_embeddings);
+        assert_eq!((cfg.rope_theta, cfg.rotary_dim), (1e7, 8));
+        assert!(cfg.norm_topk_prob, "mlx-lm's qwen3_5 default");
+        assert_eq!(cfg.layer_kinds[3], LayerKind::FullAttention);
+        assert_eq!(
+            cfg.quantization.for_module("language_model.model.layers.0.mlp.gate"),
+            Some(Some(QuantSpec { bits: 8, group_size: 64 }))
+        );
+        assert_eq!(cfg.layer_name(2, "mlp.gate"), "language_model.model.layers.2.mlp.gate");
+        assert_eq!(cfg.name("lm_head"), "language_model.lm_head");
+        // Every layer is MoE in mlx-lm's qwen3_5, whatever mlp_only_layers says.
+        let mut v = qwen35();
+        v["text_config"]["mlp_only_layers"] = json!([1]);
+        v["text_config"]["decoder_sparse_step"] = json!(2);
+        v["text_config"]["norm_topk_prob"] = json!(false);
+        let cfg = ModelConfig::from_json(&v, Path::new("config.json")).unwrap();
+        assert_eq!(cfg.moe_layers(), vec![0, 1, 2, 3]);
+        assert!(!cfg.norm_topk_prob);
+        // Without text_config the top level is the text model.
+        let mut flat = qwen35()["text_config"].clone();
+        flat["model_type"] = json!("qwen3_5_moe");
+        let cfg = ModelConfig::from_json(&flat, Path::new("config.json")).unwrap();
+        assert_eq!((cfg.hidden_size, cfg.rope_theta), (64, 1e7));
+    }
+
+    #[test]
+    fn qwen35_moe_rope_defaults_and_unsupported_scaling() {
+        let path = Path::new("config.json");
+        let mut v = qwen35();
+        v["text_config"].as_object_mut().unwrap().remove("rope_parameters");
+        v["text_config"]["rope_theta"] = json!(3.0);
+        let cfg = ModelConfig::from_json(&v, path).unwrap();
+        // The dataclass default rope_parameters wins over a bare rope_theta.
+        assert_eq!((cfg.rope_theta, cfg.rotary_dim), (1e5, 4));
+        v["text_config"]["rope_parameters"] = Value::Null;
+        let cfg = ModelConfig::from_json(&v, path).unwrap();
+        assert_eq!((cfg.rope_theta, cfg.rotary_dim), (3.0, 4));
+        let mut v = qwen35();
+        v["text_config"]["rope_parameters"]["rope_type"] = json!("yarn");
+        let e = ModelConfig::from_json(&v, path).unwrap_err().to_string();
+        assert!(e.contains("rope_parameters") && e.contains("yarn"), "{e}");
+        // The interval decides the layer pattern; layer_types only warns.
+        let mut v = qwen35();
+        v["text_config"]["full_attention_interval"] = json!(2);
+        v["text_config"]["layer_types"] = json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]);
+        let cfg = ModelConfig::from_json(&v, path).unwrap();
+        assert_eq!(cfg.layer_kinds[1], LayerKind::FullAttention);
+    }
+
+    #[test]
+    fn qwen35_moe_tensor_names_follow_mlx_lm_sanitize() {
+        let q = ModelConfig::from_json(&qwen35(), Path::new("config.json")).unwrap();
+        for (stored, canonical) in [
+            ("language_model.model.norm.weight", "language_model.model.norm.weight"),
+            ("model.language_model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight"),
+            ("model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight"),
+            ("lm_head.weight", "language_model.lm_head.weight"),
+            ("vision_tower.blocks.0.attn.qkv.weight", "vision_tower.blocks.0.attn.qkv.weight"),
+            ("model.visual.merger.weight", "model.visual.merger.weight"),
+        ] {
+            assert_eq!(q.canonical_name(stored), canonical);
+        }
+        assert!(q.is_text_tensor("language_model.lm_head.weight"));
+        assert!(!q.is_text_tensor("language_model.mtp.fc.weight"));
+        assert!(!q.is_text_tensor("vision_tower.blocks.0.attn.qkv.weight"));
+        let n = ModelConfig::from_json(&base(), Path::new("config.json")).unwrap();
+        assert_eq!(n.canonical_name("lm_head.weight"), "lm_head.weight");
+        assert!(n.is_text_tensor("model.norm.weight") && !n.is_text_tensor("mtp.fc.weight"));
+    }
+
     #[test]
     fn rejects_unknown_model_and_bits() {
         let mut v = base();
         v["model_type"] = json!("llama");
         let e = ModelConfig::from_json(&v, Path::new("config.json")).unwrap_err().to_string();
-        assert!(e.contains("llama") && e.contains("qwen3_next"), "{e}");
+        assert!(e.contains("llama") && e.contains("qwen3_next") && e.contains("qwen3_5_moe"), "{e}");
         let mut v = base();
         v["quantization"]["bits"] = json!(3);
         let e = ModelConfig::from_json(&v, Path::new("config.json")).unwrap_err().to_string();

@@ -99,7 +99,7 @@ struct PlanArgs {
 
 #[derive(Args)]
 struct SynthArgs {
-    /// demo, qwen3-next-80b-a3b or qwen3.8-flash-next (expert shapes).
+    /// demo, qwen3-next-80b-a3b, qwen3.5-35b-a3b or qwen3.8-flash-next (expert shapes).
     #[arg(long)]
     preset: String,
     /// Keep this many layers (every per-layer shape is kept), for small disks.

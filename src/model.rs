@@ -1,20 +1,38 @@
-//! The Qwen3-Next forward pass, written once over [`Backend`].
+//! The Qwen3-Next / Qwen3.5-MoE forward pass, written once over [`Backend`].
 //!
-//! Follows mlx-lm 0.32.2 `mlx_lm/models/qwen3_next.py` and `gated_delta.py`
-//! (../shared/spec/models.md §2). Where that spec and mlx-lm differ, mlx-lm wins:
-//! q and k of the gated DeltaNet are L2-normalized with eps 1e-6 added to `sum(x^2)`
-//! (`normalize_qk`), and norm weights of an MLX checkpoint are used as stored.
+//! Follows mlx-lm 0.32.2 `mlx_lm/models/qwen3_next.py`, `qwen3_5.py` (which reuses
+//! qwen3_next's attention, MLP, gated norm and MoE block) and `gated_delta.py`
+//! (../shared/spec/models.md §2, §2.10). The families differ only in data chosen at load
+//! time: tensor names ([`ModelConfig::name`]) and the gated DeltaNet's input projections
+//! ([`DeltaNetProjections`]: fused and interleaved per key-head group, or split and
+//! contiguous). Where the spec and mlx-lm differ, mlx-lm wins: q and k of the gated
+//! DeltaNet are L2-normalized with eps 1e-6 added to `sum(x^2)` (`normalize_qk`), and norm
+//! weights of an MLX checkpoint are used as stored.
 
 use crate::backend::{AttnDims, Backend, DeltaDims};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{DeltaNetProjections, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord};
 use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
+/// The gated DeltaNet's input projections, as the checkpoint stores them.
+enum InProj<B: Backend> {
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, interleaved per key-head group and
+    /// taken apart by [`Columns`].
+    Fused { qkvz: B::Weight, ba: B::Weight },
+    /// Qwen3.5: `in_proj_qkv` gives the conv input `[q | k | v]` as is; z, b and a have
+    /// projections of their own.
+    Split {
+        qkv: B::Weight,
+        z: B::Weight,
+        b: B::Weight,
+        a: B::Weight,
+    },
+}
+
 struct DeltaNet<B: Backend> {
-    in_proj_qkvz: B::Weight,
-    in_proj_ba: B::Weight,
+    in_proj: InProj<B>,
     /// `[conv_dim, kernel]`.
     conv: B::Tensor,
     a_log: B::Tensor,
@@ -61,7 +79,8 @@ struct Layer<B: Backend> {
     mlp: Mlp<B>,
 }
 
-/// Column selections that reorder fused projections (built once per model).
+/// Column selections that reorder fused projections (built once per model; the first
+/// four serve [`InProj::Fused`] only).
 struct Columns<B: Backend> {
     /// `in_proj_qkvz` output -> `[q_all | k_all | v_all]`, the conv input.
     mixed_qkv: B::Index,
@@ -153,24 +172,35 @@ impl<B: Backend> Model<B> {
         let linear = |name: &str, out: usize, inp: usize| -> Result<B::Weight> {
             backend.upload_weight(ckpt.linear(name, out, inp)?)
         };
-        let embed = linear("model.embed_tokens", cfg.vocab_size, d)?;
+        let embed = linear(&cfg.name("model.embed_tokens"), cfg.vocab_size, d)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(linear("lm_head", cfg.vocab_size, d)?)
+            Some(linear(&cfg.name("lm_head"), cfg.vocab_size, d)?)
         };
-        let final_norm = vector("model.norm.weight", d)?;
+        let final_norm = vector(&cfg.name("model.norm.weight"), d)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_kinds.iter().enumerate() {
-            let p = format!("model.layers.{i}");
+            let p = cfg.name(&format!("model.layers.{i}"));
             let mixer = match kind {
                 LayerKind::LinearAttention => {
                     let (kd, vd, nv) = (cfg.linear_key_dim(), cfg.linear_value_dim(), cfg.linear_num_value_heads);
                     let (c, k) = (cfg.conv_dim(), cfg.linear_conv_kernel_dim);
                     let conv = ckpt.floats(&format!("{p}.linear_attn.conv1d.weight"), &[c, k, 1])?;
+                    let in_proj = match cfg.family.delta_net_projections() {
+                        DeltaNetProjections::Fused => InProj::Fused {
+                            qkvz: linear(&format!("{p}.linear_attn.in_proj_qkvz"), 2 * kd + 2 * vd, d)?,
+                            ba: linear(&format!("{p}.linear_attn.in_proj_ba"), 2 * nv, d)?,
+                        },
+                        DeltaNetProjections::Split => InProj::Split {
+                            qkv: linear(&format!("{p}.linear_attn.in_proj_qkv"), c, d)?,
+                            z: linear(&format!("{p}.linear_attn.in_proj_z"), vd, d)?,
+                            b: linear(&format!("{p}.linear_attn.in_proj_b"), nv, d)?,
+                            a: linear(&format!("{p}.linear_attn.in_proj_a"), nv, d)?,
+                        },
+                    };
                     Mixer::DeltaNet(DeltaNet {
-                        in_proj_qkvz: linear(&format!("{p}.linear_attn.in_proj_qkvz"), 2 * kd + 2 * vd, d)?,
-                        in_proj_ba: linear(&format!("{p}.linear_attn.in_proj_ba"), 2 * nv, d)?,
+                        in_proj,
                         conv: backend.upload(&conv, c, k),
                         a_log: vector(&format!("{p}.linear_attn.A_log"), nv)?,
                         dt_bias: vector(&format!("{p}.linear_attn.dt_bias"), nv)?,
@@ -215,9 +245,10 @@ impl<B: Backend> Model<B> {
         }
         // A config that lists fewer layers than the checkpoint holds would silently drop
         // the rest (mlx-lm's strict load refuses this too).
+        let layers_prefix = cfg.name("model.layers.");
         if let Some(t) = ckpt.tensors().find(|t| {
             t.name
-                .strip_prefix("model.layers.")
+                .strip_prefix(layers_prefix.as_str())
                 .and_then(|r| r.split('.').next())
                 .and_then(|n| n.parse::<usize>().ok())
                 .is_some_and(|n| n >= cfg.num_hidden_layers)
@@ -429,12 +460,24 @@ impl<B: Backend> Model<B> {
     ) -> B::Tensor {
         let cfg = &self.config;
         let c = &self.columns;
-        let qkvz = backend.matmul(x, &w.in_proj_qkvz);
-        let ba = backend.matmul(x, &w.in_proj_ba);
-        let mixed = backend.gather_columns(&qkvz, &c.mixed_qkv);
-        let z = backend.gather_columns(&qkvz, &c.z);
-        let b = backend.gather_columns(&ba, &c.b);
-        let a = backend.gather_columns(&ba, &c.a);
+        let (mixed, z, b, a) = match &w.in_proj {
+            InProj::Fused { qkvz, ba } => {
+                let qkvz = backend.matmul(x, qkvz);
+                let ba = backend.matmul(x, ba);
+                (
+                    backend.gather_columns(&qkvz, &c.mixed_qkv),
+                    backend.gather_columns(&qkvz, &c.z),
+                    backend.gather_columns(&ba, &c.b),
+                    backend.gather_columns(&ba, &c.a),
+                )
+            }
+            InProj::Split { qkv, z, b, a } => (
+                backend.matmul(x, qkv),
+                backend.matmul(x, z),
+                backend.matmul(x, b),
+                backend.matmul(x, a),
+            ),
+        };
         let conv = backend.causal_conv1d_silu(&mixed, &w.conv, conv_state);
         let dk = cfg.linear_key_head_dim;
         // mlx-lm normalize_qk: rms_norm with eps 1e-6/dk equals an L2 norm with eps 1e-6 on

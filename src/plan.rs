@@ -156,12 +156,12 @@ impl Plan {
     }
 }
 
-/// The tensors the backends keep resident (everything but routed experts and the MTP
-/// head), each with the bytes it is held in: as stored, except bf16/f16 tensors without
-/// scales, which are widened to f32.
+/// The tensors the backends keep resident (the text model's but the routed experts: no
+/// MTP head, no vision tower), each with the bytes it is held in: as stored, except
+/// bf16/f16 tensors without scales, which are widened to f32.
 pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&TensorEntry, u64)> {
     ckpt.tensors()
-        .filter(|t| !t.name.contains(".switch_mlp.") && !t.name.starts_with("mtp."))
+        .filter(|t| ckpt.config.is_text_tensor(&t.name) && !t.name.contains(".switch_mlp."))
         .map(|t| {
             let held = match t.dtype {
                 safetensors::Dtype::BF16 | safetensors::Dtype::F16 if !ckpt.contains(&scales_of(&t.name)) => t.len * 2,

@@ -1,6 +1,6 @@
-//! Synthetic checkpoints in the exact MLX layout of a Qwen3-Next conversion (tensor names,
-//! shapes, dtypes, 4-bit weights with the router and shared-expert gate at 8 bits, the
-//! config's quantization block, one shard per layer plus one for the embeddings), with
+//! Synthetic checkpoints in the exact MLX layout of a Qwen3-Next or Qwen3.5-MoE conversion
+//! (tensor names, shapes, dtypes, 4-bit weights with the router and shared-expert gate at 8
+//! bits, the config's quantization block, one shard per layer plus one for the embeddings), with
 //! deterministic random weights, written as a stream (never held in memory). They let the
 //! demo, tests and benchmarks run at real shapes without downloading 45-105 GB.
 //!
@@ -18,13 +18,16 @@ use std::path::Path;
 use serde_json::json;
 
 use crate::atomic_file::AtomicFile;
+use crate::config::Family;
 use crate::error::{Error, Result};
 use crate::routing_model::{RoutingParams, ROUTING_FILE};
 
-/// Geometry of a synthetic model (`model_type: qwen3_next`).
+/// Geometry of a synthetic model.
 #[derive(Clone, Copy, Debug)]
 pub struct Preset {
     pub name: &'static str,
+    /// Layout and config of `qwen3_next` or `qwen3_5_moe`.
+    pub family: Family,
     pub hidden: usize,
     pub layers: usize,
     pub vocab: usize,
@@ -45,6 +48,7 @@ pub struct Preset {
 /// The built-in demo: 8 layers of 64 experts, 226 MB of expert records (442 KB each).
 pub const DEMO: Preset = Preset {
     name: "demo",
+    family: Family::Qwen3Next,
     hidden: 512,
     layers: 8,
     vocab: 512,
@@ -64,6 +68,7 @@ pub const DEMO: Preset = Preset {
 /// Qwen3-Next-80B-A3B (../shared/spec/models.md §1.1): records of 1,769,472 bytes.
 pub const QWEN3_NEXT_80B: Preset = Preset {
     name: "qwen3-next-80b-a3b",
+    family: Family::Qwen3Next,
     hidden: 2048,
     layers: 48,
     vocab: 151_936,
@@ -85,6 +90,7 @@ pub const QWEN3_NEXT_80B: Preset = Preset {
 /// model family is implemented.
 pub const FLASH_NEXT_EXPERTS: Preset = Preset {
     name: "qwen3.8-flash-next",
+    family: Family::Qwen3Next,
     hidden: 2560,
     layers: 48,
     vocab: 248_320,
@@ -101,8 +107,29 @@ pub const FLASH_NEXT_EXPERTS: Preset = Preset {
     rope_theta: 1e7,
 };
 
+/// Qwen3.5-35B-A3B (../shared/spec/models.md §1.2), text model only, in the `qwen3_5_moe`
+/// layout: 40 layers of 256 experts (top-8), records of 1,769,472 bytes.
+pub const QWEN35_35B: Preset = Preset {
+    name: "qwen3.5-35b-a3b",
+    family: Family::Qwen35Moe,
+    hidden: 2048,
+    layers: 40,
+    vocab: 248_320,
+    heads: 16,
+    kv_heads: 2,
+    head_dim: 256,
+    linear_key_heads: 16,
+    linear_value_heads: 32,
+    linear_head_dim: 128,
+    experts: 256,
+    top_k: 8,
+    intermediate: 512,
+    group_size: 64,
+    rope_theta: 1e7,
+};
+
 /// The presets by name.
-pub const PRESETS: &[Preset] = &[DEMO, QWEN3_NEXT_80B, FLASH_NEXT_EXPERTS];
+pub const PRESETS: &[Preset] = &[DEMO, QWEN3_NEXT_80B, QWEN35_35B, FLASH_NEXT_EXPERTS];
 
 /// Looks a preset up by name. Errors list the known names.
 pub fn preset(name: &str) -> Result<Preset> {
@@ -183,36 +210,67 @@ impl Preset {
 
     /// config.json for `layers` layers, as mlx-lm's `save_config` writes it.
     pub fn config(&self, layers: usize) -> serde_json::Value {
+        let prefix = self.family.prefix();
         let mut quant = serde_json::Map::new();
         quant.insert("group_size".into(), json!(self.group_size));
         quant.insert("bits".into(), json!(4));
         quant.insert("mode".into(), json!("affine"));
         for l in 0..layers {
             for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-                quant.insert(format!("model.layers.{l}.{m}"), json!({"group_size": 64, "bits": 8}));
+                quant.insert(format!("{prefix}model.layers.{l}.{m}"), json!({"group_size": 64, "bits": 8}));
             }
         }
-        json!({
-            "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        let mut text = json!({
             "hidden_size": self.hidden, "num_hidden_layers": layers, "vocab_size": self.vocab,
             "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-            "partial_rotary_factor": 0.25, "rope_theta": self.rope_theta, "rope_scaling": null,
             "linear_num_key_heads": self.linear_key_heads, "linear_num_value_heads": self.linear_value_heads,
             "linear_key_head_dim": self.linear_head_dim, "linear_value_head_dim": self.linear_head_dim,
             "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
             "num_experts": self.experts, "num_experts_per_tok": self.top_k,
             "moe_intermediate_size": self.intermediate, "shared_expert_intermediate_size": self.intermediate,
-            "intermediate_size": 4 * self.hidden, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "norm_topk_prob": true, "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": false,
             "max_position_embeddings": 262_144,
             "bos_token_id": self.vocab - 3, "eos_token_id": self.vocab - 1,
-            "quantization": quant.clone(), "quantization_config": quant,
-        })
+        });
+        let fields = text.as_object_mut().expect("an object");
+        match self.family {
+            Family::Qwen3Next => {
+                for (k, v) in [
+                    ("model_type", json!("qwen3_next")),
+                    ("architectures", json!(["Qwen3NextForCausalLM"])),
+                    ("partial_rotary_factor", json!(0.25)),
+                    ("rope_theta", json!(self.rope_theta)),
+                    ("rope_scaling", json!(null)),
+                    ("intermediate_size", json!(4 * self.hidden)),
+                    ("decoder_sparse_step", json!(1)),
+                    ("mlp_only_layers", json!([])),
+                    ("norm_topk_prob", json!(true)),
+                    ("quantization", json!(quant.clone())),
+                    ("quantization_config", json!(quant)),
+                ] {
+                    fields.insert(k.into(), v);
+                }
+                text
+            }
+            Family::Qwen35Moe => {
+                fields.insert("model_type".into(), json!("qwen3_5_moe_text"));
+                fields.insert(
+                    "rope_parameters".into(),
+                    json!({"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": 0.25,
+                           "mrope_section": [11, 11, 10], "mrope_interleaved": true}),
+                );
+                json!({
+                    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                    "text_config": text, "tie_word_embeddings": false,
+                    "quantization": quant.clone(), "quantization_config": quant,
+                })
+            }
+        }
     }
 
     fn layer_tensors(&self, l: usize) -> Vec<TensorSpec> {
         let (d, g, e, i) = (self.hidden, self.group_size, self.experts, self.intermediate);
-        let p = format!("model.layers.{l}");
+        let p = format!("{}model.layers.{l}", self.family.prefix());
         let mut t = Vec::new();
         vector(&mut t, format!("{p}.input_layernorm.weight"), vec![d], Fill::Const(1.0));
         vector(&mut t, format!("{p}.post_attention_layernorm.weight"), vec![d], Fill::Const(1.0));
@@ -227,8 +285,18 @@ impl Preset {
         } else {
             let (nk, nv, hd) = (self.linear_key_heads, self.linear_value_heads, self.linear_head_dim);
             let (kd, vd) = (nk * hd, nv * hd);
-            quantized(&mut t, &format!("{p}.linear_attn.in_proj_qkvz"), &[], 2 * kd + 2 * vd, d, 4, g);
-            quantized(&mut t, &format!("{p}.linear_attn.in_proj_ba"), &[], 2 * nv, d, 4, g);
+            match self.family {
+                Family::Qwen3Next => {
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_qkvz"), &[], 2 * kd + 2 * vd, d, 4, g);
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_ba"), &[], 2 * nv, d, 4, g);
+                }
+                Family::Qwen35Moe => {
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_qkv"), &[], 2 * kd + vd, d, 4, g);
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_z"), &[], vd, d, 4, g);
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_b"), &[], nv, d, 4, g);
+                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_a"), &[], nv, d, 4, g);
+                }
+            }
             vector(&mut t, format!("{p}.linear_attn.conv1d.weight"), vec![2 * kd + vd, 4, 1], Fill::Uniform(0.5));
             vector(&mut t, format!("{p}.linear_attn.dt_bias"), vec![nv], Fill::Const(1.0));
             vector(&mut t, format!("{p}.linear_attn.A_log"), vec![nv], Fill::Uniform(1.0));
@@ -247,10 +315,11 @@ impl Preset {
     }
 
     fn head_tensors(&self) -> Vec<TensorSpec> {
+        let p = self.family.prefix();
         let mut t = Vec::new();
-        quantized(&mut t, "model.embed_tokens", &[], self.vocab, self.hidden, 4, self.group_size);
-        quantized(&mut t, "lm_head", &[], self.vocab, self.hidden, 4, self.group_size);
-        vector(&mut t, "model.norm.weight".into(), vec![self.hidden], Fill::Const(1.0));
+        quantized(&mut t, &format!("{p}model.embed_tokens"), &[], self.vocab, self.hidden, 4, self.group_size);
+        quantized(&mut t, &format!("{p}lm_head"), &[], self.vocab, self.hidden, 4, self.group_size);
+        vector(&mut t, format!("{p}model.norm.weight"), vec![self.hidden], Fill::Const(1.0));
         t
     }
 

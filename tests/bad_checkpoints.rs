@@ -19,6 +19,8 @@ use tempfile::TempDir;
 const BF16: &str = "qwen3-next-bf16";
 /// Five shards plus an index.
 const SHARDED: &str = "qwen3-next-f32-sharded";
+/// Qwen3.5-MoE (`qwen3_5_moe`): one `model.safetensors` plus an index, `language_model.` keys.
+const QWEN35: &str = "qwen3_5-moe-bf16";
 const INDEX: &str = "model.safetensors.index.json";
 
 // ---------------------------------------------------------------------------------------
@@ -187,7 +189,7 @@ fn file_name(p: &Path) -> PathBuf {
 
 #[test]
 fn untouched_fixture_copies_open_and_load() {
-    for name in [BF16, SHARDED] {
+    for name in [BF16, SHARDED, QWEN35] {
         let tmp = copy_fixture(name);
         let ckpt = Checkpoint::open(tmp.path()).unwrap_or_else(|e| panic!("{name}: {e}"));
         Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -303,6 +305,90 @@ fn missing_quantization_scales() {
     // The config's per-module entry says the router is quantized, so its scales are required.
     remove_tensor(tmp.path(), "model.layers.2.mlp.gate.scales");
     assert_missing(tmp.path(), "model.layers.2.mlp.gate.scales");
+}
+
+#[test]
+fn missing_qwen35_projection_is_named() {
+    // The split gated-DeltaNet projections (one case per projection), the router and an
+    // expert piece, under the `language_model.` prefix.
+    for tensor in [
+        "language_model.model.layers.0.linear_attn.in_proj_qkv.weight",
+        "language_model.model.layers.1.linear_attn.in_proj_z.scales",
+        "language_model.model.layers.2.linear_attn.in_proj_b.weight",
+        "language_model.model.layers.1.linear_attn.in_proj_a.biases",
+        "language_model.model.layers.3.mlp.gate.weight",
+        "language_model.model.layers.2.mlp.switch_mlp.down_proj.scales",
+    ] {
+        let tmp = copy_fixture(QWEN35);
+        remove_tensor(tmp.path(), tensor);
+        if tensor.ends_with(".scales") && !tensor.contains("switch_mlp") {
+            // Without scales (and no per-module config entry) the module reads as dense, as
+            // in mlx-lm's load_model, so the packed weight's shape is what is wrong.
+            let msg = load_err(tmp.path()).to_string();
+            let weight = tensor.replace(".scales", ".weight");
+            assert!(msg.contains(&weight) && msg.contains("shape"), "{tensor}: {msg}");
+        } else {
+            assert_missing(tmp.path(), tensor);
+        }
+    }
+}
+
+#[test]
+fn qwen35_config_with_qwen3_next_projection_names_the_missing_split_tensor() {
+    // A Qwen3-Next body under a qwen3_5_moe config: the first split projection is named.
+    let tmp = copy_fixture(BF16);
+    let cfg = read_json(&tmp.path().join("config.json"));
+    let mut text = cfg.clone();
+    text.as_object_mut().unwrap().remove("quantization");
+    text.as_object_mut().unwrap().remove("quantization_config");
+    edit_json(&tmp.path().join("config.json"), |v| {
+        *v = json!({
+            "model_type": "qwen3_5_moe",
+            "text_config": text,
+            "quantization": cfg["quantization"],
+        });
+    });
+    let e = load_err(tmp.path());
+    let msg = e.to_string();
+    assert!(msg.contains("language_model.model.layers.0.linear_attn.in_proj_qkv.weight"), "{msg}");
+}
+
+/// mlx-lm's qwen3_5_moe `sanitize` accepts keys without the `language_model.` prefix and
+/// Hugging Face's `model.language_model.` ones; both load, and give the same logits.
+#[test]
+fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
+    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
+    let logits = |dir: &Path| {
+        let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
+        let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
+        let experts = slotstream::experts::MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
+        slotstream::score::score(&model, &CpuBackend, &experts, &ids).unwrap().logits
+    };
+    let want = logits(&copy_fixture(QWEN35).path().to_path_buf());
+    let respell: [(&str, fn(&str) -> String); 2] = [
+        ("unprefixed", |n| n.strip_prefix("language_model.").unwrap().to_string()),
+        ("hugging face", |n| n.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")),
+    ];
+    for (what, rename) in respell {
+        let tmp = copy_fixture(QWEN35);
+        rewrite_shard(&tmp.path().join("model.safetensors"), |ts| {
+            for t in ts.iter_mut() {
+                t.name = rename(&t.name);
+            }
+        });
+        fs::remove_file(tmp.path().join(INDEX)).unwrap();
+        assert!(logits(tmp.path()) == want, "{what}: logits differ");
+    }
+    // Two spellings of one tensor are refused, naming both.
+    let tmp = copy_fixture(QWEN35);
+    rewrite_shard(&tmp.path().join("model.safetensors"), |ts| {
+        let norm = ts.iter().find(|t| t.name == "language_model.model.norm.weight").unwrap();
+        let dup = Owned { name: "model.norm.weight".into(), dtype: norm.dtype, shape: norm.shape.clone(), data: norm.data.clone() };
+        ts.push(dup);
+    });
+    fs::remove_file(tmp.path().join(INDEX)).unwrap();
+    let msg = open_err(tmp.path()).to_string();
+    assert!(msg.contains("`model.norm.weight`") && msg.contains("`language_model.model.norm.weight`"), "{msg}");
 }
 
 #[test]
@@ -440,7 +526,10 @@ fn unknown_model_type_is_named_with_supported_list() {
     let msg = e.to_string();
     assert!(matches!(e, Error::UnsupportedModel { .. }), "{msg}");
     assert!(
-        msg.contains("config.json") && msg.contains("llama_moe_xl") && msg.contains("qwen3_next"),
+        msg.contains("config.json")
+            && msg.contains("llama_moe_xl")
+            && msg.contains("qwen3_next")
+            && msg.contains("qwen3_5_moe"),
         "{msg}"
     );
 }

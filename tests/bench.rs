@@ -7,34 +7,42 @@ use serde_json::Value;
 use slotstream::bench::{active_bytes_per_token, run, BenchOptions, Budget};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::SourceOptions;
-use slotstream::synth::{write_checkpoint, DEMO, FLASH_NEXT_EXPERTS, QWEN3_NEXT_80B};
+use slotstream::synth::{write_checkpoint, DEMO, FLASH_NEXT_EXPERTS, QWEN35_35B, QWEN3_NEXT_80B};
 
 /// A two-layer synth of each full preset validates, and keeps the preset's per-layer
 /// shapes: expert records of the released size, router and projections as configured.
 #[test]
 fn two_layer_synths_keep_the_presets_shapes() {
-    for (preset, record_bytes) in [(QWEN3_NEXT_80B, 1_769_472), (FLASH_NEXT_EXPERTS, 2_764_800)] {
+    for (preset, record_bytes) in [(QWEN3_NEXT_80B, 1_769_472), (QWEN35_35B, 1_769_472), (FLASH_NEXT_EXPERTS, 2_764_800)] {
         let dir = tempfile::tempdir().unwrap();
         write_checkpoint(dir.path(), &preset, 2, false).unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let cfg = &ckpt.config;
+        assert_eq!(cfg.family, preset.family);
         assert_eq!(cfg.num_hidden_layers, 2);
-        assert_eq!((cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok), (preset.hidden, 512, 10));
+        let e = preset.experts;
+        assert_eq!((cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok), (preset.hidden, e, preset.top_k));
         let index = ExpertIndex::build(&ckpt).unwrap();
         assert_eq!(index.layout.record_bytes, record_bytes, "{}", preset.name);
-        assert_eq!(index.records(), 2 * 512);
+        assert_eq!(index.records(), 2 * e);
         let shape = |name: &str| ckpt.tensor(name).unwrap().shape.clone();
         for l in 0..2 {
-            let p = format!("model.layers.{l}.mlp");
+            let p = cfg.layer_name(l, "mlp");
             let (h, i) = (preset.hidden, preset.intermediate);
-            assert_eq!(shape(&format!("{p}.switch_mlp.gate_proj.weight")), [512, i, h / 8]);
-            assert_eq!(shape(&format!("{p}.switch_mlp.down_proj.weight")), [512, h, i / 8]);
-            assert_eq!(shape(&format!("{p}.switch_mlp.up_proj.scales")), [512, i, h / 64]);
+            assert_eq!(shape(&format!("{p}.switch_mlp.gate_proj.weight")), [e, i, h / 8]);
+            assert_eq!(shape(&format!("{p}.switch_mlp.down_proj.weight")), [e, h, i / 8]);
+            assert_eq!(shape(&format!("{p}.switch_mlp.up_proj.scales")), [e, i, h / 64]);
             // The router at 8 bits: 4 values per u32.
-            assert_eq!(shape(&format!("{p}.gate.weight")), [512, h / 4]);
+            assert_eq!(shape(&format!("{p}.gate.weight")), [e, h / 4]);
             assert_eq!(shape(&format!("{p}.shared_expert.gate_proj.weight")), [i, h / 8]);
         }
-        assert_eq!(shape("model.embed_tokens.weight"), [preset.vocab, preset.hidden / 8]);
+        assert_eq!(shape(&cfg.name("model.embed_tokens.weight")), [preset.vocab, preset.hidden / 8]);
+        if preset.family == slotstream::config::Family::Qwen35Moe {
+            // The Qwen3.5-MoE layout loads: every name and shape the forward pass asks for
+            // (the Qwen3-Next one is the demo's).
+            slotstream::model::Model::load(&ckpt, &slotstream::backend::cpu::CpuBackend)
+                .unwrap_or_else(|e| panic!("{}: {e}", preset.name));
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The whole Qwen3-Next forward pass on the GPU backend against mlx-lm's fixtures, with
+//! The whole Qwen3-Next / Qwen3.5-MoE forward pass on the GPU backend against mlx-lm's fixtures, with
 //! experts from the mapped checkpoint and streamed through slot pools from the floor to
 //! every record (mirrored into device arenas). Fails (never skips) without an adapter.
 
@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use slotstream::backend::gpu::{GpuBackend, Placement};
+use slotstream::backend::Backend;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::{ExpertSource, MappedExperts};
 use slotstream::io::IoMode;
@@ -39,11 +40,21 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
         let mapped = MappedExperts::new(ckpt.clone(), index.clone());
 
         let s = slotstream::score::score(&model, &g, &mapped, &r.scored_ids).unwrap();
+        let mut worst = 0.0f64;
         for t in 0..r.scored_ids.len() {
             let row = t * r.vocab..(t + 1) * r.vocab;
             let e = rel_err(&s.logits[row.clone()], &r.logits[row]);
             assert!(e <= 1e-3, "{name}: position {t}: relative logit error {e}");
+            worst = worst.max(e);
         }
+        let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
+        assert!(rel < 5e-5, "{name}: perplexity {} vs mlx-lm {}", s.perplexity, r.perplexity);
+        eprintln!(
+            "{name} on {}: worst relative logit error {worst:.3e}, perplexity {:.6} vs mlx-lm {:.6} (relative {rel:.1e})",
+            g.name(),
+            s.perplexity,
+            r.perplexity
+        );
         assert_eq!(greedy(&model, &g, &mapped, &r.prompt_ids, r.greedy_ids.len()), r.greedy_ids, "{name}: mapped");
 
         let floor = floor_slots(index.num_experts, 8);

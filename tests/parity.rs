@@ -1,6 +1,6 @@
 //! The CPU forward pass against mlx-lm 0.32.2 (f32 arithmetic on the stored values) on
-//! the committed fixtures: teacher-forced logits, greedy tokens, perplexity, and
-//! prefill + decode against one full-sequence forward.
+//! the committed fixtures (Qwen3-Next and Qwen3.5-MoE): teacher-forced logits, greedy
+//! tokens, perplexity, and prefill + decode against one full-sequence forward.
 
 mod common;
 
@@ -23,9 +23,12 @@ fn teacher_forced_logits_match_mlx_lm() {
             assert!(e <= 1e-3, "{name}: position {t}: relative logit error {e}");
             worst = worst.max(e);
         }
-        eprintln!("{name}: worst relative logit error {worst:.3e}");
         // `slotstream score` prints mlx-lm's perplexity to at least 4 significant digits.
         let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
+        eprintln!(
+            "{name}: worst relative logit error {worst:.3e}, perplexity {:.6} vs mlx-lm {:.6} (relative {rel:.1e})",
+            s.perplexity, r.perplexity
+        );
         assert!(rel < 5e-5, "{name}: perplexity {} vs mlx-lm {}", s.perplexity, r.perplexity);
     }
 }

@@ -28,6 +28,7 @@ use tempfile::TempDir;
 
 const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
+const QWEN35: &str = common::QWEN35;
 const MODES: [IoMode; 2] = [IoMode::Direct, IoMode::Buffered];
 
 // ---------------------------------------------------------------------------------------
@@ -926,7 +927,7 @@ fn pool_with(
 
 #[test]
 fn pack_round_trip_gives_the_shard_records() {
-    for name in [BF16, SHARDED] {
+    for name in [BF16, SHARDED, QWEN35] {
         let tmp = copy_fixture(name);
         let (ckpt, index) = open(tmp.path());
         let manifest = pack(&ckpt, &index, tmp.path(), false).unwrap();
@@ -1115,7 +1116,7 @@ fn below_the_floor_is_refused_with_the_numbers() {
 
 #[test]
 fn logits_through_the_pool_equal_the_mapped_checkpoint() {
-    for name in [BF16, SHARDED] {
+    for name in [BF16, SHARDED, QWEN35] {
         let r = common::reference(name);
         let l = common::load_cpu(name);
         let index = Arc::new(l.model.experts.clone());

@@ -13,12 +13,14 @@ use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
+use slotstream::config::Family;
 use slotstream::synth::{write_checkpoint_with, Preset};
 
 /// A Qwen3-Next body small enough to write in milliseconds: 4 layers (one full attention),
 /// 32 experts, top-4.
 const TINY: Preset = Preset {
     name: "tiny",
+    family: Family::Qwen3Next,
     hidden: 128,
     layers: 4,
     vocab: 320,

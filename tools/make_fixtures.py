@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Generate tiny Qwen3-Next test fixtures and their mlx-lm reference outputs.
+"""Generate tiny Qwen3-Next / Qwen3.5-MoE test fixtures and their mlx-lm reference outputs.
 
 What it makes
 -------------
-Two model directories, laid out exactly like an mlx-community checkpoint a user
+Three model directories, laid out exactly like an mlx-community checkpoint a user
 would download, each with a reference ("oracle") computed by mlx-lm itself:
 
   <out>/qwen3-next-bf16/
@@ -17,9 +17,19 @@ would download, each with a reference ("oracle") computed by mlx-lm itself:
       same files, but float32 storage, group_size 32 (the 8-bit gates keep the
       predicate's group_size 64), weights split over several
       model-0000X-of-0000Y.safetensors shards + model.safetensors.index.json.
+  <out>/qwen3_5-moe-bf16/
+      a Qwen3.5-MoE (`model_type: qwen3_5_moe`) model: the text model's fields
+      under `text_config` (RoPE from `rope_parameters` with an `mrope_section`,
+      no `norm_topk_prob`: mlx-lm's default true), tensors under
+      `language_model.`, split gated-DeltaNet projections (in_proj_qkv, in_proj_z,
+      in_proj_b, in_proj_a), 3 value heads per key head, 1 KV head; bf16 (A_log
+      kept f32 by the model's cast_predicate, as mlx_lm.convert does), 4-bit
+      group_size 64, router and shared-expert gate 8-bit (the model's
+      quant_predicate).
 
-The model is mlx-lm's own `mlx_lm.models.qwen3_next.Model` (4 layers: 0,1,2
-gated DeltaNet, 3 full attention; 16 experts, top-4, shared expert), with every
+The models are mlx-lm's own `mlx_lm.models.qwen3_next.Model` and
+`mlx_lm.models.qwen3_5_moe.Model` (4 layers: 0,1,2 gated DeltaNet, 3 full
+attention; 16 experts, top-4, shared expert), with every
 parameter filled with seeded random values.  It is quantized with
 `mlx_lm.utils.quantize_model`, saved with `save_model` + `save_config`, then
 reloaded from disk with `mlx_lm.utils.load_model`, cast to float32 arithmetic
@@ -47,7 +57,7 @@ ids are never decided by rounding noise.
 The tokenizer is a tiny byte-level BPE (Qwen2-style pre-tokenizer) trained with
 HF `tokenizers` on the embedded corpus below, with special tokens
 <|endoftext|>, <|im_start|>, <|im_end|> appended after the trained vocab.  The
-same tokenizer.json is used by both fixtures.
+same tokenizer.json is used by every fixture.
 
 Everything is deterministic (numpy PCG64 seeds; BPE training on a fixed corpus).
 
@@ -55,11 +65,13 @@ How to run
 ----------
     pip install -r tools/requirements-oracle.txt      # Linux: CPU backend
     python tools/make_fixtures.py --out tests/fixtures
+    python tools/make_fixtures.py --out tests/fixtures --only qwen3_5-moe-bf16
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import shutil
@@ -73,7 +85,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import mlx_lm
 import mlx_lm.utils as mlx_utils
-from mlx_lm.models.qwen3_next import Model, ModelArgs
+from mlx_lm.models import qwen3_5_moe, qwen3_next
 from mlx_lm.generate import generate_step
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
@@ -134,14 +146,22 @@ PROMPT_TEXT = {
         "and the engineers wrote tests before the code."
     ),
     "qwen3-next-f32-sharded": "The capital of France is Paris. 🙂 What is two plus two?",
+    "qwen3_5-moe-bf16": (
+        "Linear attention keeps a fixed size state instead of a growing key value cache. "
+        "Please answer the question in one short sentence: what is two plus two? "
+        "こんにちは、世界。 Peter Piper picked a peck of pickled peppers 🚀 by the sea shore, "
+        "and the numbers 3.14159 and 2025 appear in [brackets] too."
+    ),
 }
-MIN_PROMPT_LEN = {"qwen3-next-bf16": 80, "qwen3-next-f32-sharded": 16}
+MIN_PROMPT_LEN = {"qwen3-next-bf16": 80, "qwen3-next-f32-sharded": 16, "qwen3_5-moe-bf16": 80}
 
 FIXTURES = [
-    # name, storage dtype, group_size, force shards, base seed
-    ("qwen3-next-bf16", mx.bfloat16, 64, False, 1234),
-    ("qwen3-next-f32-sharded", mx.float32, 32, True, 5678),
+    # name, model family, storage dtype, group_size, force shards, base seed
+    ("qwen3-next-bf16", "qwen3_next", mx.bfloat16, 64, False, 1234),
+    ("qwen3-next-f32-sharded", "qwen3_next", mx.float32, 32, True, 5678),
+    ("qwen3_5-moe-bf16", "qwen3_5_moe", mx.bfloat16, 64, False, 4321),
 ]
+FAMILIES = {"qwen3_next": qwen3_next, "qwen3_5_moe": qwen3_5_moe}
 
 
 # --------------------------------------------------------------------------
@@ -249,8 +269,67 @@ def base_config(tok: Tokenizer, torch_dtype: str) -> dict:
     }
 
 
+def qwen35_moe_config(tok: Tokenizer, torch_dtype: str) -> dict:
+    """A Qwen3.5-MoE config shaped like the released ones (Qwen3.5-35B-A3B): the text
+    model under `text_config`, RoPE in `rope_parameters`, no norm_topk_prob /
+    decoder_sparse_step / mlp_only_layers (HF removed them from the class)."""
+    text = {
+        "model_type": "qwen3_5_moe_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "dtype": torch_dtype,
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "full_attention_interval": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_value_head_dim": 32,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 64,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 1,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [3, 3, 2],
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 128,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": VOCAB_SIZE,
+    }
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        # Dropped by save_config (mlx-lm keeps no vision tower).
+        "vision_config": {"depth": 1, "hidden_size": 32, "model_type": "qwen3_5_moe", "out_hidden_size": 128},
+    }
+
+
 def init_value(name: str, shape, rng: np.random.Generator) -> np.ndarray:
     """Non-trivial random value for one (unquantized) parameter."""
+    name = name.removeprefix("language_model.")  # Qwen3.5-MoE's text model
 
     def normal(std):
         return rng.standard_normal(shape) * std
@@ -281,9 +360,10 @@ def init_value(name: str, shape, rng: np.random.Generator) -> np.ndarray:
     raise ValueError(f"no init rule for {name} {shape}")
 
 
-def build_model(config: dict, seed: int) -> Model:
+def build_model(family, config: dict, seed: int) -> nn.Module:
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
+    # A copy: qwen3_5's TextModelArgs renames `rope_type` in place.
+    model = family.Model(family.ModelArgs.from_dict(copy.deepcopy(config)))
     rng = np.random.default_rng(seed)
     new = []
     for name, p in tree_flatten(model.parameters()):
@@ -295,11 +375,13 @@ def build_model(config: dict, seed: int) -> Model:
 
 
 def cast_floating(model: nn.Module, dtype) -> None:
-    """What mlx_lm.convert does with --dtype: cast every floating parameter."""
+    """What mlx_lm.convert does with --dtype: cast every floating parameter that the
+    model's cast_predicate allows (qwen3_5 keeps A_log; qwen3_next has no predicate)."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
     model.update(
         tree_unflatten(
             [
-                (k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+                (k, v.astype(dtype) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v)
                 for k, v in tree_flatten(model.parameters())
             ]
         )
@@ -398,7 +480,7 @@ def reference(out: Path, prompt_ids: list[int]) -> dict:
     }
 
 
-def make_fixture(root: Path, tok: Tokenizer, name, dtype, group_size, sharded, seed0, min_margin):
+def make_fixture(root: Path, tok: Tokenizer, name, family, dtype, group_size, sharded, seed0, min_margin):
     out = root / name
     text = PROMPT_TEXT[name]
     prompt_ids = tok.encode(text, add_special_tokens=False).ids
@@ -412,8 +494,11 @@ def make_fixture(root: Path, tok: Tokenizer, name, dtype, group_size, sharded, s
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        config = base_config(tok, torch_dtype)
-        model = build_model(config, seed)
+        if family == "qwen3_5_moe":
+            config = qwen35_moe_config(tok, torch_dtype)
+        else:
+            config = base_config(tok, torch_dtype)
+        model = build_model(FAMILIES[family], config, seed)
         cast_floating(model, dtype)
         model, qconfig = mlx_utils.quantize_model(model, config, group_size, 4)
         shard_bytes = None
@@ -481,6 +566,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures"))
     ap.add_argument("--min-margin", type=float, default=2e-2)
+    ap.add_argument("--only", action="append", help="make only this fixture (repeatable)")
     args = ap.parse_args()
 
     assert mx.__version__ == MLX_VERSION, mx.__version__
@@ -488,8 +574,13 @@ def main():
     mx.set_default_device(mx.cpu)
 
     tok = build_tokenizer(VOCAB_SIZE)
-    for name, dtype, gs, sharded, seed in FIXTURES:
-        make_fixture(args.out, tok, name, dtype, gs, sharded, seed, args.min_margin)
+    names = [f[0] for f in FIXTURES]
+    for only in args.only or []:
+        assert only in names, f"--only {only}: not one of {names}"
+    for name, family, dtype, gs, sharded, seed in FIXTURES:
+        if args.only and name not in args.only:
+            continue
+        make_fixture(args.out, tok, name, family, dtype, gs, sharded, seed, args.min_margin)
 
 
 if __name__ == "__main__":

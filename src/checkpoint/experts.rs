@@ -139,7 +139,7 @@ impl ExpertIndex {
             let mut scale_dtype = Dtype::BF16;
             let mut bases = [(0usize, 0u64); PIECES_PER_RECORD];
             for (p, proj) in Projection::ALL.into_iter().enumerate() {
-                let module = format!("model.layers.{layer}.mlp.switch_mlp.{}", proj.module());
+                let module = cfg.layer_name(layer, &format!("mlp.switch_mlp.{}", proj.module()));
                 let spec = match cfg.quantization.for_module(&module) {
                     Some(s) => s,
                     None => cfg.quantization.default,
@@ -175,7 +175,7 @@ impl ExpertIndex {
                 None => layout = Some(this),
                 Some(first) if *first != this => {
                     return Err(Error::bad_tensor(
-                        &format!("model.layers.{layer}.mlp.switch_mlp"),
+                        &cfg.layer_name(layer, "mlp.switch_mlp"),
                         "quantization or dtype differs from the first MoE layer's",
                     ))
                 }
@@ -193,7 +193,7 @@ impl ExpertIndex {
                 ranges.push(r);
             }
         }
-        let layout = layout.ok_or_else(|| Error::bad_tensor("model.layers", "the model has no MoE layer"))?;
+        let layout = layout.ok_or_else(|| Error::bad_tensor(&cfg.name("model.layers"), "the model has no MoE layer"))?;
         Ok(ExpertIndex {
             layout,
             num_experts: e,

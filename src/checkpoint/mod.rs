@@ -32,6 +32,8 @@ pub struct Shard {
 /// Where one tensor lives: its shard, absolute byte offset in that file, and layout.
 #[derive(Clone, Debug)]
 pub struct TensorEntry {
+    /// The tensor's name after the family's renames ([`ModelConfig::canonical_name`]),
+    /// which is its stored name in an MLX conversion.
     pub name: String,
     /// Index into [`Checkpoint::shards`].
     pub shard: usize,
@@ -136,6 +138,30 @@ impl Checkpoint {
                     }
                 }
             }
+        }
+        // The names mlx-lm's `sanitize` gives the tensors (a no-op for the canonical MLX
+        // layout of every family), so that every lookup uses one naming.
+        if tensors.keys().any(|k| config.canonical_name(k) != k.as_str()) {
+            let mut renamed: HashMap<String, TensorEntry> = HashMap::with_capacity(tensors.len());
+            let mut from: HashMap<String, String> = HashMap::new();
+            let mut stored: Vec<(String, TensorEntry)> = tensors.into_iter().collect();
+            stored.sort_by(|a, b| a.0.cmp(&b.0));
+            for (name, mut entry) in stored {
+                let canonical = config.canonical_name(&name).into_owned();
+                if let Some(prev) = renamed.get(&canonical) {
+                    return Err(Error::Safetensors {
+                        path: shards[entry.shard].path.clone(),
+                        message: format!(
+                            "tensor `{name}` and `{}` in {} both stand for `{canonical}` (model_type {})",
+                            from[&canonical], files[prev.shard], config.model_type
+                        ),
+                    });
+                }
+                from.insert(canonical.clone(), name);
+                entry.name = canonical.clone();
+                renamed.insert(canonical, entry);
+            }
+            tensors = renamed;
         }
         tracing::debug!(dir = %dir.display(), shards = shards.len(), tensors = tensors.len(), "checkpoint opened");
         Ok(Checkpoint {

@@ -9,8 +9,12 @@ use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
 
-/// Fixture directories made by tools/make_fixtures.py.
-pub const FIXTURES: &[&str] = &["qwen3-next-bf16", "qwen3-next-f32-sharded"];
+/// Fixture directories made by tools/make_fixtures.py: two Qwen3-Next (`qwen3_next`), one
+/// Qwen3.5-MoE (`qwen3_5_moe`). `FIXTURES[0]` and `FIXTURES[1]` stay the Qwen3-Next ones.
+pub const FIXTURES: &[&str] = &["qwen3-next-bf16", "qwen3-next-f32-sharded", QWEN35];
+
+/// The Qwen3.5-MoE fixture: `language_model.` keys, split gated-DeltaNet projections.
+pub const QWEN35: &str = "qwen3_5-moe-bf16";
 
 /// `tests/fixtures/<name>`. The crate root comes from `CARGO_MANIFEST_DIR` at run time
 /// when set (a test binary run outside cargo, e.g. on another machine), else at build time.
