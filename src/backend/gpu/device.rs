@@ -11,7 +11,8 @@
 //! - The uniform block passed must be at least as long as the shader's `Params` struct
 //!   (it is padded to 16 bytes, not to the struct).
 //! - Dispatches are recorded into one pending command encoder and submitted together at
-//!   the next read-back ([`Gpu::flush`]), so a token costs few submissions.
+//!   the next read-back ([`Gpu::flush`]), so a token costs few submissions. Their uniform
+//!   blocks go into one buffer at aligned offsets, uploaded at submission.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -165,7 +166,23 @@ pub struct Gpu {
     pub dummy: wgpu::Buffer,
     poison: bool,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>>,
-    encoder: Mutex<Option<wgpu::CommandEncoder>>,
+    recording: Mutex<Recording>,
+    /// The uniform blocks of the recorded dispatches, one per `uniform_stride` bytes,
+    /// uploaded just before the encoder is submitted (one buffer instead of one each).
+    uniforms: wgpu::Buffer,
+    uniform_stride: usize,
+}
+
+/// Bytes of [`Gpu::uniforms`]: 16,384 dispatches at the usual 256-byte alignment before a
+/// submission is forced.
+const UNIFORM_RING: u64 = 4 << 20;
+
+/// What has been recorded and not yet submitted.
+#[derive(Default)]
+struct Recording {
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Uniform blocks of the recorded dispatches, in [`Gpu::uniforms`]' layout.
+    uniforms: Vec<u8>,
 }
 
 impl Gpu {
@@ -220,6 +237,13 @@ impl Gpu {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let uniforms = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("uniform blocks"),
+            size: UNIFORM_RING,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let uniform_stride = (limits.min_uniform_buffer_offset_alignment as usize).max(256);
         let summary = summarize(&adapter);
         tracing::info!(adapter = %summary.name, backend = %summary.backend, "GPU opened");
         Ok(Gpu {
@@ -231,7 +255,9 @@ impl Gpu {
             dummy,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
-            encoder: Mutex::default(),
+            recording: Mutex::default(),
+            uniforms,
+            uniform_stride,
         })
     }
 
@@ -289,8 +315,21 @@ impl Gpu {
             .clone()
     }
 
-    fn encoder(&self) -> MutexGuard<'_, Option<wgpu::CommandEncoder>> {
-        self.encoder.lock().unwrap_or_else(|p| p.into_inner())
+    fn recording(&self) -> MutexGuard<'_, Recording> {
+        self.recording.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Uploads the recorded uniform blocks and submits the encoder.
+    fn submit(&self, rec: &mut Recording) {
+        if let Some(enc) = rec.encoder.take() {
+            if !rec.uniforms.is_empty() {
+                // Queued before this submission's commands and after the previous
+                // submissions' (wgpu orders the write after their reads of the buffer).
+                self.queue.write_buffer(&self.uniforms, 0, &rec.uniforms);
+                rec.uniforms.clear();
+            }
+            self.queue.submit([enc.finish()]);
+        }
     }
 
     /// Records one dispatch of `k` over `groups` workgroups (x, y from [`grid`], z given)
@@ -301,14 +340,22 @@ impl Gpu {
         let mut words = params.to_vec();
         // Uniform blocks are read in 16-byte rows.
         words.resize(params.len().next_multiple_of(4).max(4), 0);
-        let uniform = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("params"),
-            contents: bytemuck::cast_slice(&words),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
+        let block = bytemuck::cast_slice::<u32, u8>(&words);
+        assert!(block.len() <= self.uniform_stride, "{}::{}: uniform block too large", k.file, k.entry);
+        let mut rec = self.recording();
+        if rec.uniforms.len() + self.uniform_stride > UNIFORM_RING as usize {
+            self.submit(&mut rec);
+        }
+        let offset = rec.uniforms.len();
+        rec.uniforms.extend_from_slice(block);
+        rec.uniforms.resize(offset + self.uniform_stride, 0);
         let mut entries = vec![wgpu::BindGroupEntry {
             binding: 0,
-            resource: uniform.as_entire_binding(),
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &self.uniforms,
+                offset: offset as u64,
+                size: std::num::NonZeroU64::new(block.len() as u64),
+            }),
         }];
         for (i, b) in buffers.iter().enumerate() {
             entries.push(wgpu::BindGroupEntry {
@@ -321,8 +368,7 @@ impl Gpu {
             layout: &pipeline.1,
             entries: &entries,
         });
-        let mut guard = self.encoder();
-        let enc = guard.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        let enc = rec.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some(k.entry),
             timestamp_writes: None,
@@ -337,16 +383,15 @@ impl Gpu {
         if len == 0 {
             return;
         }
-        let mut guard = self.encoder();
-        let enc = guard.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        let mut rec = self.recording();
+        let enc = rec.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
         enc.copy_buffer_to_buffer(src, src_off, dst, dst_off, len);
     }
 
     /// Submits everything recorded so far.
     pub fn flush(&self) {
-        if let Some(enc) = self.encoder().take() {
-            self.queue.submit([enc.finish()]);
-        }
+        let mut rec = self.recording();
+        self.submit(&mut rec);
     }
 
     /// Submits everything recorded and waits until the device has finished it (for
