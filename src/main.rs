@@ -177,21 +177,8 @@ struct BenchArgs {
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
-    /// Tokens of context the memory plan reserves (for byte budgets).
-    #[arg(long, default_value_t = 4096)]
-    context: usize,
-    /// Demand reads in flight at once.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
-    queue_depth: u16,
-    /// direct (O_DIRECT / F_NOCACHE) or buffered reads.
-    #[arg(long, default_value = "direct")]
-    io: IoMode,
-    /// Read the checkpoint shards even if a valid experts.pack is present.
-    #[arg(long)]
-    no_pack: bool,
-    /// Where a GPU reads the slots (`unified` or `device`; default by adapter type).
-    #[arg(long)]
-    placement: Option<Placement>,
+    #[command(flatten)]
+    io: IoArgs,
 }
 
 #[derive(Args)]
@@ -291,6 +278,22 @@ struct StreamArgs {
     /// terms leave (see `slotstream plan`).
     #[arg(long, value_parser = slotstream::plan::parse_size)]
     memory_budget: Option<u64>,
+    #[command(flatten)]
+    io: IoArgs,
+    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Print statistics on stderr (the pool's as JSON when streaming).
+    #[arg(long)]
+    stats: bool,
+    /// Prefetch the experts that layer L+2's router picks on layer L's hidden state.
+    #[arg(long, value_enum, default_value = "on")]
+    lookahead: OnOff,
+}
+
+/// How expert records are read and where a GPU keeps them (streaming commands and bench).
+#[derive(Args)]
+struct IoArgs {
     /// Context the memory plan reserves KV cache for, in tokens.
     #[arg(long, default_value_t = 4096)]
     context: usize,
@@ -303,20 +306,25 @@ struct StreamArgs {
     /// Read the checkpoint shards even if a valid experts.pack is present.
     #[arg(long)]
     no_pack: bool,
-    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Print statistics on stderr (the pool's as JSON when streaming).
-    #[arg(long)]
-    stats: bool,
-    /// Prefetch the experts that layer L+2's router picks on layer L's hidden state.
-    #[arg(long, value_enum, default_value = "on")]
-    lookahead: OnOff,
     /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
     /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
     /// and CPU adapters that support it, device on discrete GPUs.
     #[arg(long)]
     placement: Option<Placement>,
+}
+
+impl IoArgs {
+    /// The library's options for these flags (no pool, lookahead on).
+    fn source(&self) -> SourceOptions {
+        SourceOptions {
+            context: self.context,
+            queue_depth: self.queue_depth as usize,
+            io: self.io,
+            use_pack: !self.no_pack,
+            placement: self.placement,
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Args)]
@@ -508,13 +516,9 @@ impl StreamArgs {
                 (_, _, Some(bytes)) => Some(PoolSize::Budget(bytes)),
                 _ => None,
             },
-            context: self.context,
-            queue_depth: self.queue_depth as usize,
-            io: self.io,
-            use_pack: !self.no_pack,
             lookahead: self.lookahead == OnOff::On,
-            placement: self.placement,
             trace: self.trace.is_some(),
+            ..self.io.source()
         }
     }
 }
@@ -864,14 +868,16 @@ fn demo(args: DemoArgs) -> Result<()> {
             pool_slots: Some(slots),
             experts_per_layer: None,
             memory_budget: None,
-            context: 4096,
-            queue_depth: 32,
-            io: IoMode::Direct,
-            no_pack: false,
+            io: IoArgs {
+                context: 4096,
+                queue_depth: 32,
+                io: IoMode::Direct,
+                no_pack: false,
+                placement: None,
+            },
             trace: None,
             stats: true,
             lookahead: OnOff::On,
-            placement: None,
         },
     })
 }
@@ -997,14 +1003,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         prompt_len: args.prompt_len,
         tokens: args.tokens,
         warmup: args.warmup,
-        source: SourceOptions {
-            context: args.context,
-            queue_depth: args.queue_depth as usize,
-            io: args.io,
-            use_pack: !args.no_pack,
-            placement: args.placement,
-            ..Default::default()
-        },
+        source: args.io.source(),
         seed: args.seed,
     };
     if args.prompt_len == 0 {
