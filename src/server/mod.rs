@@ -41,7 +41,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 use crate::engine::{Engine, Event, Generation, Input};
 use crate::sampling::SamplingOptions;
 use error::ApiError;
-use openai::{ChatRequest, CompletionRequest, Params, Usage};
+use openai::{ApiRequest, ChatRequest, CompletionRequest, Params, Usage};
 use stop::StopMatcher;
 
 /// How the server behaves.
@@ -151,29 +151,23 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     }))
 }
 
-/// The body, or an OpenAI-shaped error (too large: 413).
-fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
-}
-
 async fn chat_completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let parsed = body_bytes(body).and_then(|b| ChatRequest::parse(&b)).and_then(|r| {
-        let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
-        Ok((r.input()?, params))
-    });
-    match parsed {
-        Ok((input, params)) => respond(app, Endpoint::Chat, input, params).await,
-        Err(e) => e.into_response(),
-    }
+    handle::<ChatRequest>(app, Endpoint::Chat, body).await
 }
 
 async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let parsed = body_bytes(body).and_then(|b| CompletionRequest::parse(&b)).and_then(|r| {
-        let params = r.common.params(&app.options.model_id, &app.options.sampling)?;
-        Ok((r.input()?, params))
-    });
+    handle::<CompletionRequest>(app, Endpoint::Completion, body).await
+}
+
+/// Parses and checks a request of either endpoint, then answers it.
+async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
+    // An unreadable body (too large: 413) gets an OpenAI-shaped error too.
+    let parsed = body
+        .map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
+        .and_then(|b| R::parse(&b))
+        .and_then(|r| Ok((r.input()?, r.common().params(&app.options.model_id, &app.options.sampling)?)));
     match parsed {
-        Ok((input, params)) => respond(app, Endpoint::Completion, input, params).await,
+        Ok((input, params)) => respond(app, endpoint, input, params).await,
         Err(e) => e.into_response(),
     }
 }

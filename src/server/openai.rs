@@ -127,26 +127,13 @@ fn required<'v, T: Deserialize<'v>>(object: &'v Value, name: &str) -> Result<T, 
     }
 }
 
-impl ChatRequest {
-    /// Parses a request body. Errors: not JSON, not an object, a field of the wrong type.
-    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let value = parse_object(body)?;
-        Ok(ChatRequest {
-            messages: required(&value, "messages")?,
-            common: typed(&value, "")?,
-        })
-    }
-}
-
-impl CompletionRequest {
-    /// Parses a request body. Errors: not JSON, not an object, a field of the wrong type.
-    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let value = parse_object(body)?;
-        Ok(CompletionRequest {
-            prompt: required(&value, "prompt")?,
-            common: typed(&value, "")?,
-        })
-    }
+/// A request body of one endpoint.
+pub trait ApiRequest: Sized {
+    /// Parses a body. Errors: not JSON, not an object, a field of the wrong type.
+    fn parse(body: &[u8]) -> Result<Self, ApiError>;
+    /// What the model reads. Errors: a part of the input the engine cannot take.
+    fn input(&self) -> Result<Input, ApiError>;
+    fn common(&self) -> &Common;
 }
 
 /// A completion prompt: text, token ids, or a batch of one of them.
@@ -292,10 +279,22 @@ impl Common {
     }
 }
 
-impl ChatRequest {
+impl ApiRequest for ChatRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let value = parse_object(body)?;
+        Ok(ChatRequest {
+            messages: required(&value, "messages")?,
+            common: typed(&value, "")?,
+        })
+    }
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
     /// The messages as the chat template takes them. Errors: no messages, a part that
     /// is not text.
-    pub fn input(&self) -> Result<Input, ApiError> {
+    fn input(&self) -> Result<Input, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages", "must not be empty"));
         }
@@ -332,9 +331,21 @@ impl ChatRequest {
     }
 }
 
-impl CompletionRequest {
+impl ApiRequest for CompletionRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let value = parse_object(body)?;
+        Ok(CompletionRequest {
+            prompt: required(&value, "prompt")?,
+            common: typed(&value, "")?,
+        })
+    }
+
+    fn common(&self) -> &Common {
+        &self.common
+    }
+
     /// The prompt as text (tokenized as is) or ids. Errors: a batch of more than one.
-    pub fn input(&self) -> Result<Input, ApiError> {
+    fn input(&self) -> Result<Input, ApiError> {
         let batch = |n: usize| ApiError::invalid("prompt", &format!("batches of {n} prompts are not supported (give one)"));
         Ok(match &self.prompt {
             Prompt::Text(t) => Input::Text(t.clone()),
