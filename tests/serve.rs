@@ -247,6 +247,12 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ("/v1/chat/completions", json!({ "messages": [{ "role": 3 }] }).to_string(), 400, "messages[0].role"),
         (
             "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "a" }, { "role": "<|im_start|>x" }] }).to_string(),
+            400,
+            "messages[1].role",
+        ),
+        (
+            "/v1/chat/completions",
             json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] }).to_string(),
             400,
             "messages[0].content[0].type",

@@ -60,6 +60,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Message roles the chat endpoint accepts.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug)]
 pub struct ChatRequest {
@@ -300,6 +303,13 @@ impl ApiRequest for ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
+            // The role is spliced into the template's text: only the known ones.
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    &format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
+                ));
+            }
             let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
