@@ -730,48 +730,74 @@ impl SlotPool {
 
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
     /// the pool, one read per run of consecutive ids (per piece from the shards, or per
-    /// run from a pack). Counted as `sweep_bytes`, not as hits or misses.
+    /// run from a pack), up to the queue depth of runs at once. Counted as `sweep_bytes`,
+    /// not as hits or misses.
     pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
-        let layout = &self.index.layout;
-        let mut out: Vec<Vec<u8>> = experts.iter().map(|_| vec![0u8; layout.record_bytes]).collect();
+        let mut runs = Vec::new();
         let mut start = 0;
         while start < experts.len() {
             let mut end = start + 1;
             while end < experts.len() && experts[end] == experts[end - 1] + 1 {
                 end += 1;
             }
-            let (e0, n) = (experts[start] as usize, end - start);
-            match &self.files {
-                RecordFiles::Packed { pack, pack_file } => {
-                    let mut buf = vec![0u8; n * self.stride];
-                    read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, &mut buf)?;
-                    for (i, rec) in out[start..end].iter_mut().enumerate() {
-                        let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
-                        if !pack.check(layer, e0 + i, bytes) {
-                            self.read_shard_record(layer, e0 + i, rec)?;
-                        } else {
-                            rec.copy_from_slice(bytes);
-                        }
-                    }
-                }
-                RecordFiles::Shards => {
-                    let first = self
-                        .index
-                        .ranges(layer, e0)
-                        .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {e0}")))?;
-                    for (k, r) in first.iter().enumerate() {
-                        let len = r.len as usize;
-                        let mut buf = vec![0u8; n * len];
-                        read_range(&*self.reader.file(r.shard), r.offset, &mut buf)?;
-                        for (i, rec) in out[start..end].iter_mut().enumerate() {
-                            rec[layout.offsets[k]..layout.offsets[k] + len].copy_from_slice(&buf[i * len..(i + 1) * len]);
-                        }
+            runs.push((experts[start] as usize, end - start));
+            start = end;
+        }
+        // Plain threads, as the callers are synchronous; each takes the next run.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let results: Vec<Mutex<Option<Result<Vec<Vec<u8>>>>>> = runs.iter().map(|_| Mutex::new(None)).collect();
+        let workers = self.reader.queue_depth().min(runs.len());
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(e0, n)) = runs.get(i) else { break };
+                    let run = self.read_run(layer, e0, n);
+                    *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(run);
+                });
+            }
+        });
+        let mut out = Vec::with_capacity(experts.len());
+        for r in results {
+            let run = r.into_inner().unwrap_or_else(|p| p.into_inner());
+            out.extend(run.ok_or_else(|| Error::Internal("a sweep read was not run".into()))??);
+        }
+        self.lock().stats.sweep_bytes += (experts.len() * self.index.layout.record_bytes) as u64;
+        Ok(out)
+    }
+
+    /// The records of experts `e0..e0 + n` of `layer`, read as one run.
+    fn read_run(&self, layer: usize, e0: usize, n: usize) -> Result<Vec<Vec<u8>>> {
+        let layout = &self.index.layout;
+        let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; layout.record_bytes]).collect();
+        match &self.files {
+            RecordFiles::Packed { pack, pack_file } => {
+                let mut buf = vec![0u8; n * self.stride];
+                read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, &mut buf)?;
+                for (i, rec) in out.iter_mut().enumerate() {
+                    let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
+                    if !pack.check(layer, e0 + i, bytes) {
+                        self.read_shard_record(layer, e0 + i, rec)?;
+                    } else {
+                        rec.copy_from_slice(bytes);
                     }
                 }
             }
-            start = end;
+            RecordFiles::Shards => {
+                let first = self
+                    .index
+                    .ranges(layer, e0)
+                    .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {e0}")))?;
+                for (k, r) in first.iter().enumerate() {
+                    let len = r.len as usize;
+                    let mut buf = vec![0u8; n * len];
+                    read_range(&*self.reader.file(r.shard), r.offset, &mut buf)?;
+                    for (i, rec) in out.iter_mut().enumerate() {
+                        rec[layout.offsets[k]..layout.offsets[k] + len].copy_from_slice(&buf[i * len..(i + 1) * len]);
+                    }
+                }
+            }
         }
-        self.lock().stats.sweep_bytes += (experts.len() * layout.record_bytes) as u64;
         Ok(out)
     }
 
