@@ -117,8 +117,8 @@ pub struct BenchRow {
     pub preload_seconds: f64,
     /// Peak resident memory of the process during the row (Linux; elsewhere since start).
     pub peak_rss: Option<u64>,
-    /// `compute` (all resident: active bytes at the copy bandwidth) or `read` (bytes read
-    /// per token at the raw disk bandwidth).
+    /// `copy` (all resident: active bytes at the copy bandwidth) or `read` (bytes read per
+    /// token at the raw disk bandwidth).
     pub limit_kind: &'static str,
     /// Tokens per second the limit allows (`None` when nothing was read).
     pub limit_tps: Option<f64>,
@@ -189,7 +189,8 @@ pub fn run<B: Backend>(
                 Budget::Bytes(b) => PoolSize::Budget(*b),
             });
             reset_peak_rss();
-            let opened = open_source(backend, ckpt, index.clone(), &source, runtime.handle().clone())?;
+            let opened = open_source(backend, ckpt, index.clone(), &source, runtime.handle().clone())
+                .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
             let pool = opened.pool.clone().ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
             if raw.is_none() {
                 progress("measuring raw direct reads");
@@ -263,7 +264,7 @@ pub fn run<B: Backend>(
                 prefetches_wasted: s1.prefetches_wasted - s0.prefetches_wasted,
                 preload_seconds,
                 peak_rss: peak_rss(),
-                limit_kind: if all { "compute" } else { "read" },
+                limit_kind: if all { "copy" } else { "read" },
                 limit_tps: if all {
                     Some(copy / active as f64)
                 } else if per_token > 0.0 {

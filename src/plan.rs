@@ -104,12 +104,13 @@ impl Plan {
         if slots < floor {
             return Err(Error::Pool(format!(
                 "a budget of {} leaves {} for the pool, {} slots of {}, below the floor of {floor} slots ({}); \
-                 the other terms: {}",
+                 the smallest budget that runs is {}; the other terms: {}",
                 human(budget),
                 human(left),
                 slots,
                 human(slot_bytes),
                 human(floor as u64 * slot_bytes),
+                human(fixed + floor as u64 * slot_bytes),
                 plan.terms()
             )));
         }
@@ -193,7 +194,9 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let (num, unit) = t.split_at(split);
     let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size (e.g. 8GiB, 512MiB)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
+        // A bare number is almost always a forgotten unit, not a budget in bytes.
+        "" => return Err(format!("`{s}` has no unit (e.g. 8GiB, 512MiB, 4000000000B)")),
+        "b" => 1.0,
         "k" | "kib" => 1024.0,
         "kb" => 1e3,
         "m" | "mib" => 1024.0 * 1024.0,
@@ -229,5 +232,7 @@ mod tests {
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
+        assert!(parse_size("10").is_err());
+        assert_eq!(parse_size("4096B").unwrap(), 4096);
     }
 }

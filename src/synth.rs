@@ -450,10 +450,14 @@ pub fn write_checkpoint_with(
     std::fs::write(&marker, preset.name).map_err(|e| Error::io(&marker, e))?;
     // Overwriting: drop the old index first, so a checkpoint half-rewritten by an
     // interrupted run does not open.
+    // A pack of the old checkpoint would only be refused later (its identity differs):
+    // remove it with the index.
     let index_path = dir.join("model.safetensors.index.json");
-    match std::fs::remove_file(&index_path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&index_path, e)),
-        _ => {}
+    for path in [index_path.clone(), dir.join(crate::pack::PACK_FILE), dir.join(crate::pack::MANIFEST_FILE)] {
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&path, e)),
+            _ => {}
+        }
     }
     let shards = layers + 1;
     let bar = progress.then(|| {

@@ -83,7 +83,7 @@ fn bench_report_has_every_field_and_consistent_counts() {
         }
     }
     let all = &report.rows[4];
-    assert_eq!((all.budget.as_str(), all.slots, all.misses, all.limit_kind), ("all", 128, 0, "compute"));
+    assert_eq!((all.budget.as_str(), all.slots, all.misses, all.limit_kind), ("all", 128, 0, "copy"));
     assert!(all.preload_seconds > 0.0);
     assert_eq!(report.rows[0].limit_kind, "read");
 

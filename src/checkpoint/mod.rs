@@ -61,11 +61,15 @@ impl Checkpoint {
     /// a tensor the index places in a shard that lacks it), truncated or malformed shards,
     /// a tensor name present in two shards, and every config error of [`ModelConfig::load`].
     pub fn open(dir: &Path) -> Result<Self> {
+        let missing = |what: &str| Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()));
+        if dir.is_file() {
+            return Err(missing("is a file; give the model's directory (the one holding config.json)"));
+        }
         if !dir.is_dir() {
-            return Err(Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
-            ));
+            return Err(missing("model directory not found"));
+        }
+        if !dir.join("config.json").is_file() {
+            return Err(missing("not a model directory: it has no config.json"));
         }
         let config = ModelConfig::load(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
