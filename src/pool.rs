@@ -897,6 +897,14 @@ impl PoolExperts {
             prompt_uses: Mutex::default(),
         }
     }
+
+    /// Slots per MoE layer a prompt's experts may take: an equal share of the pool less
+    /// the speculative reserve.
+    fn admission_quota(&self) -> usize {
+        let layers = self.pool.index.moe_layers.len().max(1);
+        let spare = self.pool.slots().saturating_sub(self.pool.floor() - self.pool.index.num_experts);
+        spare / layers
+    }
 }
 
 /// A record from [`PoolExperts`]: pinned in a slot, or read for one prefill chunk
@@ -935,15 +943,20 @@ impl ExpertSource for PoolExperts {
             .collect())
     }
 
-    /// A prefill chunk's experts are read outside the pool, in runs of consecutive ids
-    /// (one read per run and piece, or per run in a pack), so a long prompt does not
-    /// churn the pool; their uses are counted for [`ExpertSource::end_prefill`].
+    /// A prefill chunk's experts: when they fit the layer's share of the pool (what the
+    /// end of the prompt would admit anyway), through the pool, so they are read once;
+    /// otherwise outside it, in runs of consecutive ids (one read per run and piece, or
+    /// per run in a pack), so a long prompt does not churn the pool. Uses are counted for
+    /// [`ExpertSource::end_prefill`].
     fn fetch_prefill(&self, layer: usize, experts: &[u32], uses: &[u32]) -> Result<Vec<PoolRecord>> {
         {
             let mut counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
             for (&e, &n) in experts.iter().zip(uses) {
                 *counts.entry((layer as u32, e)).or_default() += n as u64;
             }
+        }
+        if experts.len() <= self.admission_quota() {
+            return self.fetch(layer, experts);
         }
         // Records already in the pool are used where they are; the rest are read in runs.
         let resident = self.pool.pin_resident(layer, experts);
@@ -963,9 +976,7 @@ impl ExpertSource for PoolExperts {
     fn end_prefill(&self) {
         let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
         if !counts.is_empty() {
-            let layers = self.pool.index.moe_layers.len().max(1);
-            let spare = self.pool.slots().saturating_sub(self.pool.floor() - self.pool.index.num_experts);
-            let quota = spare / layers;
+            let quota = self.admission_quota();
             let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();
             for ((l, e), n) in counts {
                 by_layer.entry(l).or_default().push((n, e));

@@ -1197,31 +1197,56 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
     let rt = runtime();
     let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
     let (ckpt, index) = open(tmp.path());
-    let experts: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 15];
+    // Quota per layer here: (40 - 24 + 16) / 4 = 8 slots.
+    let few: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 15];
+    let many: Vec<u32> = vec![0, 1, 2, 3, 5, 6, 7, 9, 10, 11, 14, 15];
+    let many_uses: Vec<u32> = vec![1, 9, 1, 2, 7, 1, 3, 1, 6, 1, 5, 8];
     for packed in [false, true] {
         if packed {
             pack(&ckpt, &index, tmp.path(), false).unwrap();
         }
-        let mut options = StreamOptions::with_slots(40);
-        options.io = IoMode::Direct;
-        let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
-        assert_eq!(pool.packed(), packed);
-        let source = PoolExperts::new(pool.clone());
-        let uses: Vec<u32> = vec![1, 9, 1, 7, 1, 1, 8];
+        let open_pool = || {
+            let mut options = StreamOptions::with_slots(40);
+            options.io = IoMode::Direct;
+            let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+            assert_eq!(pool.packed(), packed);
+            pool
+        };
         let layer = index.moe_layers[1];
-        let got = source.fetch_prefill(layer, &experts, &uses).unwrap();
-        for (r, &e) in got.iter().zip(&experts) {
+
+        // Within the quota: read once, through the pool.
+        let pool = open_pool();
+        let source = PoolExperts::new(pool.clone());
+        let got = source.fetch_prefill(layer, &few, &vec![1; few.len()]).unwrap();
+        for (r, &e) in got.iter().zip(&few) {
+            assert!(r[..] == expected(&ckpt, &index, layer, e)[..], "packed {packed}: expert {e}");
+        }
+        let st = pool.stats();
+        assert_eq!((st.misses, st.sweep_bytes), (few.len() as u64, 0), "packed {packed}");
+        drop(got);
+        source.end_prefill();
+        assert_eq!(pool.stats().admitted_bytes, 0, "nothing left to admit");
+        for &e in &few {
+            assert!(pool.resident((layer as u32, e)).is_some(), "packed {packed}: expert {e} not resident");
+        }
+
+        // Beyond it: read outside the pool in runs, then the 8 most used are admitted.
+        let pool = open_pool();
+        let source = PoolExperts::new(pool.clone());
+        let got = source.fetch_prefill(layer, &many, &many_uses).unwrap();
+        for (r, &e) in got.iter().zip(&many) {
             assert!(r[..] == expected(&ckpt, &index, layer, e)[..], "packed {packed}: expert {e}");
         }
         let st = pool.stats();
         assert_eq!((st.hits, st.misses), (0, 0), "sweep reads are not lookups");
-        assert_eq!(st.sweep_bytes, (experts.len() * index.layout.record_bytes) as u64);
+        assert_eq!(st.sweep_bytes, (many.len() * index.layout.record_bytes) as u64);
         drop(got);
         source.end_prefill();
-        // Quota per layer here: (40 - 24 + 16) / 4 = 8 slots, so all seven are admitted,
-        // most used first.
-        for &e in &experts {
-            assert!(pool.resident((layer as u32, e)).is_some(), "packed {packed}: expert {e} not admitted");
+        let mut by_use: Vec<(u32, u32)> = many_uses.iter().copied().zip(many.iter().copied()).collect();
+        by_use.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (rank, &(_, e)) in by_use.iter().enumerate() {
+            let resident = pool.resident((layer as u32, e)).is_some();
+            assert_eq!(resident, rank < 8, "packed {packed}: expert {e} (rank {rank})");
         }
     }
 }
