@@ -68,8 +68,9 @@ pub trait ExpertSource: Send + Sync {
         self.fetch(layer, experts)
     }
 
-    /// Called when a prompt's prefill is done (before decoding starts).
-    fn end_prefill(&self) {}
+    /// Called when a prompt's prefill is done (before decoding starts), or was cancelled
+    /// (`admit` false: nothing worth keeping warm, and nobody waiting to decode).
+    fn end_prefill(&self, _admit: bool) {}
 
     /// Whether the model should run lookahead routers and call [`ExpertSource::prefetch`].
     fn lookahead(&self) -> bool {
@@ -156,9 +157,9 @@ impl ExpertSource for AnyExperts {
         })
     }
 
-    fn end_prefill(&self) {
+    fn end_prefill(&self, admit: bool) {
         if let AnyExperts::Pool(p) = self {
-            p.end_prefill();
+            p.end_prefill(admit);
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::experts::ExpertSource;
 use crate::model::{Logits, Model, SequenceState, PREFILL_CHUNK};
 use crate::sampling::{Sampler, SamplingOptions};
@@ -65,6 +65,9 @@ pub fn generate<B: Backend, E: ExpertSource>(
         ..Default::default()
     };
     let mut out = Vec::new();
+    if prompt.is_empty() {
+        return Err(Error::InvalidInput("the prompt is empty (nothing to continue from)".into()));
+    }
     if options.max_tokens == 0 {
         return Ok((out, stats));
     }
@@ -75,13 +78,13 @@ pub fn generate<B: Backend, E: ExpertSource>(
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
         if options.cancelled() {
-            experts.end_prefill();
+            experts.end_prefill(false);
             stats.finish_reason = "stopped".into();
             stats.prefill_seconds = start.elapsed().as_secs_f64();
             return Ok((out, stats));
         }
     }
-    experts.end_prefill();
+    experts.end_prefill(true);
     stats.prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
     loop {

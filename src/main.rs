@@ -622,8 +622,8 @@ fn generate_on<B: Backend>(
     let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let flag = interrupted.clone();
-        // The first Ctrl-C stops at the next token; a second one (say, during a long
-        // prefill) ends the process.
+        // The first Ctrl-C stops at the next token or prompt chunk; a second one ends
+        // the process.
         if let Err(e) = ctrlc::set_handler(move || {
             if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 std::process::exit(130);
@@ -632,7 +632,12 @@ fn generate_on<B: Backend>(
             tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
         }
     }
-    let (ids, stats) = slotstream::generate::generate(&model, backend, &experts, &mut state, prompt, options, |id| {
+    // The flag also stops a long prompt between its chunks.
+    let options = GenerateOptions {
+        cancel: Some(interrupted.clone()),
+        ..options.clone()
+    };
+    let (ids, stats) = slotstream::generate::generate(&model, backend, &experts, &mut state, prompt, &options, |id| {
         let piece = decoder.push(tokenizer, id)?;
         if !args.json {
             print!("{piece}");

@@ -713,12 +713,17 @@ impl SlotPool {
                 }
                 s.pins += 1;
                 s.referenced = true;
+                let prefetched = std::mem::take(&mut s.speculative);
+                let generation = s.generation;
+                if prefetched {
+                    inner.stats.prefetches_used += 1;
+                }
                 Some(SlotRecord {
                     pool: self.clone(),
                     tag: SlotTag {
                         pool: self.id,
                         slot: i,
-                        generation: s.generation,
+                        generation,
                         slots,
                         stride: self.stride,
                     },
@@ -973,9 +978,9 @@ impl ExpertSource for PoolExperts {
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
     /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
-    fn end_prefill(&self) {
+    fn end_prefill(&self, admit: bool) {
         let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
-        if !counts.is_empty() {
+        if admit && !counts.is_empty() {
             let quota = self.admission_quota();
             let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();
             for ((l, e), n) in counts {

@@ -1224,7 +1224,7 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
         let st = pool.stats();
         assert_eq!((st.misses, st.sweep_bytes), (few.len() as u64, 0), "packed {packed}");
         drop(got);
-        source.end_prefill();
+        source.end_prefill(true);
         assert_eq!(pool.stats().admitted_bytes, 0, "nothing left to admit");
         for &e in &few {
             assert!(pool.resident((layer as u32, e)).is_some(), "packed {packed}: expert {e} not resident");
@@ -1241,7 +1241,7 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
         assert_eq!((st.hits, st.misses), (0, 0), "sweep reads are not lookups");
         assert_eq!(st.sweep_bytes, (many.len() * index.layout.record_bytes) as u64);
         drop(got);
-        source.end_prefill();
+        source.end_prefill(true);
         let mut by_use: Vec<(u32, u32)> = many_uses.iter().copied().zip(many.iter().copied()).collect();
         by_use.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         for (rank, &(_, e)) in by_use.iter().enumerate() {
