@@ -81,6 +81,15 @@ fn elems_per_word() -> u32 {
     return select(2u, 1u, p.scale_dtype == 0u);
 }
 
+// The record base (u32 words) and input row of workgroup z: from the route table when
+// routed, else the resident weight (base 0) and token z.
+fn route_of(z: u32) -> vec2<u32> {
+    if (p.routed == 1u) {
+        return vec2<u32>(aux[z * 2u], aux[z * 2u + 1u]);
+    }
+    return vec2<u32>(0u, z);
+}
+
 // y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS rows per workgroup, LANES lanes per
 // row; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
 @compute @workgroup_size(256)
@@ -91,12 +100,9 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     let z = wid.z;
     let lane = li % LANES;
     let row = block * ROWS + li / LANES;
-    var t = z;
-    var base = 0u;          // record base in u32 words
-    if (p.routed == 1u) {
-        base = aux[z * 2u];
-        t = aux[z * 2u + 1u];
-    }
+    let r = route_of(z);
+    let base = r.x;
+    let t = r.y;
     var acc = 0.0;
     if (row < p.rows) {
         let per_word = 32u / p.bits;
@@ -155,12 +161,9 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     let z = wid.z;
     let lane = li % LANES;
     let row = block * ROWS + li / LANES;
-    var t = z;
-    var base = 0u;
-    if (p.routed == 1u) {
-        base = aux[z * 2u];
-        t = aux[z * 2u + 1u];
-    }
+    let r = route_of(z);
+    let base = r.x;
+    let t = r.y;
     var acc = 0.0;
     if (row < p.rows) {
         let vecs_per_row = p.cols / 32u;
