@@ -777,8 +777,11 @@ impl SlotPool {
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; layout.record_bytes]).collect();
         match &self.files {
             RecordFiles::Packed { pack, pack_file } => {
-                let mut buf = vec![0u8; n * self.stride];
-                read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, &mut buf)?;
+                // Aligned memory: a direct read lands in it without a scratch copy (pack
+                // offsets and the stride are multiples of the direct-I/O alignment).
+                let mut buf = AlignedBuf::zeroed(n * self.stride)?;
+                let buf = &mut buf.as_mut_slice()[..n * self.stride];
+                read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, buf)?;
                 for (i, rec) in out.iter_mut().enumerate() {
                     let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
                     if !pack.check(layer, e0 + i, bytes) {
