@@ -11,7 +11,7 @@ use slotstream::backend::{open_compute, Compute};
 use slotstream::backend::Backend;
 use slotstream::score::Score;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::experts::{open_source, AnyExperts, PoolSize, SourceOptions};
+use slotstream::experts::{open_source, OpenedSource, PoolSize, SourceOptions};
 use slotstream::generate::GenerateOptions;
 use slotstream::plan::Plan;
 use slotstream::sampling::SamplingOptions;
@@ -523,17 +523,25 @@ impl StreamArgs {
     }
 }
 
-/// The expert source the stream flags ask for: the memory-mapped checkpoint, or a slot
-/// pool (attached to the backend with its placement, tracing if asked).
-fn open_experts<B: Backend>(
-    backend: &B,
-    ckpt: &Arc<Checkpoint>,
-    index: Arc<ExpertIndex>,
-    a: &StreamArgs,
-    runtime: &tokio::runtime::Runtime,
-) -> Result<(AnyExperts, Option<Arc<SlotPool>>, Option<Plan>)> {
-    let s = open_source(backend, ckpt, index, &a.source(), runtime.handle().clone())?;
-    Ok((s.experts, s.pool, s.plan))
+/// A model and the expert source the stream flags ask for (the memory-mapped checkpoint,
+/// or a slot pool attached to the backend, tracing if asked), with the runtime its reads
+/// run on. Fields drop in order: the pool before its runtime.
+struct Streamed<B: Backend> {
+    model: Model<B>,
+    source: OpenedSource,
+    _runtime: tokio::runtime::Runtime,
+}
+
+fn load_streamed<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, a: &StreamArgs) -> Result<Streamed<B>> {
+    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
+    let index = Arc::new(model.experts.clone());
+    let source = open_source(backend, ckpt, index, &a.source(), runtime.handle().clone())?;
+    Ok(Streamed {
+        model,
+        source,
+        _runtime: runtime,
+    })
 }
 
 /// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
@@ -550,11 +558,9 @@ fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
 
 fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &StreamArgs) -> Result<Score> {
     tracing::info!(backend = %backend.name(), "scoring");
-    let model = Model::load(ckpt, backend).context("loading weights")?;
-    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool, _) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), a, &runtime)?;
-    let s = slotstream::score::score(&model, backend, &experts, ids)?;
-    finish_pool(&pool, a)?;
+    let m = load_streamed(backend, ckpt, a)?;
+    let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
+    finish_pool(&m.source.pool, a)?;
     Ok(s)
 }
 
@@ -588,17 +594,30 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if let Some(path) = &args.stream.trace {
         slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
     }
-    let options = GenerateOptions {
-        max_tokens: args.max_tokens,
-        sampling: args.sampling.options(),
-        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
-        cancel: None,
-    };
-    options.sampling.validate()?;
+    let options = generate_options(&args.model, &ckpt, &tokenizer, args.max_tokens, &args.sampling)?;
     match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
         Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args),
     }
+}
+
+/// Generation options from the flags, with the model's EOS ids. Errors: bad sampling
+/// flags, unreadable generation config.
+fn generate_options(
+    dir: &std::path::Path,
+    ckpt: &Checkpoint,
+    tokenizer: &Tokenizer,
+    max_tokens: usize,
+    sampling: &SamplingArgs,
+) -> Result<GenerateOptions> {
+    let options = GenerateOptions {
+        max_tokens,
+        sampling: sampling.options(),
+        eos_ids: eos_ids(dir, &ckpt.config.eos_token_ids, tokenizer, ckpt.config.vocab_size)?,
+        cancel: None,
+    };
+    options.sampling.validate()?;
+    Ok(options)
 }
 
 fn generate_on<B: Backend>(
@@ -611,9 +630,8 @@ fn generate_on<B: Backend>(
 ) -> Result<()> {
     use std::io::Write;
     tracing::info!(backend = %backend.name(), "generating");
-    let model = Model::load(ckpt, backend).context("loading weights")?;
-    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool, plan) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let Streamed { model, source, _runtime } = load_streamed(backend, ckpt, &args.stream)?;
+    let OpenedSource { experts, pool, plan } = source;
     let mut state = model.new_state(backend);
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
@@ -894,13 +912,7 @@ fn chat(args: ChatArgs) -> Result<()> {
     let tokenizer = Tokenizer::load(&args.model)?;
     let template = ChatTemplate::load(&args.model)?
         .with_context(|| format!("{} has no chat template", args.model.display()))?;
-    let options = GenerateOptions {
-        max_tokens: args.max_tokens,
-        sampling: args.sampling.options(),
-        eos_ids: eos_ids(&args.model, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
-        cancel: None,
-    };
-    options.sampling.validate()?;
+    let options = generate_options(&args.model, &ckpt, &tokenizer, args.max_tokens, &args.sampling)?;
     match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
         Compute::Gpu(b) => chat_on(&*b, &ckpt, &tokenizer, &template, &options, &args),
@@ -916,9 +928,8 @@ fn chat_on<B: Backend>(
     args: &ChatArgs,
 ) -> Result<()> {
     use std::io::{BufRead, Write};
-    let model = Model::load(ckpt, backend).context("loading weights")?;
-    let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let (experts, pool, _) = open_experts(backend, ckpt, Arc::new(model.experts.clone()), &args.stream, &runtime)?;
+    let Streamed { model, source, _runtime } = load_streamed(backend, ckpt, &args.stream)?;
+    let OpenedSource { experts, pool, .. } = source;
     let mut conversation = slotstream::chat::Conversation::new(&model, backend);
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();

@@ -480,17 +480,7 @@ impl SlotPool {
                         (i, Outcome::Miss)
                     }
                 };
-                held.push(SlotRecord {
-                    pool: self.clone(),
-                    tag: SlotTag {
-                        pool: self.id,
-                        slot,
-                        generation: inner.slots[slot].generation,
-                        slots: inner.slots.len(),
-                        stride: self.stride,
-                    },
-                    len: self.index.layout.record_bytes,
-                });
+                held.push(self.slot_record(&inner, slot));
                 if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
                     match outcome {
                         Outcome::Miss => per_layer.misses += 1,
@@ -702,7 +692,6 @@ impl SlotPool {
     /// to read only what the pool lacks.
     pub fn pin_resident(self: &Arc<Self>, layer: usize, experts: &[u32]) -> Vec<Option<SlotRecord>> {
         let mut inner = self.lock();
-        let slots = inner.slots.len();
         experts
             .iter()
             .map(|&e| {
@@ -713,24 +702,27 @@ impl SlotPool {
                 }
                 s.pins += 1;
                 s.referenced = true;
-                let prefetched = std::mem::take(&mut s.speculative);
-                let generation = s.generation;
-                if prefetched {
+                if std::mem::take(&mut s.speculative) {
                     inner.stats.prefetches_used += 1;
                 }
-                Some(SlotRecord {
-                    pool: self.clone(),
-                    tag: SlotTag {
-                        pool: self.id,
-                        slot: i,
-                        generation,
-                        slots,
-                        stride: self.stride,
-                    },
-                    len: self.index.layout.record_bytes,
-                })
+                Some(self.slot_record(&inner, i))
             })
             .collect()
+    }
+
+    /// A handle on slot `slot`, which the caller has just pinned (the handle unpins it).
+    fn slot_record(self: &Arc<Self>, inner: &Inner, slot: usize) -> SlotRecord {
+        SlotRecord {
+            pool: self.clone(),
+            tag: SlotTag {
+                pool: self.id,
+                slot,
+                generation: inner.slots[slot].generation,
+                slots: inner.slots.len(),
+                stride: self.stride,
+            },
+            len: self.index.layout.record_bytes,
+        }
     }
 
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside

@@ -27,6 +27,10 @@ pub struct SamplingOptions {
     pub seed: u64,
 }
 
+/// The repetition penalties accepted: beyond these bounds penalized logits overflow or
+/// vanish in f32.
+pub const REPETITION_PENALTY: std::ops::RangeInclusive<f32> = 1e-3..=1e3;
+
 impl Default for SamplingOptions {
     fn default() -> Self {
         SamplingOptions {
@@ -54,8 +58,7 @@ impl SamplingOptions {
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad("min-p must be in [0, 1]");
         }
-        // Beyond these bounds penalized logits overflow or vanish in f32.
-        if !(1e-3..=1e3).contains(&self.repetition_penalty) {
+        if !REPETITION_PENALTY.contains(&self.repetition_penalty) {
             return bad("repetition penalty must be in [0.001, 1000]");
         }
         Ok(())

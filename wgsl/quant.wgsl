@@ -141,6 +141,7 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
+// scale_elem over the vec4 view: an entry point may use only one view of a binding.
 fn scale4(e: u32) -> f32 {
     if (p.scale_dtype == 0u) {
         return bitcast<f32>(w4[e >> 2u][e & 3u]);

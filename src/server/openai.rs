@@ -246,7 +246,7 @@ impl Common {
             sampling.min_p = p;
         }
         if let Some(r) = self.repetition_penalty {
-            if !(1e-3..=1e3).contains(&r) {
+            if !crate::sampling::REPETITION_PENALTY.contains(&r) {
                 return Err(ApiError::invalid("repetition_penalty", "must be in [0.001, 1000]"));
             }
             sampling.repetition_penalty = r;
