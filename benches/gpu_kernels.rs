@@ -20,7 +20,10 @@ use slotstream::experts::ExpertRecord;
 
 fn quantized(rows: usize, cols: usize) -> QuantizedMatrix {
     let mut rng = rand::rng();
-    let spec = QuantSpec { bits: 4, group_size: 64 };
+    let spec = QuantSpec {
+        bits: 4,
+        group_size: 64,
+    };
     let groups = rows * cols / 64;
     let half = |v: f32| half::bf16::from_f32(v).to_le_bytes();
     QuantizedMatrix {
@@ -60,11 +63,18 @@ fn bench(c: &mut Criterion) {
     let mut rows = Vec::new();
 
     // Copy ceiling: 1 GiB, or as much as one binding allows.
-    let len = (1u64 << 30).min(g.gpu.limits.max_buffer_size / 2).min(g.gpu.limits.max_storage_buffer_binding_size as u64);
+    let len = (1u64 << 30)
+        .min(g.gpu.limits.max_buffer_size / 2)
+        .min(g.gpu.limits.max_storage_buffer_binding_size as u64);
     let (src, dst) = (g.gpu.zeroed(len), g.gpu.zeroed(len));
     let secs = time(&g, budget, || g.gpu.copy(&src, 0, &dst, 0, len));
     let copy_gbps = 2.0 * len as f64 / secs / 1e9;
-    rows.push(format!("| buffer copy ({} MiB) | {:.1} | {:.1} | 1.00 |", len >> 20, secs * 1e6, copy_gbps));
+    rows.push(format!(
+        "| buffer copy ({} MiB) | {:.1} | {:.1} | 1.00 |",
+        len >> 20,
+        secs * 1e6,
+        copy_gbps
+    ));
 
     // lm_head matvec.
     let q = quantized(151_936, 2048);
@@ -75,11 +85,17 @@ fn bench(c: &mut Criterion) {
         let _ = g.matmul(&x, &w);
     });
     let gbps = bytes as f64 / secs / 1e9;
-    rows.push(format!("| qmatvec 151936x2048 4-bit | {:.1} | {:.1} | {:.2} |", secs * 1e6, gbps, gbps / copy_gbps));
+    rows.push(format!(
+        "| qmatvec 151936x2048 4-bit | {:.1} | {:.1} | {:.2} |",
+        secs * 1e6,
+        gbps,
+        gbps / copy_gbps
+    ));
 
     // Routed experts: 10 records of a Qwen3-Next-80B layer in one arena.
     let (d, inter, e, k) = (2048usize, 512usize, 40usize, 10usize);
-    let piece = |rows: usize, cols: usize| [rows * cols / 2, rows * cols / 64 * 2, rows * cols / 64 * 2];
+    let piece =
+        |rows: usize, cols: usize| [rows * cols / 2, rows * cols / 64 * 2, rows * cols / 64 * 2];
     let mut lens = Vec::new();
     for (r, cc) in [(inter, d), (inter, d), (d, inter)] {
         lens.extend(piece(r, cc));
@@ -94,7 +110,10 @@ fn bench(c: &mut Criterion) {
         offsets,
         lens: lens.clone().try_into().expect("nine pieces"),
         record_bytes: at,
-        specs: [QuantSpec { bits: 4, group_size: 64 }; 3],
+        specs: [QuantSpec {
+            bits: 4,
+            group_size: 64,
+        }; 3],
         scale_dtype: Dtype::BF16,
         hidden: d,
         intermediate: inter,
@@ -134,7 +153,12 @@ fn bench(c: &mut Criterion) {
         let _ = g.moe_experts(&xe, &routing, &refs, &layout);
     });
     let gbps = (k * at) as f64 / secs / 1e9;
-    rows.push(format!("| routed experts, top-10 of 2048x512 | {:.1} | {:.1} | {:.2} |", secs * 1e6, gbps, gbps / copy_gbps));
+    rows.push(format!(
+        "| routed experts, top-10 of 2048x512 | {:.1} | {:.1} | {:.2} |",
+        secs * 1e6,
+        gbps,
+        gbps / copy_gbps
+    ));
 
     let table = format!(
         "adapter: {} ({})\n\n| kernel | us per call | GB/s | of copy |\n|---|---:|---:|---:|\n{}\n",

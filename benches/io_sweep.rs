@@ -54,7 +54,11 @@ fn prepare(preset: &Preset, layers: usize) -> PathBuf {
     let root = std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into());
     let dir = PathBuf::from(root).join(format!("{}-{}l", preset.name, layers));
     if !dir.join("model.safetensors.index.json").exists() {
-        eprintln!("writing a synthetic {} checkpoint ({layers} layers) to {}", preset.name, dir.display());
+        eprintln!(
+            "writing a synthetic {} checkpoint ({layers} layers) to {}",
+            preset.name,
+            dir.display()
+        );
         write_checkpoint(&dir, preset, layers, true).expect("synthetic checkpoint");
     }
     if !dir.join(PACK_FILE).exists() {
@@ -73,7 +77,10 @@ fn sweep(c: &mut Criterion) {
         .into_iter()
         .filter(|p| wanted.is_empty() || wanted.split(',').any(|w| w == p.name))
         .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     let rows: Arc<Mutex<Vec<Row>>> = Arc::default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     for preset in presets {
@@ -84,20 +91,32 @@ fn sweep(c: &mut Criterion) {
         files.push(dir.join(PACK_FILE));
         let record_bytes = index.layout.record_bytes;
         let mut group = c.benchmark_group(format!("io_sweep/{}", preset.name));
-        group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
         group.throughput(Throughput::Bytes((BATCH * record_bytes) as u64));
         for (layout, packed) in [("9-piece", false), ("packed", true)] {
             for &depth in &depths {
-                for (mode_name, mode) in [("direct", IoMode::Direct), ("buffered", IoMode::Buffered)] {
-                    let mut options = StreamOptions::with_slots(floor_slots(index.num_experts, 8) + BATCH);
+                for (mode_name, mode) in
+                    [("direct", IoMode::Direct), ("buffered", IoMode::Buffered)]
+                {
+                    let mut options =
+                        StreamOptions::with_slots(floor_slots(index.num_experts, 8) + BATCH);
                     options.queue_depth = depth;
                     options.io = mode;
                     options.use_pack = packed;
-                    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).expect("pool");
-                    assert_eq!(pool.packed(), packed, "pack should be used exactly when asked for");
+                    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone())
+                        .expect("pool");
+                    assert_eq!(
+                        pool.packed(),
+                        packed,
+                        "pack should be used exactly when asked for"
+                    );
                     // Each iteration times the engine on one random batch of misses and the
                     // raw baseline on another, so both see the same cache conditions.
-                    let (mut bytes, mut secs, mut raw_bytes, mut raw_secs) = (0u64, 0f64, 0u64, 0f64);
+                    let (mut bytes, mut secs, mut raw_bytes, mut raw_secs) =
+                        (0u64, 0f64, 0u64, 0f64);
                     group.bench_function(format!("engine/{layout}/{mode_name}/qd{depth}"), |b| {
                         b.iter_custom(|iters| {
                             let mut total = Duration::ZERO;
@@ -106,14 +125,18 @@ fn sweep(c: &mut Criterion) {
                                 let mut keys: Vec<(usize, u32)> = index
                                     .moe_layers
                                     .iter()
-                                    .flat_map(|&l| (0..index.num_experts as u32).map(move |e| (l, e)))
+                                    .flat_map(|&l| {
+                                        (0..index.num_experts as u32).map(move |e| (l, e))
+                                    })
                                     .filter(|&(l, e)| pool.resident((l as u32, e)).is_none())
                                     .collect();
                                 keys.shuffle(&mut rng);
                                 let (engine_keys, raw_keys) = keys.split_at(BATCH);
                                 let start = Instant::now();
                                 let held = rt.block_on(futures::future::try_join_all(
-                                    engine_keys.iter().map(|(l, e)| pool.ensure(*l, std::slice::from_ref(e))),
+                                    engine_keys
+                                        .iter()
+                                        .map(|(l, e)| pool.ensure(*l, std::slice::from_ref(e))),
                                 ));
                                 let dt = start.elapsed();
                                 drop(held.expect("engine read"));
@@ -122,7 +145,10 @@ fn sweep(c: &mut Criterion) {
                                 total += dt;
                                 let ranges: Vec<_> = raw_keys[..BATCH]
                                     .iter()
-                                    .flat_map(|&(l, e)| raw_ranges(&ckpt, &index, (l, e as usize), packed).expect("record"))
+                                    .flat_map(|&(l, e)| {
+                                        raw_ranges(&ckpt, &index, (l, e as usize), packed)
+                                            .expect("record")
+                                    })
                                     .collect();
                                 raw_secs += raw_read(&files, &ranges, depth).expect("raw read");
                                 raw_bytes += (BATCH * record_bytes) as u64;
@@ -155,9 +181,14 @@ fn sweep(c: &mut Criterion) {
         );
     }
     println!("\n{md}");
-    let root = PathBuf::from(std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into()));
+    let root = PathBuf::from(
+        std::env::var("SLOTSTREAM_BENCH_DIR").unwrap_or_else(|_| "target/io-sweep".into()),
+    );
     let _ = std::fs::write(root.join("io_sweep.md"), &md);
-    let _ = std::fs::write(root.join("io_sweep.json"), serde_json::to_vec_pretty(&rows).unwrap_or_default());
+    let _ = std::fs::write(
+        root.join("io_sweep.json"),
+        serde_json::to_vec_pretty(&rows).unwrap_or_default(),
+    );
 }
 
 criterion_group!(benches, sweep);

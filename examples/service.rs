@@ -5,8 +5,8 @@
 //! on first use as `slotstream demo` does).
 
 use futures::StreamExt;
-use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::engine::{Engine, EngineOptions, Event, Request};
+use slotstream::experts::{PoolSize, SourceOptions};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -34,7 +34,10 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let mut tasks = Vec::new();
-    for (i, question) in ["What is a slot pool?", "Why stream experts?", "Say hi."].into_iter().enumerate() {
+    for (i, question) in ["What is a slot pool?", "Why stream experts?", "Say hi."]
+        .into_iter()
+        .enumerate()
+    {
         let engine = engine.clone();
         tasks.push(tokio::spawn(async move {
             let mut request = Request::prompt(question);
@@ -44,7 +47,9 @@ async fn main() -> anyhow::Result<()> {
             while let Some(event) = events.next().await {
                 match event? {
                     Event::Token { text: piece, .. } => text.push_str(&piece),
-                    Event::Done { tail, stats, pool, .. } => {
+                    Event::Done {
+                        tail, stats, pool, ..
+                    } => {
                         text.push_str(&tail);
                         let hit_rate = pool.map(|p| p.hit_rate).unwrap_or(1.0);
                         println!(

@@ -23,13 +23,21 @@ impl AtomicFile {
             Ok(meta) if !meta.is_file() => {
                 return Err(Error::io(
                     dest,
-                    std::io::Error::other("exists and is not a regular file; refusing to replace it"),
+                    std::io::Error::other(
+                        "exists and is not a regular file; refusing to replace it",
+                    ),
                 ))
             }
-            Ok(meta) => (std::fs::canonicalize(dest).map_err(|e| Error::io(dest, e))?, Some(meta.permissions())),
+            Ok(meta) => (
+                std::fs::canonicalize(dest).map_err(|e| Error::io(dest, e))?,
+                Some(meta.permissions()),
+            ),
             Err(_) => (dest.to_path_buf(), None),
         };
-        let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = dest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let tmp = tempfile::Builder::new()
             .prefix(".slotstream-")
             .tempfile_in(dir)
@@ -50,13 +58,21 @@ impl AtomicFile {
     /// Syncs the data, sets the permissions and renames the file over the destination.
     pub fn commit(self) -> Result<()> {
         let dest = self.dest;
-        self.tmp.as_file().sync_all().map_err(|e| Error::io(&dest, e))?;
+        self.tmp
+            .as_file()
+            .sync_all()
+            .map_err(|e| Error::io(&dest, e))?;
         let mode = self.mode.unwrap_or_else(|| {
             use std::os::unix::fs::PermissionsExt;
             std::fs::Permissions::from_mode(0o644)
         });
-        self.tmp.as_file().set_permissions(mode).map_err(|e| Error::io(&dest, e))?;
-        self.tmp.persist(&dest).map_err(|e| Error::io(&dest, e.error))?;
+        self.tmp
+            .as_file()
+            .set_permissions(mode)
+            .map_err(|e| Error::io(&dest, e))?;
+        self.tmp
+            .persist(&dest)
+            .map_err(|e| Error::io(&dest, e.error))?;
         Ok(())
     }
 }

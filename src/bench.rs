@@ -53,9 +53,13 @@ impl std::str::FromStr for Budget {
             "all" => Ok(Budget::All),
             p if p.ends_with('%') => match p[..p.len() - 1].trim().parse::<f64>() {
                 Ok(v) if v > 0.0 && v <= 100.0 => Ok(Budget::Percent(v)),
-                _ => Err(format!("`{p}`: a share of the records must be in (0, 100]%")),
+                _ => Err(format!(
+                    "`{p}`: a share of the records must be in (0, 100]%"
+                )),
             },
-            size => parse_size(size).map(Budget::Bytes).map_err(|e| e.to_string()),
+            size => parse_size(size)
+                .map(Budget::Bytes)
+                .map_err(|e| e.to_string()),
         }
     }
 }
@@ -173,28 +177,52 @@ pub fn run<B: Backend>(
     // Measured with the first pool, which knows whether the pack is usable.
     let mut raw: Option<(f64, String)> = None;
     let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed);
-    let prompt: Vec<u32> = (0..options.prompt_len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+    let prompt: Vec<u32> = (0..options.prompt_len)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
     let active = active_bytes_per_token(ckpt, &index);
     let mut rows = Vec::new();
     for budget in &options.budgets {
         for &lookahead in &options.lookahead {
-            progress(&format!("budget {budget}, lookahead {}", if lookahead { "on" } else { "off" }));
+            progress(&format!(
+                "budget {budget}, lookahead {}",
+                if lookahead { "on" } else { "off" }
+            ));
             tracing::info!(%budget, lookahead, "bench row");
             let mut source = options.source.clone();
             source.lookahead = lookahead;
             source.pool = Some(match budget {
-                Budget::Floor => PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP)),
+                Budget::Floor => {
+                    PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP))
+                }
                 Budget::All => PoolSize::Slots(records),
-                Budget::Percent(p) => PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1)),
+                Budget::Percent(p) => {
+                    PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1))
+                }
                 Budget::Bytes(b) => PoolSize::Budget(*b),
             });
             reset_peak_rss();
-            let opened = open_source(backend, ckpt, index.clone(), &source, runtime.handle().clone())
-                .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
-            let pool = opened.pool.clone().ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
+            let opened = open_source(
+                backend,
+                ckpt,
+                index.clone(),
+                &source,
+                runtime.handle().clone(),
+            )
+            .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
+            let pool = opened
+                .pool
+                .clone()
+                .ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
             if raw.is_none() {
                 progress("measuring raw direct reads");
-                raw = Some(raw_bandwidth(ckpt, &index, pool.packed(), options.source.queue_depth, options.seed)?);
+                raw = Some(raw_bandwidth(
+                    ckpt,
+                    &index,
+                    pool.packed(),
+                    options.source.queue_depth,
+                    options.seed,
+                )?);
             }
             let raw_bps = raw.as_ref().map_or(0.0, |r| r.0);
             let mut preload_seconds = 0.0;
@@ -219,16 +247,25 @@ pub fn run<B: Backend>(
             let mut state = model.new_state(backend);
             let mut at_warmup: Option<(Instant, PoolStats)> = None;
             let mut count = 0;
-            let (_, stats) = generate(&model, backend, &opened.experts, &mut state, &prompt, &generate_options, |_| {
-                count += 1;
-                // The first token comes from prefill; decode steps follow it.
-                if count == options.warmup + 1 {
-                    at_warmup = Some((Instant::now(), pool.stats()));
-                }
-                Ok(true)
-            })?;
+            let (_, stats) = generate(
+                &model,
+                backend,
+                &opened.experts,
+                &mut state,
+                &prompt,
+                &generate_options,
+                |_| {
+                    count += 1;
+                    // The first token comes from prefill; decode steps follow it.
+                    if count == options.warmup + 1 {
+                        at_warmup = Some((Instant::now(), pool.stats()));
+                    }
+                    Ok(true)
+                },
+            )?;
             let end = (Instant::now(), pool.stats());
-            let (t0, s0) = at_warmup.ok_or_else(|| Error::InvalidInput("generation ended before the warm-up".into()))?;
+            let (t0, s0) = at_warmup
+                .ok_or_else(|| Error::InvalidInput("generation ended before the warm-up".into()))?;
             let seconds = end.0.duration_since(t0).as_secs_f64();
             let s1 = end.1;
             let decode_tokens = stats.generated_tokens - options.warmup - 1;
@@ -255,7 +292,11 @@ pub fn run<B: Backend>(
                 lookups: hits + misses,
                 hits,
                 misses,
-                hit_rate: if hits + misses == 0 { 1.0 } else { hits as f64 / (hits + misses) as f64 },
+                hit_rate: if hits + misses == 0 {
+                    1.0
+                } else {
+                    hits as f64 / (hits + misses) as f64
+                },
                 bytes_read,
                 speculative_bytes,
                 mb_read_per_token: per_token / 1e6,
@@ -316,7 +357,10 @@ impl BenchReport {
         s += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         for r in &self.rows {
             let (limit, of) = match r.limit_tps {
-                Some(l) => (format!("{l:.1} ({})", r.limit_kind), format!("{:.2}", r.decode_tps / l)),
+                Some(l) => (
+                    format!("{l:.1} ({})", r.limit_kind),
+                    format!("{:.2}", r.decode_tps / l),
+                ),
                 None => (format!("- ({})", r.limit_kind), "-".into()),
             };
             s += &format!(
@@ -346,7 +390,13 @@ impl BenchReport {
 pub fn active_bytes_per_token(ckpt: &Checkpoint, index: &ExpertIndex) -> u64 {
     let cfg = &ckpt.config;
     let dense: u64 = resident_tensors(ckpt)
-        .map(|(t, held)| if t.name.contains("embed_tokens") { held / cfg.vocab_size.max(1) as u64 } else { held })
+        .map(|(t, held)| {
+            if t.name.contains("embed_tokens") {
+                held / cfg.vocab_size.max(1) as u64
+            } else {
+                held
+            }
+        })
         .sum();
     dense + (cfg.num_experts_per_tok * index.moe_layers.len() * index.layout.record_bytes) as u64
 }
@@ -360,8 +410,11 @@ fn raw_bandwidth(
     depth: usize,
     seed: u64,
 ) -> Result<(f64, String)> {
-    let mut keys: Vec<(usize, usize)> =
-        index.moe_layers.iter().flat_map(|&l| (0..index.num_experts).map(move |e| (l, e))).collect();
+    let mut keys: Vec<(usize, usize)> = index
+        .moe_layers
+        .iter()
+        .flat_map(|&l| (0..index.num_experts).map(move |e| (l, e)))
+        .collect();
     keys.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed));
     keys.truncate(512);
     let mut files: Vec<PathBuf> = ckpt.shards().iter().map(|s| s.path.clone()).collect();
@@ -372,11 +425,17 @@ fn raw_bandwidth(
         .collect::<Result<Vec<_>>>()?
         .concat();
     if ranges.is_empty() {
-        return Err(Error::InvalidInput("the model has no expert records to read".into()));
+        return Err(Error::InvalidInput(
+            "the model has no expert records to read".into(),
+        ));
     }
     let seconds = raw_read(&files, &ranges, depth)?;
     let bytes = (keys.len() * index.layout.record_bytes) as f64;
-    let what = format!("{} records from {}", keys.len(), if packed { "experts.pack" } else { "the shards" });
+    let what = format!(
+        "{} records from {}",
+        keys.len(),
+        if packed { "experts.pack" } else { "the shards" }
+    );
     Ok((bytes / seconds, what))
 }
 
@@ -384,7 +443,12 @@ fn raw_bandwidth(
 /// expert): the packed record (file index = number of shards, i.e. the pack after the
 /// shards), or each piece's range aligned outward to [`ALIGN`].
 /// Errors: a record the index lacks.
-pub fn raw_ranges(ckpt: &Checkpoint, index: &ExpertIndex, key: (usize, usize), packed: bool) -> Result<Vec<(usize, u64, usize)>> {
+pub fn raw_ranges(
+    ckpt: &Checkpoint,
+    index: &ExpertIndex,
+    key: (usize, usize),
+    packed: bool,
+) -> Result<Vec<(usize, u64, usize)>> {
     let a = ALIGN as u64;
     let missing = || Error::InvalidInput(format!("no expert record ({}, {})", key.0, key.1));
     if packed {
@@ -435,8 +499,12 @@ pub fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize)
                     let mut buf = AlignedBuf::zeroed(longest)?;
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(f, offset, len)) = ranges.get(i) else { return Ok(()) };
-                        let file = handles[f].as_ref().ok_or_else(|| Error::io(&files[f], std::io::ErrorKind::NotFound.into()))?;
+                        let Some(&(f, offset, len)) = ranges.get(i) else {
+                            return Ok(());
+                        };
+                        let file = handles[f].as_ref().ok_or_else(|| {
+                            Error::io(&files[f], std::io::ErrorKind::NotFound.into())
+                        })?;
                         let dst = &mut buf.as_mut_slice()[..len];
                         let mut done = 0;
                         while done < len {
@@ -451,7 +519,10 @@ pub fn raw_read(files: &[PathBuf], ranges: &[(usize, u64, usize)], depth: usize)
                 })
             })
             .collect();
-        workers.into_iter().filter_map(|w| w.join().ok().and_then(|r| r.err())).collect()
+        workers
+            .into_iter()
+            .filter_map(|w| w.join().ok().and_then(|r| r.err()))
+            .collect()
     });
     if let Some(e) = failures.into_iter().next() {
         return Err(e);

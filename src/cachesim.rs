@@ -70,7 +70,15 @@ pub fn write_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
         let mut out = BufWriter::new(file.file());
         writeln!(out, "token,layer,expert,outcome").map_err(|e| Error::io(path, e))?;
         for e in events {
-            writeln!(out, "{},{},{},{}", e.token, e.layer, e.expert, e.outcome.as_str()).map_err(|e| Error::io(path, e))?;
+            writeln!(
+                out,
+                "{},{},{},{}",
+                e.token,
+                e.layer,
+                e.expert,
+                e.outcome.as_str()
+            )
+            .map_err(|e| Error::io(path, e))?;
         }
         out.flush().map_err(|e| Error::io(path, e))?;
     }
@@ -103,11 +111,26 @@ pub fn read_trace(path: &Path) -> Result<Vec<Request>> {
         if n == 0 && line.starts_with("token") || line.trim().is_empty() {
             continue;
         }
-        let bad = || Error::InvalidInput(format!("{}: line {}: expected token,layer,expert[,outcome]", path.display(), n + 1));
+        let bad = || {
+            Error::InvalidInput(format!(
+                "{}: line {}: expected token,layer,expert[,outcome]",
+                path.display(),
+                n + 1
+            ))
+        };
         let mut f = line.split(',');
-        let token: u64 = f.next().and_then(|v| v.trim().parse().ok()).ok_or_else(bad)?;
-        let layer: u32 = f.next().and_then(|v| v.trim().parse().ok()).ok_or_else(bad)?;
-        let expert: u32 = f.next().and_then(|v| v.trim().parse().ok()).ok_or_else(bad)?;
+        let token: u64 = f
+            .next()
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(bad)?;
+        let layer: u32 = f
+            .next()
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(bad)?;
+        let expert: u32 = f
+            .next()
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(bad)?;
         match requests.last_mut() {
             Some(r) if r.token == token && r.layer == layer => r.experts.push(expert),
             _ => requests.push(Request {
@@ -118,7 +141,10 @@ pub fn read_trace(path: &Path) -> Result<Vec<Request>> {
         }
     }
     if requests.is_empty() {
-        return Err(Error::InvalidInput(format!("{}: the trace has no lookups", path.display())));
+        return Err(Error::InvalidInput(format!(
+            "{}: the trace has no lookups",
+            path.display()
+        )));
     }
     Ok(requests)
 }
@@ -131,8 +157,10 @@ pub fn simulate(requests: &[Request], slots: usize, policy: Policy) -> SimResult
         return SimResult { hits: 0, misses: n };
     }
     // More slots than distinct keys never evict: the rest would only cost memory.
-    let distinct: std::collections::HashSet<(u32, u32)> =
-        requests.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
+    let distinct: std::collections::HashSet<(u32, u32)> = requests
+        .iter()
+        .flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e)))
+        .collect();
     let slots = slots.min(distinct.len().max(1));
     let accesses: Vec<Key> = requests
         .iter()
@@ -198,7 +226,9 @@ pub fn simulate(requests: &[Request], slots: usize, policy: Policy) -> SimResult
                     }
                     found
                 }
-                Policy::Lru | Policy::Belady => order.iter().map(|&(_, s)| s).find(|s| !pinned.contains(s)),
+                Policy::Lru | Policy::Belady => {
+                    order.iter().map(|&(_, s)| s).find(|s| !pinned.contains(s))
+                }
             });
             // With every slot pinned by this request, the record is used without caching.
             let Some(s) = victim else { continue };
@@ -232,14 +262,27 @@ mod tests {
     #[test]
     fn hand_computed_hits() {
         // Two slots, one expert per request: 1 2 3 1 2 3 1.
-        let trace: Vec<Request> = [1, 2, 3, 1, 2, 3, 1].iter().enumerate().map(|(t, &e)| req(t as u64, &[e])).collect();
+        let trace: Vec<Request> = [1, 2, 3, 1, 2, 3, 1]
+            .iter()
+            .enumerate()
+            .map(|(t, &e)| req(t as u64, &[e]))
+            .collect();
         // LRU thrashes on a cycle longer than the cache: no hits.
-        assert_eq!(simulate(&trace, 2, Policy::Lru), SimResult { hits: 0, misses: 7 });
+        assert_eq!(
+            simulate(&trace, 2, Policy::Lru),
+            SimResult { hits: 0, misses: 7 }
+        );
         // CLOCK (all bits set on insert) degenerates to FIFO here: no hits either.
-        assert_eq!(simulate(&trace, 2, Policy::Clock), SimResult { hits: 0, misses: 7 });
+        assert_eq!(
+            simulate(&trace, 2, Policy::Clock),
+            SimResult { hits: 0, misses: 7 }
+        );
         // MIN: miss 1, miss 2, miss 3 (evict 2, used after 1), hit 1, miss 2 (evict 1?
         // next uses: 3 at 5, 1 at 6 -> evict 1), hit 3, miss 1 -> 2 hits.
-        assert_eq!(simulate(&trace, 2, Policy::Belady), SimResult { hits: 2, misses: 5 });
+        assert_eq!(
+            simulate(&trace, 2, Policy::Belady),
+            SimResult { hits: 2, misses: 5 }
+        );
     }
 
     #[test]
@@ -247,7 +290,11 @@ mod tests {
         // One request of three experts in two slots: the third cannot evict the first two.
         let trace = vec![req(0, &[1, 2, 3]), req(1, &[1, 2])];
         for p in Policy::ALL {
-            assert_eq!(simulate(&trace, 2, p), SimResult { hits: 2, misses: 3 }, "{p:?}");
+            assert_eq!(
+                simulate(&trace, 2, p),
+                SimResult { hits: 2, misses: 3 },
+                "{p:?}"
+            );
         }
     }
 
@@ -256,10 +303,20 @@ mod tests {
         // Slots 2. 1,2 then 1 (hit, bit set), 3: hand at slot 0 (key 1, bit set -> clear),
         // slot 1 (key 2, bit set from insert -> clear), slot 0 (clear) -> evict 1.
         // Then 2 hits.
-        let trace: Vec<Request> = [1, 2, 1, 3, 2].iter().enumerate().map(|(t, &e)| req(t as u64, &[e])).collect();
-        assert_eq!(simulate(&trace, 2, Policy::Clock), SimResult { hits: 2, misses: 3 });
+        let trace: Vec<Request> = [1, 2, 1, 3, 2]
+            .iter()
+            .enumerate()
+            .map(|(t, &e)| req(t as u64, &[e]))
+            .collect();
+        assert_eq!(
+            simulate(&trace, 2, Policy::Clock),
+            SimResult { hits: 2, misses: 3 }
+        );
         // LRU evicts 2 (least recent) for 3, so the final 2 misses.
-        assert_eq!(simulate(&trace, 2, Policy::Lru), SimResult { hits: 1, misses: 4 });
+        assert_eq!(
+            simulate(&trace, 2, Policy::Lru),
+            SimResult { hits: 1, misses: 4 }
+        );
     }
 
     proptest::proptest! {
@@ -283,4 +340,3 @@ mod tests {
         }
     }
 }
-

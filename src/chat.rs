@@ -73,7 +73,9 @@ impl<B: Backend> Conversation<B> {
         });
         let rendered = template.render(&messages)?;
         let (ids, reused) = match rendered.strip_prefix(self.text.as_str()) {
-            Some(new_text) if !self.text.is_empty() && self.history.starts_with(&self.state.tokens) => {
+            Some(new_text)
+                if !self.text.is_empty() && self.history.starts_with(&self.state.tokens) =>
+            {
                 let mut ids = self.history.clone();
                 ids.extend(tokenizer.encode(new_text)?);
                 (ids, self.state.tokens.len())
@@ -83,7 +85,16 @@ impl<B: Backend> Conversation<B> {
                 (tokenizer.encode(&rendered)?, 0)
             }
         };
-        let result = self.run_turn(model, backend, experts, tokenizer, options, &ids, reused, &mut on_text);
+        let result = self.run_turn(
+            model,
+            backend,
+            experts,
+            tokenizer,
+            options,
+            &ids,
+            reused,
+            &mut on_text,
+        );
         let (reply, output_ids, stats) = match result {
             Ok(r) => r,
             Err(e) => {
@@ -128,16 +139,26 @@ impl<B: Backend> Conversation<B> {
     ) -> Result<(String, Vec<u32>, GenerateStats)> {
         let prompt = &ids[reused..];
         if prompt.is_empty() {
-            return Err(Error::InvalidInput("the rendered conversation adds no tokens".into()));
+            return Err(Error::InvalidInput(
+                "the rendered conversation adds no tokens".into(),
+            ));
         }
         let mut decoder = StreamDecoder::new();
         let mut reply = String::new();
-        let (output_ids, stats) = generate(model, backend, experts, &mut self.state, prompt, options, |id| {
-            let piece = decoder.push(tokenizer, id)?;
-            on_text(&piece);
-            reply.push_str(&piece);
-            Ok(true)
-        })?;
+        let (output_ids, stats) = generate(
+            model,
+            backend,
+            experts,
+            &mut self.state,
+            prompt,
+            options,
+            |id| {
+                let piece = decoder.push(tokenizer, id)?;
+                on_text(&piece);
+                reply.push_str(&piece);
+                Ok(true)
+            },
+        )?;
         let tail = decoder.finish(tokenizer)?;
         on_text(&tail);
         reply.push_str(&tail);

@@ -111,7 +111,9 @@ impl QuantSpec {
             return Err(Error::Config {
                 path: path.to_path_buf(),
                 field: field.to_string(),
-                message: format!("group size {group_size} is not supported (supported: 32, 64, 128)"),
+                message: format!(
+                    "group size {group_size} is not supported (supported: 32, 64, 128)"
+                ),
             });
         }
         Ok(QuantSpec {
@@ -211,10 +213,9 @@ impl Fields<'_> {
 
     fn usize_or(&self, field: &str, default: Option<usize>) -> Result<usize> {
         match self.get(field) {
-            Some(v) => v
-                .as_u64()
-                .map(|n| n as usize)
-                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, found {v}"))
+            }),
             None => default.ok_or_else(|| self.err(field, "missing")),
         }
     }
@@ -248,7 +249,9 @@ impl Fields<'_> {
                         .ok_or_else(|| self.err(field, format!("expected integers, found {v}")))
                 })
                 .collect(),
-            Some(Value::Number(n)) if n.is_u64() => Ok(vec![n.as_u64().unwrap_or_default() as usize]),
+            Some(Value::Number(n)) if n.is_u64() => {
+                Ok(vec![n.as_u64().unwrap_or_default() as usize])
+            }
             Some(v) => Err(self.err(field, format!("expected an integer or a list, found {v}"))),
         }
     }
@@ -302,7 +305,10 @@ impl ModelConfig {
             (Family::Qwen35Moe, Some(text)) => {
                 let mut m = text.clone();
                 m.remove("quantization");
-                if let Some(eos) = top.get("eos_token_id").filter(|_| !text.contains_key("eos_token_id")) {
+                if let Some(eos) = top
+                    .get("eos_token_id")
+                    .filter(|_| !text.contains_key("eos_token_id"))
+                {
                     m.insert("eos_token_id".into(), eos.clone());
                 }
                 m
@@ -332,7 +338,9 @@ impl ModelConfig {
                     _ => f.f64_or("rope_theta", Some(10_000.0))?,
                 };
                 let partial = match &rope_f {
-                    Some(r) if r.get("partial_rotary_factor").is_some() => r.f64_or("partial_rotary_factor", None)?,
+                    Some(r) if r.get("partial_rotary_factor").is_some() => {
+                        r.f64_or("partial_rotary_factor", None)?
+                    }
                     _ => f.f64_or("partial_rotary_factor", Some(1.0))?,
                 };
                 (rope_theta, partial)
@@ -345,7 +353,10 @@ impl ModelConfig {
         let head_dim = f.usize_or("head_dim", Some(hidden_size / num_attention_heads.max(1)))?;
         let rotary_dim = (head_dim as f64 * partial) as usize;
         if rotary_dim % 2 != 0 || rotary_dim > head_dim {
-            return Err(f.err("partial_rotary_factor", format!("gives {rotary_dim} rotary dims of {head_dim}")));
+            return Err(f.err(
+                "partial_rotary_factor",
+                format!("gives {rotary_dim} rotary dims of {head_dim}"),
+            ));
         }
         let num_hidden_layers = f.usize("num_hidden_layers")?;
         let interval_kinds = |f: &Fields<'_>| -> Result<Vec<LayerKind>> {
@@ -398,15 +409,16 @@ impl ModelConfig {
         };
         // mlx-lm qwen3_5: MoE in every layer when num_experts > 0; the router renormalizes
         // by default.
-        let (norm_topk_default, kv_heads_default, mlp_only_layers, decoder_sparse_step) = match family {
-            Family::Qwen3Next => (
-                false,
-                num_attention_heads,
-                f.usize_list("mlp_only_layers")?,
-                f.usize_or("decoder_sparse_step", Some(1))?.max(1),
-            ),
-            Family::Qwen35Moe => (true, 8, Vec::new(), 1),
-        };
+        let (norm_topk_default, kv_heads_default, mlp_only_layers, decoder_sparse_step) =
+            match family {
+                Family::Qwen3Next => (
+                    false,
+                    num_attention_heads,
+                    f.usize_list("mlp_only_layers")?,
+                    f.usize_or("decoder_sparse_step", Some(1))?.max(1),
+                ),
+                Family::Qwen35Moe => (true, 8, Vec::new(), 1),
+            };
         let quantization = match family {
             Family::Qwen3Next => parse_quantization(&f)?,
             Family::Qwen35Moe => parse_quantization(&top_f)?,
@@ -443,7 +455,10 @@ impl ModelConfig {
             eos_token_ids: f
                 .usize_list("eos_token_id")?
                 .into_iter()
-                .map(|v| u32::try_from(v).map_err(|_| f.err("eos_token_id", format!("{v} is not a token id"))))
+                .map(|v| {
+                    u32::try_from(v)
+                        .map_err(|_| f.err("eos_token_id", format!("{v} is not a token id")))
+                })
                 .collect::<Result<_>>()?,
             quantization,
         };
@@ -467,7 +482,10 @@ impl ModelConfig {
             ("linear_value_head_dim", self.linear_value_head_dim),
             ("num_experts", self.num_experts),
             ("moe_intermediate_size", self.moe_intermediate_size),
-            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
         ] {
             if v == 0 {
                 return Err(err(field, "must be at least 1".into()));
@@ -476,19 +494,35 @@ impl ModelConfig {
         if self.linear_key_head_dim > 256 {
             return Err(err(
                 "linear_key_head_dim",
-                format!("{} is above the 256 the kernels support", self.linear_key_head_dim),
+                format!(
+                    "{} is above the 256 the kernels support",
+                    self.linear_key_head_dim
+                ),
             ));
         }
-        if let Some(bad) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            return Err(err("eos_token_id", format!("{bad} is outside the vocabulary of {}", self.vocab_size)));
+        if let Some(bad) = self
+            .eos_token_ids
+            .iter()
+            .find(|&&id| id as usize >= self.vocab_size)
+        {
+            return Err(err(
+                "eos_token_id",
+                format!("{bad} is outside the vocabulary of {}", self.vocab_size),
+            ));
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
+        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        {
             return Err(err(
                 "num_key_value_heads",
-                format!("{} does not divide {} query heads", self.num_key_value_heads, self.num_attention_heads),
+                format!(
+                    "{} does not divide {} query heads",
+                    self.num_key_value_heads, self.num_attention_heads
+                ),
             ));
         }
-        if self.linear_num_key_heads == 0 || self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if self.linear_num_key_heads == 0
+            || self.linear_num_value_heads % self.linear_num_key_heads != 0
+        {
             return Err(err(
                 "linear_num_value_heads",
                 format!(
@@ -500,7 +534,10 @@ impl ModelConfig {
         if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
             return Err(err(
                 "num_experts_per_tok",
-                format!("{} with {} experts", self.num_experts_per_tok, self.num_experts),
+                format!(
+                    "{} with {} experts",
+                    self.num_experts_per_tok, self.num_experts
+                ),
             ));
         }
         if self.linear_conv_kernel_dim == 0 {
@@ -561,12 +598,16 @@ impl ModelConfig {
     /// Whether layer `i` has a routed-expert MoE block (else a dense MLP),
     /// as mlx-lm's `Qwen3NextDecoderLayer` decides it.
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        !self.mlp_only_layers.contains(&i) && self.num_experts > 0 && (i + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&i)
+            && self.num_experts > 0
+            && (i + 1) % self.decoder_sparse_step == 0
     }
 
     /// Indices of the layers that have routed experts, ascending.
     pub fn moe_layers(&self) -> Vec<usize> {
-        (0..self.num_hidden_layers).filter(|&i| self.is_moe_layer(i)).collect()
+        (0..self.num_hidden_layers)
+            .filter(|&i| self.is_moe_layer(i))
+            .collect()
     }
 
     /// Gated DeltaNet key dimension (`linear_num_key_heads * linear_key_head_dim`).
@@ -597,7 +638,10 @@ fn qwen35_rope(f: &Fields<'_>, obj: &Map<String, Value>) -> Result<(f64, f64)> {
         // The dataclass default: {type: default, rope_theta: 1e5, partial_rotary_factor: 0.25}.
         None => Ok((THETA, PARTIAL)),
         Some(Value::Object(rope)) if !rope.is_empty() => {
-            let r = Fields { obj: rope, path: f.path };
+            let r = Fields {
+                obj: rope,
+                path: f.path,
+            };
             match r.get("type").or_else(|| r.get("rope_type")) {
                 None => {}
                 Some(Value::String(kind)) if kind == "default" => {}
@@ -608,13 +652,19 @@ fn qwen35_rope(f: &Fields<'_>, obj: &Map<String, Value>) -> Result<(f64, f64)> {
                     ))
                 }
             }
-            Ok((r.f64_or("rope_theta", Some(THETA))?, r.f64_or("partial_rotary_factor", Some(PARTIAL))?))
+            Ok((
+                r.f64_or("rope_theta", Some(THETA))?,
+                r.f64_or("partial_rotary_factor", Some(PARTIAL))?,
+            ))
         }
         Some(Value::Null) | Some(Value::Object(_)) => {
             if f.get("rope_scaling").is_some() {
                 return Err(f.err("rope_scaling", "RoPE scaling is not supported"));
             }
-            Ok((f.f64_or("rope_theta", Some(THETA))?, f.f64_or("partial_rotary_factor", Some(PARTIAL))?))
+            Ok((
+                f.f64_or("rope_theta", Some(THETA))?,
+                f.f64_or("partial_rotary_factor", Some(PARTIAL))?,
+            ))
         }
         Some(v) => Err(f.err("rope_parameters", format!("expected an object, found {v}"))),
     }
@@ -630,10 +680,15 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Quantization> {
     let qf = Fields { obj, path: f.path };
     if let Some(mode) = qf.get("mode") {
         if mode.as_str() != Some("affine") {
-            return Err(f.err("quantization.mode", format!("{mode} is not supported (supported: \"affine\")")));
+            return Err(f.err(
+                "quantization.mode",
+                format!("{mode} is not supported (supported: \"affine\")"),
+            ));
         }
     }
-    let bits = qf.usize("bits").map_err(|_| f.err("quantization.bits", "missing or not an integer"))?;
+    let bits = qf
+        .usize("bits")
+        .map_err(|_| f.err("quantization.bits", "missing or not an integer"))?;
     let group = qf
         .usize("group_size")
         .map_err(|_| f.err("quantization.group_size", "missing or not an integer"))?;
@@ -643,12 +698,20 @@ fn parse_quantization(f: &Fields<'_>) -> Result<Quantization> {
         let field = format!("quantization.{key}");
         match value {
             Value::Object(m) => {
-                let mf = Fields { obj: m, path: f.path };
-                let bits = mf.usize_or("bits", Some(default.bits as usize)).map_err(|_| f.err(&field, "bad bits"))?;
+                let mf = Fields {
+                    obj: m,
+                    path: f.path,
+                };
+                let bits = mf
+                    .usize_or("bits", Some(default.bits as usize))
+                    .map_err(|_| f.err(&field, "bad bits"))?;
                 let group = mf
                     .usize_or("group_size", Some(default.group_size))
                     .map_err(|_| f.err(&field, "bad group_size"))?;
-                overrides.insert(key.clone(), Some(QuantSpec::new(bits, group, f.path, &field)?));
+                overrides.insert(
+                    key.clone(),
+                    Some(QuantSpec::new(bits, group, f.path, &field)?),
+                );
             }
             Value::Bool(false) => {
                 overrides.insert(key.clone(), None);
@@ -689,7 +752,10 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, vec![5, 6]);
         assert_eq!(
             cfg.quantization.for_module("model.layers.0.mlp.gate"),
-            Some(Some(QuantSpec { bits: 8, group_size: 64 }))
+            Some(Some(QuantSpec {
+                bits: 8,
+                group_size: 64
+            }))
         );
     }
 
@@ -727,7 +793,10 @@ mod tests {
     fn qwen35_moe_reads_text_config_as_mlx_lm_does() {
         let cfg = ModelConfig::from_json(&qwen35(), Path::new("config.json")).unwrap();
         assert_eq!(cfg.family, Family::Qwen35Moe);
-        assert_eq!(cfg.family.delta_net_projections(), DeltaNetProjections::Split);
+        assert_eq!(
+            cfg.family.delta_net_projections(),
+            DeltaNetProjections::Split
+        );
         // Top-level model fields are not the text model's.
         assert_eq!(cfg.hidden_size, 64);
         assert!(!cfg.tie_word_embeddings);
@@ -735,10 +804,17 @@ mod tests {
         assert!(cfg.norm_topk_prob, "mlx-lm's qwen3_5 default");
         assert_eq!(cfg.layer_kinds[3], LayerKind::FullAttention);
         assert_eq!(
-            cfg.quantization.for_module("language_model.model.layers.0.mlp.gate"),
-            Some(Some(QuantSpec { bits: 8, group_size: 64 }))
+            cfg.quantization
+                .for_module("language_model.model.layers.0.mlp.gate"),
+            Some(Some(QuantSpec {
+                bits: 8,
+                group_size: 64
+            }))
         );
-        assert_eq!(cfg.layer_name(2, "mlp.gate"), "language_model.model.layers.2.mlp.gate");
+        assert_eq!(
+            cfg.layer_name(2, "mlp.gate"),
+            "language_model.model.layers.2.mlp.gate"
+        );
         assert_eq!(cfg.name("lm_head"), "language_model.lm_head");
         // Every layer is MoE in mlx-lm's qwen3_5, whatever mlp_only_layers says.
         let mut v = qwen35();
@@ -759,7 +835,10 @@ mod tests {
     fn qwen35_moe_rope_defaults_and_unsupported_scaling() {
         let path = Path::new("config.json");
         let mut v = qwen35();
-        v["text_config"].as_object_mut().unwrap().remove("rope_parameters");
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("rope_parameters");
         v["text_config"]["rope_theta"] = json!(3.0);
         let cfg = ModelConfig::from_json(&v, path).unwrap();
         // The dataclass default rope_parameters wins over a bare rope_theta.
@@ -774,7 +853,12 @@ mod tests {
         // The interval decides the layer pattern; layer_types only warns.
         let mut v = qwen35();
         v["text_config"]["full_attention_interval"] = json!(2);
-        v["text_config"]["layer_types"] = json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]);
+        v["text_config"]["layer_types"] = json!([
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention"
+        ]);
         let cfg = ModelConfig::from_json(&v, path).unwrap();
         assert_eq!(cfg.layer_kinds[1], LayerKind::FullAttention);
     }
@@ -783,11 +867,23 @@ mod tests {
     fn qwen35_moe_tensor_names_follow_mlx_lm_sanitize() {
         let q = ModelConfig::from_json(&qwen35(), Path::new("config.json")).unwrap();
         for (stored, canonical) in [
-            ("language_model.model.norm.weight", "language_model.model.norm.weight"),
-            ("model.language_model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight"),
-            ("model.layers.0.mlp.gate.weight", "language_model.model.layers.0.mlp.gate.weight"),
+            (
+                "language_model.model.norm.weight",
+                "language_model.model.norm.weight",
+            ),
+            (
+                "model.language_model.layers.0.mlp.gate.weight",
+                "language_model.model.layers.0.mlp.gate.weight",
+            ),
+            (
+                "model.layers.0.mlp.gate.weight",
+                "language_model.model.layers.0.mlp.gate.weight",
+            ),
             ("lm_head.weight", "language_model.lm_head.weight"),
-            ("vision_tower.blocks.0.attn.qkv.weight", "vision_tower.blocks.0.attn.qkv.weight"),
+            (
+                "vision_tower.blocks.0.attn.qkv.weight",
+                "vision_tower.blocks.0.attn.qkv.weight",
+            ),
             ("model.visual.merger.weight", "model.visual.merger.weight"),
         ] {
             assert_eq!(q.canonical_name(stored), canonical);
@@ -804,11 +900,18 @@ mod tests {
     fn rejects_unknown_model_and_bits() {
         let mut v = base();
         v["model_type"] = json!("llama");
-        let e = ModelConfig::from_json(&v, Path::new("config.json")).unwrap_err().to_string();
-        assert!(e.contains("llama") && e.contains("qwen3_next") && e.contains("qwen3_5_moe"), "{e}");
+        let e = ModelConfig::from_json(&v, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("llama") && e.contains("qwen3_next") && e.contains("qwen3_5_moe"),
+            "{e}"
+        );
         let mut v = base();
         v["quantization"]["bits"] = json!(3);
-        let e = ModelConfig::from_json(&v, Path::new("config.json")).unwrap_err().to_string();
+        let e = ModelConfig::from_json(&v, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("3-bit"), "{e}");
     }
 }

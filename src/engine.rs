@@ -186,21 +186,27 @@ impl Engine {
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
             let ckpt = Arc::new(Checkpoint::open(&dir)?);
-            let (runner, pool): (Box<dyn Runner>, _) = match open_compute(options.device.as_deref())? {
-                Compute::Cpu(b) => {
-                    let (l, pool) = load_on(b, &ckpt, &options, handle)?;
-                    (Box::new(l), pool)
-                }
-                Compute::Gpu(b) => {
-                    let (l, pool) = load_on(*b, &ckpt, &options, handle)?;
-                    (Box::new(l), pool)
-                }
-            };
+            let (runner, pool): (Box<dyn Runner>, _) =
+                match open_compute(options.device.as_deref())? {
+                    Compute::Cpu(b) => {
+                        let (l, pool) = load_on(b, &ckpt, &options, handle)?;
+                        (Box::new(l), pool)
+                    }
+                    Compute::Gpu(b) => {
+                        let (l, pool) = load_on(*b, &ckpt, &options, handle)?;
+                        (Box::new(l), pool)
+                    }
+                };
             let tokenizer = Tokenizer::load(&dir)?;
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
                 template: ChatTemplate::load(&dir)?,
-                eos: eos_ids(&dir, &ckpt.config.eos_token_ids, &tokenizer, ckpt.config.vocab_size)?,
+                eos: eos_ids(
+                    &dir,
+                    &ckpt.config.eos_token_ids,
+                    &tokenizer,
+                    ckpt.config.vocab_size,
+                )?,
                 tokenizer,
                 context: options.source.context,
                 vocab: ckpt.config.vocab_size,
@@ -245,7 +251,11 @@ impl Engine {
                         Error::Tokenizer { message, .. } => Error::InvalidInput(message),
                         e => e,
                     })?,
-                    None => messages.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
+                    None => messages
+                        .iter()
+                        .map(|m| m.content.as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n"),
                 };
                 s.tokenizer.encode(&text)?
             }
@@ -269,7 +279,11 @@ impl Engine {
 
     /// The engine's counters.
     pub fn stats(&self) -> EngineStats {
-        self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The pool's counters now (since the start of the current or last request), if
@@ -313,8 +327,10 @@ impl Engine {
                         return; // cancelled while queued
                     }
                     let tx2 = tx.clone();
-                    let outcome =
-                        tokio::task::spawn_blocking(move || guard.run(&prompt, &options, &shared, &tx2)).await;
+                    let outcome = tokio::task::spawn_blocking(move || {
+                        guard.run(&prompt, &options, &shared, &tx2)
+                    })
+                    .await;
                     let err = match outcome {
                         Ok(Ok(())) => return,
                         Ok(Err(e)) => e,
@@ -325,7 +341,10 @@ impl Engine {
             }
         }
         Generation {
-            events: futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) }).boxed(),
+            events: futures::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|e| (e, rx))
+            })
+            .boxed(),
             cancel,
         }
     }
@@ -368,7 +387,13 @@ fn load_on<B: Backend + 'static>(
     runtime: tokio::runtime::Handle,
 ) -> Result<(Loaded<B>, Option<Arc<SlotPool>>)> {
     let model = Model::load(ckpt, &backend)?;
-    let source = open_source(&backend, ckpt, Arc::new(model.experts.clone()), &options.source, runtime)?;
+    let source = open_source(
+        &backend,
+        ckpt,
+        Arc::new(model.experts.clone()),
+        &options.source,
+        runtime,
+    )?;
     let loaded = Loaded {
         backend,
         model,
@@ -387,7 +412,11 @@ impl<B: Backend> Loaded<B> {
         let best = kept
             .iter()
             .enumerate()
-            .filter(|(_, s)| !s.tokens.is_empty() && s.tokens.len() < prompt.len() && prompt.starts_with(&s.tokens))
+            .filter(|(_, s)| {
+                !s.tokens.is_empty()
+                    && s.tokens.len() < prompt.len()
+                    && prompt.starts_with(&s.tokens)
+            })
             .max_by_key(|(_, s)| s.tokens.len())
             .map(|(i, _)| i);
         match best {
@@ -407,7 +436,11 @@ impl<B: Backend> Loaded<B> {
         if kept.len() > self.prompt_cache {
             kept.remove(0);
         }
-        shared.stats.lock().unwrap_or_else(|e| e.into_inner()).kept_states = kept.len();
+        shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .kept_states = kept.len();
     }
 }
 

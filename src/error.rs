@@ -54,7 +54,9 @@ pub enum Error {
     Gpu(String),
 
     /// A prompt that leaves no room for new tokens in the context.
-    #[error("the prompt has {prompt} tokens, which leaves no room in the context of {context} tokens")]
+    #[error(
+        "the prompt has {prompt} tokens, which leaves no room in the context of {context} tokens"
+    )]
     ContextFull { prompt: usize, context: usize },
 
     /// A bug or a crashed task inside the engine (not the caller's fault).
@@ -72,7 +74,10 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, io: std::io::Error) -> Self {
-        Error::Io { path: path.into(), io }
+        Error::Io {
+            path: path.into(),
+            io,
+        }
     }
 
     pub(crate) fn bad_tensor(name: &str, message: impl Into<String>) -> Self {

@@ -64,7 +64,12 @@ pub trait ExpertSource: Send + Sync {
 
     /// The records of a prefill chunk: `uses[i]` routes of the chunk go to `experts[i]`.
     /// A source may read them outside its cache (the default fetches them as usual).
-    fn fetch_prefill(&self, layer: usize, experts: &[u32], _uses: &[u32]) -> Result<Vec<Self::Record<'_>>> {
+    fn fetch_prefill(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        _uses: &[u32],
+    ) -> Result<Vec<Self::Record<'_>>> {
         self.fetch(layer, experts)
     }
 
@@ -102,7 +107,8 @@ impl ExpertSource for MappedExperts {
             .iter()
             .map(|&e| {
                 let mut buf = vec![0u8; self.index.layout.record_bytes];
-                self.index.copy_record(&self.ckpt, layer, e as usize, &mut buf)?;
+                self.index
+                    .copy_record(&self.ckpt, layer, e as usize, &mut buf)?;
                 Ok(buf)
             })
             .collect()
@@ -145,15 +151,31 @@ impl ExpertSource for AnyExperts {
 
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<AnyRecord>> {
         Ok(match self {
-            AnyExperts::Mapped(m) => m.fetch(layer, experts)?.into_iter().map(AnyRecord::Mapped).collect(),
-            AnyExperts::Pool(p) => p.fetch(layer, experts)?.into_iter().map(AnyRecord::Pool).collect(),
+            AnyExperts::Mapped(m) => m
+                .fetch(layer, experts)?
+                .into_iter()
+                .map(AnyRecord::Mapped)
+                .collect(),
+            AnyExperts::Pool(p) => p
+                .fetch(layer, experts)?
+                .into_iter()
+                .map(AnyRecord::Pool)
+                .collect(),
         })
     }
 
     fn fetch_prefill(&self, layer: usize, experts: &[u32], uses: &[u32]) -> Result<Vec<AnyRecord>> {
         Ok(match self {
-            AnyExperts::Mapped(m) => m.fetch(layer, experts)?.into_iter().map(AnyRecord::Mapped).collect(),
-            AnyExperts::Pool(p) => p.fetch_prefill(layer, experts, uses)?.into_iter().map(AnyRecord::Pool).collect(),
+            AnyExperts::Mapped(m) => m
+                .fetch(layer, experts)?
+                .into_iter()
+                .map(AnyRecord::Mapped)
+                .collect(),
+            AnyExperts::Pool(p) => p
+                .fetch_prefill(layer, experts, uses)?
+                .into_iter()
+                .map(AnyRecord::Pool)
+                .collect(),
         })
     }
 

@@ -26,7 +26,9 @@ pub struct GenerateOptions {
 
 impl GenerateOptions {
     fn cancelled(&self) -> bool {
-        self.cancel.as_ref().is_some_and(|c| c.load(Ordering::SeqCst))
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::SeqCst))
     }
 }
 
@@ -66,7 +68,9 @@ pub fn generate<B: Backend, E: ExpertSource>(
     };
     let mut out = Vec::new();
     if prompt.is_empty() {
-        return Err(Error::InvalidInput("the prompt is empty (nothing to continue from)".into()));
+        return Err(Error::InvalidInput(
+            "the prompt is empty (nothing to continue from)".into(),
+        ));
     }
     if options.max_tokens == 0 {
         return Ok((out, stats));

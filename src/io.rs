@@ -44,14 +44,22 @@ impl AlignedBuf {
     /// machine is a clear error).
     pub fn zeroed(len: usize) -> Result<Self> {
         let too_large = || Error::Pool(format!("a buffer of {len} bytes is too large"));
-        let rounded = len.max(1).checked_next_multiple_of(ALIGN).ok_or_else(too_large)?;
-        let capacity = rounded.checked_next_multiple_of(PAGE).ok_or_else(too_large)?;
+        let rounded = len
+            .max(1)
+            .checked_next_multiple_of(ALIGN)
+            .ok_or_else(too_large)?;
+        let capacity = rounded
+            .checked_next_multiple_of(PAGE)
+            .ok_or_else(too_large)?;
         let layout = Layout::from_size_align(capacity, PAGE)
             .map_err(|e| Error::Pool(format!("buffer of {capacity} bytes: {e}")))?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::Pool(format!("could not allocate {capacity} bytes of aligned memory")))?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::Pool(format!(
+                "could not allocate {capacity} bytes of aligned memory"
+            ))
+        })?;
         Ok(AlignedBuf {
             ptr,
             len: rounded,
@@ -91,7 +99,12 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this exact layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.capacity, PAGE)) }
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.capacity, PAGE),
+            )
+        }
     }
 }
 
@@ -111,7 +124,9 @@ impl std::str::FromStr for IoMode {
         match s {
             "direct" => Ok(IoMode::Direct),
             "buffered" => Ok(IoMode::Buffered),
-            _ => Err(format!("unknown I/O mode `{s}` (expected direct or buffered)")),
+            _ => Err(format!(
+                "unknown I/O mode `{s}` (expected direct or buffered)"
+            )),
         }
     }
 }
@@ -179,7 +194,10 @@ impl DiskFile {
 #[cfg(target_os = "linux")]
 fn open_direct(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
 }
 
 #[cfg(target_os = "macos")]
@@ -188,7 +206,9 @@ fn open_direct(path: &Path) -> std::io::Result<File> {
     let f = File::open(path)?;
     // SAFETY: fcntl on a valid descriptor with integer arguments.
     unsafe {
-        if libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) == -1 || libc::fcntl(f.as_raw_fd(), libc::F_RDAHEAD, 0) == -1 {
+        if libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) == -1
+            || libc::fcntl(f.as_raw_fd(), libc::F_RDAHEAD, 0) == -1
+        {
             return Err(std::io::Error::last_os_error());
         }
     }
@@ -197,7 +217,10 @@ fn open_direct(path: &Path) -> std::io::Result<File> {
 
 #[cfg(not(any(target_os = "linux", target_os = "macos")))]
 fn open_direct(_path: &Path) -> std::io::Result<File> {
-    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "direct I/O is not implemented on this platform"))
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "direct I/O is not implemented on this platform",
+    ))
 }
 
 impl ReadAt for DiskFile {
@@ -209,7 +232,12 @@ impl ReadAt for DiskFile {
             use std::os::fd::AsRawFd;
             // SAFETY: advisory call on a valid descriptor.
             unsafe {
-                libc::posix_fadvise(self.file.as_raw_fd(), offset as i64, n as i64, libc::POSIX_FADV_DONTNEED);
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    offset as i64,
+                    n as i64,
+                    libc::POSIX_FADV_DONTNEED,
+                );
             }
         }
         Ok(n)
@@ -226,7 +254,9 @@ impl ReadAt for DiskFile {
     fn check_unchanged(&self) -> std::io::Result<()> {
         let now = stamp_of(&std::fs::metadata(&self.path)?);
         if now != self.stamp {
-            return Err(std::io::Error::other("file changed since it was opened (size or modification time)"));
+            return Err(std::io::Error::other(
+                "file changed since it was opened (size or modification time)",
+            ));
         }
         Ok(())
     }
@@ -241,7 +271,11 @@ pub fn read_exact_at(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<(
             file.path(),
             std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!("unexpected end of file reading {} bytes at offset {}", buf.len() - got, offset + got as u64),
+                format!(
+                    "unexpected end of file reading {} bytes at offset {}",
+                    buf.len() - got,
+                    offset + got as u64
+                ),
             ),
         ));
     }
@@ -268,13 +302,17 @@ pub fn read_range(file: &dyn ReadAt, offset: u64, dst: &mut [u8]) -> Result<()> 
                 file.path(),
                 std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
-                    format!("unexpected end of file reading {} bytes at offset {offset}", dst.len()),
+                    format!(
+                        "unexpected end of file reading {} bytes at offset {offset}",
+                        dst.len()
+                    ),
                 ),
             ));
         }
         dst.copy_from_slice(&scratch.as_slice()[skip..skip + dst.len()]);
     }
-    file.check_unchanged().map_err(|e| Error::io(file.path(), e))
+    file.check_unchanged()
+        .map_err(|e| Error::io(file.path(), e))
 }
 
 /// Like [`read_exact_at`] but stops quietly at end of file; returns the bytes read.
@@ -288,7 +326,10 @@ fn read_until_eof(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<usiz
             Err(e) => {
                 return Err(Error::io(
                     file.path(),
-                    std::io::Error::new(e.kind(), format!("reading at offset {}: {e}", offset + done as u64)),
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("reading at offset {}: {e}", offset + done as u64),
+                    ),
                 ))
             }
         }

@@ -7,22 +7,26 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use slotstream::backend::gpu::{list_adapters, Placement};
-use slotstream::backend::{open_compute, Compute};
 use slotstream::backend::Backend;
-use slotstream::score::Score;
+use slotstream::backend::{open_compute, Compute};
+use slotstream::cachesim;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::{open_source, OpenedSource, PoolSize, SourceOptions};
 use slotstream::generate::GenerateOptions;
-use slotstream::plan::Plan;
-use slotstream::sampling::SamplingOptions;
-use slotstream::model::Model;
-use slotstream::cachesim;
 use slotstream::io::IoMode;
+use slotstream::model::Model;
+use slotstream::plan::Plan;
 use slotstream::pool::SlotPool;
+use slotstream::sampling::SamplingOptions;
+use slotstream::score::Score;
 use slotstream::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
-#[command(name = "slotstream", version, about = "Run Mixture-of-Experts models larger than memory")]
+#[command(
+    name = "slotstream",
+    version,
+    about = "Run Mixture-of-Experts models larger than memory"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -438,14 +442,18 @@ impl std::str::FromStr for IdList {
     /// Parses `1,2,3`, naming the first bad entry.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let ids = s
-        .split(',')
-        .map(str::trim)
-        .enumerate()
-        .map(|(i, part)| {
-            part.parse::<u32>()
-                .map_err(|_| format!("entry {} (`{part}`) is not a token id (a non-negative integer)", i + 1))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+            .split(',')
+            .map(str::trim)
+            .enumerate()
+            .map(|(i, part)| {
+                part.parse::<u32>().map_err(|_| {
+                    format!(
+                        "entry {} (`{part}`) is not a token id (a non-negative integer)",
+                        i + 1
+                    )
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(IdList(ids))
     }
 }
@@ -453,7 +461,8 @@ impl std::str::FromStr for IdList {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "slotstream=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "slotstream=info".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -481,7 +490,8 @@ fn main() {
 
 fn score(args: ScoreArgs) -> Result<()> {
     let ckpt = Arc::new(
-        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+        Checkpoint::open(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?,
     );
     let ids = match (&args.ids, &args.text) {
         (Some(ids), None) => ids.0.clone(),
@@ -489,7 +499,8 @@ fn score(args: ScoreArgs) -> Result<()> {
         _ => bail!("give exactly one of --ids or --text"),
     };
     for path in [&args.logits_out, &args.stream.trace].into_iter().flatten() {
-        slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
+        slotstream::atomic_file::check_writable(path)
+            .with_context(|| format!("output {}", path.display()))?;
     }
     let s = match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
@@ -501,7 +512,12 @@ fn score(args: ScoreArgs) -> Result<()> {
     if let Some(path) = &args.logits_out {
         slotstream::score::write_npy(path, &s.logits, s.tokens, s.vocab)
             .with_context(|| format!("writing {}", path.display()))?;
-        println!("logits: {} [{}, {}] float32", path.display(), s.tokens, s.vocab);
+        println!(
+            "logits: {} [{}, {}] float32",
+            path.display(),
+            s.tokens,
+            s.vocab
+        );
     }
     Ok(())
 }
@@ -532,7 +548,11 @@ struct Streamed<B: Backend> {
     _runtime: tokio::runtime::Runtime,
 }
 
-fn load_streamed<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, a: &StreamArgs) -> Result<Streamed<B>> {
+fn load_streamed<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    a: &StreamArgs,
+) -> Result<Streamed<B>> {
     let model = Model::load(ckpt, backend).context("loading weights")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let index = Arc::new(model.experts.clone());
@@ -548,7 +568,8 @@ fn load_streamed<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, a: &StreamArgs
 fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
     let Some(pool) = pool else { return Ok(()) };
     if let Some(path) = &a.trace {
-        cachesim::write_trace(path, &pool.take_trace()).with_context(|| format!("writing trace {}", path.display()))?;
+        cachesim::write_trace(path, &pool.take_trace())
+            .with_context(|| format!("writing trace {}", path.display()))?;
     }
     if a.stats {
         eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
@@ -556,7 +577,12 @@ fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
     Ok(())
 }
 
-fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &StreamArgs) -> Result<Score> {
+fn score_on<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    ids: &[u32],
+    a: &StreamArgs,
+) -> Result<Score> {
     tracing::info!(backend = %backend.name(), "scoring");
     let m = load_streamed(backend, ckpt, a)?;
     let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
@@ -566,7 +592,8 @@ fn score_on<B: Backend>(backend: &B, ckpt: &Arc<Checkpoint>, ids: &[u32], a: &St
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let ckpt = Arc::new(
-        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+        Checkpoint::open(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?,
     );
     let tokenizer = Tokenizer::load(&args.model)?;
     let prompt = match (&args.prompt_ids, &args.prompt, &args.prompt_file) {
@@ -574,7 +601,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, text, file) => {
             let text = match (text, file) {
                 (Some(t), None) => t.clone(),
-                (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
+                (None, Some(f)) => std::fs::read_to_string(f)
+                    .with_context(|| format!("reading {}", f.display()))?,
                 _ => bail!("give exactly one of --prompt, --prompt-file or --prompt-ids"),
             };
             let rendered = match (args.raw, ChatTemplate::load(&args.model)?) {
@@ -592,9 +620,16 @@ fn generate(args: GenerateArgs) -> Result<()> {
         bail!("the prompt is empty");
     }
     if let Some(path) = &args.stream.trace {
-        slotstream::atomic_file::check_writable(path).with_context(|| format!("output {}", path.display()))?;
+        slotstream::atomic_file::check_writable(path)
+            .with_context(|| format!("output {}", path.display()))?;
     }
-    let options = generate_options(&args.model, &ckpt, &tokenizer, args.max_tokens, &args.sampling)?;
+    let options = generate_options(
+        &args.model,
+        &ckpt,
+        &tokenizer,
+        args.max_tokens,
+        &args.sampling,
+    )?;
     match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
         Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args),
@@ -613,7 +648,12 @@ fn generate_options(
     let options = GenerateOptions {
         max_tokens,
         sampling: sampling.options(),
-        eos_ids: eos_ids(dir, &ckpt.config.eos_token_ids, tokenizer, ckpt.config.vocab_size)?,
+        eos_ids: eos_ids(
+            dir,
+            &ckpt.config.eos_token_ids,
+            tokenizer,
+            ckpt.config.vocab_size,
+        )?,
         cancel: None,
     };
     options.sampling.validate()?;
@@ -630,8 +670,16 @@ fn generate_on<B: Backend>(
 ) -> Result<()> {
     use std::io::Write;
     tracing::info!(backend = %backend.name(), "generating");
-    let Streamed { model, source, _runtime } = load_streamed(backend, ckpt, &args.stream)?;
-    let OpenedSource { experts, pool, plan } = source;
+    let Streamed {
+        model,
+        source,
+        _runtime,
+    } = load_streamed(backend, ckpt, &args.stream)?;
+    let OpenedSource {
+        experts,
+        pool,
+        plan,
+    } = source;
     let mut state = model.new_state(backend);
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
@@ -655,15 +703,23 @@ fn generate_on<B: Backend>(
         cancel: Some(interrupted.clone()),
         ..options.clone()
     };
-    let (ids, stats) = slotstream::generate::generate(&model, backend, &experts, &mut state, prompt, &options, |id| {
-        let piece = decoder.push(tokenizer, id)?;
-        if !args.json {
-            print!("{piece}");
-            let _ = stdout.flush();
-        }
-        text.push_str(&piece);
-        Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
-    })?;
+    let (ids, stats) = slotstream::generate::generate(
+        &model,
+        backend,
+        &experts,
+        &mut state,
+        prompt,
+        &options,
+        |id| {
+            let piece = decoder.push(tokenizer, id)?;
+            if !args.json {
+                print!("{piece}");
+                let _ = stdout.flush();
+            }
+            text.push_str(&piece);
+            Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
+        },
+    )?;
     let tail = decoder.finish(tokenizer)?;
     if !args.json {
         print!("{tail}");
@@ -696,7 +752,11 @@ fn generate_on<B: Backend>(
         );
         if let Some(p) = &pool_stats {
             let read = p.demand_bytes + p.speculative_bytes;
-            let wait_share = if stats.decode_seconds > 0.0 { p.decode_wait_seconds / stats.decode_seconds } else { 0.0 };
+            let wait_share = if stats.decode_seconds > 0.0 {
+                p.decode_wait_seconds / stats.decode_seconds
+            } else {
+                0.0
+            };
             eprintln!(
                 "pool: hit rate {:.3}, {} read ({} speculative, {} prefetches used, {} wasted), {:.0}% of decode time waiting on reads",
                 p.hit_rate,
@@ -731,10 +791,12 @@ fn devices() -> Result<()> {
 }
 
 fn pack(args: PackArgs) -> Result<()> {
-    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let ckpt = Checkpoint::open(&args.model)
+        .with_context(|| format!("opening model {}", args.model.display()))?;
     let index = slotstream::checkpoint::ExpertIndex::build(&ckpt)?;
     let out = args.out.unwrap_or_else(|| args.model.clone());
-    let m = slotstream::pack::pack(&ckpt, &index, &out, true).with_context(|| format!("packing into {}", out.display()))?;
+    let m = slotstream::pack::pack(&ckpt, &index, &out, true)
+        .with_context(|| format!("packing into {}", out.display()))?;
     println!(
         "packed {} records of {} bytes ({} layers x {} experts) into {}",
         index.records(),
@@ -759,7 +821,10 @@ fn cachesim(args: CachesimArgs) -> Result<()> {
         let slots = usize::try_from(slots).unwrap_or(usize::MAX);
         print!("{slots:>8}");
         for p in cachesim::Policy::ALL {
-            print!(" {:>8.4}", cachesim::simulate(&requests, slots, p).hit_rate());
+            print!(
+                " {:>8.4}",
+                cachesim::simulate(&requests, slots, p).hit_rate()
+            );
         }
         println!();
     }
@@ -774,7 +839,13 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
         Some(dir) => {
             let cfg = slotstream::config::ModelConfig::load(dir)?;
             let file = dir.join(ROUTING_FILE);
-            (cfg.num_hidden_layers, cfg.moe_layers(), cfg.num_experts, cfg.num_experts_per_tok, Some(file))
+            (
+                cfg.num_hidden_layers,
+                cfg.moe_layers(),
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                Some(file),
+            )
         }
         None => {
             let p = slotstream::synth::preset(&args.preset)?;
@@ -794,7 +865,8 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
     let model = RoutingModel::new(params, layers, experts, top_k)?;
     let trace = model.trace(&moe_layers, args.steps)?;
     if let Some(path) = &args.trace {
-        cachesim::write_requests(path, &trace).with_context(|| format!("writing trace {}", path.display()))?;
+        cachesim::write_requests(path, &trace)
+            .with_context(|| format!("writing trace {}", path.display()))?;
     }
     let got = Figures::measure(&trace, moe_layers.len(), experts);
     let [clock, lru, belady] = Figures::pools(moe_layers.len(), experts);
@@ -819,19 +891,54 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
         model.active_experts(),
         model.params.seed
     );
-    let target = |v: f64| if at_target { format!("{v:.3}") } else { "-".into() };
+    let target = |v: f64| {
+        if at_target {
+            format!("{v:.3}")
+        } else {
+            "-".into()
+        }
+    };
     println!("{:<36} {:>10} {:>10}", "figure", "synthetic", "target");
     println!(
         "{:<36} {:>10} {:>10}",
         format!("records touched (of {})", got.records),
         got.touched,
-        if at_target { TARGETS.touched.to_string() } else { "-".into() }
+        if at_target {
+            TARGETS.touched.to_string()
+        } else {
+            "-".into()
+        }
     );
-    println!("{:<36} {:>10.3} {:>10}", "touched share", got.touched_share(), target(TARGETS.touched_share()));
-    println!("{:<36} {:>10.3} {:>10}", "lookups served by the top 10%", got.top_decile_share, target(TARGETS.top_decile_share));
-    println!("{:<36} {:>10.3} {:>10}", format!("CLOCK hit rate, {clock} slots"), got.clock, target(TARGETS.clock));
-    println!("{:<36} {:>10.3} {:>10}", format!("LRU hit rate, {lru} slots"), got.lru, target(TARGETS.lru));
-    println!("{:<36} {:>10.3} {:>10}", format!("Belady hit rate, {belady} slots"), got.belady, target(TARGETS.belady));
+    println!(
+        "{:<36} {:>10.3} {:>10}",
+        "touched share",
+        got.touched_share(),
+        target(TARGETS.touched_share())
+    );
+    println!(
+        "{:<36} {:>10.3} {:>10}",
+        "lookups served by the top 10%",
+        got.top_decile_share,
+        target(TARGETS.top_decile_share)
+    );
+    println!(
+        "{:<36} {:>10.3} {:>10}",
+        format!("CLOCK hit rate, {clock} slots"),
+        got.clock,
+        target(TARGETS.clock)
+    );
+    println!(
+        "{:<36} {:>10.3} {:>10}",
+        format!("LRU hit rate, {lru} slots"),
+        got.lru,
+        target(TARGETS.lru)
+    );
+    println!(
+        "{:<36} {:>10.3} {:>10}",
+        format!("Belady hit rate, {belady} slots"),
+        got.belady,
+        target(TARGETS.belady)
+    );
     Ok(())
 }
 
@@ -866,14 +973,20 @@ fn demo(args: DemoArgs) -> Result<()> {
     };
     let preset = slotstream::synth::DEMO;
     if !dir.join("model.safetensors.index.json").exists() {
-        eprintln!("creating the demo model in {} (first run only, 240 MB)", dir.display());
+        eprintln!(
+            "creating the demo model in {} (first run only, 240 MB)",
+            dir.display()
+        );
         slotstream::synth::write_checkpoint(&dir, &preset, preset.layers, true)
             .with_context(|| format!("writing the demo model to {}", dir.display()))?;
     }
     let cfg = slotstream::config::ModelConfig::load(&dir)?;
     let (layers, experts) = (cfg.moe_layers().len(), cfg.num_experts);
     let records = layers * experts;
-    let slots = (records / 3).max(slotstream::pool::floor_slots(experts, slotstream::pool::DEFAULT_SPECULATIVE_CAP));
+    let slots = (records / 3).max(slotstream::pool::floor_slots(
+        experts,
+        slotstream::pool::DEFAULT_SPECULATIVE_CAP,
+    ));
     eprintln!(
         "demo: {layers} layers x {experts} experts = {records} records; pool of {slots} slots; weights are random, so the text is noise"
     );
@@ -907,12 +1020,19 @@ fn demo(args: DemoArgs) -> Result<()> {
 
 fn chat(args: ChatArgs) -> Result<()> {
     let ckpt = Arc::new(
-        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+        Checkpoint::open(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?,
     );
     let tokenizer = Tokenizer::load(&args.model)?;
     let template = ChatTemplate::load(&args.model)?
         .with_context(|| format!("{} has no chat template", args.model.display()))?;
-    let options = generate_options(&args.model, &ckpt, &tokenizer, args.max_tokens, &args.sampling)?;
+    let options = generate_options(
+        &args.model,
+        &ckpt,
+        &tokenizer,
+        args.max_tokens,
+        &args.sampling,
+    )?;
     match open_compute(args.device.as_deref())? {
         Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
         Compute::Gpu(b) => chat_on(&*b, &ckpt, &tokenizer, &template, &options, &args),
@@ -928,7 +1048,11 @@ fn chat_on<B: Backend>(
     args: &ChatArgs,
 ) -> Result<()> {
     use std::io::{BufRead, Write};
-    let Streamed { model, source, _runtime } = load_streamed(backend, ckpt, &args.stream)?;
+    let Streamed {
+        model,
+        source,
+        _runtime,
+    } = load_streamed(backend, ckpt, &args.stream)?;
     let OpenedSource { experts, pool, .. } = source;
     let mut conversation = slotstream::chat::Conversation::new(&model, backend);
     let stdin = std::io::stdin();
@@ -940,15 +1064,27 @@ fn chat_on<B: Backend>(
         if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
             break;
         }
-        let turn = conversation.turn(&model, backend, &experts, tokenizer, template, line.trim_end(), options, |t| {
-            print!("{t}");
-            let _ = stdout.flush();
-        })?;
+        let turn = conversation.turn(
+            &model,
+            backend,
+            &experts,
+            tokenizer,
+            template,
+            line.trim_end(),
+            options,
+            |t| {
+                print!("{t}");
+                let _ = stdout.flush();
+            },
+        )?;
         println!();
         if args.stream.stats {
             eprintln!(
                 "[{} new prompt tokens, {} reused; {} tokens at {:.1} tok/s]",
-                turn.prompt_tokens, turn.reused_tokens, turn.stats.generated_tokens, turn.stats.decode_tps
+                turn.prompt_tokens,
+                turn.reused_tokens,
+                turn.stats.generated_tokens,
+                turn.stats.decode_tps
             );
         }
     }
@@ -997,12 +1133,17 @@ fn serve(args: ServeArgs) -> Result<()> {
                 sampling: args.sampling.options(),
             },
         );
-        slotstream::server::serve(listener, app).await.context("serving")?;
+        slotstream::server::serve(listener, app)
+            .await
+            .context("serving")?;
         if args.stream.stats {
-            eprintln!("{}", serde_json::to_string_pretty(&serde_json::json!({
-                "engine": engine.stats(),
-                "pool": engine.pool_stats(),
-            }))?);
+            eprintln!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "engine": engine.stats(),
+                    "pool": engine.pool_stats(),
+                }))?
+            );
         }
         Ok(())
     })
@@ -1011,7 +1152,8 @@ fn serve(args: ServeArgs) -> Result<()> {
 fn bench(args: BenchArgs) -> Result<()> {
     use slotstream::bench::BenchOptions;
     let ckpt = Arc::new(
-        Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?,
+        Checkpoint::open(&args.model)
+            .with_context(|| format!("opening model {}", args.model.display()))?,
     );
     let options = BenchOptions {
         budgets: args.budgets.clone(),
@@ -1027,8 +1169,9 @@ fn bench(args: BenchArgs) -> Result<()> {
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let steps = (options.budgets.len() * options.lookahead.len()) as u64 + 2;
-    let bar = indicatif::ProgressBar::new(steps)
-        .with_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("template"));
+    let bar = indicatif::ProgressBar::new(steps).with_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("template"),
+    );
     let progress = |what: &str| {
         bar.set_message(what.to_string());
         bar.inc(1);
@@ -1047,9 +1190,16 @@ fn bench(args: BenchArgs) -> Result<()> {
 }
 
 fn plan(args: PlanArgs) -> Result<()> {
-    let ckpt = Checkpoint::open(&args.model).with_context(|| format!("opening model {}", args.model.display()))?;
+    let ckpt = Checkpoint::open(&args.model)
+        .with_context(|| format!("opening model {}", args.model.display()))?;
     let index = ExpertIndex::build(&ckpt)?;
-    let plan = Plan::new(&ckpt, &index, args.memory_budget, args.context, args.queue_depth)?;
+    let plan = Plan::new(
+        &ckpt,
+        &index,
+        args.memory_budget,
+        args.context,
+        args.queue_depth,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

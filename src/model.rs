@@ -114,8 +114,13 @@ pub struct Model<B: Backend> {
 
 /// Recurrent and attention state of one layer for one sequence.
 enum LayerState<B: Backend> {
-    DeltaNet { conv: B::Tensor, recurrent: B::Tensor },
-    Attention { kv: B::KvCache },
+    DeltaNet {
+        conv: B::Tensor,
+        recurrent: B::Tensor,
+    },
+    Attention {
+        kv: B::KvCache,
+    },
 }
 
 /// Everything one sequence carries between forward calls: per-layer conv and recurrent
@@ -184,12 +189,21 @@ impl<B: Backend> Model<B> {
             let p = cfg.name(&format!("model.layers.{i}"));
             let mixer = match kind {
                 LayerKind::LinearAttention => {
-                    let (kd, vd, nv) = (cfg.linear_key_dim(), cfg.linear_value_dim(), cfg.linear_num_value_heads);
+                    let (kd, vd, nv) = (
+                        cfg.linear_key_dim(),
+                        cfg.linear_value_dim(),
+                        cfg.linear_num_value_heads,
+                    );
                     let (c, k) = (cfg.conv_dim(), cfg.linear_conv_kernel_dim);
-                    let conv = ckpt.floats(&format!("{p}.linear_attn.conv1d.weight"), &[c, k, 1])?;
+                    let conv =
+                        ckpt.floats(&format!("{p}.linear_attn.conv1d.weight"), &[c, k, 1])?;
                     let in_proj = match cfg.family.delta_net_projections() {
                         DeltaNetProjections::Fused => InProj::Fused {
-                            qkvz: linear(&format!("{p}.linear_attn.in_proj_qkvz"), 2 * kd + 2 * vd, d)?,
+                            qkvz: linear(
+                                &format!("{p}.linear_attn.in_proj_qkvz"),
+                                2 * kd + 2 * vd,
+                                d,
+                            )?,
                             ba: linear(&format!("{p}.linear_attn.in_proj_ba"), 2 * nv, d)?,
                         },
                         DeltaNetProjections::Split => InProj::Split {
@@ -204,12 +218,19 @@ impl<B: Backend> Model<B> {
                         conv: backend.upload(&conv, c, k),
                         a_log: vector(&format!("{p}.linear_attn.A_log"), nv)?,
                         dt_bias: vector(&format!("{p}.linear_attn.dt_bias"), nv)?,
-                        norm: vector(&format!("{p}.linear_attn.norm.weight"), cfg.linear_value_head_dim)?,
+                        norm: vector(
+                            &format!("{p}.linear_attn.norm.weight"),
+                            cfg.linear_value_head_dim,
+                        )?,
                         out_proj: linear(&format!("{p}.linear_attn.out_proj"), d, vd)?,
                     })
                 }
                 LayerKind::FullAttention => {
-                    let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+                    let (h, kvh, hd) = (
+                        cfg.num_attention_heads,
+                        cfg.num_key_value_heads,
+                        cfg.head_dim,
+                    );
                     Mixer::Attention(Attention {
                         q_proj: linear(&format!("{p}.self_attn.q_proj"), 2 * h * hd, d)?,
                         k_proj: linear(&format!("{p}.self_attn.k_proj"), kvh * hd, d)?,
@@ -230,7 +251,10 @@ impl<B: Backend> Model<B> {
             let mlp = if cfg.is_moe_layer(i) {
                 Mlp::Moe(Moe {
                     router: linear(&format!("{p}.mlp.gate"), cfg.num_experts, d)?,
-                    shared: dense(&format!("{p}.mlp.shared_expert"), cfg.shared_expert_intermediate_size)?,
+                    shared: dense(
+                        &format!("{p}.mlp.shared_expert"),
+                        cfg.shared_expert_intermediate_size,
+                    )?,
                     shared_gate: linear(&format!("{p}.mlp.shared_expert_gate"), 1, d)?,
                 })
             } else {
@@ -255,7 +279,10 @@ impl<B: Backend> Model<B> {
         }) {
             return Err(Error::bad_tensor(
                 &t.name,
-                format!("belongs to a layer beyond num_hidden_layers = {} in config.json", cfg.num_hidden_layers),
+                format!(
+                    "belongs to a layer beyond num_hidden_layers = {} in config.json",
+                    cfg.num_hidden_layers
+                ),
             ));
         }
         let experts = ExpertIndex::build(ckpt)?;
@@ -263,7 +290,12 @@ impl<B: Backend> Model<B> {
         let routing = if cfg.moe_layers().is_empty() {
             None
         } else {
-            RoutingModel::open(&ckpt.dir, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok)?
+            RoutingModel::open(
+                &ckpt.dir,
+                cfg.num_hidden_layers,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+            )?
         };
         if let Some(r) = &routing {
             tracing::info!(
@@ -287,7 +319,11 @@ impl<B: Backend> Model<B> {
 
     /// The column selections of ../shared/spec/models.md §2.4 step 1 and §2.5.
     fn columns(cfg: &ModelConfig, backend: &B) -> Columns<B> {
-        let (nk, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+        let (nk, dk, dv) = (
+            cfg.linear_num_key_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        );
         let r = cfg.linear_num_value_heads / nk;
         // Each key-head group of in_proj_qkvz holds [q(dk) | k(dk) | v(r*dv) | z(r*dv)].
         let width = 2 * dk + 2 * r * dv;
@@ -366,7 +402,10 @@ impl<B: Backend> Model<B> {
         if ids.is_empty() {
             return Err(Error::InvalidInput("no tokens to run".into()));
         }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
             return Err(Error::InvalidInput(format!(
                 "token id {bad} is out of range for a vocabulary of {}",
                 self.config.vocab_size
@@ -409,24 +448,46 @@ impl<B: Backend> Model<B> {
         let mut in_use = Vec::new();
         let mut h = backend.embed(&self.embed, ids)?;
         for (i, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let x = backend.rms_norm(&h, Some(&layer.input_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+            let x = backend.rms_norm(
+                &h,
+                Some(&layer.input_norm),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                1.0,
+            );
             let r = match (&layer.mixer, st) {
                 (Mixer::DeltaNet(w), LayerState::DeltaNet { conv, recurrent }) => {
                     self.delta_net(backend, w, &x, conv, recurrent)
                 }
-                (Mixer::Attention(w), LayerState::Attention { kv }) => self.attention(backend, w, &x, kv),
+                (Mixer::Attention(w), LayerState::Attention { kv }) => {
+                    self.attention(backend, w, &x, kv)
+                }
                 _ => unreachable!("state layout follows the model's layer kinds"),
             };
             h = backend.add(&h, &r);
             // A long chunk reads its experts outside the pool: guesses would only churn it.
             if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
-                let tokens = Tokens { ids, start, routing: state.routing.as_mut() };
+                let tokens = Tokens {
+                    ids,
+                    start,
+                    routing: state.routing.as_mut(),
+                };
                 self.lookahead(backend, i + 2, &h, experts, tokens)?;
             }
-            let x = backend.rms_norm(&h, Some(&layer.post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+            let x = backend.rms_norm(
+                &h,
+                Some(&layer.post_norm),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                1.0,
+            );
             let m = match &layer.mlp {
                 Mlp::Moe(w) => {
-                    let tokens = Tokens { ids, start, routing: state.routing.as_mut() };
+                    let tokens = Tokens {
+                        ids,
+                        start,
+                        routing: state.routing.as_mut(),
+                    };
                     self.moe(backend, w, i, &x, tokens, experts, &mut in_use)?
                 }
                 Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
@@ -442,7 +503,13 @@ impl<B: Backend> Model<B> {
         if which == Logits::Last {
             h = backend.rows(&h, ids.len() - 1, 1);
         }
-        let y = backend.rms_norm(&h, Some(&self.final_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+        let y = backend.rms_norm(
+            &h,
+            Some(&self.final_norm),
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            1.0,
+        );
         let logits = backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed));
         let logits = backend.download(&logits);
         // The read-back waited for all recorded work: the last layer's records are free.
@@ -491,7 +558,13 @@ impl<B: Backend> Model<B> {
             eps,
             (inv_scale * inv_scale) as f32,
         );
-        let k = backend.rms_norm(&backend.gather_columns(&conv, &c.conv_k), None, dk, eps, inv_scale as f32);
+        let k = backend.rms_norm(
+            &backend.gather_columns(&conv, &c.conv_k),
+            None,
+            dk,
+            eps,
+            inv_scale as f32,
+        );
         let v = backend.gather_columns(&conv, &c.conv_v);
         let dims = DeltaDims {
             key_heads: cfg.linear_num_key_heads,
@@ -500,11 +573,18 @@ impl<B: Backend> Model<B> {
             value_dim: cfg.linear_value_head_dim,
         };
         let y = backend.gated_delta(&q, &k, &v, &a, &b, &w.a_log, &w.dt_bias, recurrent, dims);
-        let o = backend.rms_norm_gated(&y, &z, &w.norm, cfg.linear_value_head_dim, cfg.rms_norm_eps);
+        let o =
+            backend.rms_norm_gated(&y, &z, &w.norm, cfg.linear_value_head_dim, cfg.rms_norm_eps);
         backend.matmul(&o, &w.out_proj)
     }
 
-    fn attention(&self, backend: &B, w: &Attention<B>, x: &B::Tensor, kv: &mut B::KvCache) -> B::Tensor {
+    fn attention(
+        &self,
+        backend: &B,
+        w: &Attention<B>,
+        x: &B::Tensor,
+        kv: &mut B::KvCache,
+    ) -> B::Tensor {
         let cfg = &self.config;
         let hd = cfg.head_dim;
         let qg = backend.matmul(x, &w.q_proj);
@@ -545,16 +625,28 @@ impl<B: Backend> Model<B> {
         experts: &E,
         tokens: Tokens<'_>,
     ) -> Result<()> {
-        let Some(Layer { post_norm, mlp: Mlp::Moe(w), .. }) = self.layers.get(target) else {
+        let Some(Layer {
+            post_norm,
+            mlp: Mlp::Moe(w),
+            ..
+        }) = self.layers.get(target)
+        else {
             return Ok(());
         };
         if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
-            experts.prefetch(target, &model.forecast(state, target, tokens.start, tokens.ids)?);
+            experts.prefetch(
+                target,
+                &model.forecast(state, target, tokens.start, tokens.ids)?,
+            );
             return Ok(());
         }
         let cfg = &self.config;
         let x = backend.rms_norm(h, Some(post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
-        let guess = backend.router_top_k(&backend.matmul(&x, &w.router), cfg.num_experts_per_tok, false)?;
+        let guess = backend.router_top_k(
+            &backend.matmul(&x, &w.router),
+            cfg.num_experts_per_tok,
+            false,
+        )?;
         experts.prefetch(target, &guess.distinct());
         Ok(())
     }
@@ -575,12 +667,14 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let logits = backend.matmul(x, &w.router);
-        let mut routing = backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
+        let mut routing =
+            backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
         if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
             // The router's weights stay, rank by rank; the routing model picks the ids, one
             // position at a time in order (its state is per position).
             let k = routing.top_k;
-            for ((t, &token), slot) in tokens.ids.iter().enumerate().zip(routing.ids.chunks_mut(k)) {
+            for ((t, &token), slot) in tokens.ids.iter().enumerate().zip(routing.ids.chunks_mut(k))
+            {
                 slot.copy_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
             }
         }

@@ -58,14 +58,31 @@ pub fn model_identity(ckpt: &Checkpoint) -> Result<String> {
     // layout changes them even when names, shapes and offsets stay the same.
     for shard in ckpt.shards() {
         let meta = std::fs::metadata(&shard.path).map_err(|e| Error::io(&shard.path, e))?;
-        let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-        h.update(format!("{:?}|{}|{:?}\n", shard.path.file_name(), meta.len(), mtime));
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+        h.update(format!(
+            "{:?}|{}|{:?}\n",
+            shard.path.file_name(),
+            meta.len(),
+            mtime
+        ));
     }
-    let mut tensors: Vec<_> = ckpt.tensors().filter(|t| t.name.contains(".switch_mlp.")).collect();
+    let mut tensors: Vec<_> = ckpt
+        .tensors()
+        .filter(|t| t.name.contains(".switch_mlp."))
+        .collect();
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     for t in tensors {
-        let shard = ckpt.shards()[t.shard].path.file_name().map(|n| n.to_string_lossy().into_owned());
-        h.update(format!("{}|{:?}|{}|{}|{:?}|{:?}\n", t.name, shard, t.offset, t.len, t.shape, t.dtype));
+        let shard = ckpt.shards()[t.shard]
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        h.update(format!(
+            "{}|{:?}|{}|{}|{:?}|{:?}\n",
+            t.name, shard, t.offset, t.len, t.shape, t.dtype
+        ));
     }
     Ok(hex(&h.finalize()))
 }
@@ -102,7 +119,8 @@ impl PackedRecords {
 
     fn open(dir: &Path, ckpt: &Checkpoint, index: &ExpertIndex) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read_to_string(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
+        let text =
+            std::fs::read_to_string(&manifest_path).map_err(|e| Error::io(&manifest_path, e))?;
         let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::Json {
             path: manifest_path.clone(),
             message: e.to_string(),
@@ -112,10 +130,15 @@ impl PackedRecords {
             message,
         };
         if manifest.format != FORMAT || manifest.version != VERSION {
-            return Err(bad(format!("format {} v{} is not {FORMAT} v{VERSION}", manifest.format, manifest.version)));
+            return Err(bad(format!(
+                "format {} v{} is not {FORMAT} v{VERSION}",
+                manifest.format, manifest.version
+            )));
         }
         if manifest.identity != model_identity(ckpt)? {
-            return Err(bad("made from another checkpoint (model identity differs)".into()));
+            return Err(bad(
+                "made from another checkpoint (model identity differs)".into()
+            ));
         }
         let layout = &index.layout;
         if manifest.moe_layers != index.moe_layers
@@ -125,12 +148,17 @@ impl PackedRecords {
             || manifest.piece_offsets != layout.offsets
             || manifest.piece_lens != layout.lens
             || manifest.record_crc32.len() != index.moe_layers.len()
-            || manifest.record_crc32.iter().any(|l| l.len() != index.num_experts)
+            || manifest
+                .record_crc32
+                .iter()
+                .any(|l| l.len() != index.num_experts)
         {
             return Err(bad("geometry differs from the checkpoint's".into()));
         }
         let path = dir.join(PACK_FILE);
-        let len = std::fs::metadata(&path).map_err(|e| Error::io(&path, e))?.len();
+        let len = std::fs::metadata(&path)
+            .map_err(|e| Error::io(&path, e))?
+            .len();
         let want = (index.records() * manifest.stride) as u64;
         if len != want {
             return Err(Error::io(
@@ -148,7 +176,11 @@ impl PackedRecords {
             .iter()
             .position(|&l| l == layer)
             .filter(|_| expert < self.manifest.experts)
-            .ok_or_else(|| Error::InvalidInput(format!("no packed record for layer {layer} expert {expert}")))?;
+            .ok_or_else(|| {
+                Error::InvalidInput(format!(
+                    "no packed record for layer {layer} expert {expert}"
+                ))
+            })?;
         Ok(pos * self.manifest.experts + expert)
     }
 
@@ -170,7 +202,12 @@ impl PackedRecords {
 /// when `progress` is set. Returns the manifest.
 /// Errors: I/O failures (nothing is left under the final names), or a verification
 /// mismatch after writing.
-pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bool) -> Result<Manifest> {
+pub fn pack(
+    ckpt: &Checkpoint,
+    index: &ExpertIndex,
+    out_dir: &Path,
+    progress: bool,
+) -> Result<Manifest> {
     let layout = &index.layout;
     let stride = slot_stride(layout.record_bytes);
     let pack_path = out_dir.join(PACK_FILE);
@@ -179,8 +216,10 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
     let bar = progress.then(|| {
         let bar = indicatif::ProgressBar::new((index.records() * layout.record_bytes) as u64);
         bar.set_style(
-            indicatif::ProgressStyle::with_template("packing {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "packing {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar
     });
@@ -198,7 +237,8 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
                 let body = &record[..layout.record_bytes];
                 sha.update(body);
                 crcs.push(crc32fast::hash(body));
-                out.write_all(&record).map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
+                out.write_all(&record)
+                    .map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
                 if let Some(bar) = &bar {
                     bar.inc(layout.record_bytes as u64);
                 }
@@ -206,7 +246,8 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
             layer_sha256.push(hex(&sha.finalize()));
             record_crc32.push(crcs);
         }
-        out.flush().map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
+        out.flush()
+            .map_err(|e| Error::io(tmp_pack.temp_path(), e))?;
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
@@ -229,7 +270,9 @@ pub fn pack(ckpt: &Checkpoint, index: &ExpertIndex, out_dir: &Path, progress: bo
     // Without a manifest the engine ignores any pack, so remove the old one first: a
     // crash between the two renames below then leaves no usable pair.
     match std::fs::remove_file(&manifest_path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&manifest_path, e)),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(Error::io(&manifest_path, e))
+        }
         _ => {}
     }
     tmp_pack.commit()?;
@@ -253,13 +296,18 @@ fn verify(path: &Path, m: &Manifest) -> Result<()> {
     for (pos, want) in m.layer_sha256.iter().enumerate() {
         let mut sha = Sha256::new();
         for _ in 0..m.experts {
-            input.read_exact(&mut record).map_err(|e| Error::io(path, e))?;
+            input
+                .read_exact(&mut record)
+                .map_err(|e| Error::io(path, e))?;
             sha.update(&record[..m.record_bytes]);
         }
         if hex(&sha.finalize()) != *want {
             return Err(Error::io(
                 path,
-                std::io::Error::other(format!("verification failed for layer {}", m.moe_layers[pos])),
+                std::io::Error::other(format!(
+                    "verification failed for layer {}",
+                    m.moe_layers[pos]
+                )),
             ));
         }
     }

@@ -17,7 +17,6 @@ use crate::pool::{floor_slots, slot_stride, DEFAULT_SPECULATIVE_CAP};
 /// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.
 pub const RUNTIME_BYTES: u64 = 48 << 20;
 
-
 /// Each term of a plan, in bytes.
 #[derive(Clone, Debug, Serialize)]
 pub struct Plan {
@@ -49,7 +48,13 @@ impl Plan {
     /// Plans `budget` bytes for `ckpt` with room for `context` tokens and `queue_depth`
     /// reads in flight. Errors: a budget that leaves less than the pool's floor (the
     /// message gives every term).
-    pub fn new(ckpt: &Checkpoint, index: &ExpertIndex, budget: u64, context: usize, queue_depth: usize) -> Result<Self> {
+    pub fn new(
+        ckpt: &Checkpoint,
+        index: &ExpertIndex,
+        budget: u64,
+        context: usize,
+        queue_depth: usize,
+    ) -> Result<Self> {
         let cfg = &ckpt.config;
         let resident_weights: u64 = resident_tensors(ckpt).map(|(_, held)| held).sum();
         let per_token_kv = (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
@@ -67,7 +72,9 @@ impl Plan {
         let context_state = (context as u64)
             .checked_mul(per_token_kv * attention)
             .and_then(|kv| kv.checked_add(delta * delta_state))
-            .ok_or_else(|| Error::InvalidInput(format!("a context of {context} tokens is too large")))?;
+            .ok_or_else(|| {
+                Error::InvalidInput(format!("a context of {context} tokens is too large"))
+            })?;
         // A chunk's widest activations, a few alive at once, plus its logits.
         let width = (2 * cfg.linear_key_dim() + 2 * cfg.linear_value_dim())
             .max(2 * cfg.num_attention_heads * cfg.head_dim)
@@ -76,7 +83,8 @@ impl Plan {
         let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
         // Plus a prefill chunk's experts read outside the pool: up to a whole layer's,
         // held once as records and once as the aligned read buffer.
-        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4 + 2 * index.num_experts as u64 * slot_bytes;
+        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4
+            + 2 * index.num_experts as u64 * slot_bytes;
         let staging = queue_depth as u64 * slot_bytes;
         let runtime = RUNTIME_BYTES;
         let fixed = resident_weights + context_state + workspaces + staging + runtime;
@@ -165,7 +173,11 @@ pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&Tens
         .filter(|t| ckpt.config.is_text_tensor(&t.name) && !t.name.contains(".switch_mlp."))
         .map(|t| {
             let held = match t.dtype {
-                safetensors::Dtype::BF16 | safetensors::Dtype::F16 if !ckpt.contains(&scales_of(&t.name)) => t.len * 2,
+                safetensors::Dtype::BF16 | safetensors::Dtype::F16
+                    if !ckpt.contains(&scales_of(&t.name)) =>
+                {
+                    t.len * 2
+                }
                 _ => t.len,
             };
             (t, held)
@@ -173,7 +185,10 @@ pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&Tens
 }
 
 fn scales_of(weight: &str) -> String {
-    weight.strip_suffix(".weight").map(|m| format!("{m}.scales")).unwrap_or_default()
+    weight
+        .strip_suffix(".weight")
+        .map(|m| format!("{m}.scales"))
+        .unwrap_or_default()
 }
 
 /// Bytes as KiB, MiB or GiB.
@@ -192,10 +207,17 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size (e.g. 8GiB, 512MiB)"))?;
+    let n: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 8GiB, 512MiB)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         // A bare number is almost always a forgotten unit, not a budget in bytes.
-        "" => return Err(format!("`{s}` has no unit (e.g. 8GiB, 512MiB, 4000000000B)")),
+        "" => {
+            return Err(format!(
+                "`{s}` has no unit (e.g. 8GiB, 512MiB, 4000000000B)"
+            ))
+        }
         "b" => 1.0,
         "k" | "kib" => 1024.0,
         "kb" => 1e3,

@@ -21,10 +21,10 @@ use std::time::Instant;
 use serde::Serialize;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
+use crate::checkpoint::Checkpoint;
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertSource, HeldRecord, SlotTag};
-use crate::checkpoint::Checkpoint;
 use crate::io::{read_range, AlignedBuf, IoMode, Reader, ALIGN};
 use crate::pack::PackedRecords;
 
@@ -141,7 +141,10 @@ pub enum RecordFiles {
     Shards,
     /// One `pread` per record from a pack (reader file `pack_file`), with the shards as
     /// the fallback for a record whose checksum does not match.
-    Packed { pack: PackedRecords, pack_file: usize },
+    Packed {
+        pack: PackedRecords,
+        pack_file: usize,
+    },
 }
 
 /// Pool construction parameters.
@@ -237,7 +240,11 @@ impl SlotPool {
         let mut options = options;
         if options.slots > index.records().max(floor) {
             // Slots beyond one per record would never be used.
-            tracing::info!(asked = options.slots, records = index.records(), "pool clamped to every record");
+            tracing::info!(
+                asked = options.slots,
+                records = index.records(),
+                "pool clamped to every record"
+            );
             options.slots = index.records().max(floor);
         }
         if options.slots < floor {
@@ -247,9 +254,12 @@ impl SlotPool {
             )));
         }
         let stride = slot_stride(index.layout.record_bytes);
-        let bytes = stride
-            .checked_mul(options.slots)
-            .ok_or_else(|| Error::Pool(format!("{} slots of {stride} bytes overflow the address space", options.slots)))?;
+        let bytes = stride.checked_mul(options.slots).ok_or_else(|| {
+            Error::Pool(format!(
+                "{} slots of {stride} bytes overflow the address space",
+                options.slots
+            ))
+        })?;
         let memory = AlignedBuf::zeroed(bytes)?;
         let slots = (0..options.slots)
             .map(|_| Slot {
@@ -265,7 +275,10 @@ impl SlotPool {
         let stats = PoolStats {
             slots: options.slots,
             record_bytes: index.layout.record_bytes,
-            per_layer: vec![LayerCounts::default(); index.moe_layers.iter().max().map_or(0, |m| m + 1)],
+            per_layer: vec![
+                LayerCounts::default();
+                index.moe_layers.iter().max().map_or(0, |m| m + 1)
+            ],
             ..Default::default()
         };
         Ok(Arc::new(SlotPool {
@@ -369,7 +382,11 @@ impl SlotPool {
         let inner = self.lock();
         let mut s = inner.stats.clone();
         let lookups = s.hits + s.misses;
-        s.hit_rate = if lookups == 0 { 0.0 } else { s.hits as f64 / lookups as f64 };
+        s.hit_rate = if lookups == 0 {
+            0.0
+        } else {
+            s.hits as f64 / lookups as f64
+        };
         s.mean_in_flight = if s.in_flight_samples == 0 {
             0.0
         } else {
@@ -403,7 +420,11 @@ impl SlotPool {
 
     /// The lookups recorded since tracing was enabled (or last taken).
     pub fn take_trace(&self) -> Vec<TraceEvent> {
-        self.lock().trace.as_mut().map(std::mem::take).unwrap_or_default()
+        self.lock()
+            .trace
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Advances the token counter used in the trace (one per forward step).
@@ -414,7 +435,11 @@ impl SlotPool {
     /// Slot of `key` if it is resident and valid (for tests and diagnostics).
     pub fn resident(&self, key: Key) -> Option<usize> {
         let inner = self.lock();
-        inner.map.get(&key).copied().filter(|&i| inner.slots[i].state == State::Ready)
+        inner
+            .map
+            .get(&key)
+            .copied()
+            .filter(|&i| inner.slots[i].state == State::Ready)
     }
 
     /// Bytes of slot `slot` (the record plus padding).
@@ -442,7 +467,11 @@ impl SlotPool {
     ///
     /// Errors: a read failed (the slot is left empty), or too many slots are pinned or in
     /// flight to find a victim.
-    pub async fn ensure(self: &Arc<Self>, layer: usize, experts: &[u32]) -> Result<Vec<SlotRecord>> {
+    pub async fn ensure(
+        self: &Arc<Self>,
+        layer: usize,
+        experts: &[u32],
+    ) -> Result<Vec<SlotRecord>> {
         let mut held = Vec::with_capacity(experts.len());
         let mut waits = Vec::new();
         {
@@ -462,12 +491,23 @@ impl SlotPool {
                         if prefetched {
                             inner.stats.prefetches_used += 1;
                         }
-                        (i, if prefetched { Outcome::Prefetched } else { Outcome::Hit })
+                        (
+                            i,
+                            if prefetched {
+                                Outcome::Prefetched
+                            } else {
+                                Outcome::Hit
+                            },
+                        )
                     }
                     None => {
                         let Some(i) = self.claim_victim(&mut inner, key) else {
                             let pinned = inner.slots.iter().filter(|s| s.pins > 0).count();
-                            let loading = inner.slots.iter().filter(|s| s.state == State::Loading).count();
+                            let loading = inner
+                                .slots
+                                .iter()
+                                .filter(|s| s.state == State::Loading)
+                                .count();
                             return Err(Error::Pool(format!(
                                 "no free slot for layer {layer} expert {e}: {} slots, {pinned} pinned, {loading} reads in flight",
                                 inner.slots.len()
@@ -502,7 +542,10 @@ impl SlotPool {
             let start = Instant::now();
             for rx in waits.into_iter().flatten() {
                 let mut rx = rx;
-                let status = rx.wait_for(|s| *s != Load::Pending).await.map(|s| s.clone());
+                let status = rx
+                    .wait_for(|s| *s != Load::Pending)
+                    .await
+                    .map(|s| s.clone());
                 match status {
                     Ok(Load::Done) => {}
                     Ok(Load::Failed(msg)) => return Err(Error::Pool(msg)),
@@ -529,13 +572,19 @@ impl SlotPool {
                 if inner.map.contains_key(&key) {
                     continue;
                 }
-                let Some(i) = self.claim_victim(&mut inner, key) else { break };
+                let Some(i) = self.claim_victim(&mut inner, key) else {
+                    break;
+                };
                 inner.stats.admitted_bytes += self.index.layout.record_bytes as u64;
                 waits.push(self.start_load(&mut inner, i, key, None));
             }
         }
         for mut rx in waits {
-            match rx.wait_for(|s| *s != Load::Pending).await.map(|s| s.clone()) {
+            match rx
+                .wait_for(|s| *s != Load::Pending)
+                .await
+                .map(|s| s.clone())
+            {
                 Ok(Load::Done) => {}
                 Ok(Load::Failed(msg)) => return Err(Error::Pool(msg)),
                 _ => return Err(Error::Pool("a read was abandoned".into())),
@@ -579,9 +628,11 @@ impl SlotPool {
         if n < 2 * self.floor {
             // Near the floor, evicting another layer's expert would likely evict one the
             // next layers need; the same layer's cold experts are the cheaper loss.
-            victim = (0..n)
-                .map(|i| (inner.hand + i) % n)
-                .find(|&i| free(&inner.slots[i]) && inner.slots[i].key.is_some_and(|k| k.0 == key.0) && !inner.slots[i].referenced);
+            victim = (0..n).map(|i| (inner.hand + i) % n).find(|&i| {
+                free(&inner.slots[i])
+                    && inner.slots[i].key.is_some_and(|k| k.0 == key.0)
+                    && !inner.slots[i].referenced
+            });
         }
         if victim.is_none() {
             for _ in 0..2 * n + 1 {
@@ -690,7 +741,11 @@ impl SlotPool {
     /// Pins the records of `experts` of `layer` that are resident (`Ready`) now, without
     /// reading anything or counting lookups; `None` for the others. Prefill sweeps use it
     /// to read only what the pool lacks.
-    pub fn pin_resident(self: &Arc<Self>, layer: usize, experts: &[u32]) -> Vec<Option<SlotRecord>> {
+    pub fn pin_resident(
+        self: &Arc<Self>,
+        layer: usize,
+        experts: &[u32],
+    ) -> Vec<Option<SlotRecord>> {
         let mut inner = self.lock();
         experts
             .iter()
@@ -742,7 +797,8 @@ impl SlotPool {
         }
         // Plain threads, as the callers are synchronous; each takes the next run.
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let results: Vec<Mutex<Option<Result<Vec<Vec<u8>>>>>> = runs.iter().map(|_| Mutex::new(None)).collect();
+        let results: Vec<Mutex<Option<Result<Vec<Vec<u8>>>>>> =
+            runs.iter().map(|_| Mutex::new(None)).collect();
         let workers = self.reader.queue_depth().min(runs.len());
         std::thread::scope(|scope| {
             for _ in 0..workers {
@@ -784,16 +840,16 @@ impl SlotPool {
                 }
             }
             RecordFiles::Shards => {
-                let first = self
-                    .index
-                    .ranges(layer, e0)
-                    .ok_or_else(|| Error::Pool(format!("no record for layer {layer} expert {e0}")))?;
+                let first = self.index.ranges(layer, e0).ok_or_else(|| {
+                    Error::Pool(format!("no record for layer {layer} expert {e0}"))
+                })?;
                 for (k, r) in first.iter().enumerate() {
                     let len = r.len as usize;
                     let mut buf = vec![0u8; n * len];
                     read_range(&*self.reader.file(r.shard), r.offset, &mut buf)?;
                     for (i, rec) in out.iter_mut().enumerate() {
-                        rec[layout.offsets[k]..layout.offsets[k] + len].copy_from_slice(&buf[i * len..(i + 1) * len]);
+                        rec[layout.offsets[k]..layout.offsets[k] + len]
+                            .copy_from_slice(&buf[i * len..(i + 1) * len]);
                     }
                 }
             }
@@ -810,7 +866,11 @@ impl SlotPool {
         let layout = &self.index.layout;
         for (k, r) in ranges.iter().enumerate().take(PIECES_PER_RECORD) {
             let at = layout.offsets[k];
-            read_range(&*self.reader.file(r.shard), r.offset, &mut dst[at..at + r.len as usize])?;
+            read_range(
+                &*self.reader.file(r.shard),
+                r.offset,
+                &mut dst[at..at + r.len as usize],
+            )?;
         }
         Ok(())
     }
@@ -825,7 +885,9 @@ impl SlotPool {
             let offset = pack.offset(layer, expert)?;
             let file = self.reader.file(*pack_file);
             match read_range(&*file, offset, &mut dst[..self.stride]) {
-                Ok(()) if pack.check(layer, expert, &dst[..self.index.layout.record_bytes]) => return Ok(()),
+                Ok(()) if pack.check(layer, expert, &dst[..self.index.layout.record_bytes]) => {
+                    return Ok(())
+                }
                 outcome => {
                     let why = match outcome {
                         Err(e) => e.to_string(),
@@ -902,7 +964,10 @@ impl PoolExperts {
     /// the speculative reserve.
     fn admission_quota(&self) -> usize {
         let layers = self.pool.index.moe_layers.len().max(1);
-        let spare = self.pool.slots().saturating_sub(self.pool.floor() - self.pool.index.num_experts);
+        let spare = self
+            .pool
+            .slots()
+            .saturating_sub(self.pool.floor() - self.pool.index.num_experts);
         spare / layers
     }
 }
@@ -937,10 +1002,12 @@ impl ExpertSource for PoolExperts {
     type Record<'a> = PoolRecord;
 
     fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<PoolRecord>> {
-        Ok(futures::executor::block_on(self.pool.ensure(layer, experts))?
-            .into_iter()
-            .map(PoolRecord::Slot)
-            .collect())
+        Ok(
+            futures::executor::block_on(self.pool.ensure(layer, experts))?
+                .into_iter()
+                .map(PoolRecord::Slot)
+                .collect(),
+        )
     }
 
     /// A prefill chunk's experts: when they fit the layer's share of the pool (what the
@@ -948,7 +1015,12 @@ impl ExpertSource for PoolExperts {
     /// otherwise outside it, in runs of consecutive ids (one read per run and piece, or
     /// per run in a pack), so a long prompt does not churn the pool. Uses are counted for
     /// [`ExpertSource::end_prefill`].
-    fn fetch_prefill(&self, layer: usize, experts: &[u32], uses: &[u32]) -> Result<Vec<PoolRecord>> {
+    fn fetch_prefill(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        uses: &[u32],
+    ) -> Result<Vec<PoolRecord>> {
         {
             let mut counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
             for (&e, &n) in experts.iter().zip(uses) {
@@ -960,13 +1032,21 @@ impl ExpertSource for PoolExperts {
         }
         // Records already in the pool are used where they are; the rest are read in runs.
         let resident = self.pool.pin_resident(layer, experts);
-        let missing: Vec<u32> = experts.iter().zip(&resident).filter(|(_, r)| r.is_none()).map(|(&e, _)| e).collect();
+        let missing: Vec<u32> = experts
+            .iter()
+            .zip(&resident)
+            .filter(|(_, r)| r.is_none())
+            .map(|(&e, _)| e)
+            .collect();
         let mut read = self.pool.read_runs(layer, &missing)?.into_iter();
         resident
             .into_iter()
             .map(|r| match r {
                 Some(r) => Ok(PoolRecord::Slot(r)),
-                None => read.next().map(PoolRecord::Sweep).ok_or_else(|| Error::Internal("a sweep read went missing".into())),
+                None => read
+                    .next()
+                    .map(PoolRecord::Sweep)
+                    .ok_or_else(|| Error::Internal("a sweep read went missing".into())),
             })
             .collect()
     }
@@ -974,7 +1054,8 @@ impl ExpertSource for PoolExperts {
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
     /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
     fn end_prefill(&self, admit: bool) {
-        let counts = std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
+        let counts =
+            std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
         if admit && !counts.is_empty() {
             let quota = self.admission_quota();
             let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();

@@ -151,10 +151,11 @@ impl RoutingParams {
             path: path.to_path_buf(),
             io,
         })?;
-        let params: RoutingParams = serde_json::from_str(&text).map_err(|e| RoutingModelError::Malformed {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let params: RoutingParams =
+            serde_json::from_str(&text).map_err(|e| RoutingModelError::Malformed {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
         params.check(path)?;
         Ok(params)
     }
@@ -169,17 +170,38 @@ impl RoutingParams {
         if self.version != VERSION {
             return Err(bad(
                 "version",
-                format!("{} is not supported (this build reads {VERSION})", self.version),
+                format!(
+                    "{} is not supported (this build reads {VERSION})",
+                    self.version
+                ),
             ));
         }
         // (field, value, 0 excluded, upper bound, upper bound excluded)
         let ranges: [(&'static str, f64, bool, f64, bool); 6] = [
             ("active_fraction", self.active_fraction, true, 1.0, false),
-            ("zipf_exponent", self.zipf_exponent, false, f64::INFINITY, true),
+            (
+                "zipf_exponent",
+                self.zipf_exponent,
+                false,
+                f64::INFINITY,
+                true,
+            ),
             ("head_fraction", self.head_fraction, true, 1.0, false),
             ("context_weight", self.context_weight, false, 1.0, false),
-            ("context_correlation", self.context_correlation, false, 1.0, true),
-            ("forecast_accuracy", self.forecast_accuracy, false, 1.0, false),
+            (
+                "context_correlation",
+                self.context_correlation,
+                false,
+                1.0,
+                true,
+            ),
+            (
+                "forecast_accuracy",
+                self.forecast_accuracy,
+                false,
+                1.0,
+                false,
+            ),
         ];
         for (field, v, low_open, high, high_open) in ranges {
             let above = if low_open { v > 0.0 } else { v >= 0.0 };
@@ -282,13 +304,19 @@ impl RoutingModel {
     /// Expands `params` for a model of `layers` layers of `num_experts` experts routing
     /// `top_k` per token. Every layer index gets a table (dense layers simply never ask).
     /// Errors: `top_k` is 0 or more than `num_experts`.
-    pub fn new(params: RoutingParams, layers: usize, num_experts: usize, top_k: usize) -> crate::Result<Self> {
+    pub fn new(
+        params: RoutingParams,
+        layers: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> crate::Result<Self> {
         if top_k == 0 || top_k > num_experts {
             return Err(crate::Error::InvalidInput(format!(
                 "synthetic routing needs 0 < top_k <= experts, got top-{top_k} of {num_experts}"
             )));
         }
-        let active = ((params.active_fraction * num_experts as f64).round() as usize).clamp(top_k, num_experts);
+        let active = ((params.active_fraction * num_experts as f64).round() as usize)
+            .clamp(top_k, num_experts);
         let head = (params.head_fraction * num_experts as f64).round() as usize;
         let layers = (0..layers)
             .map(|l| {
@@ -296,7 +324,8 @@ impl RoutingModel {
                 // set, in rank order.
                 let mut order: Vec<u32> = (0..num_experts as u32).collect();
                 for i in (1..num_experts).rev() {
-                    let j = (hash(&[params.seed, STREAM_LAYER, l as u64, i as u64]) % (i as u64 + 1)) as usize;
+                    let j = (hash(&[params.seed, STREAM_LAYER, l as u64, i as u64])
+                        % (i as u64 + 1)) as usize;
                     order.swap(i, j);
                 }
                 order.truncate(active);
@@ -327,7 +356,12 @@ impl RoutingModel {
 
     /// Reads `dir`/[`ROUTING_FILE`] for a model of the given geometry; `Ok(None)` when the
     /// directory has none. Errors: those of [`RoutingParams::load`] and [`RoutingModel::new`].
-    pub fn open(dir: &Path, layers: usize, num_experts: usize, top_k: usize) -> crate::Result<Option<Self>> {
+    pub fn open(
+        dir: &Path,
+        layers: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> crate::Result<Option<Self>> {
         let path = dir.join(ROUTING_FILE);
         if !path.exists() {
             return Ok(None);
@@ -368,11 +402,21 @@ impl RoutingModel {
 
     /// Advances `context` (one layer's, in rank order) to `position` with `token` and
     /// returns the `top_k` chosen ranks, best score first (ties: lower rank first).
-    fn step(&self, m: &LayerModel, layer: usize, context: &mut [f32], position: u64, token: u32) -> Vec<usize> {
+    fn step(
+        &self,
+        m: &LayerModel,
+        layer: usize,
+        context: &mut [f32],
+        position: u64,
+        token: u32,
+    ) -> Vec<usize> {
         let p = &self.params;
         let rho = p.context_correlation as f32;
         let fresh = (1.0 - rho * rho).sqrt();
-        let (wc, wn) = ((p.context_weight as f32).sqrt(), (1.0 - p.context_weight as f32).sqrt());
+        let (wc, wn) = (
+            (p.context_weight as f32).sqrt(),
+            (1.0 - p.context_weight as f32).sqrt(),
+        );
         let key = hash(&[p.seed, layer as u64, position, token as u64]);
         let scores: Vec<f32> = context
             .iter_mut()
@@ -397,10 +441,18 @@ impl RoutingModel {
     /// its sequence) and returns the `top_k` distinct expert ids (each `< num_experts`),
     /// best first. Positions must be routed in order, each once, for the sequence to
     /// route as one pass would. Errors: `layer` beyond the model's layers.
-    pub fn route(&self, state: &mut RoutingState, layer: usize, position: u64, token: u32) -> crate::Result<Vec<u32>> {
+    pub fn route(
+        &self,
+        state: &mut RoutingState,
+        layer: usize,
+        position: u64,
+        token: u32,
+    ) -> crate::Result<Vec<u32>> {
         let m = self.layer(layer)?;
         let context = state.context.get_mut(layer).ok_or_else(|| {
-            crate::Error::InvalidInput(format!("routing state has no layer {layer} (made by another model)"))
+            crate::Error::InvalidInput(format!(
+                "routing state has no layer {layer} (made by another model)"
+            ))
         })?;
         Ok(self
             .step(m, layer, context, position, token)
@@ -415,7 +467,13 @@ impl RoutingModel {
     /// replaced by a popularity draw among the active experts outside that token's true
     /// selection. Returns the distinct ids of all tokens, ascending. Errors: `layer` beyond
     /// the model's layers.
-    pub fn forecast(&self, state: &RoutingState, layer: usize, start: u64, tokens: &[u32]) -> crate::Result<Vec<u32>> {
+    pub fn forecast(
+        &self,
+        state: &RoutingState,
+        layer: usize,
+        start: u64,
+        tokens: &[u32],
+    ) -> crate::Result<Vec<u32>> {
         let m = self.layer(layer)?;
         let mut context = state.context.get(layer).cloned().unwrap_or_default();
         if context.len() != m.experts.len() {
@@ -435,7 +493,9 @@ impl RoutingModel {
             for (j, &r) in truth.iter().enumerate() {
                 if uniform(hash(&[key, STREAM_KEEP, j as u64])) < self.params.forecast_accuracy {
                     out.push(m.experts[r]);
-                } else if let Some(d) = popularity_draw(m, &taken, hash(&[key, STREAM_DRAW, j as u64])) {
+                } else if let Some(d) =
+                    popularity_draw(m, &taken, hash(&[key, STREAM_DRAW, j as u64]))
+                {
                     taken[d] = true;
                     out.push(m.experts[d]);
                 }
@@ -474,7 +534,10 @@ fn popularity_draw(m: &LayerModel, taken: &[bool], seed: u64) -> Option<usize> {
     let total = *m.cumulative.last()?;
     for attempt in 0..32u64 {
         let x = uniform(hash(&[seed, attempt])) * total;
-        let r = m.cumulative.partition_point(|&c| c <= x).min(m.cumulative.len() - 1);
+        let r = m
+            .cumulative
+            .partition_point(|&c| c <= x)
+            .min(m.cumulative.len() - 1);
         if !taken[r] {
             return Some(r);
         }
@@ -519,7 +582,8 @@ impl Figures {
     /// and LRU 60 experts a layer for 512 experts (scaled by `experts / 512`, at least 1),
     /// Belady 17% of the records, as the reference study reports them.
     pub fn pools(layers: usize, experts: usize) -> [usize; 3] {
-        let per_layer = |n: usize| ((n * experts) as f64 / 512.0).round().max(1.0) as usize * layers;
+        let per_layer =
+            |n: usize| ((n * experts) as f64 / 512.0).round().max(1.0) as usize * layers;
         [
             per_layer(30),
             per_layer(60),
@@ -546,7 +610,11 @@ impl Figures {
         Figures {
             records,
             touched: counts.len(),
-            top_decile_share: if total == 0 { 0.0 } else { decile as f64 / total as f64 },
+            top_decile_share: if total == 0 {
+                0.0
+            } else {
+                decile as f64 / total as f64
+            },
             clock: simulate(requests, clock, Policy::Clock).hit_rate(),
             lru: simulate(requests, lru, Policy::Lru).hit_rate(),
             belady: simulate(requests, belady, Policy::Belady).hit_rate(),
@@ -587,7 +655,12 @@ mod tests {
                 t.touched_share(),
                 0.03 * t.touched_share(),
             ),
-            ("top-decile share", f.top_decile_share, t.top_decile_share, 0.02),
+            (
+                "top-decile share",
+                f.top_decile_share,
+                t.top_decile_share,
+                0.02,
+            ),
             ("CLOCK", f.clock, t.clock, 0.02),
             ("LRU", f.lru, t.lru, 0.02),
             ("Belady", f.belady, t.belady, 0.025),
@@ -663,7 +736,10 @@ mod tests {
         p.context_correlation = 1.0;
         std::fs::write(&path, serde_json::to_string(&p).unwrap()).unwrap();
         let e = RoutingParams::load(&path).unwrap_err().to_string();
-        assert!(e.contains(ROUTING_FILE) && e.contains("context_correlation"), "{e}");
+        assert!(
+            e.contains(ROUTING_FILE) && e.contains("context_correlation"),
+            "{e}"
+        );
         std::fs::write(&path, r#"{"version": 1, "seed": 1, "active_fraction": 0.5, "zipf_exponent": 0.5, "head_fraction": 0.1, "context_weight": 0.5, "context_correlation": 0.5, "forecast_accuracy": 0.8, "stickiness": 1}"#).unwrap();
         let e = RoutingParams::load(&path).unwrap_err().to_string();
         assert!(e.contains(ROUTING_FILE) && e.contains("stickiness"), "{e}");

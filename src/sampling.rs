@@ -114,7 +114,11 @@ impl Sampler {
             recent.dedup();
             for id in recent {
                 if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l < 0.0 { *l * o.repetition_penalty } else { *l / o.repetition_penalty };
+                    *l = if *l < 0.0 {
+                        *l * o.repetition_penalty
+                    } else {
+                        *l / o.repetition_penalty
+                    };
                 }
             }
         }
@@ -138,12 +142,16 @@ impl Sampler {
                 above += probs[i];
             }
             let threshold = sorted[dropped.min(sorted.len() - 1)];
-            lp.iter_mut().filter(|l| **l < threshold).for_each(|l| *l = f32::NEG_INFINITY);
+            lp.iter_mut()
+                .filter(|l| **l < threshold)
+                .for_each(|l| *l = f32::NEG_INFINITY);
         }
         if o.min_p > 0.0 {
             let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let floor = top + o.min_p.ln();
-            lp.iter_mut().filter(|l| **l < floor).for_each(|l| *l = f32::NEG_INFINITY);
+            lp.iter_mut()
+                .filter(|l| **l < floor)
+                .for_each(|l| *l = f32::NEG_INFINITY);
         }
         if o.top_k > 0 && o.top_k < lp.len() {
             // The k most probable of the tokens still in play (ties: lower ids first).
@@ -214,7 +222,9 @@ mod tests {
 
     #[test]
     fn a_tiny_temperature_samples_the_argmax() {
-        let logits: Vec<f32> = (0..100).map(|_| rand::random::<f32>() * 40.0 - 20.0).collect();
+        let logits: Vec<f32> = (0..100)
+            .map(|_| rand::random::<f32>() * 40.0 - 20.0)
+            .collect();
         let mut s = Sampler::new(opts(|o| o.temperature = 1e-30)).unwrap();
         for _ in 0..10 {
             assert_eq!(s.sample(&logits, &[]), argmax(&logits));
@@ -230,12 +240,24 @@ mod tests {
     #[test]
     fn filters_keep_what_a_direct_computation_keeps() {
         // top-k 2: the two most probable.
-        assert_eq!(kept(&Sampler::new(opts(|o| o.top_k = 2)).unwrap(), &L), vec![0, 1]);
+        assert_eq!(
+            kept(&Sampler::new(opts(|o| o.top_k = 2)).unwrap(), &L),
+            vec![0, 1]
+        );
         // top-p 0.7: .5 + .25 reaches .7 -> keep two; 0.8 -> keep three.
-        assert_eq!(kept(&Sampler::new(opts(|o| o.top_p = 0.7)).unwrap(), &L), vec![0, 1]);
-        assert_eq!(kept(&Sampler::new(opts(|o| o.top_p = 0.8)).unwrap(), &L), vec![0, 1, 2]);
+        assert_eq!(
+            kept(&Sampler::new(opts(|o| o.top_p = 0.7)).unwrap(), &L),
+            vec![0, 1]
+        );
+        assert_eq!(
+            kept(&Sampler::new(opts(|o| o.top_p = 0.8)).unwrap(), &L),
+            vec![0, 1, 2]
+        );
         // min-p 0.4: keep p >= 0.2 -> .5 and .25.
-        assert_eq!(kept(&Sampler::new(opts(|o| o.min_p = 0.4)).unwrap(), &L), vec![0, 1]);
+        assert_eq!(
+            kept(&Sampler::new(opts(|o| o.min_p = 0.4)).unwrap(), &L),
+            vec![0, 1]
+        );
     }
 
     #[test]
@@ -277,7 +299,10 @@ mod tests {
         assert_ne!(a, draw(&opts(|o| o.seed = 43)), "another seed, other draws");
         for (i, p) in [0.5, 0.25, 0.15, 0.1].iter().enumerate() {
             let f = a.iter().filter(|&&t| t == i as u32).count() as f64 / a.len() as f64;
-            assert!((f - p).abs() < 0.03, "token {i}: frequency {f} vs probability {p}");
+            assert!(
+                (f - p).abs() < 0.03,
+                "token {i}: frequency {f} vs probability {p}"
+            );
         }
         // Temperature 0.5 sharpens: p_i proportional to p_i^2 -> .5^2/(sum) = .6135.
         let mut s = Sampler::new(opts(|o| o.temperature = 0.5)).unwrap();

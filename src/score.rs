@@ -25,9 +25,16 @@ pub struct Score {
 /// Runs `ids` through a fresh sequence of `model` in one forward pass and scores each
 /// next token: `nll_i = logsumexp(logits_i) - logits_i[ids_{i+1}]`, in f64.
 /// Errors: fewer than two ids, or any forward-pass error.
-pub fn score<B: Backend, E: ExpertSource>(model: &Model<B>, backend: &B, experts: &E, ids: &[u32]) -> Result<Score> {
+pub fn score<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    ids: &[u32],
+) -> Result<Score> {
     if ids.len() < 2 {
-        return Err(Error::InvalidInput("scoring needs at least two tokens".into()));
+        return Err(Error::InvalidInput(
+            "scoring needs at least two tokens".into(),
+        ));
     }
     let mut state = model.new_state(backend);
     let logits = model.forward(backend, &mut state, ids, experts, Logits::All)?;
@@ -36,7 +43,12 @@ pub fn score<B: Backend, E: ExpertSource>(model: &Model<B>, backend: &B, experts
         .map(|i| {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (x as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             lse - row[ids[i + 1] as usize] as f64
         })
         .sum();
@@ -62,7 +74,9 @@ pub fn write_npy(path: &Path, data: &[f32], rows: usize, cols: usize) -> Result<
             .writer(std::io::BufWriter::new(out.file()))
             .begin_nd()
             .map_err(|e| Error::io(path, e))?;
-        writer.extend(data.iter().copied()).map_err(|e| Error::io(path, e))?;
+        writer
+            .extend(data.iter().copied())
+            .map_err(|e| Error::io(path, e))?;
         writer.finish().map_err(|e| Error::io(path, e))?;
     }
     out.commit()

@@ -133,10 +133,17 @@ pub const PRESETS: &[Preset] = &[DEMO, QWEN3_NEXT_80B, QWEN35_35B, FLASH_NEXT_EX
 
 /// Looks a preset up by name. Errors list the known names.
 pub fn preset(name: &str) -> Result<Preset> {
-    PRESETS.iter().copied().find(|p| p.name == name).ok_or_else(|| {
-        let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
-        Error::InvalidInput(format!("unknown preset `{name}` (known: {})", names.join(", ")))
-    })
+    PRESETS
+        .iter()
+        .copied()
+        .find(|p| p.name == name)
+        .ok_or_else(|| {
+            let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+            Error::InvalidInput(format!(
+                "unknown preset `{name}` (known: {})",
+                names.join(", ")
+            ))
+        })
 }
 
 /// What a tensor holds.
@@ -168,7 +175,15 @@ impl TensorSpec {
     }
 }
 
-fn quantized(out: &mut Vec<TensorSpec>, module: &str, lead: &[usize], rows: usize, cols: usize, bits: u32, group: usize) {
+fn quantized(
+    out: &mut Vec<TensorSpec>,
+    module: &str,
+    lead: &[usize],
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    group: usize,
+) {
     let shape = |last: usize| {
         let mut s = lead.to_vec();
         s.extend([rows, last]);
@@ -217,7 +232,10 @@ impl Preset {
         quant.insert("mode".into(), json!("affine"));
         for l in 0..layers {
             for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-                quant.insert(format!("{prefix}model.layers.{l}.{m}"), json!({"group_size": 64, "bits": 8}));
+                quant.insert(
+                    format!("{prefix}model.layers.{l}.{m}"),
+                    json!({"group_size": 64, "bits": 8}),
+                );
             }
         }
         let mut text = json!({
@@ -269,47 +287,208 @@ impl Preset {
     }
 
     fn layer_tensors(&self, l: usize) -> Vec<TensorSpec> {
-        let (d, g, e, i) = (self.hidden, self.group_size, self.experts, self.intermediate);
+        let (d, g, e, i) = (
+            self.hidden,
+            self.group_size,
+            self.experts,
+            self.intermediate,
+        );
         let p = format!("{}model.layers.{l}", self.family.prefix());
         let mut t = Vec::new();
-        vector(&mut t, format!("{p}.input_layernorm.weight"), vec![d], Fill::Const(1.0));
-        vector(&mut t, format!("{p}.post_attention_layernorm.weight"), vec![d], Fill::Const(1.0));
+        vector(
+            &mut t,
+            format!("{p}.input_layernorm.weight"),
+            vec![d],
+            Fill::Const(1.0),
+        );
+        vector(
+            &mut t,
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![d],
+            Fill::Const(1.0),
+        );
         if self.is_full_attention(l) {
             let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
-            quantized(&mut t, &format!("{p}.self_attn.q_proj"), &[], 2 * h * hd, d, 4, g);
-            quantized(&mut t, &format!("{p}.self_attn.k_proj"), &[], kv * hd, d, 4, g);
-            quantized(&mut t, &format!("{p}.self_attn.v_proj"), &[], kv * hd, d, 4, g);
-            quantized(&mut t, &format!("{p}.self_attn.o_proj"), &[], d, h * hd, 4, g);
-            vector(&mut t, format!("{p}.self_attn.q_norm.weight"), vec![hd], Fill::Const(1.0));
-            vector(&mut t, format!("{p}.self_attn.k_norm.weight"), vec![hd], Fill::Const(1.0));
+            quantized(
+                &mut t,
+                &format!("{p}.self_attn.q_proj"),
+                &[],
+                2 * h * hd,
+                d,
+                4,
+                g,
+            );
+            quantized(
+                &mut t,
+                &format!("{p}.self_attn.k_proj"),
+                &[],
+                kv * hd,
+                d,
+                4,
+                g,
+            );
+            quantized(
+                &mut t,
+                &format!("{p}.self_attn.v_proj"),
+                &[],
+                kv * hd,
+                d,
+                4,
+                g,
+            );
+            quantized(
+                &mut t,
+                &format!("{p}.self_attn.o_proj"),
+                &[],
+                d,
+                h * hd,
+                4,
+                g,
+            );
+            vector(
+                &mut t,
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![hd],
+                Fill::Const(1.0),
+            );
+            vector(
+                &mut t,
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![hd],
+                Fill::Const(1.0),
+            );
         } else {
-            let (nk, nv, hd) = (self.linear_key_heads, self.linear_value_heads, self.linear_head_dim);
+            let (nk, nv, hd) = (
+                self.linear_key_heads,
+                self.linear_value_heads,
+                self.linear_head_dim,
+            );
             let (kd, vd) = (nk * hd, nv * hd);
             match self.family {
                 Family::Qwen3Next => {
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_qkvz"), &[], 2 * kd + 2 * vd, d, 4, g);
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_ba"), &[], 2 * nv, d, 4, g);
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_qkvz"),
+                        &[],
+                        2 * kd + 2 * vd,
+                        d,
+                        4,
+                        g,
+                    );
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_ba"),
+                        &[],
+                        2 * nv,
+                        d,
+                        4,
+                        g,
+                    );
                 }
                 Family::Qwen35Moe => {
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_qkv"), &[], 2 * kd + vd, d, 4, g);
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_z"), &[], vd, d, 4, g);
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_b"), &[], nv, d, 4, g);
-                    quantized(&mut t, &format!("{p}.linear_attn.in_proj_a"), &[], nv, d, 4, g);
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_qkv"),
+                        &[],
+                        2 * kd + vd,
+                        d,
+                        4,
+                        g,
+                    );
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_z"),
+                        &[],
+                        vd,
+                        d,
+                        4,
+                        g,
+                    );
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_b"),
+                        &[],
+                        nv,
+                        d,
+                        4,
+                        g,
+                    );
+                    quantized(
+                        &mut t,
+                        &format!("{p}.linear_attn.in_proj_a"),
+                        &[],
+                        nv,
+                        d,
+                        4,
+                        g,
+                    );
                 }
             }
-            vector(&mut t, format!("{p}.linear_attn.conv1d.weight"), vec![2 * kd + vd, 4, 1], Fill::Uniform(0.5));
-            vector(&mut t, format!("{p}.linear_attn.dt_bias"), vec![nv], Fill::Const(1.0));
-            vector(&mut t, format!("{p}.linear_attn.A_log"), vec![nv], Fill::Uniform(1.0));
-            vector(&mut t, format!("{p}.linear_attn.norm.weight"), vec![hd], Fill::Const(1.0));
-            quantized(&mut t, &format!("{p}.linear_attn.out_proj"), &[], d, vd, 4, g);
+            vector(
+                &mut t,
+                format!("{p}.linear_attn.conv1d.weight"),
+                vec![2 * kd + vd, 4, 1],
+                Fill::Uniform(0.5),
+            );
+            vector(
+                &mut t,
+                format!("{p}.linear_attn.dt_bias"),
+                vec![nv],
+                Fill::Const(1.0),
+            );
+            vector(
+                &mut t,
+                format!("{p}.linear_attn.A_log"),
+                vec![nv],
+                Fill::Uniform(1.0),
+            );
+            vector(
+                &mut t,
+                format!("{p}.linear_attn.norm.weight"),
+                vec![hd],
+                Fill::Const(1.0),
+            );
+            quantized(
+                &mut t,
+                &format!("{p}.linear_attn.out_proj"),
+                &[],
+                d,
+                vd,
+                4,
+                g,
+            );
         }
         quantized(&mut t, &format!("{p}.mlp.gate"), &[], e, d, 8, 64);
-        quantized(&mut t, &format!("{p}.mlp.shared_expert_gate"), &[], 1, d, 8, 64);
+        quantized(
+            &mut t,
+            &format!("{p}.mlp.shared_expert_gate"),
+            &[],
+            1,
+            d,
+            8,
+            64,
+        );
         for (m, rows, cols) in [("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)] {
-            quantized(&mut t, &format!("{p}.mlp.shared_expert.{m}"), &[], rows, cols, 4, g);
+            quantized(
+                &mut t,
+                &format!("{p}.mlp.shared_expert.{m}"),
+                &[],
+                rows,
+                cols,
+                4,
+                g,
+            );
         }
         for (m, rows, cols) in [("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)] {
-            quantized(&mut t, &format!("{p}.mlp.switch_mlp.{m}"), &[e], rows, cols, 4, g);
+            quantized(
+                &mut t,
+                &format!("{p}.mlp.switch_mlp.{m}"),
+                &[e],
+                rows,
+                cols,
+                4,
+                g,
+            );
         }
         t
     }
@@ -317,9 +496,30 @@ impl Preset {
     fn head_tensors(&self) -> Vec<TensorSpec> {
         let p = self.family.prefix();
         let mut t = Vec::new();
-        quantized(&mut t, &format!("{p}model.embed_tokens"), &[], self.vocab, self.hidden, 4, self.group_size);
-        quantized(&mut t, &format!("{p}lm_head"), &[], self.vocab, self.hidden, 4, self.group_size);
-        vector(&mut t, format!("{p}model.norm.weight"), vec![self.hidden], Fill::Const(1.0));
+        quantized(
+            &mut t,
+            &format!("{p}model.embed_tokens"),
+            &[],
+            self.vocab,
+            self.hidden,
+            4,
+            self.group_size,
+        );
+        quantized(
+            &mut t,
+            &format!("{p}lm_head"),
+            &[],
+            self.vocab,
+            self.hidden,
+            4,
+            self.group_size,
+        );
+        vector(
+            &mut t,
+            format!("{p}model.norm.weight"),
+            vec![self.hidden],
+            Fill::Const(1.0),
+        );
         t
     }
 
@@ -327,7 +527,11 @@ impl Preset {
     pub fn checkpoint_bytes(&self, layers: usize) -> u64 {
         let mut n: u64 = self.head_tensors().iter().map(TensorSpec::bytes).sum();
         for l in 0..layers {
-            n += self.layer_tensors(l).iter().map(TensorSpec::bytes).sum::<u64>();
+            n += self
+                .layer_tensors(l)
+                .iter()
+                .map(TensorSpec::bytes)
+                .sum::<u64>();
         }
         n
     }
@@ -347,7 +551,10 @@ impl<W: Write> SafetensorsWriter<W> {
         header.insert("__metadata__".into(), json!({"format": "mlx"}));
         let mut at = 0u64;
         for (name, dtype, shape, len) in tensors {
-            header.insert(name.clone(), json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + len]}));
+            header.insert(
+                name.clone(),
+                json!({"dtype": dtype, "shape": shape, "data_offsets": [at, at + len]}),
+            );
             at += len;
         }
         let mut text = serde_json::to_vec(&header)?;
@@ -424,7 +631,13 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 /// carries the preset's calibrated routing model
 /// ([`crate::routing_model::RoutingParams::calibrated`]); see [`write_checkpoint_with`].
 pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bool) -> Result<()> {
-    write_checkpoint_with(dir, preset, layers, progress, Some(&RoutingParams::calibrated()))
+    write_checkpoint_with(
+        dir,
+        preset,
+        layers,
+        progress,
+        Some(&RoutingParams::calibrated()),
+    )
 }
 
 /// [`write_checkpoint`] with a chosen routing model: `Some` writes it as
@@ -442,7 +655,9 @@ pub fn write_checkpoint_with(
         if entries.next().is_some() && !marker.exists() {
             return Err(Error::io(
                 dir,
-                std::io::Error::other("is not empty and holds no synthetic checkpoint; refusing to write into it"),
+                std::io::Error::other(
+                    "is not empty and holds no synthetic checkpoint; refusing to write into it",
+                ),
             ));
         }
     }
@@ -453,7 +668,11 @@ pub fn write_checkpoint_with(
     // A pack of the old checkpoint would only be refused later (its identity differs):
     // remove it with the index.
     let index_path = dir.join("model.safetensors.index.json");
-    for path in [index_path.clone(), dir.join(crate::pack::PACK_FILE), dir.join(crate::pack::MANIFEST_FILE)] {
+    for path in [
+        index_path.clone(),
+        dir.join(crate::pack::PACK_FILE),
+        dir.join(crate::pack::MANIFEST_FILE),
+    ] {
         match std::fs::remove_file(&path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&path, e)),
             _ => {}
@@ -463,8 +682,10 @@ pub fn write_checkpoint_with(
     let bar = progress.then(|| {
         let bar = indicatif::ProgressBar::new(preset.checkpoint_bytes(layers));
         bar.set_style(
-            indicatif::ProgressStyle::with_template("writing {msg} {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template(
+                "writing {msg} {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         bar.set_message(preset.name);
         bar
@@ -472,11 +693,18 @@ pub fn write_checkpoint_with(
     let mut weight_map = serde_json::Map::new();
     let mut filler = Filler::new(0x5107_5742 ^ layers as u64);
     for shard in 0..shards {
-        let tensors = if shard == 0 { preset.head_tensors() } else { preset.layer_tensors(shard - 1) };
+        let tensors = if shard == 0 {
+            preset.head_tensors()
+        } else {
+            preset.layer_tensors(shard - 1)
+        };
         let file = format!("model-{:05}-of-{:05}.safetensors", shard + 1, shards);
         let path = dir.join(&file);
         let out = AtomicFile::create(&path)?;
-        let header: Vec<_> = tensors.iter().map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.bytes())).collect();
+        let header: Vec<_> = tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.bytes()))
+            .collect();
         let mut w = SafetensorsWriter::new(BufWriter::with_capacity(4 << 20, out.file()), &header)
             .map_err(|e| Error::io(&path, e))?;
         for t in &tensors {
@@ -515,13 +743,19 @@ pub fn write_checkpoint_with(
         None => {
             let path = dir.join(ROUTING_FILE);
             match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&path, e)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(&path, e))
+                }
                 _ => {}
             }
         }
     }
     // The index last: a checkpoint without it does not open.
-    write_json(dir, "model.safetensors.index.json", &json!({"metadata": {}, "weight_map": weight_map}))
+    write_json(
+        dir,
+        "model.safetensors.index.json",
+        &json!({"metadata": {}, "weight_map": weight_map}),
+    )
 }
 
 fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
@@ -538,7 +772,10 @@ fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
 /// `<|im_start|>` and `<|im_end|>` at the top of the model's vocabulary.
 fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
     // GPT-2's byte-to-unicode table, as the ByteLevel pre-tokenizer expects.
-    let mut bytes: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bytes: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut chars = bytes.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -577,5 +814,9 @@ fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
             "chat_template": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
         }),
     )?;
-    write_json(dir, "generation_config.json", &json!({"eos_token_id": [end, eot]}))
+    write_json(
+        dir,
+        "generation_config.json",
+        &json!({"eos_token_id": [end, eot]}),
+    )
 }

@@ -15,7 +15,10 @@ impl Tokenizer {
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "not found")));
+            return Err(Error::io(
+                &path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
+            ));
         }
         let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
             path: path.clone(),
@@ -26,10 +29,13 @@ impl Tokenizer {
 
     /// Token ids of `text`, without added special tokens (Qwen tokenizers add no BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
         Ok(enc.get_ids().to_vec())
     }
 }
@@ -78,7 +84,10 @@ impl StreamDecoder {
         if text.ends_with('\u{FFFD}') {
             return Ok(String::new());
         }
-        let delta = text.get(self.emitted.len()..).unwrap_or_default().to_string();
+        let delta = text
+            .get(self.emitted.len()..)
+            .unwrap_or_default()
+            .to_string();
         self.emitted = text;
         // Keep the window short: once a complete piece ends the text, start afresh.
         if self.ids.len() - self.start > 16 {
@@ -91,7 +100,10 @@ impl StreamDecoder {
     /// Text still held back (an incomplete character at the end), released as is.
     pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
         let text = tok.decode(&self.ids[self.start..])?;
-        let delta = text.get(self.emitted.len()..).unwrap_or_default().to_string();
+        let delta = text
+            .get(self.emitted.len()..)
+            .unwrap_or_default()
+            .to_string();
         self.start = self.ids.len();
         self.emitted.clear();
         Ok(delta)
@@ -138,7 +150,10 @@ impl ChatTemplate {
             };
             let token = |k: &str| {
                 cfg.get(k)
-                    .and_then(|v| v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())))
+                    .and_then(|v| {
+                        v.as_str()
+                            .or_else(|| v.get("content").and_then(|c| c.as_str()))
+                    })
                     .unwrap_or_default()
                     .to_string()
             };
@@ -148,7 +163,10 @@ impl ChatTemplate {
         // chat_template.jinja takes precedence, as in transformers.
         let jinja = dir.join("chat_template.jinja");
         let (source, path) = match source {
-            _ if jinja.exists() => (std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?, jinja),
+            _ if jinja.exists() => (
+                std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?,
+                jinja,
+            ),
             Some(s) => (s, cfg_path),
             None => return Ok(None),
         };
@@ -169,9 +187,15 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         let err = |e: minijinja::Error| Error::Tokenizer {
             path: self.path.clone(),
             message: format!("chat template: {e}"),
@@ -193,7 +217,12 @@ impl ChatTemplate {
 /// generation_config.json's `eos_token_id` when present and non-empty, else config.json's,
 /// plus the tokenizer's own `eos_token` from tokenizer_config.json.
 /// Errors: malformed generation_config.json, or an id outside `vocab`.
-pub fn eos_ids(dir: &Path, config_eos: &[u32], tokenizer: &Tokenizer, vocab: usize) -> Result<Vec<u32>> {
+pub fn eos_ids(
+    dir: &Path,
+    config_eos: &[u32],
+    tokenizer: &Tokenizer,
+    vocab: usize,
+) -> Result<Vec<u32>> {
     let mut ids = config_eos.to_vec();
     let path = dir.join("generation_config.json");
     if path.exists() {
@@ -211,20 +240,29 @@ pub fn eos_ids(dir: &Path, config_eos: &[u32], tokenizer: &Tokenizer, vocab: usi
             ids = listed
                 .into_iter()
                 .map(|x| {
-                    u32::try_from(x).ok().filter(|&id| (id as usize) < vocab).ok_or_else(|| Error::Json {
-                        path: path.clone(),
-                        message: format!("eos_token_id {x} is outside the vocabulary of {vocab}"),
-                    })
+                    u32::try_from(x)
+                        .ok()
+                        .filter(|&id| (id as usize) < vocab)
+                        .ok_or_else(|| Error::Json {
+                            path: path.clone(),
+                            message: format!(
+                                "eos_token_id {x} is outside the vocabulary of {vocab}"
+                            ),
+                        })
                 })
                 .collect::<Result<_>>()?;
         }
     }
     let cfg_path = dir.join("tokenizer_config.json");
     if let Ok(text) = std::fs::read_to_string(&cfg_path) {
-        let token = serde_json::from_str::<serde_json::Value>(&text).ok().and_then(|cfg| {
-            let t = cfg.get("eos_token")?;
-            t.as_str().or_else(|| t.get("content")?.as_str()).map(str::to_string)
-        });
+        let token = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|cfg| {
+                let t = cfg.get("eos_token")?;
+                t.as_str()
+                    .or_else(|| t.get("content")?.as_str())
+                    .map(str::to_string)
+            });
         if let Some(id) = token.and_then(|t| tokenizer.inner.token_to_id(&t)) {
             ids.push(id);
         }
@@ -245,13 +283,19 @@ mod tests {
     #[test]
     fn streaming_decode_round_trips_emoji_and_cjk() {
         let tok = Tokenizer::load(&fixture()).unwrap();
-        for text in ["héllo wörld 🙂🚀 日本語のテキスト and 中文 ok", "🧪🧪 ümlaut ✓"] {
+        for text in [
+            "héllo wörld 🙂🚀 日本語のテキスト and 中文 ok",
+            "🧪🧪 ümlaut ✓",
+        ] {
             let ids = tok.encode(text).unwrap();
             let mut dec = StreamDecoder::new();
             let mut out = String::new();
             for &id in &ids {
                 let piece = dec.push(&tok, id).unwrap();
-                assert!(!piece.contains('\u{FFFD}'), "partial character released: {piece:?}");
+                assert!(
+                    !piece.contains('\u{FFFD}'),
+                    "partial character released: {piece:?}"
+                );
                 out.push_str(&piece);
             }
             assert_eq!(out, text);

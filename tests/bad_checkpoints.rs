@@ -29,7 +29,9 @@ const INDEX: &str = "model.safetensors.index.json";
 
 /// Copies fixture `name` into a fresh temporary directory.
 fn copy_fixture(name: &str) -> TempDir {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let tmp = tempfile::tempdir().expect("tempdir");
     for entry in fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
         let entry = entry.unwrap();
@@ -139,10 +141,19 @@ fn remove_tensor(dir: &Path, tensor: &str) {
     rewrite_shard(&shard, |ts| {
         let before = ts.len();
         ts.retain(|t| t.name != tensor);
-        assert_eq!(ts.len() + 1, before, "test bug: {tensor} not in {}", shard.display());
+        assert_eq!(
+            ts.len() + 1,
+            before,
+            "test bug: {tensor} not in {}",
+            shard.display()
+        );
     });
     edit_json(&dir.join(INDEX), |v| {
-        v["weight_map"].as_object_mut().unwrap().remove(tensor).unwrap();
+        v["weight_map"]
+            .as_object_mut()
+            .unwrap()
+            .remove(tensor)
+            .unwrap();
     });
 }
 
@@ -165,16 +176,23 @@ fn redeclare(dir: &Path, tensor: &str, dtype: Option<&str>, shape: Option<&[usiz
 /// `Checkpoint::open` must fail; returns its error.
 fn open_err(dir: &Path) -> Error {
     match Checkpoint::open(dir) {
-        Ok(_) => panic!("Checkpoint::open accepted the corrupted checkpoint {}", dir.display()),
+        Ok(_) => panic!(
+            "Checkpoint::open accepted the corrupted checkpoint {}",
+            dir.display()
+        ),
         Err(e) => e,
     }
 }
 
 /// `Checkpoint::open` must succeed and `Model::load` fail; returns the load error.
 fn load_err(dir: &Path) -> Error {
-    let ckpt = Checkpoint::open(dir).unwrap_or_else(|e| panic!("Checkpoint::open failed early: {e}"));
+    let ckpt =
+        Checkpoint::open(dir).unwrap_or_else(|e| panic!("Checkpoint::open failed early: {e}"));
     match Model::<CpuBackend>::load(&ckpt, &CpuBackend) {
-        Ok(_) => panic!("Model::load accepted the corrupted checkpoint {}", dir.display()),
+        Ok(_) => panic!(
+            "Model::load accepted the corrupted checkpoint {}",
+            dir.display()
+        ),
         Err(e) => e,
     }
 }
@@ -231,7 +249,10 @@ fn truncated_single_shard_is_named() {
     let e = open_err(tmp.path());
     let msg = e.to_string();
     assert!(matches!(e, Error::Safetensors { .. }), "{msg}");
-    assert!(msg.contains("model.safetensors") && msg.contains("truncated"), "{msg}");
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("truncated"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -271,7 +292,10 @@ fn padded_shard_is_named() {
     bytes.extend([0u8; 64]);
     fs::write(&p, bytes).unwrap();
     let msg = open_err(tmp.path()).to_string();
-    assert!(msg.contains("model.safetensors") && msg.contains("padded"), "{msg}");
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("padded"),
+        "{msg}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -281,7 +305,10 @@ fn padded_shard_is_named() {
 fn assert_missing(dir: &Path, tensor: &str) {
     let e = load_err(dir);
     let msg = e.to_string();
-    assert!(matches!(&e, Error::MissingTensor { name } if name == tensor), "{msg}");
+    assert!(
+        matches!(&e, Error::MissingTensor { name } if name == tensor),
+        "{msg}"
+    );
     assert!(msg.contains(tensor), "{msg}");
 }
 
@@ -326,7 +353,10 @@ fn missing_qwen35_projection_is_named() {
             // in mlx-lm's load_model, so the packed weight's shape is what is wrong.
             let msg = load_err(tmp.path()).to_string();
             let weight = tensor.replace(".scales", ".weight");
-            assert!(msg.contains(&weight) && msg.contains("shape"), "{tensor}: {msg}");
+            assert!(
+                msg.contains(&weight) && msg.contains("shape"),
+                "{tensor}: {msg}"
+            );
         } else {
             assert_missing(tmp.path(), tensor);
         }
@@ -350,7 +380,10 @@ fn qwen35_config_with_qwen3_next_projection_names_the_missing_split_tensor() {
     });
     let e = load_err(tmp.path());
     let msg = e.to_string();
-    assert!(msg.contains("language_model.model.layers.0.linear_attn.in_proj_qkv.weight"), "{msg}");
+    assert!(
+        msg.contains("language_model.model.layers.0.linear_attn.in_proj_qkv.weight"),
+        "{msg}"
+    );
 }
 
 /// mlx-lm's qwen3_5_moe `sanitize` accepts keys without the `language_model.` prefix and
@@ -361,13 +394,23 @@ fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
     let logits = |dir: &Path| {
         let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
         let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
-        let experts = slotstream::experts::MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
-        slotstream::score::score(&model, &CpuBackend, &experts, &ids).unwrap().logits
+        let experts = slotstream::experts::MappedExperts::new(
+            ckpt.clone(),
+            std::sync::Arc::new(model.experts.clone()),
+        );
+        slotstream::score::score(&model, &CpuBackend, &experts, &ids)
+            .unwrap()
+            .logits
     };
     let want = logits(&copy_fixture(QWEN35).path().to_path_buf());
     let respell: [(&str, fn(&str) -> String); 2] = [
-        ("unprefixed", |n| n.strip_prefix("language_model.").unwrap().to_string()),
-        ("hugging face", |n| n.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")),
+        ("unprefixed", |n| {
+            n.strip_prefix("language_model.").unwrap().to_string()
+        }),
+        ("hugging face", |n| {
+            n.replace("language_model.model.", "model.language_model.")
+                .replace("language_model.lm_head", "lm_head")
+        }),
     ];
     for (what, rename) in respell {
         let tmp = copy_fixture(QWEN35);
@@ -382,13 +425,24 @@ fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
     // Two spellings of one tensor are refused, naming both.
     let tmp = copy_fixture(QWEN35);
     rewrite_shard(&tmp.path().join("model.safetensors"), |ts| {
-        let norm = ts.iter().find(|t| t.name == "language_model.model.norm.weight").unwrap();
-        let dup = Owned { name: "model.norm.weight".into(), dtype: norm.dtype, shape: norm.shape.clone(), data: norm.data.clone() };
+        let norm = ts
+            .iter()
+            .find(|t| t.name == "language_model.model.norm.weight")
+            .unwrap();
+        let dup = Owned {
+            name: "model.norm.weight".into(),
+            dtype: norm.dtype,
+            shape: norm.shape.clone(),
+            data: norm.data.clone(),
+        };
         ts.push(dup);
     });
     fs::remove_file(tmp.path().join(INDEX)).unwrap();
     let msg = open_err(tmp.path()).to_string();
-    assert!(msg.contains("`model.norm.weight`") && msg.contains("`language_model.model.norm.weight`"), "{msg}");
+    assert!(
+        msg.contains("`model.norm.weight`") && msg.contains("`language_model.model.norm.weight`"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -405,8 +459,14 @@ fn missing_expert_piece() {
 fn assert_bad_shape(dir: &Path, tensor: &str, got: &str, want: &str) {
     let e = load_err(dir);
     let msg = e.to_string();
-    assert!(matches!(&e, Error::BadTensor { name, .. } if name == tensor), "{msg}");
-    assert!(msg.contains(tensor) && msg.contains(got) && msg.contains(want), "{msg}");
+    assert!(
+        matches!(&e, Error::BadTensor { name, .. } if name == tensor),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(tensor) && msg.contains(got) && msg.contains(want),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -458,7 +518,10 @@ fn header_shape_disagreeing_with_byte_length_is_named() {
 fn assert_bad_dtype(dir: &Path, tensor: &str, dtype: &str) {
     let e = load_err(dir);
     let msg = e.to_string();
-    assert!(matches!(&e, Error::BadTensor { name, .. } if name == tensor), "{msg}");
+    assert!(
+        matches!(&e, Error::BadTensor { name, .. } if name == tensor),
+        "{msg}"
+    );
     assert!(msg.contains(tensor) && msg.contains(dtype), "{msg}");
 }
 
@@ -492,7 +555,12 @@ fn norm_weight_stored_as_i32() {
 fn norm_weight_stored_as_i16() {
     // BF16 -> I16: same size, so the header stays consistent.
     let tmp = copy_fixture(BF16);
-    redeclare(tmp.path(), "model.layers.3.self_attn.q_norm.weight", Some("I16"), None);
+    redeclare(
+        tmp.path(),
+        "model.layers.3.self_attn.q_norm.weight",
+        Some("I16"),
+        None,
+    );
     assert_bad_dtype(tmp.path(), "model.layers.3.self_attn.q_norm.weight", "I16");
 }
 
@@ -571,13 +639,20 @@ fn out_of_range_bits_is_rejected() {
         v["quantization"]["bits"] = json!(4_294_967_300u64)
     });
     let msg = open_err(tmp.path()).to_string();
-    assert!(msg.contains("config.json") && msg.contains("quantization"), "{msg}");
+    assert!(
+        msg.contains("config.json") && msg.contains("quantization"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn malformed_config_is_named() {
     let tmp = copy_fixture(SHARDED);
-    fs::write(tmp.path().join("config.json"), "{\"model_type\": \"qwen3_next\",").unwrap();
+    fs::write(
+        tmp.path().join("config.json"),
+        "{\"model_type\": \"qwen3_next\",",
+    )
+    .unwrap();
     let msg = open_err(tmp.path()).to_string();
     assert!(msg.contains("config.json"), "{msg}");
 }
@@ -691,14 +766,20 @@ fn tensor_in_two_shards_is_named() {
     let tmp = copy_fixture(SHARDED);
     let t = "model.norm.weight";
     let home = shard_of(tmp.path(), t);
-    assert_eq!(home, "model-00004-of-00005.safetensors", "fixture layout changed");
+    assert_eq!(
+        home, "model-00004-of-00005.safetensors",
+        "fixture layout changed"
+    );
     let (tensors, _) = read_shard(&tmp.path().join(&home));
     let dup = tensors.into_iter().find(|x| x.name == t).unwrap();
-    rewrite_shard(&tmp.path().join("model-00002-of-00005.safetensors"), |ts| ts.push(dup));
+    rewrite_shard(&tmp.path().join("model-00002-of-00005.safetensors"), |ts| {
+        ts.push(dup)
+    });
     let msg = open_err(tmp.path()).to_string();
     assert!(msg.contains(t), "{msg}");
     assert!(
-        msg.contains("model-00002-of-00005.safetensors") && msg.contains("model-00004-of-00005.safetensors"),
+        msg.contains("model-00002-of-00005.safetensors")
+            && msg.contains("model-00004-of-00005.safetensors"),
         "{msg}"
     );
 }

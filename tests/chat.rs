@@ -27,19 +27,43 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
     let mut kept = Conversation::new(&l.model, &CpuBackend);
     let mut reused_any = false;
     for (i, text) in turns.iter().enumerate() {
-        let t = kept.turn(&l.model, &CpuBackend, &l.experts, &tok, &template, text, &options, |_| {}).unwrap();
+        let t = kept
+            .turn(
+                &l.model,
+                &CpuBackend,
+                &l.experts,
+                &tok,
+                &template,
+                text,
+                &options,
+                |_| {},
+            )
+            .unwrap();
         if i > 0 {
             reused_any |= t.reused_tokens > 0;
         }
         // A fresh state reading the same conversation ids from the start.
         let mut state = l.model.new_state(&CpuBackend);
-        let (fresh, _) =
-            slotstream::generate::generate(&l.model, &CpuBackend, &l.experts, &mut state, &t.input_ids, &options, |_| Ok(true))
-                .unwrap();
-        assert_eq!(t.output_ids, fresh, "turn {i}: kept state and re-read differ");
+        let (fresh, _) = slotstream::generate::generate(
+            &l.model,
+            &CpuBackend,
+            &l.experts,
+            &mut state,
+            &t.input_ids,
+            &options,
+            |_| Ok(true),
+        )
+        .unwrap();
+        assert_eq!(
+            t.output_ids, fresh,
+            "turn {i}: kept state and re-read differ"
+        );
         assert_eq!(t.reused_tokens + t.prompt_tokens, t.input_ids.len());
         if i > 0 {
-            assert!(t.prompt_tokens < t.input_ids.len() / 2, "turn {i}: reuse must read only the new tokens");
+            assert!(
+                t.prompt_tokens < t.input_ids.len() / 2,
+                "turn {i}: reuse must read only the new tokens"
+            );
         }
     }
     assert!(reused_any, "no turn reused the kept state");

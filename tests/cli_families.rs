@@ -20,13 +20,19 @@ fn slotstream(args: &[&str]) -> Output {
 
 fn ok(args: &[&str]) -> (String, String) {
     let out = slotstream(args);
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
     assert!(out.status.success(), "{args:?}: {stderr}");
     (stdout, stderr)
 }
 
 fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Copies fixture `name` into a fresh temporary directory.
@@ -48,7 +54,15 @@ fn score_cli_matches_mlx_lm_mapped_and_pooled() {
         let ids = ids_arg(&r.scored_ids);
         let npy = tmp.path().join(format!("{name}.npy"));
         for pool in [None, Some("24")] {
-            let mut args = vec!["score", "--model", dir.to_str().unwrap(), "--ids", &ids, "--device", "cpu"];
+            let mut args = vec![
+                "score",
+                "--model",
+                dir.to_str().unwrap(),
+                "--ids",
+                &ids,
+                "--device",
+                "cpu",
+            ];
             args.extend(["--logits-out", npy.to_str().unwrap()]);
             if let Some(slots) = pool {
                 args.extend(["--pool-slots", slots]);
@@ -62,13 +76,23 @@ fn score_cli_matches_mlx_lm_mapped_and_pooled() {
                 .parse()
                 .unwrap();
             let rel = (ppl - r.perplexity).abs() / r.perplexity;
-            assert!(rel < 5e-5, "{name} pool {pool:?}: perplexity {ppl} vs mlx-lm {}", r.perplexity);
-            let logits: Vec<f32> = npyz::NpyFile::new(fs::File::open(&npy).unwrap()).unwrap().into_vec().unwrap();
+            assert!(
+                rel < 5e-5,
+                "{name} pool {pool:?}: perplexity {ppl} vs mlx-lm {}",
+                r.perplexity
+            );
+            let logits: Vec<f32> = npyz::NpyFile::new(fs::File::open(&npy).unwrap())
+                .unwrap()
+                .into_vec()
+                .unwrap();
             assert_eq!(logits.len(), r.logits.len());
             for t in 0..r.scored_ids.len() {
                 let row = t * r.vocab..(t + 1) * r.vocab;
                 let e = rel_err(&logits[row.clone()], &r.logits[row]);
-                assert!(e <= 1e-3, "{name} pool {pool:?}: position {t}: relative logit error {e}");
+                assert!(
+                    e <= 1e-3,
+                    "{name} pool {pool:?}: position {t}: relative logit error {e}"
+                );
             }
         }
     }
@@ -78,7 +102,14 @@ fn score_cli_matches_mlx_lm_mapped_and_pooled() {
 fn plan_cli_counts_the_text_models_weights() {
     for name in FIXTURES {
         let dir = fixture_dir(name);
-        let (stdout, _) = ok(&["plan", "--model", dir.to_str().unwrap(), "--memory-budget", "64MiB", "--json"]);
+        let (stdout, _) = ok(&[
+            "plan",
+            "--model",
+            dir.to_str().unwrap(),
+            "--memory-budget",
+            "64MiB",
+            "--json",
+        ]);
         let plan: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         // Every non-expert tensor of the fixture, as the backends hold it: unquantized
         // bf16 widened to f32.
@@ -87,7 +118,10 @@ fn plan_cli_counts_the_text_models_weights() {
             .tensors()
             .filter(|t| !t.name.contains(".switch_mlp."))
             .map(|t| {
-                let scales = t.name.strip_suffix(".weight").map(|m| format!("{m}.scales"));
+                let scales = t
+                    .name
+                    .strip_suffix(".weight")
+                    .map(|m| format!("{m}.scales"));
                 let quantized = scales.is_some_and(|s| ckpt.contains(&s));
                 if t.dtype == safetensors::Dtype::BF16 && !quantized {
                     t.len * 2
@@ -97,10 +131,21 @@ fn plan_cli_counts_the_text_models_weights() {
             })
             .sum();
         assert!(want > 0);
-        assert_eq!(plan["resident_weights"].as_u64(), Some(want), "{name}: {plan}");
+        assert_eq!(
+            plan["resident_weights"].as_u64(),
+            Some(want),
+            "{name}: {plan}"
+        );
         let cfg = &ckpt.config;
-        assert_eq!(plan["records"].as_u64(), Some((cfg.moe_layers().len() * cfg.num_experts) as u64), "{name}");
-        assert!(plan["slots"].as_u64().unwrap() >= plan["floor"].as_u64().unwrap(), "{name}: {plan}");
+        assert_eq!(
+            plan["records"].as_u64(),
+            Some((cfg.moe_layers().len() * cfg.num_experts) as u64),
+            "{name}"
+        );
+        assert!(
+            plan["slots"].as_u64().unwrap() >= plan["floor"].as_u64().unwrap(),
+            "{name}: {plan}"
+        );
     }
 }
 
@@ -108,7 +153,12 @@ fn plan_cli_counts_the_text_models_weights() {
 fn pack_cli_then_generate_reads_the_pack() {
     for name in FIXTURES {
         let r = reference(name);
-        let want: Vec<u32> = r.greedy_ids.iter().copied().take_while(|t| ![509, 511].contains(t)).collect();
+        let want: Vec<u32> = r
+            .greedy_ids
+            .iter()
+            .copied()
+            .take_while(|t| ![509, 511].contains(t))
+            .collect();
         let tmp = copy_fixture(name);
         let dir = tmp.path().to_str().unwrap();
         let (stdout, _) = ok(&["pack", "--model", dir]);
@@ -116,10 +166,23 @@ fn pack_cli_then_generate_reads_the_pack() {
         let prompt = ids_arg(&r.prompt_ids);
         let n = r.greedy_ids.len().to_string();
         let (stdout, stderr) = ok(&[
-            "generate", "--model", dir, "--prompt-ids", &prompt, "--max-tokens", &n, "--json", "--device", "cpu",
-            "--pool-slots", "24",
+            "generate",
+            "--model",
+            dir,
+            "--prompt-ids",
+            &prompt,
+            "--max-tokens",
+            &n,
+            "--json",
+            "--device",
+            "cpu",
+            "--pool-slots",
+            "24",
         ]);
-        assert!(stderr.contains("using packed expert records"), "{name}: {stderr}");
+        assert!(
+            stderr.contains("using packed expert records"),
+            "{name}: {stderr}"
+        );
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
         assert_eq!(ids, want, "{name}: generated through the pack");

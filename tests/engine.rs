@@ -5,11 +5,15 @@ mod common;
 
 use common::*;
 use futures::StreamExt;
-use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
+use slotstream::experts::{PoolSize, SourceOptions};
 
 fn expected(name: &str) -> Vec<u32> {
-    reference(name).greedy_ids.into_iter().take_while(|t| ![509u32, 511].contains(t)).collect()
+    reference(name)
+        .greedy_ids
+        .into_iter()
+        .take_while(|t| ![509u32, 511].contains(t))
+        .collect()
 }
 
 async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
@@ -62,8 +66,11 @@ async fn concurrent_requests_match_mlx_lm_and_cancellation_frees_the_engine() {
     });
     assert!(matches!(events.next().await, Some(Ok(Event::Token { .. }))));
     drop(events);
-    let next = tokio::time::timeout(std::time::Duration::from_secs(60), run(&engine, r.prompt_ids.clone(), n))
-        .await
-        .expect("the engine is free again after a cancelled request");
+    let next = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        run(&engine, r.prompt_ids.clone(), n),
+    )
+    .await
+    .expect("the engine is free again after a cancelled request");
     assert_eq!(next, expected(name));
 }

@@ -16,7 +16,10 @@ fn slotstream() -> Command {
 fn expected(name: &str) -> Vec<u32> {
     let r = reference(name);
     let eos = [509u32, 511];
-    r.greedy_ids.into_iter().take_while(|t| !eos.contains(t)).collect()
+    r.greedy_ids
+        .into_iter()
+        .take_while(|t| !eos.contains(t))
+        .collect()
 }
 
 fn run_json(args: &[&str]) -> serde_json::Value {
@@ -36,7 +39,18 @@ fn greedy_generation_matches_mlx_lm_through_the_pool() {
         let prompt = prompt.join(",");
         let want = expected(name);
         let n = r.greedy_ids.len().to_string();
-        let base = ["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt, "--max-tokens", &n, "--json", "--device", "cpu"];
+        let base = [
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt,
+            "--max-tokens",
+            &n,
+            "--json",
+            "--device",
+            "cpu",
+        ];
         let mapped = run_json(&base);
         let ids: Vec<u32> = serde_json::from_value(mapped["output_ids"].clone()).unwrap();
         assert_eq!(ids, want, "{name}: mapped experts");
@@ -49,16 +63,39 @@ fn greedy_generation_matches_mlx_lm_through_the_pool() {
             ("24", "32", "direct", "on", "gpu"),
             ("64", "1", "buffered", "off", "gpu"),
         ] {
-            let mut args: Vec<&str> = base.iter().copied().filter(|&a| a != "cpu" && a != "--device").collect();
+            let mut args: Vec<&str> = base
+                .iter()
+                .copied()
+                .filter(|&a| a != "cpu" && a != "--device")
+                .collect();
             args.extend(["--device", device]);
-            args.extend(["--pool-slots", slots, "--queue-depth", qd, "--io", io, "--lookahead", lookahead]);
+            args.extend([
+                "--pool-slots",
+                slots,
+                "--queue-depth",
+                qd,
+                "--io",
+                io,
+                "--lookahead",
+                lookahead,
+            ]);
             let v = run_json(&args);
             let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
-            assert_eq!(ids, want, "{name}: pool {slots} qd {qd} {io} lookahead {lookahead} on {device}");
+            assert_eq!(
+                ids, want,
+                "{name}: pool {slots} qd {qd} {io} lookahead {lookahead} on {device}"
+            );
             let pool = &v["pool"];
-            assert!(pool["misses"].as_u64().unwrap() > 0 && pool["hits"].as_u64().unwrap() > 0, "{pool}");
+            assert!(
+                pool["misses"].as_u64().unwrap() > 0 && pool["hits"].as_u64().unwrap() > 0,
+                "{pool}"
+            );
             let speculative = pool["speculative_reads"].as_u64().unwrap();
-            assert_eq!(speculative > 0, lookahead == "on" && slots != "64", "{name} {slots} {lookahead}: {pool}");
+            assert_eq!(
+                speculative > 0,
+                lookahead == "on" && slots != "64",
+                "{name} {slots} {lookahead}: {pool}"
+            );
         }
     }
 }
@@ -68,15 +105,92 @@ fn bad_input_gives_clear_errors() {
     let dir = fixture_dir(FIXTURES[0]);
     let dir = dir.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
-        (&["generate", "--model", "/no/such/model", "--prompt", "hi"], "no/such/model"),
-        (&["generate", "--model", dir, "--prompt-ids", "1,x"], "not a token id"),
-        (&["generate", "--model", dir, "--prompt-ids", "1,99999", "--device", "cpu"], "out of range"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--pool-slots", "3", "--device", "cpu"], "below the floor"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--top-p", "2", "--device", "cpu"], "top-p"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--io", "sideways"], "sideways"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "20MiB", "--device", "cpu"], "below the floor"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "1GiB", "--pool-slots", "30"], "cannot be used with"),
-        (&["generate", "--model", dir, "--prompt", "hi", "--memory-budget", "lots"], "not a size"),
+        (
+            &["generate", "--model", "/no/such/model", "--prompt", "hi"],
+            "no/such/model",
+        ),
+        (
+            &["generate", "--model", dir, "--prompt-ids", "1,x"],
+            "not a token id",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt-ids",
+                "1,99999",
+                "--device",
+                "cpu",
+            ],
+            "out of range",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--pool-slots",
+                "3",
+                "--device",
+                "cpu",
+            ],
+            "below the floor",
+        ),
+        (
+            &[
+                "generate", "--model", dir, "--prompt", "hi", "--top-p", "2", "--device", "cpu",
+            ],
+            "top-p",
+        ),
+        (
+            &[
+                "generate", "--model", dir, "--prompt", "hi", "--io", "sideways",
+            ],
+            "sideways",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--memory-budget",
+                "20MiB",
+                "--device",
+                "cpu",
+            ],
+            "below the floor",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--memory-budget",
+                "1GiB",
+                "--pool-slots",
+                "30",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--memory-budget",
+                "lots",
+            ],
+            "not a size",
+        ),
     ];
     for (args, needle) in cases {
         let out = slotstream().args(*args).output().unwrap();
@@ -95,12 +209,27 @@ fn peak_rss_stays_within_the_planned_budget() {
     let prompt: Vec<String> = r.prompt_ids.iter().map(|i| i.to_string()).collect();
     let budget = 64u64 << 20;
     let v = run_json(&[
-        "generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &prompt.join(","), "--max-tokens", "16",
-        "--json", "--device", "cpu", "--memory-budget", "64MiB",
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-tokens",
+        "16",
+        "--json",
+        "--device",
+        "cpu",
+        "--memory-budget",
+        "64MiB",
     ]);
     let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
     assert_eq!(ids, expected(name)[..16.min(expected(name).len())]);
-    let peak = v["peak_rss_bytes"].as_u64().expect("peak RSS is reported on Linux");
-    assert!(peak <= budget, "peak RSS {peak} above the planned budget {budget}");
+    let peak = v["peak_rss_bytes"]
+        .as_u64()
+        .expect("peak RSS is reported on Linux");
+    assert!(
+        peak <= budget,
+        "peak RSS {peak} above the planned budget {budget}"
+    );
     assert!(v["pool"]["slots"].as_u64().unwrap() > 0);
 }

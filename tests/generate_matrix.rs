@@ -18,7 +18,12 @@ use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
 fn matrix<B: Backend>(backend: &B, rt: &tokio::runtime::Runtime) {
     for name in FIXTURES {
         let r = reference(name);
-        let want: Vec<u32> = r.greedy_ids.iter().copied().take_while(|t| ![509, 511].contains(t)).collect();
+        let want: Vec<u32> = r
+            .greedy_ids
+            .iter()
+            .copied()
+            .take_while(|t| ![509, 511].contains(t))
+            .collect();
         let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
         let model = Model::load(&ckpt, backend).unwrap();
         let index = Arc::new(model.experts.clone());
@@ -36,15 +41,25 @@ fn matrix<B: Backend>(backend: &B, rt: &tokio::runtime::Runtime) {
                         let mut o = StreamOptions::with_slots(slots);
                         o.queue_depth = qd;
                         o.io = io;
-                        let pool = SlotPool::open(&ckpt, index.clone(), o, rt.handle().clone()).unwrap();
+                        let pool =
+                            SlotPool::open(&ckpt, index.clone(), o, rt.handle().clone()).unwrap();
                         backend.attach_pool(&pool, None).unwrap();
                         let mut experts = PoolExperts::new(pool);
                         experts.lookahead = lookahead;
                         let mut state = model.new_state(backend);
-                        let (got, _) =
-                            generate(&model, backend, &experts, &mut state, &r.prompt_ids, &options, |_| Ok(true)).unwrap();
+                        let (got, _) = generate(
+                            &model,
+                            backend,
+                            &experts,
+                            &mut state,
+                            &r.prompt_ids,
+                            &options,
+                            |_| Ok(true),
+                        )
+                        .unwrap();
                         assert_eq!(
-                            got, want,
+                            got,
+                            want,
                             "{name} on {}: {slots} slots, qd {qd}, lookahead {lookahead}, {io:?}",
                             backend.name()
                         );
@@ -57,12 +72,20 @@ fn matrix<B: Backend>(backend: &B, rt: &tokio::runtime::Runtime) {
 
 #[test]
 fn every_combination_matches_mlx_lm_on_the_cpu() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     matrix(&CpuBackend, &rt);
 }
 
 #[test]
 fn every_combination_matches_mlx_lm_on_the_gpu() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     matrix(&gpu(), &rt);
 }

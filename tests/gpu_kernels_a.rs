@@ -21,7 +21,6 @@ fn gpu() -> &'static GpuBackend {
     GPU.get_or_init(common::gpu)
 }
 
-
 /// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
 fn check(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -52,9 +51,17 @@ fn add_swiglu_mul_sigmoid_match_cpu() {
             let what = |op: &str| format!("{op} [{t}, {cols}]");
 
             let want = cpu.add(&ca, &cb).data;
-            check(&what("add"), &gpu.download(&gpu.add(&ga, &gb)).unwrap(), &want);
+            check(
+                &what("add"),
+                &gpu.download(&gpu.add(&ga, &gb)).unwrap(),
+                &want,
+            );
             let want = cpu.swiglu(&ca, &cb).data;
-            check(&what("swiglu"), &gpu.download(&gpu.swiglu(&ga, &gb)).unwrap(), &want);
+            check(
+                &what("swiglu"),
+                &gpu.download(&gpu.swiglu(&ga, &gb)).unwrap(),
+                &want,
+            );
             let want = cpu.mul_sigmoid(&ca, &cb).data;
             check(
                 &what("mul_sigmoid"),
@@ -64,7 +71,9 @@ fn add_swiglu_mul_sigmoid_match_cpu() {
 
             let g = random(t, -6.0, 6.0);
             let want = cpu.mul_sigmoid(&ca, &cpu.upload(&g, t, 1)).data;
-            let got = gpu.download(&gpu.mul_sigmoid(&ga, &gpu.upload(&g, t, 1))).unwrap();
+            let got = gpu
+                .download(&gpu.mul_sigmoid(&ga, &gpu.upload(&g, t, 1)))
+                .unwrap();
             check(&what("mul_sigmoid broadcast"), &got, &want);
         }
     }
@@ -130,10 +139,14 @@ fn rms_norm_matches_cpu() {
             for (eps, scale) in [(1e-6f32, 1.0f32), (1e-5, 0.0625)] {
                 let what = format!("rms_norm [{t}, {cols}] group {group} eps {eps} scale {scale}");
                 let want = cpu.rms_norm(&cx, Some(&cw), group, eps, scale).data;
-                let got = gpu.download(&gpu.rms_norm(&gx, Some(&gw), group, eps, scale)).unwrap();
+                let got = gpu
+                    .download(&gpu.rms_norm(&gx, Some(&gw), group, eps, scale))
+                    .unwrap();
                 check(&format!("{what} weighted"), &got, &want);
                 let want = cpu.rms_norm(&cx, None, group, eps, scale).data;
-                let got = gpu.download(&gpu.rms_norm(&gx, None, group, eps, scale)).unwrap();
+                let got = gpu
+                    .download(&gpu.rms_norm(&gx, None, group, eps, scale))
+                    .unwrap();
                 check(&format!("{what} unweighted"), &got, &want);
             }
         }
@@ -222,10 +235,16 @@ fn causal_conv1d_silu_matches_cpu_with_carried_state() {
                 for (step, t) in [t1, t2].into_iter().enumerate() {
                     let what = format!("conv C {c} K {k} step {step} T {t}");
                     let x = random(t * c, -2.0, 2.0);
-                    let want = cpu.causal_conv1d_silu(&cpu.upload(&x, t, c), &cw, &mut cs).data;
+                    let want = cpu
+                        .causal_conv1d_silu(&cpu.upload(&x, t, c), &cw, &mut cs)
+                        .data;
                     let got = gpu.causal_conv1d_silu(&gpu.upload(&x, t, c), &gw, &mut gs);
                     assert_eq!(gpu.shape(&got), (t, c), "{what}: output shape");
-                    check(&format!("{what} output"), &gpu.download(&got).unwrap(), &want);
+                    check(
+                        &format!("{what} output"),
+                        &gpu.download(&got).unwrap(),
+                        &want,
+                    );
                     assert_eq!(gpu.shape(&gs), (k - 1, c), "{what}: state shape");
                     if k > 1 {
                         // The state is a copy of inputs: exact.
@@ -251,7 +270,11 @@ fn distinct_logits(t: usize, e: usize, gap: f32) -> Vec<f32> {
     out
 }
 
-fn check_routing(what: &str, got: &slotstream::backend::Routing, want: &slotstream::backend::Routing) {
+fn check_routing(
+    what: &str,
+    got: &slotstream::backend::Routing,
+    want: &slotstream::backend::Routing,
+) {
     assert_eq!(got.top_k, want.top_k, "{what}: top_k");
     assert_eq!(got.ids, want.ids, "{what}: ids");
     assert_eq!(got.weights.len(), want.weights.len(), "{what}: weights");
@@ -296,7 +319,9 @@ fn router_top_k_breaks_ties_by_lower_id() {
     let mut rng = rand::rng();
     let (t, e) = (16, 512);
     // Eight well-separated levels, each shared by many experts.
-    let logits: Vec<f32> = (0..t * e).map(|_| rng.random_range(0..8) as f32 * 0.25).collect();
+    let logits: Vec<f32> = (0..t * e)
+        .map(|_| rng.random_range(0..8) as f32 * 0.25)
+        .collect();
     let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
     for k in [1, 8, 16] {
         let want = cpu.router_top_k(&cl, k, true).unwrap();
@@ -311,8 +336,12 @@ fn router_top_k_over_a_2d_grid() {
     let (cpu, gpu) = (CpuBackend, gpu());
     let (t, e, k) = (66_000, 8, 2);
     let logits = distinct_logits(t, e, 0.5);
-    let want = cpu.router_top_k(&cpu.upload(&logits, t, e), k, true).unwrap();
-    let got = gpu.router_top_k(&gpu.upload(&logits, t, e), k, true).unwrap();
+    let want = cpu
+        .router_top_k(&cpu.upload(&logits, t, e), k, true)
+        .unwrap();
+    let got = gpu
+        .router_top_k(&gpu.upload(&logits, t, e), k, true)
+        .unwrap();
     check_routing("router [66000, 8]", &got, &want);
 }
 

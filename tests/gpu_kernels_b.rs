@@ -9,14 +9,11 @@
 mod common;
 use common::{gpu, random};
 
-
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
 use slotstream::backend::gpu::{GpuBackend, GpuTensor};
 use slotstream::backend::{AttnDims, Backend, DeltaDims};
 
 const TOL: f64 = 1e-5;
-
-
 
 /// Random rows scaled so that each group of `width` columns has unit L2 norm (the model
 /// normalizes q and k of the delta rule).
@@ -57,7 +54,10 @@ fn check(what: &str, g: &GpuBackend, got: &GpuTensor, want: &CpuTensor) -> f64 {
     assert_eq!(g.shape(got), (want.rows, want.cols), "{what}: shape");
     let data = g.download(got).expect("download");
     if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-        panic!("{what}: element {i} is {} (of {} x {})", data[i], want.rows, want.cols);
+        panic!(
+            "{what}: element {i} is {} (of {} x {})",
+            data[i], want.rows, want.cols
+        );
     }
     let e = rel_err(&data, &want.data);
     assert!(e <= TOL, "{what}: relative error {e:.3e} above {TOL:e}");
@@ -194,7 +194,8 @@ fn rope_matches_cpu() {
         let x = pair(&g, &random(t * heads * hd, -2.0, 2.0), t, heads * hd);
         let want = CpuBackend.rope(&x.cpu, hd, rd, theta, start);
         let got = g.rope(&x.gpu, hd, rd, theta, start);
-        let what = format!("rope T={t} heads={heads} hd={hd} rotary={rd} theta={theta} start={start}");
+        let what =
+            format!("rope T={t} heads={heads} hd={hd} rotary={rd} theta={theta} start={start}");
         let e = check(&what, &g, &got, &want);
         eprintln!("{what}: error {e:.2e}");
     }
@@ -224,7 +225,8 @@ fn run_attention(g: &GpuBackend, q_heads: usize, kv_heads: usize, hd: usize, ste
             CpuBackend.kv_len(&cpu_cache),
             "kv_len after step {i}"
         );
-        let what = format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} step {i}: T={t} past={past}");
+        let what =
+            format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} step {i}: T={t} past={past}");
         let e = check(&what, g, &got, &want);
         eprintln!("{what}: error {e:.2e}");
     }

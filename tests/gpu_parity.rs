@@ -15,15 +15,24 @@ use slotstream::io::IoMode;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
 
-
-fn greedy<E: ExpertSource>(model: &Model<GpuBackend>, g: &GpuBackend, experts: &E, prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy<E: ExpertSource>(
+    model: &Model<GpuBackend>,
+    g: &GpuBackend,
+    experts: &E,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
     let mut state = model.new_state(g);
-    let mut logits = model.forward(g, &mut state, prompt, experts, Logits::Last).unwrap();
+    let mut logits = model
+        .forward(g, &mut state, prompt, experts, Logits::Last)
+        .unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let next = argmax(&logits);
         out.push(next);
-        logits = model.forward(g, &mut state, &[next], experts, Logits::Last).unwrap();
+        logits = model
+            .forward(g, &mut state, &[next], experts, Logits::Last)
+            .unwrap();
     }
     out
 }
@@ -31,7 +40,11 @@ fn greedy<E: ExpertSource>(model: &Model<GpuBackend>, g: &GpuBackend, experts: &
 #[test]
 fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
     let g = gpu();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     for name in FIXTURES {
         let r = reference(name);
         let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
@@ -48,26 +61,45 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
             worst = worst.max(e);
         }
         let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
-        assert!(rel < 5e-5, "{name}: perplexity {} vs mlx-lm {}", s.perplexity, r.perplexity);
+        assert!(
+            rel < 5e-5,
+            "{name}: perplexity {} vs mlx-lm {}",
+            s.perplexity,
+            r.perplexity
+        );
         eprintln!(
             "{name} on {}: worst relative logit error {worst:.3e}, perplexity {:.6} vs mlx-lm {:.6} (relative {rel:.1e})",
             g.name(),
             s.perplexity,
             r.perplexity
         );
-        assert_eq!(greedy(&model, &g, &mapped, &r.prompt_ids, r.greedy_ids.len()), r.greedy_ids, "{name}: mapped");
+        assert_eq!(
+            greedy(&model, &g, &mapped, &r.prompt_ids, r.greedy_ids.len()),
+            r.greedy_ids,
+            "{name}: mapped"
+        );
 
         let floor = floor_slots(index.num_experts, 8);
         for placement in [Placement::Unified, Placement::Device] {
             // The floor twice: a second pool of the same shape must not reuse the first one's mirror.
-            for slots in [floor, floor, (floor + index.records()) / 2, index.records().max(floor)] {
+            for slots in [
+                floor,
+                floor,
+                (floor + index.records()) / 2,
+                index.records().max(floor),
+            ] {
                 let mut options = StreamOptions::with_slots(slots);
                 options.io = IoMode::Direct;
-                let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
-                g.place_pool(&pool, placement).unwrap_or_else(|e| panic!("{placement:?}: {e}"));
+                let pool =
+                    SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+                g.place_pool(&pool, placement)
+                    .unwrap_or_else(|e| panic!("{placement:?}: {e}"));
                 let experts = PoolExperts::new(pool);
                 let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
-                assert_eq!(got, r.greedy_ids, "{name}: {placement:?} pool of {slots} slots");
+                assert_eq!(
+                    got, r.greedy_ids,
+                    "{name}: {placement:?} pool of {slots} slots"
+                );
             }
         }
     }

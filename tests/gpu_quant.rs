@@ -12,7 +12,6 @@ use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::experts::{ExpertRecord, ExpertSource};
 
-
 fn encode(dtype: Dtype, v: f32) -> Vec<u8> {
     match dtype {
         Dtype::F32 => v.to_le_bytes().to_vec(),
@@ -25,8 +24,12 @@ fn random_quantized(rows: usize, cols: usize, spec: QuantSpec, dtype: Dtype) -> 
     let mut rng = rand::rng();
     let words = rows * cols / spec.per_word();
     let groups = rows * cols / spec.group_size;
-    let scales: Vec<u8> = (0..groups).flat_map(|_| encode(dtype, rng.random_range(0.001..0.05))).collect();
-    let biases: Vec<u8> = (0..groups).flat_map(|_| encode(dtype, rng.random_range(-0.2..0.2))).collect();
+    let scales: Vec<u8> = (0..groups)
+        .flat_map(|_| encode(dtype, rng.random_range(0.001..0.05)))
+        .collect();
+    let biases: Vec<u8> = (0..groups)
+        .flat_map(|_| encode(dtype, rng.random_range(-0.2..0.2)))
+        .collect();
     LinearWeight::Quantized(QuantizedMatrix {
         spec,
         rows,
@@ -44,7 +47,10 @@ fn random(n: usize) -> Vec<f32> {
 }
 
 fn check(name: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
-    assert!(gpu.iter().all(|v| v.is_finite()), "{name}: NaN or untouched output");
+    assert!(
+        gpu.iter().all(|v| v.is_finite()),
+        "{name}: NaN or untouched output"
+    );
     let e = common::rel_err(gpu, cpu);
     assert!(e <= bound, "{name}: relative error {e:.3e} > {bound:e}");
 }
@@ -60,14 +66,30 @@ fn quantized_matmul_matches_cpu() {
         (8, 64, Dtype::BF16),
         (8, 32, Dtype::F32),
     ] {
-        let spec = QuantSpec { bits, group_size: group };
-        for (rows, cols, t) in [(1, 128, 1), (7, 256, 3), (129, 512, 1), (1027, 2048, 2), (64, 384, 17)] {
+        let spec = QuantSpec {
+            bits,
+            group_size: group,
+        };
+        for (rows, cols, t) in [
+            (1, 128, 1),
+            (7, 256, 3),
+            (129, 512, 1),
+            (1027, 2048, 2),
+            (64, 384, 17),
+        ] {
             let w = random_quantized(rows, cols, spec, dtype);
             let x = random(t * cols);
-            let want = cpu.download(&cpu.matmul(&cpu.upload(&x, t, cols), &w)).unwrap();
+            let want = cpu
+                .download(&cpu.matmul(&cpu.upload(&x, t, cols), &w))
+                .unwrap();
             let gw = g.upload_weight(w).unwrap();
             let got = g.download(&g.matmul(&g.upload(&x, t, cols), &gw)).unwrap();
-            check(&format!("{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}"), &got, &want, 1e-5);
+            check(
+                &format!("{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}"),
+                &got,
+                &want,
+                1e-5,
+            );
         }
     }
 }
@@ -77,23 +99,58 @@ fn dense_matmul_and_embedding_match_cpu() {
     let g = common::gpu();
     let cpu = CpuBackend;
     let (rows, cols) = (300, 96);
-    let dense = LinearWeight::Dense(DenseMatrix { rows, cols, data: random(rows * cols) });
+    let dense = LinearWeight::Dense(DenseMatrix {
+        rows,
+        cols,
+        data: random(rows * cols),
+    });
     let x = random(5 * cols);
-    let want = cpu.download(&cpu.matmul(&cpu.upload(&x, 5, cols), &dense)).unwrap();
-    let got = g.download(&g.matmul(&g.upload(&x, 5, cols), &g.upload_weight(dense.clone()).unwrap())).unwrap();
+    let want = cpu
+        .download(&cpu.matmul(&cpu.upload(&x, 5, cols), &dense))
+        .unwrap();
+    let got = g
+        .download(&g.matmul(
+            &g.upload(&x, 5, cols),
+            &g.upload_weight(dense.clone()).unwrap(),
+        ))
+        .unwrap();
     check("dense", &got, &want, 1e-5);
     let ids = [0u32, 299, 17, 17, 150];
     let want = cpu.download(&cpu.embed(&dense, &ids).unwrap()).unwrap();
-    let got = g.download(&g.embed(&g.upload_weight(dense).unwrap(), &ids).unwrap()).unwrap();
+    let got = g
+        .download(&g.embed(&g.upload_weight(dense).unwrap(), &ids).unwrap())
+        .unwrap();
     check("dense embed", &got, &want, 0.0);
     for (bits, dtype) in [(4, Dtype::BF16), (8, Dtype::F16)] {
-        let q = random_quantized(1000, 256, QuantSpec { bits, group_size: 64 }, dtype);
+        let q = random_quantized(
+            1000,
+            256,
+            QuantSpec {
+                bits,
+                group_size: 64,
+            },
+            dtype,
+        );
         let ids = [3u32, 999, 0, 512];
         let want = cpu.download(&cpu.embed(&q, &ids).unwrap()).unwrap();
-        let got = g.download(&g.embed(&g.upload_weight(q).unwrap(), &ids).unwrap()).unwrap();
+        let got = g
+            .download(&g.embed(&g.upload_weight(q).unwrap(), &ids).unwrap())
+            .unwrap();
         check(&format!("{bits}-bit embed"), &got, &want, 1e-6);
     }
-    let err = g.embed(&g.upload_weight(random_quantized(10, 64, QuantSpec { bits: 4, group_size: 64 }, Dtype::BF16)).unwrap(), &[10]);
+    let err = g.embed(
+        &g.upload_weight(random_quantized(
+            10,
+            64,
+            QuantSpec {
+                bits: 4,
+                group_size: 64,
+            },
+            Dtype::BF16,
+        ))
+        .unwrap(),
+        &[10],
+    );
     assert!(err.unwrap_err().to_string().contains("out of range"));
 }
 
@@ -106,7 +163,10 @@ fn routed_experts_match_cpu() {
     for name in common::FIXTURES {
         let l = common::load_cpu(name);
         let layout = &l.model.experts.layout;
-        let (e, k) = (l.model.config.num_experts as u32, l.model.config.num_experts_per_tok);
+        let (e, k) = (
+            l.model.config.num_experts as u32,
+            l.model.config.num_experts_per_tok,
+        );
         for t in [1usize, 6] {
             let mut ids = Vec::new();
             let mut weights = Vec::new();
@@ -119,18 +179,29 @@ fn routed_experts_match_cpu() {
                 ids.extend_from_slice(&pick[..k]);
                 weights.extend((0..k).map(|_| rng.random_range(0.0f32..1.0)));
             }
-            let routing = Routing { top_k: k, ids, weights };
+            let routing = Routing {
+                top_k: k,
+                ids,
+                weights,
+            };
             let distinct = routing.distinct();
             let held = l.experts.fetch(1, &distinct).unwrap();
             let records: Vec<ExpertRecord<'_>> = routing
                 .ids
                 .iter()
-                .map(|id| ExpertRecord { bytes: &held[distinct.binary_search(id).unwrap()], slot: None })
+                .map(|id| ExpertRecord {
+                    bytes: &held[distinct.binary_search(id).unwrap()],
+                    slot: None,
+                })
                 .collect();
             let d = layout.hidden;
             let x = random(t * d);
-            let want = cpu.download(&cpu.moe_experts(&cpu.upload(&x, t, d), &routing, &records, layout)).unwrap();
-            let got = g.download(&g.moe_experts(&g.upload(&x, t, d), &routing, &records, layout)).unwrap();
+            let want = cpu
+                .download(&cpu.moe_experts(&cpu.upload(&x, t, d), &routing, &records, layout))
+                .unwrap();
+            let got = g
+                .download(&g.moe_experts(&g.upload(&x, t, d), &routing, &records, layout))
+                .unwrap();
             check(&format!("{name} experts T={t}"), &got, &want, 1e-5);
         }
     }

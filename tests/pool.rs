@@ -1217,17 +1217,29 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
         // Within the quota: read once, through the pool.
         let pool = open_pool();
         let source = PoolExperts::new(pool.clone());
-        let got = source.fetch_prefill(layer, &few, &vec![1; few.len()]).unwrap();
+        let got = source
+            .fetch_prefill(layer, &few, &vec![1; few.len()])
+            .unwrap();
         for (r, &e) in got.iter().zip(&few) {
-            assert!(r[..] == expected(&ckpt, &index, layer, e)[..], "packed {packed}: expert {e}");
+            assert!(
+                r[..] == expected(&ckpt, &index, layer, e)[..],
+                "packed {packed}: expert {e}"
+            );
         }
         let st = pool.stats();
-        assert_eq!((st.misses, st.sweep_bytes), (few.len() as u64, 0), "packed {packed}");
+        assert_eq!(
+            (st.misses, st.sweep_bytes),
+            (few.len() as u64, 0),
+            "packed {packed}"
+        );
         drop(got);
         source.end_prefill(true);
         assert_eq!(pool.stats().admitted_bytes, 0, "nothing left to admit");
         for &e in &few {
-            assert!(pool.resident((layer as u32, e)).is_some(), "packed {packed}: expert {e} not resident");
+            assert!(
+                pool.resident((layer as u32, e)).is_some(),
+                "packed {packed}: expert {e} not resident"
+            );
         }
 
         // Beyond it: read outside the pool in runs, then the 8 most used are admitted.
@@ -1235,18 +1247,32 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
         let source = PoolExperts::new(pool.clone());
         let got = source.fetch_prefill(layer, &many, &many_uses).unwrap();
         for (r, &e) in got.iter().zip(&many) {
-            assert!(r[..] == expected(&ckpt, &index, layer, e)[..], "packed {packed}: expert {e}");
+            assert!(
+                r[..] == expected(&ckpt, &index, layer, e)[..],
+                "packed {packed}: expert {e}"
+            );
         }
         let st = pool.stats();
         assert_eq!((st.hits, st.misses), (0, 0), "sweep reads are not lookups");
-        assert_eq!(st.sweep_bytes, (many.len() * index.layout.record_bytes) as u64);
+        assert_eq!(
+            st.sweep_bytes,
+            (many.len() * index.layout.record_bytes) as u64
+        );
         drop(got);
         source.end_prefill(true);
-        let mut by_use: Vec<(u32, u32)> = many_uses.iter().copied().zip(many.iter().copied()).collect();
+        let mut by_use: Vec<(u32, u32)> = many_uses
+            .iter()
+            .copied()
+            .zip(many.iter().copied())
+            .collect();
         by_use.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         for (rank, &(_, e)) in by_use.iter().enumerate() {
             let resident = pool.resident((layer as u32, e)).is_some();
-            assert_eq!(resident, rank < 8, "packed {packed}: expert {e} (rank {rank})");
+            assert_eq!(
+                resident,
+                rank < 8,
+                "packed {packed}: expert {e} (rank {rank})"
+            );
         }
     }
 }

@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
+use slotstream::config::Family;
 use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
-use slotstream::config::Family;
 use slotstream::synth::{write_checkpoint_with, Preset};
 
 /// A Qwen3-Next body small enough to write in milliseconds: 4 layers (one full attention),
@@ -66,7 +66,10 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
     let seed: u64 = rand::random();
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, model) = write(dir.path(), Some(&params(seed)));
-    let routing = model.routing.as_ref().expect("the routing file is picked up");
+    let routing = model
+        .routing
+        .as_ref()
+        .expect("the routing file is picked up");
     assert_eq!(routing.params.seed, seed);
     let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
     let rt = runtime();
@@ -91,7 +94,10 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
         let b = model
             .forward(&CpuBackend, &mut s2, &PROMPT, &mapped, Logits::All)
             .unwrap();
-        assert!(a == b, "seed {seed}, lookahead {lookahead}: prompt logits differ");
+        assert!(
+            a == b,
+            "seed {seed}, lookahead {lookahead}: prompt logits differ"
+        );
         let decode: Vec<u32> = (0..12).map(|i| (i * 37 % 300) as u32).collect();
         for &id in &decode {
             let a = model
@@ -100,7 +106,10 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
             let b = model
                 .forward(&CpuBackend, &mut s2, &[id], &mapped, Logits::Last)
                 .unwrap();
-            assert!(a == b, "seed {seed}, lookahead {lookahead}: decode logits differ");
+            assert!(
+                a == b,
+                "seed {seed}, lookahead {lookahead}: decode logits differ"
+            );
         }
         // The decode steps' lookups are exactly the routing model's ids.
         let mut state = routing.new_state();
@@ -115,7 +124,9 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
         assert_eq!(decode_steps.len(), decode.len(), "seed {seed}");
         for (i, (&step, &id)) in decode_steps.iter().zip(&decode).enumerate() {
             for l in 0..TINY.layers {
-                let mut want = routing.route(&mut state, l, (PROMPT.len() + i) as u64, id).unwrap();
+                let mut want = routing
+                    .route(&mut state, l, (PROMPT.len() + i) as u64, id)
+                    .unwrap();
                 want.sort_unstable();
                 let mut got: Vec<u32> = trace
                     .iter()
@@ -123,7 +134,10 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
                     .map(|e| e.expert)
                     .collect();
                 got.sort_unstable();
-                assert_eq!(got, want, "seed {seed}, lookahead {lookahead}: step {i}, layer {l}");
+                assert_eq!(
+                    got, want,
+                    "seed {seed}, lookahead {lookahead}: step {i}, layer {l}"
+                );
             }
         }
         let stats = pool.stats();
@@ -164,7 +178,10 @@ fn a_malformed_routing_file_is_refused_naming_the_file_and_field() {
     )
     .unwrap();
     let e = load();
-    assert!(e.contains(ROUTING_FILE) && e.contains("active_fraction"), "{e}");
+    assert!(
+        e.contains(ROUTING_FILE) && e.contains("active_fraction"),
+        "{e}"
+    );
     std::fs::write(&path, text.replace("\"seed\"", "\"sead\"")).unwrap();
     let e = load();
     assert!(e.contains(ROUTING_FILE) && e.contains("sead"), "{e}");
@@ -190,15 +207,23 @@ fn calibration_command_reports_the_figures() {
         .arg(&trace)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let f = &v["figures"];
     assert!(
-        f["touched"].as_u64().unwrap() > 0 && f["belady"].as_f64().unwrap() >= f["lru"].as_f64().unwrap(),
+        f["touched"].as_u64().unwrap() > 0
+            && f["belady"].as_f64().unwrap() >= f["lru"].as_f64().unwrap(),
         "{v}"
     );
     // The trace replays in cachesim to the same numbers.
     let requests = slotstream::cachesim::read_trace(&trace).unwrap();
     let model = RoutingModel::new(RoutingParams::calibrated(), 8, 64, 4).unwrap();
-    assert_eq!(requests, model.trace(&(0..8).collect::<Vec<_>>(), 40).unwrap());
+    assert_eq!(
+        requests,
+        model.trace(&(0..8).collect::<Vec<_>>(), 40).unwrap()
+    );
 }

@@ -59,14 +59,26 @@ async fn start(queue: usize, prompt_cache: usize, api_key: Option<&str>) -> Serv
 
 impl Server {
     async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = self.client.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap())
     }
 
     /// A streamed request: the text of every chunk, the finish reason and the chunks.
     async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
-        let r = self.client.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status().as_u16(), 200);
         let raw = r.text().await.unwrap();
         let mut chunks = Vec::new();
@@ -85,7 +97,9 @@ impl Server {
         for c in &chunks {
             assert!(c.get("error").is_none(), "{c}");
             for choice in c["choices"].as_array().unwrap() {
-                let piece = choice["delta"]["content"].as_str().or(choice["text"].as_str());
+                let piece = choice["delta"]["content"]
+                    .as_str()
+                    .or(choice["text"].as_str());
                 text.push_str(piece.unwrap_or_default());
                 if let Some(f) = choice["finish_reason"].as_str() {
                     finish = f.to_string();
@@ -98,17 +112,32 @@ impl Server {
 
 /// mlx-lm's greedy continuation of the fixture's prompt, up to the first EOS.
 fn expected_ids() -> Vec<u32> {
-    reference(NAME).greedy_ids.into_iter().take_while(|t| !EOS.contains(t)).collect()
+    reference(NAME)
+        .greedy_ids
+        .into_iter()
+        .take_while(|t| !EOS.contains(t))
+        .collect()
 }
 
 /// `slotstream generate --json` on the fixture.
 fn cli_generate(args: &[&str]) -> Value {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
-        .args(["generate", "--model", fixture_dir(NAME).to_str().unwrap(), "--device", "cpu", "--json"])
+        .args([
+            "generate",
+            "--model",
+            fixture_dir(NAME).to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--json",
+        ])
         .args(args)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -139,8 +168,14 @@ async fn outputs_equal_generate_streaming_or_not() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], cli["text"]);
-    assert_eq!(v["usage"]["prompt_tokens"], cli["prompt_ids"].as_array().unwrap().len());
-    assert_eq!(v["usage"]["completion_tokens"], cli["output_ids"].as_array().unwrap().len());
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        cli["prompt_ids"].as_array().unwrap().len()
+    );
+    assert_eq!(
+        v["usage"]["completion_tokens"],
+        cli["output_ids"].as_array().unwrap().len()
+    );
     let finish = v["choices"][0]["finish_reason"].clone();
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
@@ -192,20 +227,32 @@ async fn a_client_that_disconnects_frees_the_engine() {
     let s = start(16, 0, None).await;
     let r = reference(NAME);
     let body = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0, "seed": 7 });
-    let response = s.client.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    let response = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     let mut bytes = response.bytes_stream();
     // Read until the first token's chunk, then hang up.
     let mut seen = String::new();
     while seen.matches("data: ").count() < 2 {
-        seen.push_str(&String::from_utf8_lossy(&bytes.next().await.unwrap().unwrap()));
+        seen.push_str(&String::from_utf8_lossy(
+            &bytes.next().await.unwrap().unwrap(),
+        ));
     }
     drop(bytes);
     let next = json!({ "prompt": r.prompt_ids, "max_tokens": r.greedy_ids.len() });
-    let (status, v) = tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next))
-        .await
-        .expect("the next request starts once the disconnected one is cancelled");
+    let (status, v) =
+        tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next))
+            .await
+            .expect("the next request starts once the disconnected one is cancelled");
     assert_eq!(status, 200, "{v}");
-    assert_eq!(v["choices"][0]["text"], s.engine.decode(&expected_ids()).unwrap().as_str());
+    assert_eq!(
+        v["choices"][0]["text"],
+        s.engine.decode(&expected_ids()).unwrap().as_str()
+    );
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 3000);
     assert_eq!(s.engine.pinned_slots(), 0, "no pin is left behind");
 }
@@ -218,12 +265,27 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     // The API key.
     let r = s.client.get(url("/v1/models")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 401);
-    let r = s.client.get(url("/v1/models")).bearer_auth("wrong").send().await.unwrap();
+    let r = s
+        .client
+        .get(url("/v1/models"))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 401);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "invalid_api_key");
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["code"],
+        "invalid_api_key"
+    );
     let r = s.client.get(url("/health")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    let models: Value = auth(s.client.get(url("/v1/models"))).send().await.unwrap().json().await.unwrap();
+    let models: Value = auth(s.client.get(url("/v1/models")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["data"][0]["id"], NAME);
 
     let long: Vec<u32> = (0..5000).map(|i| i % 500).collect();
@@ -267,19 +329,31 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             .unwrap();
         assert_eq!(r.status().as_u16(), status, "{body}");
         let v: Value = r.json().await.unwrap();
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{body}: {v}"
+        );
         if !param.is_empty() {
             assert_eq!(v["error"]["param"], param, "{body}: {v}");
         }
     }
     // Methods and sizes get JSON errors too.
-    let r = auth(s.client.get(url("/v1/chat/completions"))).send().await.unwrap();
+    let r = auth(s.client.get(url("/v1/chat/completions")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 405);
     assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
     let huge = "x".repeat(3 << 20);
     // On its own connection: the server answers 413 before reading the whole body and
     // closes that connection, which a pooled client would try to reuse.
-    let r = auth(reqwest::Client::new().post(url("/v1/completions"))).body(huge).send().await.unwrap();
+    let r = auth(reqwest::Client::new().post(url("/v1/completions")))
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 413);
     assert!(r.json::<Value>().await.unwrap()["error"]["message"].is_string());
     // The auth scheme is case-insensitive; `stream: null` is the default.
@@ -292,26 +366,56 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(r.json::<Value>().await.unwrap()["usage"]["completion_tokens"], 2);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["usage"]["completion_tokens"],
+        2
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_abandoned_while_queued_never_runs() {
     let s = start(4, 0, None).await;
     let r = reference(NAME);
-    let long = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
-    let running = s.client.post(format!("{}/v1/completions", s.base)).json(&long).send().await.unwrap();
-    let queued = s.client.post(format!("{}/v1/completions", s.base)).json(&long).send().await.unwrap();
-    assert_eq!((running.status().as_u16(), queued.status().as_u16()), (200, 200));
+    let long =
+        json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
+    let running = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    let queued = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (running.status().as_u16(), queued.status().as_u16()),
+        (200, 200)
+    );
     drop(queued);
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(running);
     let next = json!({ "prompt": r.prompt_ids, "max_tokens": 4 });
-    let (status, _) = tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next)).await.unwrap();
+    let (status, _) =
+        tokio::time::timeout(Duration::from_secs(60), s.post("/v1/completions", &next))
+            .await
+            .unwrap();
     assert_eq!(status, 200);
     // The first stream and this request ran; the abandoned one never reached the model.
     assert_eq!(s.engine.stats().requests, 2);
-    let stats: Value = s.client.get(format!("{}/stats", s.base)).send().await.unwrap().json().await.unwrap();
+    let stats: Value = s
+        .client
+        .get(format!("{}/stats", s.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(stats["queued_or_running"], 0);
 }
 
@@ -319,8 +423,15 @@ async fn a_stream_abandoned_while_queued_never_runs() {
 async fn a_full_queue_answers_503_with_retry_after() {
     let s = start(1, 0, None).await;
     let r = reference(NAME);
-    let body = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
-    let busy = s.client.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    let body =
+        json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
+    let busy = s
+        .client
+        .post(format!("{}/v1/completions", s.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(busy.status().as_u16(), 200);
     let r2 = s
         .client
@@ -331,16 +442,27 @@ async fn a_full_queue_answers_503_with_retry_after() {
         .unwrap();
     assert_eq!(r2.status().as_u16(), 503);
     assert_eq!(r2.headers()["retry-after"], "1");
-    assert_eq!(r2.json::<Value>().await.unwrap()["error"]["code"], "queue_full");
+    assert_eq!(
+        r2.json::<Value>().await.unwrap()["error"]["code"],
+        "queue_full"
+    );
     drop(busy);
     // The slot frees once the streaming request notices its client is gone.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let (status, _) = s.post("/v1/completions", &json!({ "prompt": "hi", "max_tokens": 1 })).await;
+        let (status, _) = s
+            .post(
+                "/v1/completions",
+                &json!({ "prompt": "hi", "max_tokens": 1 }),
+            )
+            .await;
         if status == 200 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the queue never freed");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue never freed"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -366,12 +488,23 @@ async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
     let reused = s2["reused_prompt_tokens"].as_u64().unwrap() as usize;
     // Every id the state ran: the prompt and all but the last reply token.
     assert_eq!(reused, r.prompt_ids.len() + reply.len() - 1);
-    assert_eq!(s2["prefill_tokens"].as_u64().unwrap() as usize, follow_up.len() - reused);
+    assert_eq!(
+        s2["prefill_tokens"].as_u64().unwrap() as usize,
+        follow_up.len() - reused
+    );
     assert!(s2["prefill_tokens"].as_u64() < s1["prefill_tokens"].as_u64());
     let (_, v3) = cold.post("/v1/completions", &body).await;
     assert_eq!(v3["slotstream_stats"]["reused_prompt_tokens"], 0);
     assert_eq!(v2["choices"][0]["text"], v3["choices"][0]["text"]);
     assert_eq!(warm.engine.stats().prefix_hits, 1);
-    let stats: Value = warm.client.get(format!("{}/stats", warm.base)).send().await.unwrap().json().await.unwrap();
+    let stats: Value = warm
+        .client
+        .get(format!("{}/stats", warm.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(stats["engine"]["prefix_hits"], 1);
 }

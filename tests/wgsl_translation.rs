@@ -7,22 +7,36 @@ use slotstream::backend::gpu::device::SHADERS;
 fn every_kernel_translates_to_msl_and_spirv() {
     assert!(SHADERS.len() >= 7, "expected a WGSL file per kernel family");
     for (file, source) in SHADERS {
-        let module = naga::front::wgsl::parse_str(source).unwrap_or_else(|e| panic!("{file}: {}", e.emit_to_string(source)));
+        let module = naga::front::wgsl::parse_str(source)
+            .unwrap_or_else(|e| panic!("{file}: {}", e.emit_to_string(source)));
         assert!(!module.entry_points.is_empty(), "{file}: no entry points");
-        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::empty())
-            .validate(&module)
-            .unwrap_or_else(|e| panic!("{file}: validation: {}", e.emit_to_string(source)));
-        let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
-            .unwrap_or_else(|e| panic!("{file}: SPIR-V: {e}"));
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::empty(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{file}: validation: {}", e.emit_to_string(source)));
+        let spv =
+            naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+                .unwrap_or_else(|e| panic!("{file}: SPIR-V: {e}"));
         assert!(!spv.is_empty(), "{file}: empty SPIR-V");
         for ep in &module.entry_points {
             let pipeline = naga::back::msl::PipelineOptions {
                 entry_point: Some((ep.stage, ep.name.clone())),
                 ..Default::default()
             };
-            let (msl, _) = naga::back::msl::write_string(&module, &info, &naga::back::msl::Options::default(), &pipeline)
-                .unwrap_or_else(|e| panic!("{file}::{}: MSL: {e}", ep.name));
-            assert!(msl.contains("kernel"), "{file}::{}: no kernel function in MSL", ep.name);
+            let (msl, _) = naga::back::msl::write_string(
+                &module,
+                &info,
+                &naga::back::msl::Options::default(),
+                &pipeline,
+            )
+            .unwrap_or_else(|e| panic!("{file}::{}: MSL: {e}", ep.name));
+            assert!(
+                msl.contains("kernel"),
+                "{file}::{}: no kernel function in MSL",
+                ep.name
+            );
         }
     }
 }

@@ -1,11 +1,11 @@
 //! The CPU backend: plain Rust in f32, parallel over output rows, heads and experts
 //! with rayon. It is the reference every other backend is tested against.
 
-use rayon::prelude::*;
 use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, QuantView, Routing};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
+use rayon::prelude::*;
 
 /// An f32 matrix `[rows, cols]`, row-major.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,8 +26,17 @@ impl CpuTensor {
     }
 
     fn map2(&self, other: &CpuTensor, f: impl Fn(f32, f32) -> f32 + Sync) -> CpuTensor {
-        assert_eq!((self.rows, self.cols), (other.rows, other.cols), "elementwise shapes");
-        let data = self.data.iter().zip(&other.data).map(|(&a, &b)| f(a, b)).collect();
+        assert_eq!(
+            (self.rows, self.cols),
+            (other.rows, other.cols),
+            "elementwise shapes"
+        );
+        let data = self
+            .data
+            .iter()
+            .zip(&other.data)
+            .map(|(&a, &b)| f(a, b))
+            .collect();
         CpuTensor::new(self.rows, self.cols, data)
     }
 }
@@ -67,7 +76,10 @@ impl<'a> Rows<'a> {
                     bytes: &q.biases,
                 },
             }),
-            LinearWeight::Dense(d) => Rows::Dense { data: &d.data, cols: d.cols },
+            LinearWeight::Dense(d) => Rows::Dense {
+                data: &d.data,
+                cols: d.cols,
+            },
         }
     }
 
@@ -154,7 +166,8 @@ fn matmul_rows(x: &[f32], t: usize, w: &Rows<'_>, parallel: bool) -> Vec<f32> {
         let r0 = b * BLOCK;
         let width = local.len() / t.max(1);
         for ti in 0..t {
-            out[ti * out_dim + r0..ti * out_dim + r0 + width].copy_from_slice(&local[ti * width..(ti + 1) * width]);
+            out[ti * out_dim + r0..ti * out_dim + r0 + width]
+                .copy_from_slice(&local[ti * width..(ti + 1) * width]);
         }
     }
     out
@@ -215,7 +228,11 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, x: &CpuTensor, start: usize, count: usize) -> CpuTensor {
-        CpuTensor::new(count, x.cols, x.data[start * x.cols..(start + count) * x.cols].to_vec())
+        CpuTensor::new(
+            count,
+            x.cols,
+            x.data[start * x.cols..(start + count) * x.cols].to_vec(),
+        )
     }
 
     fn embed(&self, table: &LinearWeight, ids: &[u32]) -> Result<CpuTensor> {
@@ -249,7 +266,14 @@ impl Backend for CpuBackend {
         CpuTensor::new(x.rows, idx.len(), data)
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: Option<&CpuTensor>, group: usize, eps: f32, scale: f32) -> CpuTensor {
+    fn rms_norm(
+        &self,
+        x: &CpuTensor,
+        weight: Option<&CpuTensor>,
+        group: usize,
+        eps: f32,
+        scale: f32,
+    ) -> CpuTensor {
         let mut data = x.data.clone();
         for chunk in data.chunks_exact_mut(group) {
             let ss: f32 = chunk.iter().map(|v| v * v).sum();
@@ -262,15 +286,31 @@ impl Backend for CpuBackend {
         CpuTensor::new(x.rows, x.cols, data)
     }
 
-    fn rms_norm_gated(&self, x: &CpuTensor, gate: &CpuTensor, weight: &CpuTensor, group: usize, eps: f32) -> CpuTensor {
+    fn rms_norm_gated(
+        &self,
+        x: &CpuTensor,
+        gate: &CpuTensor,
+        weight: &CpuTensor,
+        group: usize,
+        eps: f32,
+    ) -> CpuTensor {
         let normed = self.rms_norm(x, Some(weight), group, eps, 1.0);
         normed.map2(gate, |n, z| silu(z) * n)
     }
 
-    fn causal_conv1d_silu(&self, x: &CpuTensor, weight: &CpuTensor, state: &mut CpuTensor) -> CpuTensor {
+    fn causal_conv1d_silu(
+        &self,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        state: &mut CpuTensor,
+    ) -> CpuTensor {
         let (c, k) = (weight.rows, weight.cols);
         let keep = k - 1;
-        assert_eq!((state.rows, state.cols, x.cols), (keep, c, c), "conv shapes");
+        assert_eq!(
+            (state.rows, state.cols, x.cols),
+            (keep, c, c),
+            "conv shapes"
+        );
         let mut input = state.data.clone();
         input.extend_from_slice(&x.data);
         let mut out = vec![0.0f32; x.rows * c];
@@ -317,7 +357,8 @@ impl Backend for CpuBackend {
                 let mut y = vec![0.0f32; t_len * dv];
                 let decay_rate = a_log.data[h].exp();
                 for t in 0..t_len {
-                    let g = (-decay_rate * softplus(a.data[t * value_heads + h] + dt_bias.data[h])).exp();
+                    let g = (-decay_rate * softplus(a.data[t * value_heads + h] + dt_bias.data[h]))
+                        .exp();
                     let beta = sigmoid(b.data[t * value_heads + h]);
                     let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
                     let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
@@ -325,7 +366,9 @@ impl Backend for CpuBackend {
                     for (i, srow) in s.chunks_exact_mut(dk).enumerate() {
                         srow.iter_mut().for_each(|x| *x *= g);
                         let delta = (vt[i] - dot(srow, kt)) * beta;
-                        srow.iter_mut().zip(kt).for_each(|(x, &kj)| *x += kj * delta);
+                        srow.iter_mut()
+                            .zip(kt)
+                            .for_each(|(x, &kj)| *x += kj * delta);
                         y[t * dv + i] = dot(srow, qt);
                     }
                 }
@@ -342,7 +385,14 @@ impl Backend for CpuBackend {
         CpuTensor::new(t_len, value_heads * dv, out)
     }
 
-    fn rope(&self, x: &CpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> CpuTensor {
+    fn rope(
+        &self,
+        x: &CpuTensor,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+        start: usize,
+    ) -> CpuTensor {
         let half = rotary_dim / 2;
         let table = super::rope_table(start, x.rows, rotary_dim, theta);
         let mut data = x.data.clone();
@@ -371,7 +421,14 @@ impl Backend for CpuBackend {
         cache.keys.len() / cache.kv_dim.max(1)
     }
 
-    fn attention(&self, q: &CpuTensor, k: &CpuTensor, v: &CpuTensor, cache: &mut CpuKvCache, dims: AttnDims) -> CpuTensor {
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut CpuKvCache,
+        dims: AttnDims,
+    ) -> CpuTensor {
         let AttnDims {
             q_heads,
             kv_heads,
@@ -394,7 +451,12 @@ impl Backend for CpuBackend {
                 let qh = &q.row(t)[h * hd..(h + 1) * hd];
                 let visible = past + t + 1;
                 let mut scores: Vec<f32> = (0..visible)
-                    .map(|s| dot(qh, &keys[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd]) * scale)
+                    .map(|s| {
+                        dot(
+                            qh,
+                            &keys[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd],
+                        ) * scale
+                    })
                     .collect();
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
@@ -418,7 +480,11 @@ impl Backend for CpuBackend {
         if gate.cols == x.cols {
             return x.map2(gate, |a, g| a * sigmoid(g));
         }
-        assert_eq!((gate.rows, gate.cols), (x.rows, 1), "gate must be [T, cols] or [T, 1]");
+        assert_eq!(
+            (gate.rows, gate.cols),
+            (x.rows, 1),
+            "gate must be [T, cols] or [T, 1]"
+        );
         let mut data = x.data.clone();
         for (row, &g) in data.chunks_exact_mut(x.cols).zip(&gate.data) {
             let s = sigmoid(g);
@@ -437,7 +503,10 @@ impl Backend for CpuBackend {
 
     fn router_top_k(&self, logits: &CpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
         if k > logits.cols {
-            return Err(Error::InvalidInput(format!("top-{k} of {} experts", logits.cols)));
+            return Err(Error::InvalidInput(format!(
+                "top-{k} of {} experts",
+                logits.cols
+            )));
         }
         let mut ids = Vec::with_capacity(logits.rows * k);
         let mut weights = Vec::with_capacity(logits.rows * k);
@@ -449,7 +518,11 @@ impl Backend for CpuBackend {
             let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
             let mut order: Vec<u32> = (0..row.len() as u32).collect();
             // Highest probability first; ties keep the lower id first.
-            order.sort_by(|&x, &y| probs[y as usize].total_cmp(&probs[x as usize]).then(x.cmp(&y)));
+            order.sort_by(|&x, &y| {
+                probs[y as usize]
+                    .total_cmp(&probs[x as usize])
+                    .then(x.cmp(&y))
+            });
             let top = &order[..k];
             let norm = if renormalize {
                 top.iter().map(|&e| probs[e as usize]).sum::<f32>()
@@ -459,7 +532,11 @@ impl Backend for CpuBackend {
             ids.extend_from_slice(top);
             weights.extend(top.iter().map(|&e| probs[e as usize] / norm));
         }
-        Ok(Routing { top_k: k, ids, weights })
+        Ok(Routing {
+            top_k: k,
+            ids,
+            weights,
+        })
     }
 
     fn moe_experts(
@@ -469,21 +546,45 @@ impl Backend for CpuBackend {
         records: &[ExpertRecord<'_>],
         layout: &RecordLayout,
     ) -> CpuTensor {
-        assert_eq!(records.len(), routing.ids.len(), "one record per routed (token, expert)");
+        assert_eq!(
+            records.len(),
+            routing.ids.len(),
+            "one record per routed (token, expert)"
+        );
         let (d, k) = (x.cols, routing.top_k);
         // Group the (token, slot) pairs by expert so each expert's weights are dequantized once.
         let experts = routing.distinct();
         let per_expert: Vec<(Vec<usize>, Vec<f32>)> = experts
             .par_iter()
             .map(|&e| {
-                let uses: Vec<usize> = (0..routing.ids.len()).filter(|&j| routing.ids[j] == e).collect();
+                let uses: Vec<usize> = (0..routing.ids.len())
+                    .filter(|&j| routing.ids[j] == e)
+                    .collect();
                 let record = records[uses[0]].bytes;
-                let xs: Vec<f32> = uses.iter().flat_map(|&j| x.row(j / k).iter().copied()).collect();
+                let xs: Vec<f32> = uses
+                    .iter()
+                    .flat_map(|&j| x.row(j / k).iter().copied())
+                    .collect();
                 let n = uses.len();
-                let gate = matmul_rows(&xs, n, &Rows::Quant(record_view(record, layout, Projection::Gate)), false);
-                let up = matmul_rows(&xs, n, &Rows::Quant(record_view(record, layout, Projection::Up)), false);
+                let gate = matmul_rows(
+                    &xs,
+                    n,
+                    &Rows::Quant(record_view(record, layout, Projection::Gate)),
+                    false,
+                );
+                let up = matmul_rows(
+                    &xs,
+                    n,
+                    &Rows::Quant(record_view(record, layout, Projection::Up)),
+                    false,
+                );
                 let h: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-                let y = matmul_rows(&h, n, &Rows::Quant(record_view(record, layout, Projection::Down)), false);
+                let y = matmul_rows(
+                    &h,
+                    n,
+                    &Rows::Quant(record_view(record, layout, Projection::Down)),
+                    false,
+                );
                 (uses, y)
             })
             .collect();
@@ -499,7 +600,9 @@ impl Backend for CpuBackend {
             let o = &mut out[t * d..(t + 1) * d];
             for j in t * k..(t + 1) * k {
                 let w = routing.weights[j];
-                o.iter_mut().zip(&ys[j * d..(j + 1) * d]).for_each(|(o, &y)| *o += w * y);
+                o.iter_mut()
+                    .zip(&ys[j * d..(j + 1) * d])
+                    .for_each(|(o, &y)| *o += w * y);
             }
         }
         CpuTensor::new(x.rows, d, out)

@@ -57,7 +57,9 @@ pub fn open_compute(device: Option<&str>) -> Result<Compute> {
 /// backend so they rotate by exactly the same angles.
 pub fn rope_table(start: usize, rows: usize, rotary_dim: usize, theta: f64) -> Vec<(f32, f32)> {
     let half = rotary_dim / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64)).collect();
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64))
+        .collect();
     let mut table = Vec::with_capacity(rows * half);
     for t in 0..rows {
         let pos = (start + t) as f64;
@@ -134,7 +136,11 @@ pub trait Backend: Send + Sync {
     /// the device should read the slots (`None`: the backend's choice for its adapter).
     /// The CPU reads slots in place and needs nothing. Errors: a placement the device
     /// cannot provide.
-    fn attach_pool(&self, _pool: &std::sync::Arc<crate::pool::SlotPool>, _placement: Option<gpu::Placement>) -> Result<()> {
+    fn attach_pool(
+        &self,
+        _pool: &std::sync::Arc<crate::pool::SlotPool>,
+        _placement: Option<gpu::Placement>,
+    ) -> Result<()> {
         Ok(())
     }
 
@@ -148,7 +154,11 @@ pub trait Backend: Send + Sync {
         const CHUNK: usize = 4 << 20;
         let src = vec![1u8; LEN];
         let mut dst = vec![0u8; LEN];
-        let copy = |dst: &mut [u8]| dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s));
+        let copy = |dst: &mut [u8]| {
+            dst.par_chunks_mut(CHUNK)
+                .zip(src.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s))
+        };
         copy(&mut dst); // fault the pages in
         let runs = 4;
         let start = std::time::Instant::now();
@@ -182,15 +192,32 @@ pub trait Backend: Send + Sync {
     fn gather_columns(&self, x: &Self::Tensor, idx: &Self::Index) -> Self::Tensor;
     /// RMSNorm over consecutive groups of `group` columns:
     /// `scale * w * x / sqrt(mean(x^2) + eps)`, `w` of length `group` (or 1 if `None`).
-    fn rms_norm(&self, x: &Self::Tensor, weight: Option<&Self::Tensor>, group: usize, eps: f32, scale: f32)
-        -> Self::Tensor;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: Option<&Self::Tensor>,
+        group: usize,
+        eps: f32,
+        scale: f32,
+    ) -> Self::Tensor;
     /// Gated RMSNorm (Qwen3-Next `Qwen3NextRMSNormGated` with `precise_swiglu`):
     /// `silu(gate) * w * rms_norm(x)` per group of `group` columns.
-    fn rms_norm_gated(&self, x: &Self::Tensor, gate: &Self::Tensor, weight: &Self::Tensor, group: usize, eps: f32)
-        -> Self::Tensor;
+    fn rms_norm_gated(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        weight: &Self::Tensor,
+        group: usize,
+        eps: f32,
+    ) -> Self::Tensor;
     /// Causal depthwise conv then SiLU: `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over
     /// `in = [state; x]`, `w` `[C, K]`, state `[K-1, C]` updated to the last `K-1` inputs.
-    fn causal_conv1d_silu(&self, x: &Self::Tensor, weight: &Self::Tensor, state: &mut Self::Tensor) -> Self::Tensor;
+    fn causal_conv1d_silu(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        state: &mut Self::Tensor,
+    ) -> Self::Tensor;
     /// The gated delta rule, recurrent form (mlx-lm `gated_delta.py`, `gated_delta_ops`):
     /// per token and value head `h` (key head `h / (Hv/Hk)`):
     /// `S = g S; S += k (beta (v - S k))^T; y = S q` with `g = exp(-exp(A_log) softplus(a + dt_bias))`,
@@ -211,7 +238,14 @@ pub trait Backend: Send + Sync {
     ) -> Self::Tensor;
     /// Non-traditional (half-split) RoPE on the first `rotary_dim` columns of each head
     /// of width `head_dim`; row `t` is at position `start + t`. `inv_freq_j = theta^(-2j/rotary_dim)`.
-    fn rope(&self, x: &Self::Tensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> Self::Tensor;
+    fn rope(
+        &self,
+        x: &Self::Tensor,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+        start: usize,
+    ) -> Self::Tensor;
     /// An empty KV cache for `kv_dim = kv_heads * head_dim` columns.
     fn new_kv_cache(&self, kv_dim: usize) -> Self::KvCache;
     /// Number of positions held in a KV cache.

@@ -30,8 +30,12 @@ impl<'a> Floats<'a> {
                 let b = &self.bytes[4 * i..4 * i + 4];
                 f32::from_le_bytes([b[0], b[1], b[2], b[3]])
             }
-            Dtype::BF16 => half::bf16::from_le_bytes([self.bytes[2 * i], self.bytes[2 * i + 1]]).to_f32(),
-            Dtype::F16 => half::f16::from_le_bytes([self.bytes[2 * i], self.bytes[2 * i + 1]]).to_f32(),
+            Dtype::BF16 => {
+                half::bf16::from_le_bytes([self.bytes[2 * i], self.bytes[2 * i + 1]]).to_f32()
+            }
+            Dtype::F16 => {
+                half::f16::from_le_bytes([self.bytes[2 * i], self.bytes[2 * i + 1]]).to_f32()
+            }
             _ => 0.0,
         }
     }
@@ -83,12 +87,19 @@ mod tests {
     fn dequantizes_lsb_first_4_and_8_bit() {
         // Row of 64 values, one group: q[c] = c % 16 (4-bit) / c (8-bit).
         for bits in [4u32, 8] {
-            let spec = QuantSpec { bits, group_size: 64 };
+            let spec = QuantSpec {
+                bits,
+                group_size: 64,
+            };
             let per_word = spec.per_word();
             let q: Vec<u32> = (0..64u32).map(|c| c % (1 << bits)).collect();
             let words: Vec<u32> = q
                 .chunks(per_word)
-                .map(|ch| ch.iter().enumerate().fold(0u32, |w, (j, &v)| w | (v << (bits as usize * j))))
+                .map(|ch| {
+                    ch.iter()
+                        .enumerate()
+                        .fold(0u32, |w, (j, &v)| w | (v << (bits as usize * j)))
+                })
                 .collect();
             let scales = [0.5f32];
             let biases = [-1.0f32];

@@ -135,7 +135,10 @@ impl ExpertIndex {
         let mut ranges = Vec::with_capacity(moe_layers.len() * e);
         for &layer in &moe_layers {
             let mut lens = [0usize; PIECES_PER_RECORD];
-            let mut specs = [QuantSpec { bits: 4, group_size: 64 }; 3];
+            let mut specs = [QuantSpec {
+                bits: 4,
+                group_size: 64,
+            }; 3];
             let mut scale_dtype = Dtype::BF16;
             let mut bases = [(0usize, 0u64); PIECES_PER_RECORD];
             for (p, proj) in Projection::ALL.into_iter().enumerate() {
@@ -144,9 +147,18 @@ impl ExpertIndex {
                     Some(s) => s,
                     None => cfg.quantization.default,
                 }
-                .ok_or_else(|| Error::bad_tensor(&format!("{module}.weight"), "routed experts must be quantized"))?;
+                .ok_or_else(|| {
+                    Error::bad_tensor(
+                        &format!("{module}.weight"),
+                        "routed experts must be quantized",
+                    )
+                })?;
                 specs[p] = spec;
-                let (rows, cols) = if proj == Projection::Down { (d, i) } else { (i, d) };
+                let (rows, cols) = if proj == Projection::Down {
+                    (d, i)
+                } else {
+                    (i, d)
+                };
                 let (_, (sd, _), _) = ckpt.quantized_parts(&module, spec, &[e], rows, cols)?;
                 scale_dtype = sd;
                 for kind in PieceKind::ALL {
@@ -182,7 +194,11 @@ impl ExpertIndex {
                 Some(_) => {}
             }
             for expert in 0..e {
-                let mut r = [PieceRange { shard: 0, offset: 0, len: 0 }; PIECES_PER_RECORD];
+                let mut r = [PieceRange {
+                    shard: 0,
+                    offset: 0,
+                    len: 0,
+                }; PIECES_PER_RECORD];
                 for k in 0..PIECES_PER_RECORD {
                     r[k] = PieceRange {
                         shard: bases[k].0,
@@ -193,7 +209,9 @@ impl ExpertIndex {
                 ranges.push(r);
             }
         }
-        let layout = layout.ok_or_else(|| Error::bad_tensor(&cfg.name("model.layers"), "the model has no MoE layer"))?;
+        let layout = layout.ok_or_else(|| {
+            Error::bad_tensor(&cfg.name("model.layers"), "the model has no MoE layer")
+        })?;
         Ok(ExpertIndex {
             layout,
             num_experts: e,
@@ -224,9 +242,17 @@ impl ExpertIndex {
 
     /// Copies the record of `(layer, expert)` from the mapped checkpoint into `out`
     /// (`out.len() >= layout.record_bytes`), laid out by [`RecordLayout`].
-    pub fn copy_record(&self, ckpt: &Checkpoint, layer: usize, expert: usize, out: &mut [u8]) -> Result<()> {
+    pub fn copy_record(
+        &self,
+        ckpt: &Checkpoint,
+        layer: usize,
+        expert: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let ranges = self.ranges(layer, expert).ok_or_else(|| {
-            Error::InvalidInput(format!("no expert record for layer {layer}, expert {expert}"))
+            Error::InvalidInput(format!(
+                "no expert record for layer {layer}, expert {expert}"
+            ))
         })?;
         for (k, r) in ranges.iter().enumerate() {
             let shard = &ckpt.shards()[r.shard];

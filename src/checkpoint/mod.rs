@@ -17,7 +17,9 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-pub use experts::{ExpertIndex, PieceKind, PieceRange, Projection, RecordLayout, PIECES_PER_RECORD};
+pub use experts::{
+    ExpertIndex, PieceKind, PieceRange, Projection, RecordLayout, PIECES_PER_RECORD,
+};
 pub use weights::{floats_to_f32, DenseMatrix, LinearWeight, QuantizedMatrix};
 
 use crate::config::ModelConfig;
@@ -61,9 +63,16 @@ impl Checkpoint {
     /// a tensor the index places in a shard that lacks it), truncated or malformed shards,
     /// a tensor name present in two shards, and every config error of [`ModelConfig::load`].
     pub fn open(dir: &Path) -> Result<Self> {
-        let missing = |what: &str| Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()));
+        let missing = |what: &str| {
+            Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()),
+            )
+        };
         if dir.is_file() {
-            return Err(missing("is a file; give the model's directory (the one holding config.json)"));
+            return Err(missing(
+                "is a file; give the model's directory (the one holding config.json)",
+            ));
         }
         if !dir.is_dir() {
             return Err(missing("model directory not found"));
@@ -114,10 +123,7 @@ impl Checkpoint {
                 if let Some(prev) = tensors.get(name) {
                     return Err(Error::Safetensors {
                         path: path.clone(),
-                        message: format!(
-                            "tensor `{name}` also appears in {}",
-                            files[prev.shard]
-                        ),
+                        message: format!("tensor `{name}` also appears in {}", files[prev.shard]),
                     });
                 }
                 tensors.insert(name.to_string(), entry);
@@ -131,13 +137,18 @@ impl Checkpoint {
                     Some(t) => {
                         return Err(Error::Json {
                             path: index_path.clone(),
-                            message: format!("weight_map puts `{name}` in {file}, but it is in {}", files[t.shard]),
+                            message: format!(
+                                "weight_map puts `{name}` in {file}, but it is in {}",
+                                files[t.shard]
+                            ),
                         })
                     }
                     None => {
                         return Err(Error::Json {
                             path: index_path.clone(),
-                            message: format!("weight_map lists `{name}` in {file}, which does not contain it"),
+                            message: format!(
+                                "weight_map lists `{name}` in {file}, which does not contain it"
+                            ),
                         })
                     }
                 }
@@ -145,7 +156,10 @@ impl Checkpoint {
         }
         // The names mlx-lm's `sanitize` gives the tensors (a no-op for the canonical MLX
         // layout of every family), so that every lookup uses one naming.
-        if tensors.keys().any(|k| config.canonical_name(k) != k.as_str()) {
+        if tensors
+            .keys()
+            .any(|k| config.canonical_name(k) != k.as_str())
+        {
             let mut renamed: HashMap<String, TensorEntry> = HashMap::with_capacity(tensors.len());
             let mut from: HashMap<String, String> = HashMap::new();
             let mut stored: Vec<(String, TensorEntry)> = tensors.into_iter().collect();
@@ -183,7 +197,9 @@ impl Checkpoint {
 
     /// Looks up a tensor by name. Errors: [`Error::MissingTensor`].
     pub fn tensor(&self, name: &str) -> Result<&TensorEntry> {
-        self.tensors.get(name).ok_or_else(|| Error::MissingTensor { name: name.to_string() })
+        self.tensors.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+        })
     }
 
     /// Whether the checkpoint has a tensor named `name`.
@@ -207,7 +223,13 @@ impl Checkpoint {
         let t = self.tensor(name)?;
         expect_shape(t, shape)?;
         floats_to_f32(t.dtype, self.bytes(t)).ok_or_else(|| {
-            Error::bad_tensor(name, format!("dtype {:?} is not a float type (expected F32, F16 or BF16)", t.dtype))
+            Error::bad_tensor(
+                name,
+                format!(
+                    "dtype {:?} is not a float type (expected F32, F16 or BF16)",
+                    t.dtype
+                ),
+            )
         })
     }
 }
@@ -243,7 +265,9 @@ fn read_index(path: &Path) -> Result<(Vec<String>, Option<WeightMap>)> {
             .as_str()
             .ok_or_else(|| json_err(format!("weight_map[`{name}`] is not a file name")))?;
         if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-            return Err(json_err(format!("weight_map[`{name}`] = `{file}` is not a plain file name")));
+            return Err(json_err(format!(
+                "weight_map[`{name}`] = `{file}` is not a plain file name"
+            )));
         }
         if !files.iter().any(|f| f == file) {
             files.push(file.to_string());
@@ -264,7 +288,10 @@ fn describe_header_error(buf: &[u8], err: &safetensors::SafeTensorError) -> Stri
     let header = || -> Option<serde_json::Map<String, Value>> {
         let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?) as usize;
         let bytes = buf.get(8..8usize.checked_add(n)?)?;
-        serde_json::from_slice::<Value>(bytes).ok()?.as_object().cloned()
+        serde_json::from_slice::<Value>(bytes)
+            .ok()?
+            .as_object()
+            .cloned()
     };
     match err {
         E::MetadataIncompleteBuffer => {
@@ -300,7 +327,9 @@ fn describe_header_error(buf: &[u8], err: &safetensors::SafeTensorError) -> Stri
             });
             bad.unwrap_or_else(|| "a tensor's dtype x shape does not match its byte length".into())
         }
-        E::HeaderTooSmall | E::InvalidHeaderLength => "file too short for a safetensors header".into(),
+        E::HeaderTooSmall | E::InvalidHeaderLength => {
+            "file too short for a safetensors header".into()
+        }
         other => format!("invalid safetensors header: {other}"),
     }
 }

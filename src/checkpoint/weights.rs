@@ -10,7 +10,10 @@ use crate::error::{Error, Result};
 /// Converts little-endian float bytes to f32. `None` for a non-float dtype.
 pub fn floats_to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
         Dtype::F16 => bytes
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -123,13 +126,19 @@ impl Checkpoint {
         if inp % spec.group_size != 0 {
             return Err(Error::bad_tensor(
                 &w.name,
-                format!("input size {inp} is not a multiple of the group size {}", spec.group_size),
+                format!(
+                    "input size {inp} is not a multiple of the group size {}",
+                    spec.group_size
+                ),
             ));
         }
         if w.dtype != Dtype::U32 {
             return Err(Error::bad_tensor(
                 &w.name,
-                format!("dtype {:?}, expected U32 packed {}-bit values", w.dtype, spec.bits),
+                format!(
+                    "dtype {:?}, expected U32 packed {}-bit values",
+                    w.dtype, spec.bits
+                ),
             ));
         }
         let mut wshape = lead.to_vec();
@@ -152,6 +161,10 @@ impl Checkpoint {
                 format!("dtype {:?} differs from the scales' {:?}", b.dtype, s.dtype),
             ));
         }
-        Ok((self.bytes(w), (s.dtype, self.bytes(s)), (b.dtype, self.bytes(b))))
+        Ok((
+            self.bytes(w),
+            (s.dtype, self.bytes(s)),
+            (b.dtype, self.bytes(b)),
+        ))
     }
 }

@@ -18,7 +18,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, message: String) -> Self {
+    fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: String,
+    ) -> Self {
         ApiError {
             status,
             message,
@@ -43,7 +48,12 @@ impl ApiError {
 
     /// 400: a body that is not JSON, or not of the request's shape.
     pub fn malformed(message: String) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            None,
+            message,
+        )
     }
 
     /// 400: prompt and max_tokens do not fit the context.
@@ -119,8 +129,15 @@ impl ApiError {
         match e {
             crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
-            crate::Error::Tokenizer { message, .. } => Self::malformed(format!("tokenizer: {message}")),
-            _ => Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, e.to_string()),
+            crate::Error::Tokenizer { message, .. } => {
+                Self::malformed(format!("tokenizer: {message}"))
+            }
+            _ => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                None,
+                e.to_string(),
+            ),
         }
     }
 
@@ -134,7 +151,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::SERVICE_UNAVAILABLE {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }

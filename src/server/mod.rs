@@ -151,7 +151,10 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     }))
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     handle::<ChatRequest>(app, Endpoint::Chat, body).await
 }
 
@@ -160,12 +163,22 @@ async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejec
 }
 
 /// Parses and checks a request of either endpoint, then answers it.
-async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
+async fn handle<R: ApiRequest>(
+    app: Arc<App>,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     // An unreadable body (too large: 413) gets an OpenAI-shaped error too.
     let parsed = body
         .map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
         .and_then(|b| R::parse(&b))
-        .and_then(|r| Ok((r.input()?, r.common().params(&app.options.model_id, &app.options.sampling)?)));
+        .and_then(|r| {
+            Ok((
+                r.input()?,
+                r.common()
+                    .params(&app.options.model_id, &app.options.sampling)?,
+            ))
+        });
     match parsed {
         Ok((input, params)) => respond(app, endpoint, input, params).await,
         Err(e) => e.into_response(),
@@ -247,15 +260,23 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
         Err(e) => return ApiError::engine(&crate::Error::Internal(e.to_string())).into_response(),
     };
     let prompt_tokens = prompt.len();
-    let request =
-        match openai::request(prompt, &params, app.engine.context(), app.options.default_max_tokens) {
-            Ok(r) => r,
-            Err(e) => return e.into_response(),
-        };
+    let request = match openai::request(
+        prompt,
+        &params,
+        app.engine.context(),
+        app.options.default_max_tokens,
+    ) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
     let Ok(permit) = app.queue.clone().try_acquire_owned() else {
         return ApiError::busy(app.options.queue).into_response();
     };
-    let prefix = if endpoint == Endpoint::Chat { "chatcmpl" } else { "cmpl" };
+    let prefix = if endpoint == Endpoint::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
     let meta = Meta {
         endpoint,
         id: format!("{prefix}-{:016x}", rand::random::<u64>()),
@@ -283,7 +304,8 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
                 }
                 Json(body).into_response()
             }
-            Ok(None) => ApiError::engine(&crate::Error::Internal("generation ended early".into())).into_response(),
+            Ok(None) => ApiError::engine(&crate::Error::Internal("generation ended early".into()))
+                .into_response(),
             Err(e) => ApiError::engine(&e).into_response(),
         }
     }
@@ -293,7 +315,12 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
 /// generation and the queue permit; when the client goes away the body (and with it the
 /// channel) is dropped, the task's next send fails, and dropping the generation cancels
 /// it.
-fn stream_response(meta: Meta, generation: Generation, params: Params, permit: OwnedSemaphorePermit) -> Response {
+fn stream_response(
+    meta: Meta,
+    generation: Generation,
+    params: Params,
+    permit: OwnedSemaphorePermit,
+) -> Response {
     let (tx, rx) = mpsc::unbounded_channel::<String>();
     tokio::spawn(async move {
         let _permit = permit;
@@ -305,7 +332,8 @@ fn stream_response(meta: Meta, generation: Generation, params: Params, permit: O
             }
         }
         let driven = drive(generation, params.stops.clone(), |piece| {
-            tx.send(meta.envelope(Some(&piece), None, true).to_string()).is_ok()
+            tx.send(meta.envelope(Some(&piece), None, true).to_string())
+                .is_ok()
         });
         // A client that leaves while the request waits or prefills has sent nothing to
         // fail on: watch the channel, and drop (cancel) the generation when it closes.
@@ -323,7 +351,8 @@ fn stream_response(meta: Meta, generation: Generation, params: Params, permit: O
                 if params.include_usage {
                     let mut usage = meta.envelope(None, None, true);
                     usage["choices"] = json!([]);
-                    usage["usage"] = json!(Usage::new(meta.prompt_tokens, outcome.completion_tokens));
+                    usage["usage"] =
+                        json!(Usage::new(meta.prompt_tokens, outcome.completion_tokens));
                     let _ = tx.send(usage.to_string());
                 }
             }
@@ -335,9 +364,13 @@ fn stream_response(meta: Meta, generation: Generation, params: Params, permit: O
         let _ = tx.send("[DONE]".into());
     });
     let events = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|data| (Ok::<_, Infallible>(SseEvent::default().data(data)), rx))
+        rx.recv()
+            .await
+            .map(|data| (Ok::<_, Infallible>(SseEvent::default().data(data)), rx))
     });
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 /// Runs `generation` through the stop sequences, handing released text to `on_text`
@@ -386,7 +419,11 @@ async fn drive(
                         return Ok(None);
                     }
                 }
-                let finish_reason = if !stopped && stats.finish_reason == "length" { "length" } else { "stop" };
+                let finish_reason = if !stopped && stats.finish_reason == "length" {
+                    "length"
+                } else {
+                    "stop"
+                };
                 let request_stats = RequestStats {
                     reused_prompt_tokens: reused_tokens,
                     prefill_tokens: stats.prompt_tokens,
@@ -412,5 +449,7 @@ async fn drive(
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

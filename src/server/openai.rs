@@ -100,8 +100,8 @@ pub struct CompletionRequest {
 
 /// Parses a JSON object body; errors name the field at fault (`messages[2].content`).
 fn parse_object(body: &[u8]) -> Result<Value, ApiError> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::malformed(format!("the body is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::malformed(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
         return Err(ApiError::malformed("the body must be a JSON object".into()));
     }
@@ -189,26 +189,49 @@ impl Common {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("n", "only n = 1 is supported"));
         }
-        for (field, value) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+        for (field, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
             if value.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(field, "not supported; use repetition_penalty"));
+                return Err(ApiError::invalid(
+                    field,
+                    "not supported; use repetition_penalty",
+                ));
             }
         }
-        if self.logprobs.as_ref().is_some_and(|v| !(v.is_null() || *v == Value::Bool(false))) {
-            return Err(ApiError::invalid("logprobs", "log probabilities are not supported"));
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !(v.is_null() || *v == Value::Bool(false)))
+        {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "log probabilities are not supported",
+            ));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid("tools", "tool calling is not supported"));
         }
-        if self.response_format.as_ref().is_some_and(|f| !(f.is_null() || f["type"] == "text")) {
-            return Err(ApiError::invalid("response_format", "only {\"type\": \"text\"} is supported"));
+        if self
+            .response_format
+            .as_ref()
+            .is_some_and(|f| !(f.is_null() || f["type"] == "text"))
+        {
+            return Err(ApiError::invalid(
+                "response_format",
+                "only {\"type\": \"text\"} is supported",
+            ));
         }
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(ApiError::invalid("logit_bias", "not supported"));
         }
         let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
             (Some(_), Some(_)) => {
-                return Err(ApiError::invalid("max_tokens", "give max_tokens or max_completion_tokens, not both"))
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    "give max_tokens or max_completion_tokens, not both",
+                ))
             }
             (Some(n), None) | (None, Some(n)) => {
                 if n == 0 {
@@ -247,7 +270,10 @@ impl Common {
         }
         if let Some(r) = self.repetition_penalty {
             if !crate::sampling::REPETITION_PENALTY.contains(&r) {
-                return Err(ApiError::invalid("repetition_penalty", "must be in [0.001, 1000]"));
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    "must be in [0.001, 1000]",
+                ));
             }
             sampling.repetition_penalty = r;
         }
@@ -264,19 +290,31 @@ impl Common {
         if stops.len() > 4 {
             return Err(ApiError::invalid("stop", "at most 4 stop sequences"));
         }
-        if stops.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
-            return Err(ApiError::invalid("stop", &format!("stop sequences must have 1 to {MAX_STOP_BYTES} bytes")));
+        if stops
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::invalid(
+                "stop",
+                &format!("stop sequences must have 1 to {MAX_STOP_BYTES} bytes"),
+            ));
         }
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
-            return Err(ApiError::invalid("stream_options", "only allowed with stream: true"));
+            return Err(ApiError::invalid(
+                "stream_options",
+                "only allowed with stream: true",
+            ));
         }
         Ok(Params {
             max_tokens,
             sampling,
             stops,
             stream,
-            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
             stats: self.slotstream_stats,
         })
     }
@@ -319,7 +357,10 @@ impl ApiRequest for ChatRequest {
                         match (p.kind.as_str(), &p.text) {
                             ("text", Some(t)) => text.push_str(t),
                             ("text", None) => {
-                                return Err(ApiError::invalid(&format!("messages[{i}].content[{j}].text"), "missing"))
+                                return Err(ApiError::invalid(
+                                    &format!("messages[{i}].content[{j}].text"),
+                                    "missing",
+                                ))
                             }
                             (kind, _) => {
                                 return Err(ApiError::invalid(
@@ -356,7 +397,12 @@ impl ApiRequest for CompletionRequest {
 
     /// The prompt as text (tokenized as is) or ids. Errors: a batch of more than one.
     fn input(&self) -> Result<Input, ApiError> {
-        let batch = |n: usize| ApiError::invalid("prompt", &format!("batches of {n} prompts are not supported (give one)"));
+        let batch = |n: usize| {
+            ApiError::invalid(
+                "prompt",
+                &format!("batches of {n} prompts are not supported (give one)"),
+            )
+        };
         Ok(match &self.prompt {
             Prompt::Text(t) => Input::Text(t.clone()),
             Prompt::Ids(ids) => Input::Ids(ids.clone()),

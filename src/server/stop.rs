@@ -46,7 +46,9 @@ impl StopMatcher {
         let held = self
             .stops
             .iter()
-            .flat_map(|s| (1..s.len()).filter(|&k| s.is_char_boundary(k) && self.text.ends_with(&s[..k])))
+            .flat_map(|s| {
+                (1..s.len()).filter(|&k| s.is_char_boundary(k) && self.text.ends_with(&s[..k]))
+            })
             .max()
             .unwrap_or(0);
         let safe = (self.text.len() - held).max(self.released);

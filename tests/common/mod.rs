@@ -19,7 +19,8 @@ pub const QWEN35: &str = "qwen3_5-moe-bf16";
 /// `tests/fixtures/<name>`. The crate root comes from `CARGO_MANIFEST_DIR` at run time
 /// when set (a test binary run outside cargo, e.g. on another machine), else at build time.
 pub fn fixture_dir(name: &str) -> PathBuf {
-    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
+    let root = std::env::var("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());
     Path::new(&root).join("tests/fixtures").join(name)
 }
 
@@ -37,9 +38,15 @@ pub struct Reference {
 pub fn reference(name: &str) -> Reference {
     let dir = fixture_dir(name);
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
     let ids = |k: &str| -> Vec<u32> {
-        json[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+        json[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
     };
     let npy = npyz::NpyFile::new(std::fs::File::open(dir.join("logits.npy")).unwrap()).unwrap();
     let vocab = npy.shape()[1] as usize;
@@ -65,13 +72,21 @@ pub fn load_cpu(name: &str) -> Loaded {
     let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
     let model = Model::load(&ckpt, &CpuBackend).unwrap();
     let experts = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
-    Loaded { ckpt, model, experts }
+    Loaded {
+        ckpt,
+        model,
+        experts,
+    }
 }
 
 /// `||a - b|| / ||b||`.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
-    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+        .sum();
     let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
     (num / den).sqrt()
 }

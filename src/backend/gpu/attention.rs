@@ -15,15 +15,31 @@ use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
 use crate::backend::AttnDims;
 
-const ROPE: Kernel = Kernel::new("attention.wgsl", "rope", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
+const ROPE: Kernel = Kernel::new(
+    "attention.wgsl",
+    "rope",
+    &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+);
 
-const SCORES: Kernel = Kernel::new("attention.wgsl", "attn_scores", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
+const SCORES: Kernel = Kernel::new(
+    "attention.wgsl",
+    "attn_scores",
+    &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+);
 
 const SOFTMAX: Kernel = Kernel::new("attention.wgsl", "attn_softmax", &[Access::ReadWrite]);
 
-const PV: Kernel = Kernel::new("attention.wgsl", "attn_pv", &[Access::ReadWrite, Access::Read, Access::ReadWrite]);
+const PV: Kernel = Kernel::new(
+    "attention.wgsl",
+    "attn_pv",
+    &[Access::ReadWrite, Access::Read, Access::ReadWrite],
+);
 
-const SUM: Kernel = Kernel::new("attention.wgsl", "attn_sum", &[Access::ReadWrite, Access::Read]);
+const SUM: Kernel = Kernel::new(
+    "attention.wgsl",
+    "attn_sum",
+    &[Access::ReadWrite, Access::Read],
+);
 
 /// Side of the square tiles of `attn_scores` and `attn_pv` (`TILE` in the shader).
 const TILE: usize = 16;
@@ -38,9 +54,23 @@ const PV_MIN_SPAN: usize = 256;
 /// Smallest KV cache capacity, in positions.
 const MIN_CAPACITY: usize = 64;
 
-pub(super) fn rope(b: &GpuBackend, x: &GpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> GpuTensor {
-    assert!(head_dim > 0 && x.cols % head_dim == 0, "rope: {} columns are not whole heads of {head_dim}", x.cols);
-    assert!(rotary_dim <= head_dim, "rope: rotary dim {rotary_dim} above head dim {head_dim}");
+pub(super) fn rope(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f64,
+    start: usize,
+) -> GpuTensor {
+    assert!(
+        head_dim > 0 && x.cols % head_dim == 0,
+        "rope: {} columns are not whole heads of {head_dim}",
+        x.cols
+    );
+    assert!(
+        rotary_dim <= head_dim,
+        "rope: rotary dim {rotary_dim} above head dim {head_dim}"
+    );
     let out = b.empty(x.rows, x.cols);
     let n = x.rows * x.cols;
     if n == 0 {
@@ -55,13 +85,17 @@ pub(super) fn rope(b: &GpuBackend, x: &GpuTensor, head_dim: usize, rotary_dim: u
     let mut params = [0u32; PARAMS];
     params[..4].copy_from_slice(&[n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32]);
     let [gx, gy] = grid(n.div_ceil(256) as u32);
-    b.gpu.dispatch(&ROPE, &params, &[&out.buf, &x.buf, &table], [gx, gy, 1]);
+    b.gpu
+        .dispatch(&ROPE, &params, &[&out.buf, &x.buf, &table], [gx, gy, 1]);
     out
 }
 
 /// Largest buffer a kernel may bind, in bytes.
 fn max_binding(b: &GpuBackend) -> u64 {
-    b.gpu.limits.max_storage_buffer_binding_size.min(b.gpu.limits.max_buffer_size)
+    b.gpu
+        .limits
+        .max_storage_buffer_binding_size
+        .min(b.gpu.limits.max_buffer_size)
 }
 
 /// Makes room for `need` positions, doubling the capacity and copying the valid rows.
@@ -94,7 +128,14 @@ fn reserve(b: &GpuBackend, cache: &mut GpuKvCache, need: usize) {
     cache.capacity = cap;
 }
 
-pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, dims: AttnDims) -> GpuTensor {
+pub(super) fn attention(
+    b: &GpuBackend,
+    q: &GpuTensor,
+    k: &GpuTensor,
+    v: &GpuTensor,
+    cache: &mut GpuKvCache,
+    dims: AttnDims,
+) -> GpuTensor {
     let AttnDims {
         q_heads,
         kv_heads,
@@ -103,7 +144,10 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
     } = dims;
     let kv_dim = cache.kv_dim;
     let t_len = q.rows;
-    assert!(kv_heads > 0 && q_heads % kv_heads == 0, "attention: q heads must be a multiple of kv heads");
+    assert!(
+        kv_heads > 0 && q_heads % kv_heads == 0,
+        "attention: q heads must be a multiple of kv heads"
+    );
     assert_eq!(kv_dim, kv_heads * hd, "attention: cache width");
     assert_eq!((k.cols, v.cols), (kv_dim, kv_dim), "attention: kv width");
     assert_eq!((k.rows, v.rows), (t_len, t_len), "attention: kv rows");
@@ -116,10 +160,25 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
     let past = cache.len;
     let total = past + t_len;
     reserve(b, cache, total);
-    let (keys, values) = (cache.keys.as_ref().expect("reserved"), cache.values.as_ref().expect("reserved"));
+    let (keys, values) = (
+        cache.keys.as_ref().expect("reserved"),
+        cache.values.as_ref().expect("reserved"),
+    );
     let row_bytes = (kv_dim * 4) as u64;
-    b.gpu.copy(&k.buf, 0, keys, past as u64 * row_bytes, t_len as u64 * row_bytes);
-    b.gpu.copy(&v.buf, 0, values, past as u64 * row_bytes, t_len as u64 * row_bytes);
+    b.gpu.copy(
+        &k.buf,
+        0,
+        keys,
+        past as u64 * row_bytes,
+        t_len as u64 * row_bytes,
+    );
+    b.gpu.copy(
+        &v.buf,
+        0,
+        values,
+        past as u64 * row_bytes,
+        t_len as u64 * row_bytes,
+    );
     cache.len = total;
 
     // Queries per chunk: their scores rows [chunk * Hq, total] fit the scratch.
@@ -158,7 +217,12 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
         let key_tiles = stride.div_ceil(TILE);
         params[10] = key_tiles as u32;
         let [gx, gy] = grid((key_tiles * row_tiles) as u32);
-        b.gpu.dispatch(&SCORES, &params, &[&scratch, &q.buf, keys], [gx, gy, kv_heads as u32]);
+        b.gpu.dispatch(
+            &SCORES,
+            &params,
+            &[&scratch, &q.buf, keys],
+            [gx, gy, kv_heads as u32],
+        );
 
         let [gx, gy] = grid((tc * q_heads) as u32);
         b.gpu.dispatch(&SOFTMAX, &params, &[&scratch], [gx, gy, 1]);
@@ -179,17 +243,28 @@ pub(super) fn attention(b: &GpuBackend, q: &GpuTensor, k: &GpuTensor, v: &GpuTen
         params[14] = splits as u32;
         let [gx, gy] = grid((tiles * splits) as u32);
         if splits == 1 {
-            b.gpu.dispatch(&PV, &params, &[&scratch, values, &out.buf], [gx, gy, kv_heads as u32]);
+            b.gpu.dispatch(
+                &PV,
+                &params,
+                &[&scratch, values, &out.buf],
+                [gx, gy, kv_heads as u32],
+            );
         } else {
             let n = tc * q.cols;
             let partials = b.gpu.buffer((splits * n * 4) as u64);
             params[0] = n as u32;
             params[12] = 0;
             params[15] = n as u32;
-            b.gpu.dispatch(&PV, &params, &[&scratch, values, &partials], [gx, gy, kv_heads as u32]);
+            b.gpu.dispatch(
+                &PV,
+                &params,
+                &[&scratch, values, &partials],
+                [gx, gy, kv_heads as u32],
+            );
             params[12] = t0 as u32;
             let [gx, gy] = grid(n.div_ceil(256) as u32);
-            b.gpu.dispatch(&SUM, &params, &[&out.buf, &partials], [gx, gy, 1]);
+            b.gpu
+                .dispatch(&SUM, &params, &[&out.buf, &partials], [gx, gy, 1]);
         }
 
         t0 += tc;

@@ -9,21 +9,34 @@ use super::{GpuBackend, GpuTensor};
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/conv.wgsl`).
 const WG: usize = 256;
 
-const CONV: Kernel = Kernel::new("conv.wgsl", "causal_conv1d_silu", &[
+const CONV: Kernel = Kernel::new(
+    "conv.wgsl",
+    "causal_conv1d_silu",
+    &[
         Access::Read,
         Access::Read,
         Access::Read,
         Access::ReadWrite,
         Access::ReadWrite,
-    ]);
+    ],
+);
 
 /// `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over `in = [state; x]`; `w` `[C, K]`,
 /// `state` `[K-1, C]` replaced by the last `K-1` rows of `in`.
-pub(super) fn causal_conv1d_silu(b: &GpuBackend, x: &GpuTensor, w: &GpuTensor, state: &mut GpuTensor) -> GpuTensor {
+pub(super) fn causal_conv1d_silu(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    w: &GpuTensor,
+    state: &mut GpuTensor,
+) -> GpuTensor {
     let (c, k) = (w.rows, w.cols);
     assert!(k >= 1, "conv: kernel width must be at least 1");
     let keep = k - 1;
-    assert_eq!((state.rows, state.cols, x.cols), (keep, c, c), "conv shapes");
+    assert_eq!(
+        (state.rows, state.cols, x.cols),
+        (keep, c, c),
+        "conv shapes"
+    );
     let t = x.rows;
     let out = b.empty(t, c);
     let new_state = b.empty(keep, c);

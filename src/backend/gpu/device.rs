@@ -40,7 +40,11 @@ pub struct Kernel {
 
 impl Kernel {
     /// Entry point `entry` of `wgsl/<file>` with its storage `bindings`.
-    pub const fn new(file: &'static str, entry: &'static str, bindings: &'static [Access]) -> Kernel {
+    pub const fn new(
+        file: &'static str,
+        entry: &'static str,
+        bindings: &'static [Access],
+    ) -> Kernel {
         Kernel {
             file,
             source: shader(file),
@@ -53,11 +57,20 @@ impl Kernel {
 /// Every WGSL file of the crate, embedded at build time: `(file name, source)`.
 pub const SHADERS: &[(&str, &str)] = &[
     ("quant.wgsl", include_str!("../../../wgsl/quant.wgsl")),
-    ("elementwise.wgsl", include_str!("../../../wgsl/elementwise.wgsl")),
+    (
+        "elementwise.wgsl",
+        include_str!("../../../wgsl/elementwise.wgsl"),
+    ),
     ("norm.wgsl", include_str!("../../../wgsl/norm.wgsl")),
     ("conv.wgsl", include_str!("../../../wgsl/conv.wgsl")),
-    ("gated_delta.wgsl", include_str!("../../../wgsl/gated_delta.wgsl")),
-    ("attention.wgsl", include_str!("../../../wgsl/attention.wgsl")),
+    (
+        "gated_delta.wgsl",
+        include_str!("../../../wgsl/gated_delta.wgsl"),
+    ),
+    (
+        "attention.wgsl",
+        include_str!("../../../wgsl/attention.wgsl"),
+    ),
     ("router.wgsl", include_str!("../../../wgsl/router.wgsl")),
 ];
 
@@ -145,7 +158,9 @@ fn summarize(a: &wgpu::Adapter) -> AdapterSummary {
         name: info.name,
         backend: format!("{:?}", info.backend),
         device_type: format!("{:?}", info.device_type),
-        driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
+        driver: format!("{} {}", info.driver, info.driver_info)
+            .trim()
+            .to_string(),
         max_buffer_size: l.max_buffer_size,
         max_storage_buffer_binding_size: l.max_storage_buffer_binding_size as u64,
         max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
@@ -165,7 +180,9 @@ pub struct Gpu {
     /// A 4-byte buffer bound where a kernel's binding is unused.
     pub dummy: wgpu::Buffer,
     poison: bool,
-    pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>>,
+    pipelines: Mutex<
+        HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>,
+    >,
     recording: Mutex<Recording>,
     /// The uniform blocks of the recorded dispatches, one per `uniform_stride` bytes,
     /// uploaded just before the encoder is submitted (one buffer instead of one each).
@@ -226,8 +243,9 @@ impl Gpu {
                 if let Some(Err(e)) = other {
                     tracing::warn!(error = %e, "host-memory import unavailable");
                 }
-                pollster::block_on(adapter.request_device(&desc))
-                    .map_err(|e| Error::Gpu(format!("could not open {}: {e}", adapter.get_info().name)))?
+                pollster::block_on(adapter.request_device(&desc)).map_err(|e| {
+                    Error::Gpu(format!("could not open {}: {e}", adapter.get_info().name))
+                })?
             }
         };
         let host_import = super::host_memory::supported(&device);
@@ -266,10 +284,12 @@ impl Gpu {
         cache
             .entry((k.file, k.entry))
             .or_insert_with(|| {
-                let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(k.file),
-                    source: wgpu::ShaderSource::Wgsl(k.source.into()),
-                });
+                let module = self
+                    .device
+                    .create_shader_module(wgpu::ShaderModuleDescriptor {
+                        label: Some(k.file),
+                        source: wgpu::ShaderSource::Wgsl(k.source.into()),
+                    });
                 let storage = |read_only| wgpu::BindingType::Buffer {
                     ty: wgpu::BufferBindingType::Storage { read_only },
                     has_dynamic_offset: false,
@@ -293,23 +313,29 @@ impl Gpu {
                         count: None,
                     });
                 }
-                let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                    label: Some(k.entry),
-                    entries: &entries,
-                });
-                let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                    label: Some(k.entry),
-                    bind_group_layouts: &[Some(&bgl)],
-                    immediate_size: 0,
-                });
-                let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(k.entry),
-                    layout: Some(&layout),
-                    module: &module,
-                    entry_point: Some(k.entry),
-                    compilation_options: Default::default(),
-                    cache: None,
-                });
+                let bgl = self
+                    .device
+                    .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                        label: Some(k.entry),
+                        entries: &entries,
+                    });
+                let layout = self
+                    .device
+                    .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                        label: Some(k.entry),
+                        bind_group_layouts: &[Some(&bgl)],
+                        immediate_size: 0,
+                    });
+                let pipeline =
+                    self.device
+                        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                            label: Some(k.entry),
+                            layout: Some(&layout),
+                            module: &module,
+                            entry_point: Some(k.entry),
+                            compilation_options: Default::default(),
+                            cache: None,
+                        });
                 Arc::new((pipeline, bgl))
             })
             .clone()
@@ -334,14 +360,31 @@ impl Gpu {
 
     /// Records one dispatch of `k` over `groups` workgroups (x, y from [`grid`], z given)
     /// with `params` as the uniform block and `buffers` at bindings 1...
-    pub fn dispatch(&self, k: &Kernel, params: &[u32], buffers: &[&wgpu::Buffer], groups: [u32; 3]) {
-        debug_assert_eq!(buffers.len(), k.bindings.len(), "{}::{} bindings", k.file, k.entry);
+    pub fn dispatch(
+        &self,
+        k: &Kernel,
+        params: &[u32],
+        buffers: &[&wgpu::Buffer],
+        groups: [u32; 3],
+    ) {
+        debug_assert_eq!(
+            buffers.len(),
+            k.bindings.len(),
+            "{}::{} bindings",
+            k.file,
+            k.entry
+        );
         let pipeline = self.pipeline(k);
         let mut words = params.to_vec();
         // Uniform blocks are read in 16-byte rows.
         words.resize(params.len().next_multiple_of(4).max(4), 0);
         let block = bytemuck::cast_slice::<u32, u8>(&words);
-        assert!(block.len() <= self.uniform_stride, "{}::{}: uniform block too large", k.file, k.entry);
+        assert!(
+            block.len() <= self.uniform_stride,
+            "{}::{}: uniform block too large",
+            k.file,
+            k.entry
+        );
         let mut rec = self.recording();
         if rec.uniforms.len() + self.uniform_stride > UNIFORM_RING as usize {
             self.submit(&mut rec);
@@ -368,7 +411,9 @@ impl Gpu {
             layout: &pipeline.1,
             entries: &entries,
         });
-        let enc = rec.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        let enc = rec
+            .encoder
+            .get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some(k.entry),
             timestamp_writes: None,
@@ -379,12 +424,21 @@ impl Gpu {
     }
 
     /// Records a buffer-to-buffer copy in order with the dispatches.
-    pub fn copy(&self, src: &wgpu::Buffer, src_off: u64, dst: &wgpu::Buffer, dst_off: u64, len: u64) {
+    pub fn copy(
+        &self,
+        src: &wgpu::Buffer,
+        src_off: u64,
+        dst: &wgpu::Buffer,
+        dst_off: u64,
+        len: u64,
+    ) {
         if len == 0 {
             return;
         }
         let mut rec = self.recording();
-        let enc = rec.encoder.get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+        let enc = rec
+            .encoder
+            .get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
         enc.copy_buffer_to_buffer(src, src_off, dst, dst_off, len);
     }
 
@@ -421,7 +475,9 @@ impl Gpu {
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
             size: len.max(4).next_multiple_of(4),
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         })
     }
@@ -436,11 +492,14 @@ impl Gpu {
             padded.resize(bytes.len().next_multiple_of(4).max(4), 0);
             &padded
         };
-        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-        })
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+            })
     }
 
     /// Writes `bytes` at `offset` of `dst`, ordered after everything recorded so far.

@@ -8,7 +8,11 @@ use super::{GpuBackend, GpuTensor};
 const WG: usize = 256;
 
 const fn kernel(entry: &'static str) -> Kernel {
-    Kernel::new("elementwise.wgsl", entry, &[Access::Read, Access::Read, Access::ReadWrite])
+    Kernel::new(
+        "elementwise.wgsl",
+        entry,
+        &[Access::Read, Access::Read, Access::ReadWrite],
+    )
 }
 
 const ADD: Kernel = kernel("add");
@@ -40,7 +44,11 @@ fn run(
 }
 
 fn same_shape(op: &str, a: &GpuTensor, c: &GpuTensor) {
-    assert_eq!((a.rows, a.cols), (c.rows, c.cols), "{op}: elementwise shapes");
+    assert_eq!(
+        (a.rows, a.cols),
+        (c.rows, c.cols),
+        "{op}: elementwise shapes"
+    );
 }
 
 /// `a + c`.
@@ -61,10 +69,22 @@ pub(super) fn mul_sigmoid(b: &GpuBackend, x: &GpuTensor, gate: &GpuTensor) -> Gp
         assert_eq!(gate.rows, x.rows, "mul_sigmoid: elementwise shapes");
         0
     } else {
-        assert_eq!((gate.rows, gate.cols), (x.rows, 1), "gate must be [T, cols] or [T, 1]");
+        assert_eq!(
+            (gate.rows, gate.cols),
+            (x.rows, 1),
+            "gate must be [T, cols] or [T, 1]"
+        );
         1
     };
-    run(b, &MUL_SIGMOID, [x, gate], x.rows, x.cols, x.cols, broadcast)
+    run(
+        b,
+        &MUL_SIGMOID,
+        [x, gate],
+        x.rows,
+        x.cols,
+        x.cols,
+        broadcast,
+    )
 }
 
 /// `out[:, j] = x[:, idx[j]]`; `idx` is a `[1, m]` list of u32 column indices, each

@@ -27,7 +27,10 @@ pub(super) fn open_device(
 ) -> Option<Result<(wgpu::Device, wgpu::Queue)>> {
     // SAFETY: the hal adapter is only used to open a device for this same adapter.
     let hal_adapter = unsafe { adapter.as_hal::<Vulkan>() }?;
-    if !hal_adapter.physical_device_capabilities().supports_extension(EXT) {
+    if !hal_adapter
+        .physical_device_capabilities()
+        .supports_extension(EXT)
+    {
         return None;
     }
     // SAFETY: the callback only adds an extension the adapter supports.
@@ -42,16 +45,24 @@ pub(super) fn open_device(
     drop(hal_adapter);
     let opened = match opened {
         Ok(o) => o,
-        Err(e) => return Some(Err(Error::Gpu(format!("opening the device with {EXT:?}: {e}")))),
+        Err(e) => {
+            return Some(Err(Error::Gpu(format!(
+                "opening the device with {EXT:?}: {e}"
+            ))))
+        }
     };
     // SAFETY: `opened` was created from this adapter with the descriptor's features.
-    Some(unsafe { adapter.create_device_from_hal(opened, desc) }.map_err(|e| Error::Gpu(e.to_string())))
+    Some(
+        unsafe { adapter.create_device_from_hal(opened, desc) }
+            .map_err(|e| Error::Gpu(e.to_string())),
+    )
 }
 
 /// Whether `device` was opened with host-memory import.
 pub(super) fn supported(device: &wgpu::Device) -> bool {
     // SAFETY: read-only query of the hal device.
-    unsafe { device.as_hal::<Vulkan>() }.is_some_and(|d| d.enabled_device_extensions().contains(&EXT))
+    unsafe { device.as_hal::<Vulkan>() }
+        .is_some_and(|d| d.enabled_device_extensions().contains(&EXT))
 }
 
 /// Wraps `len` bytes at `ptr` as a storage buffer the GPU reads in place.
@@ -61,7 +72,8 @@ pub(super) fn supported(device: &wgpu::Device) -> bool {
 /// returned buffer (or any submission using it) lives. `ptr` and `len` must be aligned to
 /// the device's `minImportedHostPointerAlignment` (4096 on the drivers seen).
 pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Result<wgpu::Buffer> {
-    let gpu_err = |what: &str, e: vk::Result| Error::Gpu(format!("importing host memory: {what}: {e}"));
+    let gpu_err =
+        |what: &str, e: vk::Result| Error::Gpu(format!("importing host memory: {what}: {e}"));
     let hal = device
         .as_hal::<Vulkan>()
         .ok_or_else(|| Error::Gpu("host-memory import needs the Vulkan backend".into()))?;
@@ -94,11 +106,15 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
     let info = vk::BufferCreateInfo::default()
         .size(len)
         .usage(
-            vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::TRANSFER_SRC | vk::BufferUsageFlags::TRANSFER_DST,
+            vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::TRANSFER_SRC
+                | vk::BufferUsageFlags::TRANSFER_DST,
         )
         .sharing_mode(vk::SharingMode::EXCLUSIVE)
         .push_next(&mut external);
-    let buffer = raw.create_buffer(&info, None).map_err(|e| gpu_err("vkCreateBuffer", e))?;
+    let buffer = raw
+        .create_buffer(&info, None)
+        .map_err(|e| gpu_err("vkCreateBuffer", e))?;
     let req = raw.get_buffer_memory_requirements(buffer);
     if req.size > len || (ptr as u64) % req.alignment.max(1) != 0 {
         raw.destroy_buffer(buffer, None);
@@ -110,11 +126,13 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
     let mem = instance.get_physical_device_memory_properties(hal.raw_physical_device());
     let bits = req.memory_type_bits & host_props.memory_type_bits;
     let wanted = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-    let Some(type_index) = (0..mem.memory_type_count)
-        .find(|&i| bits & (1 << i) != 0 && mem.memory_types[i as usize].property_flags.contains(wanted))
-    else {
+    let Some(type_index) = (0..mem.memory_type_count).find(|&i| {
+        bits & (1 << i) != 0 && mem.memory_types[i as usize].property_flags.contains(wanted)
+    }) else {
         raw.destroy_buffer(buffer, None);
-        return Err(Error::Gpu("no host-coherent memory type accepts imported host memory".into()));
+        return Err(Error::Gpu(
+            "no host-coherent memory type accepts imported host memory".into(),
+        ));
     };
     let mut import = vk::ImportMemoryHostPointerInfoEXT::default()
         .handle_type(vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT)
@@ -143,7 +161,9 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
         &wgpu::BufferDescriptor {
             label: Some("imported slot pool"),
             size: len,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         },
     ))

@@ -40,12 +40,15 @@ pub(super) fn supported(device: &wgpu::Device) -> bool {
 /// of [`PAGE`].
 pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Result<wgpu::Buffer> {
     if (ptr as usize) % PAGE != 0 || len as usize % PAGE != 0 {
-        return Err(Error::Gpu(format!("host memory at {ptr:p} of {len} bytes is not aligned to {PAGE} bytes")));
+        return Err(Error::Gpu(format!(
+            "host memory at {ptr:p} of {len} bytes is not aligned to {PAGE} bytes"
+        )));
     }
     let hal = device
         .as_hal::<Metal>()
         .ok_or_else(|| Error::Gpu("no-copy buffers need the Metal backend".into()))?;
-    let pointer = NonNull::new(ptr as *mut c_void).ok_or_else(|| Error::Gpu("null host pointer".into()))?;
+    let pointer =
+        NonNull::new(ptr as *mut c_void).ok_or_else(|| Error::Gpu("null host pointer".into()))?;
     // No deallocator: the slot pool owns the memory and outlives the buffer (the Mirror
     // holds the pool).
     let raw = hal
@@ -56,7 +59,11 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
             MTLResourceOptions::StorageModeShared,
             None,
         )
-        .ok_or_else(|| Error::Gpu(format!("Metal refused a no-copy buffer of {len} bytes at {ptr:p}")))?;
+        .ok_or_else(|| {
+            Error::Gpu(format!(
+                "Metal refused a no-copy buffer of {len} bytes at {ptr:p}"
+            ))
+        })?;
     let hal_buffer = wgpu::hal::metal::Device::buffer_from_raw(raw, len);
     drop(hal);
     Ok(device.create_buffer_from_hal::<Metal>(
@@ -64,7 +71,9 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
         &wgpu::BufferDescriptor {
             label: Some("slot pool (no-copy)"),
             size: len,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         },
     ))

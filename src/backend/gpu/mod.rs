@@ -87,7 +87,9 @@ impl std::str::FromStr for Placement {
         match s {
             "unified" => Ok(Placement::Unified),
             "device" => Ok(Placement::Device),
-            _ => Err(format!("unknown placement `{s}` (expected unified or device)")),
+            _ => Err(format!(
+                "unknown placement `{s}` (expected unified or device)"
+            )),
         }
     }
 }
@@ -157,7 +159,10 @@ impl GpuBackend {
     /// The placement an adapter type calls for: unified on integrated and CPU adapters
     /// that can import host memory, device-local arenas otherwise.
     pub fn default_placement(&self) -> Placement {
-        let shared = matches!(self.gpu.adapter.device_type.as_str(), "IntegratedGpu" | "Cpu");
+        let shared = matches!(
+            self.gpu.adapter.device_type.as_str(),
+            "IntegratedGpu" | "Cpu"
+        );
         if shared && self.gpu.host_import {
             Placement::Unified
         } else {
@@ -168,7 +173,11 @@ impl GpuBackend {
     /// Makes the GPU read `pool`'s slots with `placement`. Without this call, records that
     /// come from a pool are mirrored in device arenas (device placement).
     /// Errors: unified placement on a device that cannot import host memory.
-    pub fn place_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Placement) -> Result<()> {
+    pub fn place_pool(
+        &self,
+        pool: &Arc<crate::pool::SlotPool>,
+        placement: Placement,
+    ) -> Result<()> {
         let (stride, slots) = (pool.stride(), pool.slots());
         let mirror = match placement {
             Placement::Device => Mirror::device(&self.gpu, pool.id(), slots, stride),
@@ -179,7 +188,12 @@ impl GpuBackend {
                 self.import_pool(pool, (per_arena / unit * unit).max(unit))?
             }
         };
-        tracing::info!(?placement, slots, arenas = mirror.arenas.len(), "slot pool attached to the GPU");
+        tracing::info!(
+            ?placement,
+            slots,
+            arenas = mirror.arenas.len(),
+            "slot pool attached to the GPU"
+        );
         let mut guard = self.mirror.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_some() {
             // Recorded work may still read the old mirror (and a unified one's host pages).
@@ -199,11 +213,14 @@ impl GpuBackend {
             let start = a * per_arena * stride;
             // The last arena's length rounded up to a page; the pool's memory is allocated
             // in whole pages (io::AlignedBuf), so it stays inside.
-            let bytes = (n * stride).next_multiple_of(host_memory::PAGE).min(len - start);
+            let bytes = (n * stride)
+                .next_multiple_of(host_memory::PAGE)
+                .min(len - start);
             // SAFETY: the range lies inside the pool's memory and starts on a host page
             // (per_arena * stride is a whole number of pages; the allocation is
             // page-aligned), and the Mirror keeps the pool alive while the buffers live.
-            let buf = unsafe { host_memory::import(&self.gpu.device, base.add(start), bytes as u64)? };
+            let buf =
+                unsafe { host_memory::import(&self.gpu.device, base.add(start), bytes as u64)? };
             arenas.push(buf);
         }
         Ok(Mirror {
@@ -240,7 +257,11 @@ impl Backend for GpuBackend {
         format!("{} ({})", self.gpu.adapter.name, self.gpu.adapter.backend)
     }
 
-    fn attach_pool(&self, pool: &Arc<crate::pool::SlotPool>, placement: Option<Placement>) -> Result<()> {
+    fn attach_pool(
+        &self,
+        pool: &Arc<crate::pool::SlotPool>,
+        placement: Option<Placement>,
+    ) -> Result<()> {
         self.place_pool(pool, placement.unwrap_or_else(|| self.default_placement()))
     }
 
@@ -248,7 +269,9 @@ impl Backend for GpuBackend {
     /// runs after a warm-up.
     fn copy_bandwidth(&self) -> Result<f64> {
         let limits = &self.gpu.limits;
-        let len = (1u64 << 30).min(limits.max_buffer_size / 2).min(limits.max_storage_buffer_binding_size);
+        let len = (1u64 << 30)
+            .min(limits.max_buffer_size / 2)
+            .min(limits.max_storage_buffer_binding_size);
         let (src, dst) = (self.gpu.zeroed(len), self.gpu.zeroed(len));
         self.gpu.copy(&src, 0, &dst, 0, len);
         self.gpu.sync()?;
@@ -271,7 +294,11 @@ impl Backend for GpuBackend {
     }
 
     fn upload_index(&self, idx: &[u32]) -> GpuTensor {
-        self.tensor(self.gpu.buffer_with(bytemuck::cast_slice(idx)), 1, idx.len())
+        self.tensor(
+            self.gpu.buffer_with(bytemuck::cast_slice(idx)),
+            1,
+            idx.len(),
+        )
     }
 
     fn download(&self, t: &GpuTensor) -> Result<Vec<f32>> {
@@ -289,7 +316,13 @@ impl Backend for GpuBackend {
 
     fn rows(&self, x: &GpuTensor, start: usize, count: usize) -> GpuTensor {
         let out = self.empty(count, x.cols);
-        self.gpu.copy(&x.buf, (start * x.cols * 4) as u64, &out.buf, 0, (count * x.cols * 4) as u64);
+        self.gpu.copy(
+            &x.buf,
+            (start * x.cols * 4) as u64,
+            &out.buf,
+            0,
+            (count * x.cols * 4) as u64,
+        );
         out
     }
 
@@ -305,15 +338,34 @@ impl Backend for GpuBackend {
         elementwise::gather_columns(self, x, idx)
     }
 
-    fn rms_norm(&self, x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, scale: f32) -> GpuTensor {
+    fn rms_norm(
+        &self,
+        x: &GpuTensor,
+        weight: Option<&GpuTensor>,
+        group: usize,
+        eps: f32,
+        scale: f32,
+    ) -> GpuTensor {
         norm::rms_norm(self, x, weight, group, eps, scale)
     }
 
-    fn rms_norm_gated(&self, x: &GpuTensor, gate: &GpuTensor, weight: &GpuTensor, group: usize, eps: f32) -> GpuTensor {
+    fn rms_norm_gated(
+        &self,
+        x: &GpuTensor,
+        gate: &GpuTensor,
+        weight: &GpuTensor,
+        group: usize,
+        eps: f32,
+    ) -> GpuTensor {
         norm::rms_norm_gated(self, x, gate, weight, group, eps)
     }
 
-    fn causal_conv1d_silu(&self, x: &GpuTensor, weight: &GpuTensor, state: &mut GpuTensor) -> GpuTensor {
+    fn causal_conv1d_silu(
+        &self,
+        x: &GpuTensor,
+        weight: &GpuTensor,
+        state: &mut GpuTensor,
+    ) -> GpuTensor {
         conv::causal_conv1d_silu(self, x, weight, state)
     }
 
@@ -332,7 +384,14 @@ impl Backend for GpuBackend {
         gated_delta::gated_delta(self, q, k, v, a, b, a_log, dt_bias, state, dims)
     }
 
-    fn rope(&self, x: &GpuTensor, head_dim: usize, rotary_dim: usize, theta: f64, start: usize) -> GpuTensor {
+    fn rope(
+        &self,
+        x: &GpuTensor,
+        head_dim: usize,
+        rotary_dim: usize,
+        theta: f64,
+        start: usize,
+    ) -> GpuTensor {
         attention::rope(self, x, head_dim, rotary_dim, theta, start)
     }
 
@@ -350,7 +409,14 @@ impl Backend for GpuBackend {
         cache.len
     }
 
-    fn attention(&self, q: &GpuTensor, k: &GpuTensor, v: &GpuTensor, cache: &mut GpuKvCache, dims: AttnDims) -> GpuTensor {
+    fn attention(
+        &self,
+        q: &GpuTensor,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        cache: &mut GpuKvCache,
+        dims: AttnDims,
+    ) -> GpuTensor {
         attention::attention(self, q, k, v, cache, dims)
     }
 

@@ -10,12 +10,26 @@ use super::{GpuBackend, GpuTensor};
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/norm.wgsl`).
 const WG: usize = 256;
 
-const RMS_NORM: Kernel = Kernel::new("norm.wgsl", "rms_norm", &[Access::Read, Access::Read, Access::ReadWrite]);
+const RMS_NORM: Kernel = Kernel::new(
+    "norm.wgsl",
+    "rms_norm",
+    &[Access::Read, Access::Read, Access::ReadWrite],
+);
 
-const RMS_NORM_GATED: Kernel = Kernel::new("norm.wgsl", "rms_norm_gated", &[Access::Read, Access::Read, Access::ReadWrite, Access::Read]);
+const RMS_NORM_GATED: Kernel = Kernel::new(
+    "norm.wgsl",
+    "rms_norm_gated",
+    &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
+);
 
 /// Uniform parameters and workgroup grid for `x` in groups of `group` values.
-fn layout(x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, scale: f32) -> ([u32; 7], [u32; 3]) {
+fn layout(
+    x: &GpuTensor,
+    weight: Option<&GpuTensor>,
+    group: usize,
+    eps: f32,
+    scale: f32,
+) -> ([u32; 7], [u32; 3]) {
     let n = x.rows * x.cols;
     assert!(
         group > 0 && n % group == 0,
@@ -24,7 +38,11 @@ fn layout(x: &GpuTensor, weight: Option<&GpuTensor>, group: usize, eps: f32, sca
         x.cols
     );
     if let Some(w) = weight {
-        assert_eq!(w.rows * w.cols, group, "rms_norm: weight length must equal the group");
+        assert_eq!(
+            w.rows * w.cols,
+            group,
+            "rms_norm: weight length must equal the group"
+        );
     }
     let groups = n / group;
     let tpg = group.next_power_of_two().min(WG);
@@ -55,7 +73,8 @@ pub(super) fn rms_norm(
     let out = b.empty(x.rows, x.cols);
     // Without a weight the shader never reads binding 2; x stands in for it.
     let wbuf = w.map_or(&x.buf, |w| &w.buf);
-    b.gpu.dispatch(&RMS_NORM, &params, &[&x.buf, wbuf, &out.buf], groups);
+    b.gpu
+        .dispatch(&RMS_NORM, &params, &[&x.buf, wbuf, &out.buf], groups);
     out
 }
 
@@ -68,10 +87,18 @@ pub(super) fn rms_norm_gated(
     group: usize,
     eps: f32,
 ) -> GpuTensor {
-    assert_eq!((gate.rows, gate.cols), (x.rows, x.cols), "rms_norm_gated: gate shape");
+    assert_eq!(
+        (gate.rows, gate.cols),
+        (x.rows, x.cols),
+        "rms_norm_gated: gate shape"
+    );
     let (params, groups) = layout(x, Some(w), group, eps, 1.0);
     let out = b.empty(x.rows, x.cols);
-    b.gpu
-        .dispatch(&RMS_NORM_GATED, &params, &[&x.buf, &w.buf, &out.buf, &gate.buf], groups);
+    b.gpu.dispatch(
+        &RMS_NORM_GATED,
+        &params,
+        &[&x.buf, &w.buf, &out.buf, &gate.buf],
+        groups,
+    );
     out
 }

@@ -64,7 +64,8 @@ impl Params {
     /// alignment conditions hold (record bases are 16-byte aligned: slot strides and
     /// piece offsets are multiples of 16).
     fn qmatmul_kernel(&self) -> &'static Kernel {
-        if self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0 {
+        if self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0
+        {
             &QMATMUL4
         } else {
             &QMATMUL
@@ -72,7 +73,14 @@ impl Params {
     }
 
     /// Parameters of a resident quantized weight (packed words at 0 in its buffer).
-    fn resident(spec: QuantSpec, rows: usize, cols: usize, scale_dtype: u32, s_off: u32, b_off: u32) -> Self {
+    fn resident(
+        spec: QuantSpec,
+        rows: usize,
+        cols: usize,
+        scale_dtype: u32,
+        s_off: u32,
+        b_off: u32,
+    ) -> Self {
         Params {
             rows: rows as u32,
             cols: cols as u32,
@@ -152,7 +160,9 @@ fn row_groups(rows: usize, z: usize) -> [u32; 3] {
 
 pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<GpuTensor> {
     let (rows, cols) = match table {
-        GpuWeight::Quantized { rows, cols, .. } | GpuWeight::Dense { rows, cols, .. } => (*rows, *cols),
+        GpuWeight::Quantized { rows, cols, .. } | GpuWeight::Dense { rows, cols, .. } => {
+            (*rows, *cols)
+        }
     };
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
         return Err(Error::InvalidInput(format!(
@@ -171,11 +181,22 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
         } => {
             let params = Params::resident(*spec, rows, cols, *scale_dtype, *s_off, *b_off);
             let ids_buf = b.gpu.buffer_with(bytemuck::cast_slice(ids));
-            b.gpu.dispatch(&EMBED, &params.words(), &[&b.gpu.dummy, data, &ids_buf, &out.buf], [1, 1, ids.len() as u32]);
+            b.gpu.dispatch(
+                &EMBED,
+                &params.words(),
+                &[&b.gpu.dummy, data, &ids_buf, &out.buf],
+                [1, 1, ids.len() as u32],
+            );
         }
         GpuWeight::Dense { data, .. } => {
             for (t, &id) in ids.iter().enumerate() {
-                b.gpu.copy(data, (id as usize * cols * 4) as u64, &out.buf, (t * cols * 4) as u64, (cols * 4) as u64);
+                b.gpu.copy(
+                    data,
+                    (id as usize * cols * 4) as u64,
+                    &out.buf,
+                    (t * cols * 4) as u64,
+                    (cols * 4) as u64,
+                );
             }
         }
     }
@@ -197,7 +218,12 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
             assert_eq!(x.cols, *cols, "matmul input width");
             let out = b.empty(x.rows, *rows);
             let params = Params::resident(*spec, *rows, *cols, *scale_dtype, *s_off, *b_off);
-            b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
+            b.gpu.dispatch(
+                params.qmatmul_kernel(),
+                &params.words(),
+                &[&x.buf, data, dummy, &out.buf],
+                row_groups(*rows, x.rows),
+            );
             out
         }
         GpuWeight::Dense { rows, cols, data } => {
@@ -208,7 +234,12 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
                 cols: *cols as u32,
                 ..Default::default()
             };
-            b.gpu.dispatch(&DENSE, &params.words(), &[&x.buf, data, dummy, &out.buf], row_groups(*rows, x.rows));
+            b.gpu.dispatch(
+                &DENSE,
+                &params.words(),
+                &[&x.buf, data, dummy, &out.buf],
+                row_groups(*rows, x.rows),
+            );
             out
         }
     }
@@ -222,7 +253,11 @@ fn place_records(
     records: &[ExpertRecord<'_>],
     layout: &RecordLayout,
 ) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
-    if let Some(tag) = records.first().and_then(|r| r.slot).filter(|_| records.iter().all(|r| r.slot.is_some())) {
+    if let Some(tag) = records
+        .first()
+        .and_then(|r| r.slot)
+        .filter(|_| records.iter().all(|r| r.slot.is_some()))
+    {
         let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
         if !guard.as_ref().is_some_and(|m| m.pool == tag.pool) {
             if guard.is_some() {
@@ -239,7 +274,8 @@ fn place_records(
                 .map(|(r, tag)| {
                     let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
                     if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
-                        b.gpu.write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
+                        b.gpu
+                            .write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
                         m.generations[tag.slot] = tag.generation;
                     }
                     (arena, (at * m.stride / 4) as u32)
@@ -272,7 +308,10 @@ fn place_records(
         }
         arenas.push(b.gpu.buffer_with(&bytes));
     }
-    let places = index_of.iter().map(|&d| (d / per_arena, ((d % per_arena) * stride / 4) as u32)).collect();
+    let places = index_of
+        .iter()
+        .map(|&d| (d / per_arena, ((d % per_arena) * stride / 4) as u32))
+        .collect();
     (arenas, places)
 }
 
@@ -309,7 +348,9 @@ pub(super) fn moe_experts(
     // Route tables per arena: (record base, input row), and where each route's output goes.
     let mut per_arena: Vec<(Vec<u32>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); arenas.len()];
     for (r, &(arena, base)) in places.iter().enumerate() {
-        per_arena[arena].0.extend([base, (r / routing.top_k) as u32]);
+        per_arena[arena]
+            .0
+            .extend([base, (r / routing.top_k) as u32]);
         per_arena[arena].1.push(r);
     }
     let gate = b.empty(routes, inter);
@@ -326,7 +367,13 @@ pub(super) fn moe_experts(
     let scatter = |compact: &GpuTensor, full: &GpuTensor, order: &[usize]| {
         let width = (full.cols * 4) as u64;
         for (i, &r) in order.iter().enumerate() {
-            b.gpu.copy(&compact.buf, i as u64 * width, &full.buf, r as u64 * width, width);
+            b.gpu.copy(
+                &compact.buf,
+                i as u64 * width,
+                &full.buf,
+                r as u64 * width,
+                width,
+            );
         }
     };
     let single = arena_runs.len() == 1 && arena_runs[0].2.iter().enumerate().all(|(i, &r)| i == r);
@@ -334,8 +381,17 @@ pub(super) fn moe_experts(
         let n = order.len();
         for (proj, full) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
             let params = proj_params(proj, n);
-            let target = if single { full.clone() } else { b.empty(n, inter) };
-            b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&x.buf, &arenas[*a], table, &target.buf], row_groups(inter, n));
+            let target = if single {
+                full.clone()
+            } else {
+                b.empty(n, inter)
+            };
+            b.gpu.dispatch(
+                params.qmatmul_kernel(),
+                &params.words(),
+                &[&x.buf, &arenas[*a], table, &target.buf],
+                row_groups(inter, n),
+            );
             if !single {
                 scatter(&target, full, order);
             }
@@ -345,11 +401,19 @@ pub(super) fn moe_experts(
     for (a, _, order) in &arena_runs {
         let n = order.len();
         // The down projection's input row is the route itself, not the token.
-        let down_table: Vec<u32> = order.iter().flat_map(|&r| [places[r].1, r as u32]).collect();
+        let down_table: Vec<u32> = order
+            .iter()
+            .flat_map(|&r| [places[r].1, r as u32])
+            .collect();
         let down_buf = b.gpu.buffer_with(bytemuck::cast_slice(&down_table));
         let params = proj_params(Projection::Down, n);
         let target = if single { y.clone() } else { b.empty(n, d) };
-        b.gpu.dispatch(params.qmatmul_kernel(), &params.words(), &[&h.buf, &arenas[*a], &down_buf, &target.buf], row_groups(d, n));
+        b.gpu.dispatch(
+            params.qmatmul_kernel(),
+            &params.words(),
+            &[&h.buf, &arenas[*a], &down_buf, &target.buf],
+            row_groups(d, n),
+        );
         if !single {
             scatter(&target, &y, order);
         }
@@ -363,6 +427,11 @@ pub(super) fn moe_experts(
         ..Default::default()
     };
     let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
-    b.gpu.dispatch(&COMBINE, &params.words(), &[&y.buf, &arenas[0], &weights, &out.buf], [gx, gy, 1]);
+    b.gpu.dispatch(
+        &COMBINE,
+        &params.words(),
+        &[&y.buf, &arenas[0], &weights, &out.buf],
+        [gx, gy, 1],
+    );
     out
 }

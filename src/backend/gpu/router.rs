@@ -11,12 +11,21 @@ use crate::error::{Error, Result};
 /// Largest `k` the shader holds picks for (`MAX_K` in `wgsl/router.wgsl`).
 const MAX_K: usize = 64;
 
-const ROUTER_TOP_K: Kernel = Kernel::new("router.wgsl", "router_top_k", &[Access::Read, Access::ReadWrite]);
+const ROUTER_TOP_K: Kernel = Kernel::new(
+    "router.wgsl",
+    "router_top_k",
+    &[Access::Read, Access::ReadWrite],
+);
 
 /// Softmax over each row of `logits` `[T, E]`, the `k` largest probabilities (highest
 /// first, ties to the lower id), renormalized to sum 1 if asked.
 /// Errors: `k` beyond `E` or beyond [`MAX_K`]; a failed read-back.
-pub(super) fn router_top_k(b: &GpuBackend, logits: &GpuTensor, k: usize, renormalize: bool) -> Result<Routing> {
+pub(super) fn router_top_k(
+    b: &GpuBackend,
+    logits: &GpuTensor,
+    k: usize,
+    renormalize: bool,
+) -> Result<Routing> {
     let (tokens, experts) = (logits.rows, logits.cols);
     if k > experts || k > MAX_K {
         return Err(Error::InvalidInput(format!(
@@ -48,5 +57,9 @@ pub(super) fn router_top_k(b: &GpuBackend, logits: &GpuTensor, k: usize, renorma
         )));
     }
     let weights = words[n..].iter().map(|&w| f32::from_bits(w)).collect();
-    Ok(Routing { top_k: k, ids, weights })
+    Ok(Routing {
+        top_k: k,
+        ids,
+        weights,
+    })
 }
