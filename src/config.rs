@@ -26,7 +26,7 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 /// Model families this build implements, by `model_type`.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next", "qwen3_5_moe"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next", "qwen3_5_moe", "qwen4_exp"];
 
 /// A model family: what differs between the supported `model_type`s is data (tensor
 /// names, the gated DeltaNet's projection layout, config defaults); the forward pass is one.
@@ -37,6 +37,10 @@ pub enum Family {
     /// `qwen3_5_moe` (mlx-lm `qwen3_5_moe.py` over `qwen3_5.py`): keys
     /// `language_model.model.*` and `language_model.lm_head.*`.
     Qwen35Moe,
+    /// `qwen4_exp`, Qwen3.8-Flash-Next (transformers 5.24 `models/qwen4_exp`): keys as
+    /// Qwen3.5-MoE, plus hyper-connections, QSA attention and the PLE n-gram table
+    /// ([`FlashNext`]).
+    Qwen4Exp,
 }
 
 impl Family {
@@ -44,6 +48,7 @@ impl Family {
         match model_type {
             "qwen3_next" => Some(Family::Qwen3Next),
             "qwen3_5_moe" => Some(Family::Qwen35Moe),
+            "qwen4_exp" | "qwen4_exp_text" => Some(Family::Qwen4Exp),
             _ => None,
         }
     }
@@ -52,7 +57,7 @@ impl Family {
     pub fn prefix(self) -> &'static str {
         match self {
             Family::Qwen3Next => "",
-            Family::Qwen35Moe => "language_model.",
+            Family::Qwen35Moe | Family::Qwen4Exp => "language_model.",
         }
     }
 
@@ -60,8 +65,86 @@ impl Family {
     pub fn delta_net_projections(self) -> DeltaNetProjections {
         match self {
             Family::Qwen3Next => DeltaNetProjections::Fused,
-            Family::Qwen35Moe => DeltaNetProjections::Split,
+            Family::Qwen35Moe | Family::Qwen4Exp => DeltaNetProjections::Split,
         }
+    }
+}
+
+/// The activation of the gated DeltaNet's output gate (`output_gate_type`):
+/// `o = act(z) * w * rms_norm(y)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateActivation {
+    /// Qwen3-Next and Qwen3.5: `silu(z)`.
+    Silu,
+    /// Qwen3.8-Flash-Next: `sigmoid(z)` (reference-system.md A.4).
+    Sigmoid,
+}
+
+/// What Qwen3.8-Flash-Next (`qwen4_exp`) adds to the Qwen3.5 blocks (transformers 5.24
+/// `modular_qwen4_exp.py`; ../shared/spec/models.md §5, reference-system.md A.2-A.6).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FlashNext {
+    /// Residual streams of the hyper-connections (`hc_count`); the hidden state is
+    /// `[T, hc_count * hidden_size]`.
+    pub hc_count: usize,
+    /// Rank of the hyper-connection input mixer (`hc_lowrank`).
+    pub hc_lowrank: usize,
+    /// The PLE (hashed n-gram embedding) layers, if any.
+    pub ple: Option<PleConfig>,
+    /// The QSA indexer of the attention layers, if any (none: dense causal attention).
+    pub indexer: Option<IndexerConfig>,
+}
+
+/// The PLE layer's geometry (`ple_*`, `ngram_*`, `heads_per_ngram`, `split_ngram_parts`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PleConfig {
+    /// Zero-based indices of the layers that start with a PLE block (`ple_layer_ids` are
+    /// one-based).
+    pub layers: Vec<usize>,
+    /// Width of a token's concatenated n-gram rows (`ple_embed_dim`).
+    pub embed_dim: usize,
+    /// Kernel of the dilated causal conv (`ple_conv_kernel_size`); the dilation is `ngram_size`.
+    pub conv_kernel: usize,
+    /// Largest n-gram (`ngram_size`): orders 2..=ngram_size are hashed.
+    pub ngram_size: usize,
+    pub heads_per_ngram: usize,
+    /// Shards of each layer's table (`split_ngram_parts`).
+    pub split_parts: usize,
+}
+
+impl PleConfig {
+    /// Hashed heads per token: `(ngram_size - 1) * heads_per_ngram`.
+    pub fn heads(&self) -> usize {
+        (self.ngram_size - 1) * self.heads_per_ngram
+    }
+
+    /// Width of one head's row: `embed_dim / heads`.
+    pub fn head_dim(&self) -> usize {
+        self.embed_dim / self.heads()
+    }
+
+    /// Rows of state the dilated conv keeps: `(conv_kernel - 1) * ngram_size`.
+    pub fn conv_state_rows(&self) -> usize {
+        (self.conv_kernel - 1) * self.ngram_size
+    }
+}
+
+/// The QSA indexer (`indexer_*`): once more keys are visible than `budget`, each query
+/// attends only to the `budget / compress_ratio` best blocks of `compress_ratio` keys
+/// and to its own partial block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexerConfig {
+    /// Query heads of the indexer (`indexer_n_heads`); it has one key head.
+    pub heads: usize,
+    pub head_dim: usize,
+    pub budget: usize,
+    pub compress_ratio: usize,
+}
+
+impl IndexerConfig {
+    /// Blocks kept per query: `budget / compress_ratio`.
+    pub fn block_top_k(&self) -> usize {
+        self.budget / self.compress_ratio
     }
 }
 
@@ -187,6 +270,10 @@ pub struct ModelConfig {
     /// End-of-sequence ids from `eos_token_id` (an integer or a list).
     pub eos_token_ids: Vec<u32>,
     pub quantization: Quantization,
+    /// Activation of the gated DeltaNet's output gate.
+    pub gate_activation: GateActivation,
+    /// Qwen3.8-Flash-Next's extra blocks; `None` for the other families.
+    pub flash_next: Option<FlashNext>,
 }
 
 struct Fields<'a> {
@@ -302,7 +389,7 @@ impl ModelConfig {
         let merged = match (family, text_config) {
             // mlx-lm qwen3_5_moe `ModelArgs.from_dict`: `text_config` alone; the top level
             // keeps the quantization block (read by `load_model`) and, here, the EOS ids.
-            (Family::Qwen35Moe, Some(text)) => {
+            (Family::Qwen35Moe | Family::Qwen4Exp, Some(text)) => {
                 let mut m = text.clone();
                 m.remove("quantization");
                 if let Some(eos) = top
@@ -345,7 +432,7 @@ impl ModelConfig {
                 };
                 (rope_theta, partial)
             }
-            Family::Qwen35Moe => qwen35_rope(&f, &merged)?,
+            Family::Qwen35Moe | Family::Qwen4Exp => qwen35_rope(&f, &merged)?,
         };
 
         let hidden_size = f.usize("hidden_size")?;
@@ -382,9 +469,20 @@ impl ModelConfig {
                 Some(
                     types
                         .iter()
-                        .map(|t| match t.as_str() {
-                            Some("linear_attention") => Ok(LayerKind::LinearAttention),
-                            Some("full_attention") => Ok(LayerKind::FullAttention),
+                        .map(|t| match (family, t.as_str()) {
+                            (_, Some("linear_attention")) => Ok(LayerKind::LinearAttention),
+                            (_, Some("full_attention")) => Ok(LayerKind::FullAttention),
+                            // The names Flash-Next configs give their QSA attention layers
+                            // (../shared/spec/models.md §5.1).
+                            (
+                                Family::Qwen4Exp,
+                                Some(
+                                    "indexed_attention"
+                                    | "deepseek_sparse_attention"
+                                    | "hybrid_indexed"
+                                    | "qwen_sparse_attention",
+                                ),
+                            ) => Ok(LayerKind::FullAttention),
                             _ => Err(f.err("layer_types", format!("unknown layer type {t}"))),
                         })
                         .collect::<Result<Vec<_>>>()?,
@@ -393,7 +491,8 @@ impl ModelConfig {
             _ => None,
         };
         let layer_kinds = match (family, layer_types) {
-            (Family::Qwen3Next, Some(kinds)) => kinds,
+            // transformers' qwen4_exp follows `layer_types` when it is given.
+            (Family::Qwen3Next | Family::Qwen4Exp, Some(kinds)) => kinds,
             (Family::Qwen35Moe, Some(kinds)) => {
                 // mlx-lm qwen3_5 `DecoderLayer` follows the interval only.
                 let by_interval = interval_kinds(&f)?;
@@ -418,10 +517,29 @@ impl ModelConfig {
                     f.usize_or("decoder_sparse_step", Some(1))?.max(1),
                 ),
                 Family::Qwen35Moe => (true, 8, Vec::new(), 1),
+                Family::Qwen4Exp => (true, 2, Vec::new(), 1),
             };
         let quantization = match family {
             Family::Qwen3Next => parse_quantization(&f)?,
-            Family::Qwen35Moe => parse_quantization(&top_f)?,
+            Family::Qwen35Moe | Family::Qwen4Exp => parse_quantization(&top_f)?,
+        };
+        let gate_activation = match f
+            .get("output_gate_type")
+            .or_else(|| f.get("hidden_act"))
+            .and_then(Value::as_str)
+        {
+            Some("sigmoid") if family == Family::Qwen4Exp => GateActivation::Sigmoid,
+            None | Some("silu") => GateActivation::Silu,
+            Some(other) => {
+                return Err(f.err(
+                    "output_gate_type",
+                    format!("{other:?} is not supported (supported: silu, sigmoid)"),
+                ))
+            }
+        };
+        let flash_next = match family {
+            Family::Qwen4Exp => Some(flash_next(&f, num_hidden_layers, hidden_size)?),
+            _ => None,
         };
 
         let cfg = ModelConfig {
@@ -461,6 +579,8 @@ impl ModelConfig {
                 })
                 .collect::<Result<_>>()?,
             quantization,
+            gate_activation,
+            flash_next,
         };
         cfg.check()?;
         Ok(cfg)
@@ -543,6 +663,38 @@ impl ModelConfig {
         if self.linear_conv_kernel_dim == 0 {
             return Err(err("linear_conv_kernel_dim", "must be at least 1".into()));
         }
+        if let Some(ple) = self.flash_next.as_ref().and_then(|x| x.ple.as_ref()) {
+            if let Some(&bad) = ple
+                .layers
+                .iter()
+                .find(|&&l| self.layer_kinds[l] != LayerKind::LinearAttention)
+            {
+                return Err(err(
+                    "ple_layer_ids",
+                    format!(
+                        "layer {} (one-based) is not a linear_attention layer",
+                        bad + 1
+                    ),
+                ));
+            }
+            if self.eos_token_ids.is_empty() {
+                return Err(err(
+                    "eos_token_id",
+                    "is needed by the PLE n-gram hash (segment reset)".into(),
+                ));
+            }
+        }
+        if let Some(idx) = self.flash_next.as_ref().and_then(|x| x.indexer.as_ref()) {
+            if self.rotary_dim > idx.head_dim {
+                return Err(err(
+                    "indexer_head_dim",
+                    format!(
+                        "{} is narrower than the {} rotary dims",
+                        idx.head_dim, self.rotary_dim
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -581,7 +733,7 @@ impl ModelConfig {
     pub fn canonical_name<'a>(&self, stored: &'a str) -> Cow<'a, str> {
         match self.family {
             Family::Qwen3Next => Cow::Borrowed(stored),
-            Family::Qwen35Moe => {
+            Family::Qwen35Moe | Family::Qwen4Exp => {
                 if stored.starts_with("vision_tower") || stored.starts_with("model.visual") {
                     Cow::Borrowed(stored)
                 } else if let Some(rest) = stored.strip_prefix("model.language_model") {
@@ -624,6 +776,115 @@ impl ModelConfig {
     pub fn conv_dim(&self) -> usize {
         2 * self.linear_key_dim() + self.linear_value_dim()
     }
+
+    /// Width of the residual stream: `hidden_size`, times `hc_count` with hyper-connections.
+    pub fn residual_width(&self) -> usize {
+        self.hidden_size * self.flash_next.as_ref().map_or(1, |x| x.hc_count)
+    }
+}
+
+/// Reads Flash-Next's fields (transformers `Qwen4ExpTextConfig`, whose defaults apply
+/// where a field is absent) and checks them as its `validate_architecture` does.
+fn flash_next(f: &Fields<'_>, layers: usize, hidden: usize) -> Result<FlashNext> {
+    let hc_count = f.usize_or("hc_count", Some(4))?;
+    if hc_count < 2 {
+        return Err(f.err(
+            "hc_count",
+            format!("{hc_count} streams; at least 2 are needed"),
+        ));
+    }
+    let hc_lowrank = f.usize_or("hc_lowrank", Some(320))?;
+    let ple_ids = f.usize_list("ple_layer_ids")?;
+    let ple = if ple_ids.is_empty() {
+        None
+    } else {
+        let mut layers_ = Vec::new();
+        for id in ple_ids {
+            if id == 0 || id > layers {
+                return Err(f.err(
+                    "ple_layer_ids",
+                    format!("{id} is not a one-based layer id in 1..={layers}"),
+                ));
+            }
+            layers_.push(id - 1);
+        }
+        layers_.sort_unstable();
+        layers_.dedup();
+        let ple = PleConfig {
+            layers: layers_,
+            embed_dim: f.usize_or("ple_embed_dim", Some(hidden))?,
+            conv_kernel: f.usize_or("ple_conv_kernel_size", Some(4))?,
+            ngram_size: f.usize_or("ngram_size", Some(3))?,
+            heads_per_ngram: f.usize_or("heads_per_ngram", Some(8))?,
+            split_parts: f.usize_or("split_ngram_parts", Some(512))?,
+        };
+        if ple.ngram_size < 2
+            || ple.heads_per_ngram == 0
+            || ple.embed_dim % ple.heads() != 0
+            || ple.embed_dim == 0
+        {
+            return Err(f.err(
+                "ple_embed_dim",
+                format!(
+                    "{} is not a positive multiple of the {} n-gram heads",
+                    ple.embed_dim,
+                    ple.heads()
+                ),
+            ));
+        }
+        if ple.conv_kernel == 0 || ple.split_parts == 0 {
+            return Err(f.err(
+                "ple_conv_kernel_size",
+                "ple_conv_kernel_size and split_ngram_parts must be at least 1",
+            ));
+        }
+        Some(ple)
+    };
+    let fields = [
+        "indexer_n_heads",
+        "indexer_kv_heads",
+        "indexer_head_dim",
+        "indexer_budget",
+        "indexer_compress_ratio",
+    ];
+    let indexer = if fields.iter().all(|k| f.get(k).is_none()) {
+        None
+    } else {
+        let v = fields
+            .iter()
+            .map(|k| f.usize(k))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(i) = v.iter().position(|&x| x == 0) {
+            return Err(f.err(fields[i], "must be at least 1"));
+        }
+        if v[1] != 1 {
+            return Err(f.err(
+                "indexer_kv_heads",
+                format!("{}; QSA has exactly one indexer key head", v[1]),
+            ));
+        }
+        if v[3] % v[4] != 0 {
+            return Err(f.err(
+                "indexer_budget",
+                format!(
+                    "{} is not a multiple of indexer_compress_ratio {}",
+                    v[3], v[4]
+                ),
+            ));
+        }
+        Some(IndexerConfig {
+            heads: v[0],
+            head_dim: v[2],
+            budget: v[3],
+            compress_ratio: v[4],
+        })
+    };
+    Ok(FlashNext {
+        hc_count,
+        hc_lowrank,
+        ple,
+        indexer,
+    })
 }
 
 /// RoPE `(theta, partial_rotary_factor)` as mlx-lm qwen3_5 `TextModelArgs.__post_init__`

@@ -29,6 +29,7 @@ pub mod experts;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod ngram;
 pub mod pack;
 pub mod plan;
 pub mod pool;

@@ -8,12 +8,22 @@
 //! contiguous). Where the spec and mlx-lm differ, mlx-lm wins: q and k of the gated
 //! DeltaNet are L2-normalized with eps 1e-6 added to `sum(x^2)` (`normalize_qk`), and norm
 //! weights of an MLX checkpoint are used as stored.
+//!
+//! Qwen3.8-Flash-Next (`qwen4_exp`) follows transformers 5.24 `modular_qwen4_exp.py`
+//! (its reference; mlx-lm 0.32.2 lacks it): the residual is `hc_count` streams joined by
+//! hyper-connections instead of pre-norms ([`Residual::Hyper`]), a hyper-connection mixer
+//! replaces the final norm ([`Head::Mixer`]), attention layers restrict their keys with the
+//! QSA indexer ([`Indexer`]), and layer 1 starts with the PLE block over hashed n-gram rows
+//! read from the SSD ([`Ple`], [`NgramTable`]). Its zero-centered norms are applied as
+//! `1 + w`; a checkpoint may store them centered (the Hugging Face release) or with the
+//! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
-use crate::backend::{AttnDims, Backend, DeltaDims};
+use crate::backend::{rope_table, AttnDims, Backend, DeltaDims, KeyMask};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
-use crate::config::{DeltaNetProjections, LayerKind, ModelConfig};
+use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord};
+use crate::ngram::NgramTable;
 use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
 /// The gated DeltaNet's input projections, as the checkpoint stores them.
@@ -48,6 +58,90 @@ struct Attention<B: Backend> {
     o_proj: B::Weight,
     q_norm: B::Tensor,
     k_norm: B::Tensor,
+    /// Flash-Next's QSA indexer.
+    indexer: Option<Indexer<B>>,
+}
+
+/// The QSA indexer of one attention layer (transformers `Qwen4ExpTextQSAIndexer`).
+struct Indexer<B: Backend> {
+    /// `index_qk_proj` `[(heads + 1) * head_dim, hidden]`: the queries, then the key.
+    qk: B::Weight,
+    /// `q_layernorm` `[head_dim]`, `1 + w`.
+    q_norm: B::Tensor,
+    /// `k_layernorm`, `1 + w`, on the host where the blocks are pooled and scored.
+    k_norm: Vec<f32>,
+}
+
+/// Flash-Next's hyper-connection (transformers `Qwen4ExpTextGatedResidual`).
+struct HyperConnection<B: Backend> {
+    /// `hc_norm` `[S*H]`, `1 + w`: an RMSNorm per stream with a weight per column.
+    norm: B::Tensor,
+    /// `input_mix_weight_down` `[hc_lowrank, S*H]`.
+    down: B::Weight,
+    /// `input_mix_weight_up` `[S*H, hc_lowrank]`.
+    up: B::Weight,
+    /// `block_inject_weight` `[S, S*H]`; the final mixer has none.
+    inject: Option<B::Weight>,
+}
+
+/// How a layer's blocks read and add to the residual stream.
+enum Residual<B: Backend> {
+    /// Qwen3-Next / Qwen3.5: `h += block(rms_norm(h))` for the mixer and the MLP.
+    PreNorm { input: B::Tensor, post: B::Tensor },
+    /// Flash-Next: each block reads its hyper-connection's mix of the streams and is
+    /// added back to every stream with a learned weight.
+    Hyper {
+        attn: HyperConnection<B>,
+        mlp: HyperConnection<B>,
+    },
+}
+
+/// Flash-Next's PLE block (transformers `Qwen4ExpTextPLELayer`).
+struct Ple<B: Backend> {
+    table: NgramTable,
+    /// `key_proj` `[S*H, ple_embed_dim]`, `value_proj` `[H, ple_embed_dim]`.
+    key: B::Weight,
+    value: B::Weight,
+    /// `norm_key`, `norm_query`, `norm_conv` `[S*H]`, `1 + w`.
+    norm_key: B::Tensor,
+    norm_query: B::Tensor,
+    norm_conv: B::Tensor,
+    /// Dilated depthwise conv `[S*H, kernel]`.
+    conv: B::Tensor,
+}
+
+/// What comes before the LM head.
+enum Head<B: Backend> {
+    /// `model.norm`.
+    Norm(B::Tensor),
+    /// Flash-Next's `hyper_connection_mixer`.
+    Mixer(HyperConnection<B>),
+}
+
+/// How a checkpoint stores the norms a model applies as `1 + w` (Flash-Next's q/k norms,
+/// indexer norms, hyper-connection and PLE norms; ../shared/spec/models.md §5.2b).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormConvention {
+    /// `w` as trained (Hugging Face release): the loader adds 1.
+    Centered,
+    /// `1 + w` already (MLX conversions, the reference system's checkpoint): used as stored.
+    Folded,
+}
+
+impl NormConvention {
+    /// The environment variable that overrides detection: `centered` or `folded`.
+    pub const OVERRIDE: &'static str = "SLOTSTREAM_NORMS";
+
+    /// Detects the convention from the stored weights: trained centered weights sit near
+    /// 0 and folded ones near 1, so the mean over all of them decides (at 0.5).
+    pub fn detect(values: &[f32]) -> Self {
+        let mean = values.iter().map(|&v| v as f64).sum::<f64>() / values.len().max(1) as f64;
+        if mean > 0.5 {
+            NormConvention::Folded
+        } else {
+            NormConvention::Centered
+        }
+    }
 }
 
 enum Mixer<B: Backend> {
@@ -73,8 +167,9 @@ enum Mlp<B: Backend> {
 }
 
 struct Layer<B: Backend> {
-    input_norm: B::Tensor,
-    post_norm: B::Tensor,
+    residual: Residual<B>,
+    /// Flash-Next's PLE block, run on the residual before this layer's mixer.
+    ple: Option<Ple<B>>,
     mixer: Mixer<B>,
     mlp: Mlp<B>,
 }
@@ -96,6 +191,11 @@ struct Columns<B: Backend> {
     /// `q_proj` output -> per-head queries and output gates.
     attn_q: B::Index,
     attn_gate: B::Index,
+    /// Flash-Next: the embedding -> `hc_count` copies side by side.
+    tile: Option<B::Index>,
+    /// Flash-Next: `index_qk_proj` output -> the indexer's queries and its key.
+    index_q: Option<B::Index>,
+    index_k: Option<B::Index>,
 }
 
 /// A loaded model: resident weights on backend `B` and the index of its expert records.
@@ -105,9 +205,11 @@ pub struct Model<B: Backend> {
     /// The synthetic routing model of the checkpoint directory ([`ROUTING_FILE`]), if it
     /// has one: it then picks the routed expert ids (the router's mixing weights stay).
     pub routing: Option<RoutingModel>,
+    /// How the checkpoint stores its `1 + w` norms (Flash-Next only).
+    pub norms: Option<NormConvention>,
     embed: B::Weight,
     lm_head: Option<B::Weight>,
-    final_norm: B::Tensor,
+    head: Head<B>,
     layers: Vec<Layer<B>>,
     columns: Columns<B>,
 }
@@ -117,10 +219,23 @@ enum LayerState<B: Backend> {
     DeltaNet {
         conv: B::Tensor,
         recurrent: B::Tensor,
+        /// The PLE block's conv state, on a layer that has one.
+        ple_conv: Option<B::Tensor>,
     },
     Attention {
         kv: B::KvCache,
+        /// The QSA indexer's keys, on a layer that has one.
+        index: Option<IndexKeys<B>>,
     },
+}
+
+/// The QSA indexer's cache: one raw key per token (`[tokens, head_dim]`), and the pooled,
+/// normalized and rotated keys of the complete blocks (`[blocks, head_dim]`).
+struct IndexKeys<B: Backend> {
+    /// Keys of the calls whose selection needed none yet; read back when one does.
+    pending: Vec<B::Tensor>,
+    raw: Vec<f32>,
+    pooled: Vec<f32>,
 }
 
 /// Everything one sequence carries between forward calls: per-layer conv and recurrent
@@ -152,6 +267,15 @@ struct Tokens<'a> {
     routing: Option<&'a mut RoutingState>,
 }
 
+/// The two blocks of a decoder layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Block {
+    /// The token mixer (gated DeltaNet or attention).
+    Mixer,
+    /// The MoE block (or dense MLP).
+    Mlp,
+}
+
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -168,6 +292,9 @@ fn range(start: usize, len: usize) -> impl Iterator<Item = u32> {
 impl<B: Backend> Model<B> {
     /// Loads every non-expert weight onto `backend` and indexes the expert records.
     /// Errors: any missing or mis-shaped tensor, named.
+    ///
+    /// Flash-Next's `1 + w` norms are taken as centered or folded by
+    /// [`NormConvention::detect`], unless `SLOTSTREAM_NORMS` says which.
     pub fn load(ckpt: &Checkpoint, backend: &B) -> Result<Self> {
         let cfg = ckpt.config.clone();
         let d = cfg.hidden_size;
@@ -177,13 +304,54 @@ impl<B: Backend> Model<B> {
         let linear = |name: &str, out: usize, inp: usize| -> Result<B::Weight> {
             backend.upload_weight(ckpt.linear(name, out, inp)?)
         };
+        let norms = match &cfg.flash_next {
+            Some(_) => Some(norm_convention(ckpt)?),
+            None => None,
+        };
+        // A `1 + w` norm, as a plain multiplier.
+        let centered = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let mut w = ckpt.floats(name, &[len])?;
+            if norms == Some(NormConvention::Centered) {
+                w.iter_mut().for_each(|v| *v += 1.0);
+            }
+            Ok(w)
+        };
+        let centered_vector = |name: &str, len: usize| -> Result<B::Tensor> {
+            Ok(backend.upload(&centered(name, len)?, 1, len))
+        };
+        let width = cfg.residual_width();
+        let hyper = |prefix: &str, inject: bool| -> Result<HyperConnection<B>> {
+            let (streams, rank) = cfg
+                .flash_next
+                .as_ref()
+                .map_or((1, 1), |x| (x.hc_count, x.hc_lowrank));
+            Ok(HyperConnection {
+                norm: centered_vector(&format!("{prefix}.hc_norm.weight"), width)?,
+                down: linear(&format!("{prefix}.input_mix_weight_down"), rank, width)?,
+                up: linear(&format!("{prefix}.input_mix_weight_up"), width, rank)?,
+                inject: if inject {
+                    Some(linear(
+                        &format!("{prefix}.block_inject_weight"),
+                        streams,
+                        width,
+                    )?)
+                } else {
+                    None
+                },
+            })
+        };
         let embed = linear(&cfg.name("model.embed_tokens"), cfg.vocab_size, d)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
             Some(linear(&cfg.name("lm_head"), cfg.vocab_size, d)?)
         };
-        let final_norm = vector(&cfg.name("model.norm.weight"), d)?;
+        let head = match &cfg.flash_next {
+            Some(_) => Head::Mixer(hyper(&cfg.name("model.hyper_connection_mixer"), false)?),
+            None => Head::Norm(vector(&cfg.name("model.norm.weight"), d)?),
+        };
+        let ple_cfg = cfg.flash_next.as_ref().and_then(|x| x.ple.as_ref());
+        let indexer_cfg = cfg.flash_next.as_ref().and_then(|x| x.indexer.as_ref());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_kinds.iter().enumerate() {
             let p = cfg.name(&format!("model.layers.{i}"));
@@ -231,13 +399,32 @@ impl<B: Backend> Model<B> {
                         cfg.num_key_value_heads,
                         cfg.head_dim,
                     );
+                    let indexer = match indexer_cfg {
+                        Some(ix) => Some(Indexer {
+                            qk: linear(
+                                &format!("{p}.self_attn.indexer.index_qk_proj"),
+                                (ix.heads + 1) * ix.head_dim,
+                                d,
+                            )?,
+                            q_norm: centered_vector(
+                                &format!("{p}.self_attn.indexer.q_layernorm.weight"),
+                                ix.head_dim,
+                            )?,
+                            k_norm: centered(
+                                &format!("{p}.self_attn.indexer.k_layernorm.weight"),
+                                ix.head_dim,
+                            )?,
+                        }),
+                        None => None,
+                    };
                     Mixer::Attention(Attention {
                         q_proj: linear(&format!("{p}.self_attn.q_proj"), 2 * h * hd, d)?,
                         k_proj: linear(&format!("{p}.self_attn.k_proj"), kvh * hd, d)?,
                         v_proj: linear(&format!("{p}.self_attn.v_proj"), kvh * hd, d)?,
                         o_proj: linear(&format!("{p}.self_attn.o_proj"), d, h * hd)?,
-                        q_norm: vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
-                        k_norm: vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
+                        q_norm: centered_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
+                        k_norm: centered_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
+                        indexer,
                     })
                 }
             };
@@ -260,9 +447,35 @@ impl<B: Backend> Model<B> {
             } else {
                 Mlp::Dense(dense(&format!("{p}.mlp"), cfg.intermediate_size)?)
             };
+            let residual = match &cfg.flash_next {
+                Some(_) => Residual::Hyper {
+                    attn: hyper(&format!("{p}.attn_hyper_connection"), true)?,
+                    mlp: hyper(&format!("{p}.mlp_hyper_connection"), true)?,
+                },
+                None => Residual::PreNorm {
+                    input: vector(&format!("{p}.input_layernorm.weight"), d)?,
+                    post: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                },
+            };
+            let ple = match ple_cfg.filter(|c| c.layers.contains(&i)) {
+                Some(c) => {
+                    let (e, k) = (c.embed_dim, c.conv_kernel);
+                    let conv = ckpt.floats(&format!("{p}.ple.conv1d.weight"), &[width, k, 1])?;
+                    Some(Ple {
+                        table: NgramTable::open(ckpt, i, c)?,
+                        key: linear(&format!("{p}.ple.key_proj"), width, e)?,
+                        value: linear(&format!("{p}.ple.value_proj"), d, e)?,
+                        norm_key: centered_vector(&format!("{p}.ple.norm_key.weight"), width)?,
+                        norm_query: centered_vector(&format!("{p}.ple.norm_query.weight"), width)?,
+                        norm_conv: centered_vector(&format!("{p}.ple.norm_conv.weight"), width)?,
+                        conv: backend.upload(&conv, width, k),
+                    })
+                }
+                None => None,
+            };
             layers.push(Layer {
-                input_norm: vector(&format!("{p}.input_layernorm.weight"), d)?,
-                post_norm: vector(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                residual,
+                ple,
                 mixer,
                 mlp,
             });
@@ -309,9 +522,10 @@ impl<B: Backend> Model<B> {
             config: cfg,
             experts,
             routing,
+            norms,
             embed,
             lm_head,
-            final_norm,
+            head,
             layers,
             columns,
         })
@@ -344,6 +558,19 @@ impl<B: Backend> Model<B> {
         let conv_q: Vec<u32> = range(0, kd).collect();
         let conv_k: Vec<u32> = range(kd, kd).collect();
         let conv_v: Vec<u32> = range(2 * kd, cfg.linear_value_dim()).collect();
+        let flash = cfg.flash_next.as_ref();
+        let tile = flash.map(|x| {
+            let idx: Vec<u32> = (0..x.hc_count)
+                .flat_map(|_| range(0, cfg.hidden_size))
+                .collect();
+            backend.upload_index(&idx)
+        });
+        let indexer = flash.and_then(|x| x.indexer.as_ref());
+        let index_q = indexer
+            .map(|ix| backend.upload_index(&range(0, ix.heads * ix.head_dim).collect::<Vec<_>>()));
+        let index_k = indexer.map(|ix| {
+            backend.upload_index(&range(ix.heads * ix.head_dim, ix.head_dim).collect::<Vec<_>>())
+        });
         Columns {
             mixed_qkv: backend.upload_index(&mixed),
             z: backend.upload_index(&z),
@@ -354,25 +581,46 @@ impl<B: Backend> Model<B> {
             conv_v: backend.upload_index(&conv_v),
             attn_q: backend.upload_index(&attn_q),
             attn_gate: backend.upload_index(&attn_gate),
+            tile,
+            index_q,
+            index_k,
         }
     }
 
     /// A fresh sequence: zero conv and recurrent states, empty KV caches.
     pub fn new_state(&self, backend: &B) -> SequenceState<B> {
         let cfg = &self.config;
+        let ple = cfg.flash_next.as_ref().and_then(|x| x.ple.as_ref());
         let layers = cfg
             .layer_kinds
             .iter()
-            .map(|kind| match kind {
+            .zip(&self.layers)
+            .map(|(kind, layer)| match kind {
                 LayerKind::LinearAttention => LayerState::DeltaNet {
                     conv: backend.zeros(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim()),
                     recurrent: backend.zeros(
                         cfg.linear_num_value_heads,
                         cfg.linear_value_head_dim * cfg.linear_key_head_dim,
                     ),
+                    ple_conv: match (&layer.ple, ple) {
+                        (Some(_), Some(c)) => {
+                            Some(backend.zeros(c.conv_state_rows(), cfg.residual_width()))
+                        }
+                        _ => None,
+                    },
                 },
                 LayerKind::FullAttention => LayerState::Attention {
                     kv: backend.new_kv_cache(cfg.num_key_value_heads * cfg.head_dim),
+                    index: match &layer.mixer {
+                        Mixer::Attention(Attention {
+                            indexer: Some(_), ..
+                        }) => Some(IndexKeys {
+                            pending: Vec::new(),
+                            raw: Vec::new(),
+                            pooled: Vec::new(),
+                        }),
+                        _ => None,
+                    },
                 },
             })
             .collect();
@@ -445,76 +693,177 @@ impl<B: Backend> Model<B> {
         experts.begin_step();
         // Where this chunk starts in its sequence (synthetic routing is per position).
         let start = state.tokens.len() as u64;
+        let history = &state.tokens;
+        let layer_states = &mut state.layers;
+        let mut routing_state = state.routing.as_mut();
         let mut in_use = Vec::new();
-        let mut h = backend.embed(&self.embed, ids)?;
-        for (i, (layer, st)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let x = backend.rms_norm(
-                &h,
-                Some(&layer.input_norm),
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                1.0,
-            );
-            let r = match (&layer.mixer, st) {
-                (Mixer::DeltaNet(w), LayerState::DeltaNet { conv, recurrent }) => {
-                    self.delta_net(backend, w, &x, conv, recurrent)
-                }
-                (Mixer::Attention(w), LayerState::Attention { kv }) => {
-                    self.attention(backend, w, &x, kv)
-                }
-                _ => unreachable!("state layout follows the model's layer kinds"),
+        let h = std::thread::scope(|scope| -> Result<B::Tensor> {
+            // The PLE layers' n-gram rows depend only on the token ids: they are read from
+            // the SSD while the layers before them run.
+            let mut rows: Vec<_> = self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.ple
+                        .as_ref()
+                        .map(|ple| scope.spawn(|| ple.table.embed(history, ids)))
+                })
+                .collect();
+            let embedded = backend.embed(&self.embed, ids)?;
+            let mut h = match &self.columns.tile {
+                Some(tile) => backend.gather_columns(&embedded, tile),
+                None => embedded,
             };
-            h = backend.add(&h, &r);
-            // A long chunk reads its experts outside the pool: guesses would only churn it.
-            if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
-                let tokens = Tokens {
-                    ids,
-                    start,
-                    routing: state.routing.as_mut(),
+            for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
+                if let (Some(ple), Some(job)) = (&layer.ple, rows[i].take()) {
+                    let e = job
+                        .join()
+                        .map_err(|_| Error::Internal("the n-gram row reader panicked".into()))??;
+                    let LayerState::DeltaNet {
+                        ple_conv: Some(conv),
+                        ..
+                    } = st
+                    else {
+                        unreachable!("a PLE layer's state has a PLE conv state")
+                    };
+                    h = self.ple(backend, ple, &h, &e, conv);
+                }
+                let (x, inject) = self.block_input(backend, &layer.residual, Block::Mixer, &h);
+                let r = match (&layer.mixer, &mut *st) {
+                    (
+                        Mixer::DeltaNet(w),
+                        LayerState::DeltaNet {
+                            conv, recurrent, ..
+                        },
+                    ) => self.delta_net(backend, w, &x, conv, recurrent),
+                    (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
+                        self.attention(backend, w, &x, kv, index.as_mut())?
+                    }
+                    _ => unreachable!("state layout follows the model's layer kinds"),
                 };
-                self.lookahead(backend, i + 2, &h, experts, tokens)?;
-            }
-            let x = backend.rms_norm(
-                &h,
-                Some(&layer.post_norm),
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                1.0,
-            );
-            let m = match &layer.mlp {
-                Mlp::Moe(w) => {
+                h = Self::residual_add(backend, &h, &r, inject.as_ref());
+                // A long chunk reads its experts outside the pool: guesses would only churn it.
+                if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
                     let tokens = Tokens {
                         ids,
                         start,
-                        routing: state.routing.as_mut(),
+                        routing: routing_state.as_deref_mut(),
                     };
-                    self.moe(backend, w, i, &x, tokens, experts, &mut in_use)?
+                    self.lookahead(backend, i + 2, &h, experts, tokens)?;
                 }
-                Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
-            };
-            h = backend.add(&h, &m);
-        }
+                let (x, inject) = self.block_input(backend, &layer.residual, Block::Mlp, &h);
+                let m = match &layer.mlp {
+                    Mlp::Moe(w) => {
+                        let tokens = Tokens {
+                            ids,
+                            start,
+                            routing: routing_state.as_deref_mut(),
+                        };
+                        self.moe(backend, w, i, &x, tokens, experts, &mut in_use)?
+                    }
+                    Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
+                };
+                h = Self::residual_add(backend, &h, &m, inject.as_ref());
+            }
+            Ok(h)
+        })?;
         state.tokens.extend_from_slice(ids);
         let Some(which) = which else {
             // Wait for the chunk's work before its last layer's records are released.
             backend.download(&backend.rows(&h, 0, 1))?;
             return Ok(Vec::new());
         };
-        if which == Logits::Last {
-            h = backend.rows(&h, ids.len() - 1, 1);
-        }
-        let y = backend.rms_norm(
-            &h,
-            Some(&self.final_norm),
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            1.0,
-        );
+        let h = match which {
+            Logits::Last => backend.rows(&h, ids.len() - 1, 1),
+            Logits::All => h,
+        };
+        let y = match &self.head {
+            Head::Norm(w) => backend.rms_norm(&h, Some(w), cfg.hidden_size, cfg.rms_norm_eps, 1.0),
+            Head::Mixer(hc) => self.hyper(backend, hc, &h).0,
+        };
         let logits = backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed));
         let logits = backend.download(&logits);
         // The read-back waited for all recorded work: the last layer's records are free.
         drop(in_use);
         logits
+    }
+
+    /// The input of a layer's mixer or MLP block read from the residual `h`, and the
+    /// hyper-connection's inject logits `[T, streams]` when it has streams.
+    fn block_input(
+        &self,
+        backend: &B,
+        residual: &Residual<B>,
+        block: Block,
+        h: &B::Tensor,
+    ) -> (B::Tensor, Option<B::Tensor>) {
+        let cfg = &self.config;
+        match (residual, block) {
+            (Residual::PreNorm { input, .. }, Block::Mixer)
+            | (Residual::PreNorm { post: input, .. }, Block::Mlp) => (
+                backend.rms_norm(h, Some(input), cfg.hidden_size, cfg.rms_norm_eps, 1.0),
+                None,
+            ),
+            (Residual::Hyper { attn: hc, .. }, Block::Mixer)
+            | (Residual::Hyper { mlp: hc, .. }, Block::Mlp) => self.hyper(backend, hc, h),
+        }
+    }
+
+    /// `h + y`, or with hyper-connections `h + y * 2 sigmoid(inject / S)` per stream.
+    fn residual_add(
+        backend: &B,
+        h: &B::Tensor,
+        y: &B::Tensor,
+        inject: Option<&B::Tensor>,
+    ) -> B::Tensor {
+        match inject {
+            Some(inject) => backend.hyper_inject(h, y, inject),
+            None => backend.add(h, y),
+        }
+    }
+
+    /// A hyper-connection (transformers `Qwen4ExpTextGatedResidual.forward`):
+    /// `n = group_rms_norm(h)`, `x = mean_s sigmoid(up(silu(down(n) / S))) * n`, and the
+    /// inject logits `inj(n)` when it has them.
+    fn hyper(
+        &self,
+        backend: &B,
+        hc: &HyperConnection<B>,
+        h: &B::Tensor,
+    ) -> (B::Tensor, Option<B::Tensor>) {
+        let cfg = &self.config;
+        let streams = cfg.flash_next.as_ref().map_or(1, |x| x.hc_count);
+        let n = backend.rms_norm(h, Some(&hc.norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+        let low = backend.silu(&backend.matmul(&n, &hc.down), 1.0 / streams as f32);
+        let mix = backend.matmul(&low, &hc.up);
+        let x = backend.hyper_mix(&n, &mix, streams);
+        let inject = hc.inject.as_ref().map(|w| backend.matmul(&n, w));
+        (x, inject)
+    }
+
+    /// The PLE block on the residual `h` given the chunk's n-gram rows `e`
+    /// `[T, ple_embed_dim]` (transformers `Qwen4ExpTextPLELayer.forward`): returns
+    /// `h + gated + silu(conv(norm(gated)))`.
+    fn ple(
+        &self,
+        backend: &B,
+        w: &Ple<B>,
+        h: &B::Tensor,
+        e: &[f32],
+        conv_state: &mut B::Tensor,
+    ) -> B::Tensor {
+        let cfg = &self.config;
+        let (hd, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let (t, _) = backend.shape(h);
+        let e = backend.upload(e, t, e.len() / t.max(1));
+        let key = backend.rms_norm(&backend.matmul(&e, &w.key), Some(&w.norm_key), hd, eps, 1.0);
+        let value = backend.matmul(&e, &w.value);
+        let query = backend.rms_norm(h, Some(&w.norm_query), hd, eps, 1.0);
+        let gated = backend.ple_gate(&key, &query, &value);
+        let normed = backend.rms_norm(&gated, Some(&w.norm_conv), hd, eps, 1.0);
+        let dilation = w.table.ngram_size;
+        let conv = backend.causal_conv1d_silu(&normed, &w.conv, conv_state, dilation);
+        backend.add(h, &backend.add(&gated, &conv))
     }
 
     fn delta_net(
@@ -545,7 +894,7 @@ impl<B: Backend> Model<B> {
                 backend.matmul(x, a),
             ),
         };
-        let conv = backend.causal_conv1d_silu(&mixed, &w.conv, conv_state);
+        let conv = backend.causal_conv1d_silu(&mixed, &w.conv, conv_state, 1);
         let dk = cfg.linear_key_head_dim;
         // mlx-lm normalize_qk: rms_norm with eps 1e-6/dk equals an L2 norm with eps 1e-6 on
         // sum(x^2); q is then scaled by 1/sqrt(dk) (so 1/dk on the rms-normalized value).
@@ -573,8 +922,14 @@ impl<B: Backend> Model<B> {
             value_dim: cfg.linear_value_head_dim,
         };
         let y = backend.gated_delta(&q, &k, &v, &a, &b, &w.a_log, &w.dt_bias, recurrent, dims);
-        let o =
-            backend.rms_norm_gated(&y, &z, &w.norm, cfg.linear_value_head_dim, cfg.rms_norm_eps);
+        let o = backend.rms_norm_gated(
+            &y,
+            &z,
+            &w.norm,
+            cfg.linear_value_head_dim,
+            cfg.rms_norm_eps,
+            cfg.gate_activation,
+        );
         backend.matmul(&o, &w.out_proj)
     }
 
@@ -584,7 +939,8 @@ impl<B: Backend> Model<B> {
         w: &Attention<B>,
         x: &B::Tensor,
         kv: &mut B::KvCache,
-    ) -> B::Tensor {
+        index: Option<&mut IndexKeys<B>>,
+    ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let hd = cfg.head_dim;
         let qg = backend.matmul(x, &w.q_proj);
@@ -603,8 +959,107 @@ impl<B: Backend> Model<B> {
             head_dim: hd,
             scale: (hd as f64).powf(-0.5) as f32,
         };
-        let o = backend.attention(&q, &k, &v, kv, dims);
-        backend.matmul(&backend.mul_sigmoid(&o, &gate), &w.o_proj)
+        let mask = match (
+            &w.indexer,
+            index,
+            cfg.flash_next.as_ref().and_then(|f| f.indexer.as_ref()),
+        ) {
+            (Some(ix), Some(keys), Some(icfg)) => self.qsa_mask(backend, ix, icfg, x, keys, pos)?,
+            _ => None,
+        };
+        let o = backend.attention(&q, &k, &v, kv, dims, mask.as_ref());
+        Ok(backend.matmul(&backend.mul_sigmoid(&o, &gate), &w.o_proj))
+    }
+
+    /// The QSA indexer's key selection for the `T` queries of `x` at positions
+    /// `past .. past + T` (transformers `Qwen4ExpTextQSAIndexer.forward`; reference-system.md
+    /// A.5): the keys of the blocks of `compress_ratio` tokens entirely in a query's past
+    /// are mean-pooled, normalized and rotated to the block's first position; a block
+    /// scores `sum_h relu(q_h . k_block) / sqrt(head_dim)` and a query keeps its best
+    /// `budget / compress_ratio` blocks plus its own partial block. `None` while every
+    /// query keeps every key (no more complete blocks than that), which also spares the
+    /// read-back of the indexer's keys and queries.
+    fn qsa_mask(
+        &self,
+        backend: &B,
+        ix: &Indexer<B>,
+        icfg: &IndexerConfig,
+        x: &B::Tensor,
+        keys: &mut IndexKeys<B>,
+        past: usize,
+    ) -> Result<Option<KeyMask>> {
+        let cfg = &self.config;
+        let (d, ratio, top_k) = (icfg.head_dim, icfg.compress_ratio, icfg.block_top_k());
+        let (Some(cq), Some(ck)) = (&self.columns.index_q, &self.columns.index_k) else {
+            return Ok(None);
+        };
+        let qk = backend.matmul(x, &ix.qk);
+        keys.pending.push(backend.gather_columns(&qk, ck));
+        let (t, _) = backend.shape(x);
+        let total = past + t;
+        if total / ratio <= top_k {
+            return Ok(None);
+        }
+        for k in keys.pending.drain(..) {
+            keys.raw.extend(backend.download(&k)?);
+        }
+        // Pool the blocks completed since the last call.
+        let half = cfg.rotary_dim / 2;
+        for b in keys.pooled.len() / d..total / ratio {
+            let mut pooled = vec![0.0f32; d];
+            for r in 0..ratio {
+                let row = &keys.raw[(b * ratio + r) * d..(b * ratio + r + 1) * d];
+                pooled.iter_mut().zip(row).for_each(|(p, &v)| *p += v);
+            }
+            pooled.iter_mut().for_each(|p| *p /= ratio as f32);
+            let ss: f32 = pooled.iter().map(|v| v * v).sum();
+            let inv = 1.0 / (ss / d as f32 + cfg.rms_norm_eps).sqrt();
+            pooled
+                .iter_mut()
+                .zip(&ix.k_norm)
+                .for_each(|(p, &w)| *p = w * (*p * inv));
+            rotate_half(
+                &mut pooled,
+                &rope_table(b * ratio, 1, cfg.rotary_dim, cfg.rope_theta),
+                half,
+            );
+            keys.pooled.extend(pooled);
+        }
+        let q = backend.rms_norm(
+            &backend.gather_columns(&qk, cq),
+            Some(&ix.q_norm),
+            d,
+            cfg.rms_norm_eps,
+            1.0,
+        );
+        let q = backend.download(&backend.rope(&q, d, cfg.rotary_dim, cfg.rope_theta, past))?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut mask = KeyMask::new(t, total);
+        for row in 0..t {
+            let pos = past + row;
+            let complete = (pos + 1) / ratio;
+            let kept_blocks: Vec<usize> = if complete <= top_k {
+                (0..complete).collect()
+            } else {
+                let qr = &q[row * icfg.heads * d..(row + 1) * icfg.heads * d];
+                let mut scored: Vec<(f32, usize)> = (0..complete)
+                    .map(|b| {
+                        let kb = &keys.pooled[b * d..(b + 1) * d];
+                        let s: f32 = qr.chunks_exact(d).map(|qh| dot(qh, kb).max(0.0)).sum();
+                        (s * scale, b)
+                    })
+                    .collect();
+                // Highest score first; ties to the lower block, NaN last.
+                scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                scored.truncate(top_k);
+                scored.into_iter().map(|(_, b)| b).collect()
+            };
+            for b in kept_blocks {
+                (b * ratio..(b + 1) * ratio).for_each(|key| mask.keep(row, key));
+            }
+            (complete * ratio..=pos).for_each(|key| mask.keep(row, key));
+        }
+        Ok(Some(mask))
     }
 
     fn dense_mlp(backend: &B, w: &DenseMlp<B>, x: &B::Tensor) -> B::Tensor {
@@ -626,7 +1081,7 @@ impl<B: Backend> Model<B> {
         tokens: Tokens<'_>,
     ) -> Result<()> {
         let Some(Layer {
-            post_norm,
+            residual,
             mlp: Mlp::Moe(w),
             ..
         }) = self.layers.get(target)
@@ -641,7 +1096,7 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         let cfg = &self.config;
-        let x = backend.rms_norm(h, Some(post_norm), cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+        let (x, _) = self.block_input(backend, residual, Block::Mlp, h);
         let guess = backend.router_top_k(
             &backend.matmul(&x, &w.router),
             cfg.num_experts_per_tok,
@@ -708,4 +1163,57 @@ impl<B: Backend> Model<B> {
         let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
         Ok(backend.add(&routed, &shared))
     }
+}
+
+/// Half-split RoPE of the first `2 * half` values of `x` by the `(cos, sin)` pairs of
+/// [`rope_table`] (one position), as the backends' `rope` applies it.
+fn rotate_half(x: &mut [f32], table: &[(f32, f32)], half: usize) {
+    for (j, &(cos, sin)) in table.iter().enumerate().take(half) {
+        let (a, b) = (x[j], x[j + half]);
+        x[j] = a * cos - b * sin;
+        x[j + half] = b * cos + a * sin;
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// The checkpoint's convention for Flash-Next's `1 + w` norms: `SLOTSTREAM_NORMS` if set,
+/// else [`NormConvention::detect`] over every such norm weight.
+fn norm_convention(ckpt: &Checkpoint) -> Result<NormConvention> {
+    let convention = match std::env::var(NormConvention::OVERRIDE).ok().as_deref() {
+        Some("centered") => NormConvention::Centered,
+        Some("folded") => NormConvention::Folded,
+        Some(other) => {
+            return Err(Error::InvalidInput(format!(
+                "{}={other:?}: expected `centered` or `folded`",
+                NormConvention::OVERRIDE
+            )))
+        }
+        None => {
+            const CENTERED: [&str; 8] = [
+                ".self_attn.q_norm.weight",
+                ".self_attn.k_norm.weight",
+                ".indexer.q_layernorm.weight",
+                ".indexer.k_layernorm.weight",
+                ".hc_norm.weight",
+                ".ple.norm_key.weight",
+                ".ple.norm_query.weight",
+                ".ple.norm_conv.weight",
+            ];
+            let mut values = Vec::new();
+            for t in ckpt
+                .tensors()
+                .filter(|t| CENTERED.iter().any(|s| t.name.ends_with(s)))
+            {
+                values.extend(ckpt.floats(&t.name, &t.shape)?);
+            }
+            let detected = NormConvention::detect(&values);
+            tracing::info!(convention = ?detected, weights = values.len(), "zero-centered norms: convention detected (override with {})", NormConvention::OVERRIDE);
+            return Ok(detected);
+        }
+    };
+    tracing::info!(convention = ?convention, "zero-centered norms: convention set by {}", NormConvention::OVERRIDE);
+    Ok(convention)
 }

@@ -270,7 +270,7 @@ impl Preset {
                 }
                 text
             }
-            Family::Qwen35Moe => {
+            Family::Qwen35Moe | Family::Qwen4Exp => {
                 fields.insert("model_type".into(), json!("qwen3_5_moe_text"));
                 fields.insert(
                     "rope_parameters".into(),
@@ -385,7 +385,7 @@ impl Preset {
                         g,
                     );
                 }
-                Family::Qwen35Moe => {
+                Family::Qwen35Moe | Family::Qwen4Exp => {
                     quantized(
                         &mut t,
                         &format!("{p}.linear_attn.in_proj_qkv"),

@@ -16,7 +16,7 @@
 // Bindings are shared by all entry points (one declaration per binding):
 //            rope              attn_scores         attn_softmax   attn_pv                 attn_sum
 //   1 rw     out [T, cols]     scores (out)        scores         scores (probabilities)  out [T, Hq*hd]
-//   2 read   x [T, cols]       q [T, Hq*hd]        -              values [cap, kv_dim]    partials
+//   2 read   x [T, cols]       q [T, Hq*hd]        key mask       values [cap, kv_dim]    partials
 //   3 rw     cos/sin [T,h,2]   keys [cap, kv_dim]  -              out, or partials        -
 //                                                                 [splits, Tc, Hq*hd]
 
@@ -48,6 +48,9 @@ struct Params {
     span: u32,
     splits: u32,
     split_stride: u32,
+    // attn_softmax: u32 words per query of the key mask in binding 2 (the QSA
+    // selection: bit s % 32 of word t * mask_words + s / 32 keeps key s), 0 for none.
+    mask_words: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -150,6 +153,16 @@ fn attn_scores(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 
 var<workgroup> red: array<f32, 256>;
 
+// Whether the query whose mask row starts at word `mrow` keeps key `s` (always without a
+// mask). The words travel as f32 bit patterns (binding 2 is declared f32 for the other
+// entry points) and are only bit-cast, never used as floats.
+fn kept(mrow: u32, s: u32) -> bool {
+    if (p.mask_words == 0u) {
+        return true;
+    }
+    return ((bitcast<u32>(in2[mrow + s / 32u]) >> (s % 32u)) & 1u) == 1u;
+}
+
 // Softmax of the visible part of one scores row, in place.
 @compute @workgroup_size(256)
 fn attn_softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -161,10 +174,15 @@ fn attn_softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let l = lid.x;
     let vis = p.pos0 + r / p.q_heads + 1u;
     let base = r * p.stride;
+    // The mask row of this query (rows of the whole call: q_row0 is the chunk's first).
+    let mrow = (p.q_row0 + r / p.q_heads) * p.mask_words;
 
-    var mx = io1[base];
+    // Masked keys get probability 0; the caller guarantees each row keeps one.
+    var mx = -3.0e38;
     for (var s = l; s < vis; s += 256u) {
-        mx = max(mx, io1[base + s]);
+        if (kept(mrow, s)) {
+            mx = max(mx, io1[base + s]);
+        }
     }
     red[l] = mx;
     workgroupBarrier();
@@ -179,7 +197,10 @@ fn attn_softmax(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
 
     var sum = 0.0;
     for (var s = l; s < vis; s += 256u) {
-        let e = exp(io1[base + s] - mx);
+        var e = 0.0;
+        if (kept(mrow, s)) {
+            e = exp(io1[base + s] - mx);
+        }
         io1[base + s] = e;
         sum += e;
     }

@@ -1,7 +1,7 @@
 // Causal depthwise conv1d + SiLU with a carried state (see src/backend/gpu/conv.rs).
 //
-// in = [state; x] is [K-1 + T, C]; out[t, c] = silu(sum_j w[c, j] * in[t + j, c]) and the
-// new state is the last K-1 rows of `in`, written to a separate buffer so every
+// in = [state; x] is [(K-1)*d + T, C]; out[t, c] = silu(sum_j w[c, j] * in[t + j*d, c])
+// (dilation d) and the new state is the last (K-1)*d rows of `in`, written to a separate buffer so every
 // invocation reads the old state. One invocation per element of out followed by the
 // elements of the new state, 256 per workgroup; the grid may be 2-D (device::grid).
 
@@ -12,6 +12,8 @@ struct Params {
     c: u32,
     // Kernel width K (>= 1).
     k: u32,
+    // Dilation d (>= 1).
+    d: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -27,7 +29,7 @@ fn sigmoid(v: f32) -> f32 {
 
 // Row r, channel ch of in = [state; x].
 fn input(r: u32, ch: u32) -> f32 {
-    let keep = p.k - 1u;
+    let keep = (p.k - 1u) * p.d;
     if (r < keep) {
         return state[r * p.c + ch];
     }
@@ -39,13 +41,13 @@ fn causal_conv1d_silu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
                       @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = (wid.x + wid.y * nwg.x) * 256u + lid.x;
     let n_out = p.t * p.c;
-    let n_state = (p.k - 1u) * p.c;
+    let n_state = (p.k - 1u) * p.d * p.c;
     if (i < n_out) {
         let t = i / p.c;
         let ch = i - t * p.c;
         var acc = 0.0;
         for (var j = 0u; j < p.k; j++) {
-            acc += w[ch * p.k + j] * input(t + j, ch);
+            acc += w[ch * p.k + j] * input(t + j * p.d, ch);
         }
         out[i] = acc * sigmoid(acc);
     } else if (i < n_out + n_state) {

@@ -6,8 +6,10 @@
 // squares of its strided values, then each segment of `tpg` reduces in shared memory.
 // The workgroup grid may be 2-D (device::grid).
 //
-// rms_norm:       out = scale * (w[i] * (x * inv)),        inv = 1 / sqrt(sum(x^2) / group + eps)
-// rms_norm_gated: out = silu(gate) * (w[i] * (x * inv))    (Qwen3NextRMSNormGated)
+// rms_norm:       out = scale * (w[e] * (x * inv)),        inv = 1 / sqrt(sum(x^2) / group + eps)
+// rms_norm_gated: out = act(gate) * (w[e] * (x * inv))     (Qwen3NextRMSNormGated; act = silu or sigmoid)
+// where e = (flat index) % wlen: wlen = group repeats one weight per group, wlen = row
+// width gives every column its own weight (Flash-Next's group norms over the streams).
 
 struct Params {
     // Number of groups in the whole tensor.
@@ -20,8 +22,11 @@ struct Params {
     gpw: u32,
     eps: f32,
     scale: f32,
-    // 1 if `w` holds a weight of length `group`, 0 for w = 1.
+    // 1 if `w` holds a weight of length `wlen`, 0 for w = 1.
     has_weight: u32,
+    wlen: u32,
+    // rms_norm_gated: 0 = silu, 1 = sigmoid.
+    act: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -65,9 +70,9 @@ fn group_inv(g: u32, l: u32, lane: u32) -> f32 {
     return 1.0 / sqrt(total / f32(p.group) + p.eps);
 }
 
-fn weight(i: u32) -> f32 {
+fn weight(e: u32) -> f32 {
     if (p.has_weight == 1u) {
-        return w[i];
+        return w[e % p.wlen];
     }
     return 1.0;
 }
@@ -84,7 +89,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
     }
     let base = g * p.group;
     for (var i = lane; i < p.group; i += p.tpg) {
-        out[base + i] = p.scale * (weight(i) * (x[base + i] * inv));
+        out[base + i] = p.scale * (weight(base + i) * (x[base + i] * inv));
     }
 }
 
@@ -100,6 +105,13 @@ fn rms_norm_gated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
     let base = g * p.group;
     for (var i = lane; i < p.group; i += p.tpg) {
-        out[base + i] = silu(gate[base + i]) * (weight(i) * (x[base + i] * inv));
+        let z = gate[base + i];
+        var a: f32;
+        if (p.act == 1u) {
+            a = sigmoid(z);
+        } else {
+            a = silu(z);
+        }
+        out[base + i] = a * (weight(base + i) * (x[base + i] * inv));
     }
 }

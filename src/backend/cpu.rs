@@ -1,8 +1,9 @@
 //! The CPU backend: plain Rust in f32, parallel over output rows, heads and experts
 //! with rayon. It is the reference every other backend is tested against.
 
-use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, QuantView, Routing};
+use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, KeyMask, QuantView, Routing};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
+use crate::config::GateActivation;
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 use rayon::prelude::*;
@@ -274,12 +275,19 @@ impl Backend for CpuBackend {
         eps: f32,
         scale: f32,
     ) -> CpuTensor {
+        let wlen = weight.map_or(group, |w| w.data.len());
+        assert!(
+            wlen == group || wlen == x.cols,
+            "rms_norm: weight of {wlen} for groups of {group} in rows of {}",
+            x.cols
+        );
         let mut data = x.data.clone();
-        for chunk in data.chunks_exact_mut(group) {
+        for (g, chunk) in data.chunks_exact_mut(group).enumerate() {
             let ss: f32 = chunk.iter().map(|v| v * v).sum();
             let inv = 1.0 / (ss / group as f32 + eps).sqrt();
+            let w0 = (g * group) % wlen;
             for (i, v) in chunk.iter_mut().enumerate() {
-                let w = weight.map_or(1.0, |w| w.data[i]);
+                let w = weight.map_or(1.0, |w| w.data[w0 + i]);
                 *v = scale * (w * (*v * inv));
             }
         }
@@ -293,9 +301,13 @@ impl Backend for CpuBackend {
         weight: &CpuTensor,
         group: usize,
         eps: f32,
+        act: GateActivation,
     ) -> CpuTensor {
         let normed = self.rms_norm(x, Some(weight), group, eps, 1.0);
-        normed.map2(gate, |n, z| silu(z) * n)
+        match act {
+            GateActivation::Silu => normed.map2(gate, |n, z| silu(z) * n),
+            GateActivation::Sigmoid => normed.map2(gate, |n, z| sigmoid(z) * n),
+        }
     }
 
     fn causal_conv1d_silu(
@@ -303,9 +315,10 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         weight: &CpuTensor,
         state: &mut CpuTensor,
+        dilation: usize,
     ) -> CpuTensor {
         let (c, k) = (weight.rows, weight.cols);
-        let keep = k - 1;
+        let keep = (k - 1) * dilation;
         assert_eq!(
             (state.rows, state.cols, x.cols),
             (keep, c, c),
@@ -318,7 +331,7 @@ impl Backend for CpuBackend {
             for ch in 0..c {
                 let mut acc = 0.0f32;
                 for j in 0..k {
-                    acc += weight.data[ch * k + j] * input[(t + j) * c + ch];
+                    acc += weight.data[ch * k + j] * input[(t + j * dilation) * c + ch];
                 }
                 out[t * c + ch] = silu(acc);
             }
@@ -428,6 +441,7 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         cache: &mut CpuKvCache,
         dims: AttnDims,
+        mask: Option<&KeyMask>,
     ) -> CpuTensor {
         let AttnDims {
             q_heads,
@@ -451,11 +465,14 @@ impl Backend for CpuBackend {
                 let qh = &q.row(t)[h * hd..(h + 1) * hd];
                 let visible = past + t + 1;
                 let mut scores: Vec<f32> = (0..visible)
-                    .map(|s| {
-                        dot(
-                            qh,
-                            &keys[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd],
-                        ) * scale
+                    .map(|s| match mask {
+                        Some(m) if !m.kept(t, s) => f32::NEG_INFINITY,
+                        _ => {
+                            dot(
+                                qh,
+                                &keys[s * kv_dim + kvh * hd..s * kv_dim + (kvh + 1) * hd],
+                            ) * scale
+                        }
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -491,6 +508,85 @@ impl Backend for CpuBackend {
             row.iter_mut().for_each(|v| *v *= s);
         }
         CpuTensor::new(x.rows, x.cols, data)
+    }
+
+    fn silu(&self, x: &CpuTensor, scale: f32) -> CpuTensor {
+        CpuTensor::new(
+            x.rows,
+            x.cols,
+            x.data.iter().map(|&v| silu(scale * v)).collect(),
+        )
+    }
+
+    fn hyper_mix(&self, n: &CpuTensor, mix: &CpuTensor, streams: usize) -> CpuTensor {
+        assert_eq!((n.rows, n.cols), (mix.rows, mix.cols), "hyper_mix shapes");
+        assert_eq!(
+            n.cols % streams,
+            0,
+            "hyper_mix: {} columns in {streams} streams",
+            n.cols
+        );
+        let h = n.cols / streams;
+        let mut data = vec![0.0f32; n.rows * h];
+        for (t, out) in data.chunks_exact_mut(h).enumerate() {
+            let (nr, mr) = (n.row(t), mix.row(t));
+            for (j, o) in out.iter_mut().enumerate() {
+                let sum: f32 = (0..streams)
+                    .map(|s| sigmoid(mr[s * h + j]) * nr[s * h + j])
+                    .sum();
+                *o = sum / streams as f32;
+            }
+        }
+        CpuTensor::new(n.rows, h, data)
+    }
+
+    fn hyper_inject(&self, h: &CpuTensor, y: &CpuTensor, inject: &CpuTensor) -> CpuTensor {
+        let streams = inject.cols;
+        assert_eq!(
+            (h.rows, h.cols),
+            (y.rows, y.cols * streams),
+            "hyper_inject shapes"
+        );
+        assert_eq!(inject.rows, h.rows, "hyper_inject: inject rows");
+        let mut data = h.data.clone();
+        for (t, row) in data.chunks_exact_mut(h.cols).enumerate() {
+            let yr = y.row(t);
+            for (s, part) in row.chunks_exact_mut(y.cols).enumerate() {
+                let w = 2.0 * sigmoid(inject.row(t)[s] / streams as f32);
+                part.iter_mut().zip(yr).for_each(|(o, &v)| *o += v * w);
+            }
+        }
+        CpuTensor::new(h.rows, h.cols, data)
+    }
+
+    fn ple_gate(&self, key: &CpuTensor, query: &CpuTensor, value: &CpuTensor) -> CpuTensor {
+        let width = value.cols;
+        assert_eq!(
+            (key.rows, key.cols),
+            (query.rows, query.cols),
+            "ple_gate shapes"
+        );
+        assert_eq!(
+            (key.rows, key.cols % width),
+            (value.rows, 0),
+            "ple_gate: value shape"
+        );
+        let mut data = vec![0.0f32; key.rows * key.cols];
+        let inv = 1.0 / (width as f32).sqrt();
+        for (t, row) in data.chunks_exact_mut(key.cols).enumerate() {
+            let (kr, qr, vr) = (key.row(t), query.row(t), value.row(t));
+            for (s, part) in row.chunks_exact_mut(width).enumerate() {
+                let g = dot(
+                    &kr[s * width..(s + 1) * width],
+                    &qr[s * width..(s + 1) * width],
+                ) * inv;
+                // torch's sign(0) is 0 where f32::signum gives 1.
+                let sign = if g == 0.0 { 0.0 } else { g.signum() };
+                let g = sigmoid(g.abs().max(1e-6).sqrt() * sign);
+                part.iter_mut().zip(vr).for_each(|(o, &v)| *o = g * v);
+            }
+        }
+        CpuTensor::new(key.rows, key.cols, data)
     }
 
     fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {

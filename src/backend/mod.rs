@@ -12,6 +12,7 @@ mod quant;
 pub use quant::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
+use crate::config::GateActivation;
 use crate::error::Result;
 use crate::experts::ExpertRecord;
 
@@ -90,6 +91,43 @@ pub struct AttnDims {
     pub head_dim: usize,
     /// Multiplier of `q . k` before the softmax (`head_dim^-0.5`).
     pub scale: f32,
+}
+
+/// Which cached keys each query of an attention call may see, on top of the causal rule
+/// (the QSA indexer's selection, ../shared/spec/reference-system.md A.5): bit `j % 32` of
+/// word `t * words_per_row() + j / 32` is set when query `t` keeps key position `j`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyMask {
+    /// Key positions covered: the cache length after the call's keys are appended.
+    pub keys: usize,
+    /// `[T, keys.div_ceil(32)]` words.
+    pub bits: Vec<u32>,
+}
+
+impl KeyMask {
+    /// A mask of `rows` queries over `keys` positions with nothing kept.
+    pub fn new(rows: usize, keys: usize) -> Self {
+        KeyMask {
+            keys,
+            bits: vec![0; rows * keys.div_ceil(32)],
+        }
+    }
+
+    /// u32 words per query.
+    pub fn words_per_row(&self) -> usize {
+        self.keys.div_ceil(32)
+    }
+
+    /// Keeps key `key` for query `row`.
+    pub fn keep(&mut self, row: usize, key: usize) {
+        let w = self.words_per_row();
+        self.bits[row * w + key / 32] |= 1 << (key % 32);
+    }
+
+    /// Whether query `row` keeps key `key`.
+    pub fn kept(&self, row: usize, key: usize) -> bool {
+        self.bits[row * self.words_per_row() + key / 32] >> (key % 32) & 1 == 1
+    }
 }
 
 /// The router's choice for a batch of tokens: `top_k` experts per token, highest first.
@@ -191,7 +229,9 @@ pub trait Backend: Send + Sync {
     /// `out[:, j] = x[:, idx[j]]`.
     fn gather_columns(&self, x: &Self::Tensor, idx: &Self::Index) -> Self::Tensor;
     /// RMSNorm over consecutive groups of `group` columns:
-    /// `scale * w * x / sqrt(mean(x^2) + eps)`, `w` of length `group` (or 1 if `None`).
+    /// `scale * w * x / sqrt(mean(x^2) + eps)`, `w` of length `group` (the same weight
+    /// for every group), or of length `cols` (a weight per column: Flash-Next's group
+    /// norms over the hyper-connection streams), or 1 if `None`.
     fn rms_norm(
         &self,
         x: &Self::Tensor,
@@ -201,7 +241,8 @@ pub trait Backend: Send + Sync {
         scale: f32,
     ) -> Self::Tensor;
     /// Gated RMSNorm (Qwen3-Next `Qwen3NextRMSNormGated` with `precise_swiglu`):
-    /// `silu(gate) * w * rms_norm(x)` per group of `group` columns.
+    /// `act(gate) * w * rms_norm(x)` per group of `group` columns; `act` is SiLU, or the
+    /// sigmoid for Flash-Next (`output_gate_type`).
     fn rms_norm_gated(
         &self,
         x: &Self::Tensor,
@@ -209,14 +250,41 @@ pub trait Backend: Send + Sync {
         weight: &Self::Tensor,
         group: usize,
         eps: f32,
+        act: GateActivation,
     ) -> Self::Tensor;
-    /// Causal depthwise conv then SiLU: `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over
-    /// `in = [state; x]`, `w` `[C, K]`, state `[K-1, C]` updated to the last `K-1` inputs.
+    /// Dilated causal depthwise conv then SiLU: `out[t,c] = silu(sum_j w[c,j] * in[t+j*d,c])`
+    /// over `in = [state; x]`, `w` `[C, K]`, dilation `d`, state `[(K-1)*d, C]` updated to
+    /// the last `(K-1)*d` inputs (torch `Conv1d(groups=C, dilation=d)` on left-padded input).
     fn causal_conv1d_silu(
         &self,
         x: &Self::Tensor,
         weight: &Self::Tensor,
         state: &mut Self::Tensor,
+        dilation: usize,
+    ) -> Self::Tensor;
+    /// `silu(scale * x)`.
+    fn silu(&self, x: &Self::Tensor, scale: f32) -> Self::Tensor;
+    /// The mixing half of Flash-Next's hyper-connection (transformers `Qwen4ExpTextGatedResidual`):
+    /// `out[t, j] = mean_s sigmoid(mix[t, s*H + j]) * n[t, s*H + j]` over `streams`
+    /// streams of width `H`; `n`, `mix` `[T, streams*H]`, out `[T, H]`.
+    fn hyper_mix(&self, n: &Self::Tensor, mix: &Self::Tensor, streams: usize) -> Self::Tensor;
+    /// The residual half: `h[t, s*H + j] + y[t, j] * 2 sigmoid(inject[t, s] / streams)`;
+    /// `h` `[T, streams*H]`, `y` `[T, H]`, `inject` `[T, streams]` (the raw
+    /// `block_inject_weight` output).
+    fn hyper_inject(
+        &self,
+        h: &Self::Tensor,
+        y: &Self::Tensor,
+        inject: &Self::Tensor,
+    ) -> Self::Tensor;
+    /// The PLE gate (transformers `Qwen4ExpTextPLELayer.forward`): per stream `s`,
+    /// `g = sum_j key[t, s*H+j] * query[t, s*H+j] / sqrt(H)`, `g = sign(g) sqrt(max(|g|, 1e-6))`,
+    /// `out[t, s*H + j] = sigmoid(g) * value[t, j]`; `key`, `query` `[T, S*H]`, `value` `[T, H]`.
+    fn ple_gate(
+        &self,
+        key: &Self::Tensor,
+        query: &Self::Tensor,
+        value: &Self::Tensor,
     ) -> Self::Tensor;
     /// The gated delta rule, recurrent form (mlx-lm `gated_delta.py`, `gated_delta_ops`):
     /// per token and value head `h` (key head `h / (Hv/Hk)`):
@@ -252,7 +320,9 @@ pub trait Backend: Send + Sync {
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Appends `k`, `v` `[T, kv_dim]` to the cache and returns causal softmax attention of
     /// `q` `[T, q_heads*head_dim]` over all cached positions; query head `h` reads kv head
-    /// `h / (q_heads / kv_heads)`. Returns `[T, q_heads*head_dim]`.
+    /// `h / (q_heads / kv_heads)`. With a `mask` (covering the cache after the append),
+    /// query `t` sees only the causal positions its row keeps, and must keep at least one.
+    /// Returns `[T, q_heads*head_dim]`.
     fn attention(
         &self,
         q: &Self::Tensor,
@@ -260,6 +330,7 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
         cache: &mut Self::KvCache,
         dims: AttnDims,
+        mask: Option<&KeyMask>,
     ) -> Self::Tensor;
     /// `x * sigmoid(gate)`; `gate` is `[T, cols]` or `[T, 1]` (broadcast over the row).
     fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;

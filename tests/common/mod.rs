@@ -9,12 +9,24 @@ use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
 
-/// Fixture directories made by tools/make_fixtures.py: two Qwen3-Next (`qwen3_next`), one
-/// Qwen3.5-MoE (`qwen3_5_moe`). `FIXTURES[0]` and `FIXTURES[1]` stay the Qwen3-Next ones.
-pub const FIXTURES: &[&str] = &["qwen3-next-bf16", "qwen3-next-f32-sharded", QWEN35];
+/// Fixture directories: two Qwen3-Next (`qwen3_next`) and one Qwen3.5-MoE (`qwen3_5_moe`)
+/// made by tools/make_fixtures.py with mlx-lm as the oracle, and one Qwen3.8-Flash-Next
+/// (`qwen4_exp`) made by tools/make_qwen4_exp_fixture.py with transformers as the oracle.
+/// `FIXTURES[0]` and `FIXTURES[1]` stay the Qwen3-Next ones.
+pub const FIXTURES: &[&str] = &[
+    "qwen3-next-bf16",
+    "qwen3-next-f32-sharded",
+    QWEN35,
+    QWEN4_EXP,
+];
 
 /// The Qwen3.5-MoE fixture: `language_model.` keys, split gated-DeltaNet projections.
 pub const QWEN35: &str = "qwen3_5-moe-bf16";
+
+/// The Qwen3.8-Flash-Next fixture: hyper-connections, QSA attention (budget 16 tokens, so
+/// the indexer selects within the fixture's 90 positions), a PLE layer with a 4-shard
+/// n-gram table, folded norms.
+pub const QWEN4_EXP: &str = "qwen4-exp-bf16";
 
 /// `tests/fixtures/<name>`. The crate root comes from `CARGO_MANIFEST_DIR` at run time
 /// when set (a test binary run outside cargo, e.g. on another machine), else at build time.

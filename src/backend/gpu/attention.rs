@@ -13,7 +13,7 @@
 
 use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
-use crate::backend::AttnDims;
+use crate::backend::{AttnDims, KeyMask};
 
 const ROPE: Kernel = Kernel::new(
     "attention.wgsl",
@@ -27,7 +27,11 @@ const SCORES: Kernel = Kernel::new(
     &[Access::ReadWrite, Access::Read, Access::ReadWrite],
 );
 
-const SOFTMAX: Kernel = Kernel::new("attention.wgsl", "attn_softmax", &[Access::ReadWrite]);
+const SOFTMAX: Kernel = Kernel::new(
+    "attention.wgsl",
+    "attn_softmax",
+    &[Access::ReadWrite, Access::Read],
+);
 
 const PV: Kernel = Kernel::new(
     "attention.wgsl",
@@ -46,7 +50,7 @@ const TILE: usize = 16;
 /// Upper bound of the scores scratch of one call (also capped by the binding limit).
 const SCRATCH_BYTES: u64 = 128 << 20;
 /// Words of the shader's `Params` uniform block (its size, which every dispatch must bind).
-const PARAMS: usize = 16;
+const PARAMS: usize = 17;
 /// `attn_pv` splits its positions when it would have fewer workgroups than this.
 const PV_TARGET_WORKGROUPS: usize = 256;
 /// Fewest positions of one `attn_pv` split.
@@ -135,6 +139,7 @@ pub(super) fn attention(
     v: &GpuTensor,
     cache: &mut GpuKvCache,
     dims: AttnDims,
+    mask: Option<&KeyMask>,
 ) -> GpuTensor {
     let AttnDims {
         q_heads,
@@ -186,6 +191,16 @@ pub(super) fn attention(
     let row_scores = (q_heads * total * 4) as u64;
     let chunk = ((budget / row_scores) as usize).clamp(1, t_len);
     let scratch = b.gpu.zeroed(chunk as u64 * row_scores);
+    // The softmax reads the mask's words as f32 bit patterns; without one, scratch stands
+    // in for the binding and is never read.
+    let mask_buf = mask.map(|m| {
+        assert_eq!(
+            (m.keys, m.bits.len()),
+            (total, t_len * m.words_per_row()),
+            "attention: mask shape"
+        );
+        b.gpu.buffer_with(bytemuck::cast_slice(&m.bits))
+    });
     let group = q_heads / kv_heads;
 
     let mut t0 = 0;
@@ -212,6 +227,7 @@ pub(super) fn attention(
             0, // span (attn_pv)
             1, // splits (attn_pv, attn_sum)
             0, // split_stride (attn_pv, attn_sum)
+            mask.map_or(0, |m| m.words_per_row() as u32),
         ];
 
         let key_tiles = stride.div_ceil(TILE);
@@ -225,7 +241,12 @@ pub(super) fn attention(
         );
 
         let [gx, gy] = grid((tc * q_heads) as u32);
-        b.gpu.dispatch(&SOFTMAX, &params, &[&scratch], [gx, gy, 1]);
+        b.gpu.dispatch(
+            &SOFTMAX,
+            &params,
+            &[&scratch, mask_buf.as_ref().unwrap_or(&scratch)],
+            [gx, gy, 1],
+        );
 
         let dim_tiles = hd.div_ceil(TILE);
         let tiles = dim_tiles * row_tiles;

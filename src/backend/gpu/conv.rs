@@ -21,17 +21,21 @@ const CONV: Kernel = Kernel::new(
     ],
 );
 
-/// `out[t,c] = silu(sum_j w[c,j] * in[t+j,c])` over `in = [state; x]`; `w` `[C, K]`,
-/// `state` `[K-1, C]` replaced by the last `K-1` rows of `in`.
+/// `out[t,c] = silu(sum_j w[c,j] * in[t+j*d,c])` over `in = [state; x]`; `w` `[C, K]`,
+/// dilation `d`, `state` `[(K-1)*d, C]` replaced by the last `(K-1)*d` rows of `in`.
 pub(super) fn causal_conv1d_silu(
     b: &GpuBackend,
     x: &GpuTensor,
     w: &GpuTensor,
     state: &mut GpuTensor,
+    dilation: usize,
 ) -> GpuTensor {
     let (c, k) = (w.rows, w.cols);
-    assert!(k >= 1, "conv: kernel width must be at least 1");
-    let keep = k - 1;
+    assert!(
+        k >= 1 && dilation >= 1,
+        "conv: kernel width and dilation must be at least 1"
+    );
+    let keep = (k - 1) * dilation;
     assert_eq!(
         (state.rows, state.cols, x.cols),
         (keep, c, c),
@@ -45,7 +49,7 @@ pub(super) fn causal_conv1d_silu(
     let [gx, gy] = grid(n.div_ceil(WG) as u32);
     b.gpu.dispatch(
         &CONV,
-        &[t as u32, c as u32, k as u32],
+        &[t as u32, c as u32, k as u32, dilation as u32],
         &[&x.buf, &w.buf, &state.buf, &out.buf, &new_state.buf],
         [gx, gy, 1],
     );

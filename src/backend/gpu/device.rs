@@ -72,6 +72,7 @@ pub const SHADERS: &[(&str, &str)] = &[
         include_str!("../../../wgsl/attention.wgsl"),
     ),
     ("router.wgsl", include_str!("../../../wgsl/router.wgsl")),
+    ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
 ];
 
 /// The source of `file` from [`SHADERS`] (empty if unknown).

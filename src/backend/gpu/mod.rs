@@ -13,6 +13,7 @@ mod gated_delta;
 // Host memory the GPU reads in place: VK_EXT_external_memory_host, or Metal no-copy buffers.
 #[cfg_attr(target_os = "macos", path = "host_memory_metal.rs")]
 mod host_memory;
+mod hyper;
 mod norm;
 mod quant;
 mod router;
@@ -21,8 +22,9 @@ use std::sync::{Arc, Mutex};
 
 pub use device::{list_adapters, AdapterSummary, Gpu, GpuOptions};
 
-use super::{AttnDims, Backend, DeltaDims, Routing};
+use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing};
 use crate::checkpoint::{LinearWeight, RecordLayout};
+use crate::config::GateActivation;
 use crate::error::Result;
 use crate::experts::ExpertRecord;
 
@@ -356,8 +358,9 @@ impl Backend for GpuBackend {
         weight: &GpuTensor,
         group: usize,
         eps: f32,
+        act: GateActivation,
     ) -> GpuTensor {
-        norm::rms_norm_gated(self, x, gate, weight, group, eps)
+        norm::rms_norm_gated(self, x, gate, weight, group, eps, act)
     }
 
     fn causal_conv1d_silu(
@@ -365,8 +368,25 @@ impl Backend for GpuBackend {
         x: &GpuTensor,
         weight: &GpuTensor,
         state: &mut GpuTensor,
+        dilation: usize,
     ) -> GpuTensor {
-        conv::causal_conv1d_silu(self, x, weight, state)
+        conv::causal_conv1d_silu(self, x, weight, state, dilation)
+    }
+
+    fn silu(&self, x: &GpuTensor, scale: f32) -> GpuTensor {
+        hyper::silu(self, x, scale)
+    }
+
+    fn hyper_mix(&self, n: &GpuTensor, mix: &GpuTensor, streams: usize) -> GpuTensor {
+        hyper::hyper_mix(self, n, mix, streams)
+    }
+
+    fn hyper_inject(&self, h: &GpuTensor, y: &GpuTensor, inject: &GpuTensor) -> GpuTensor {
+        hyper::hyper_inject(self, h, y, inject)
+    }
+
+    fn ple_gate(&self, key: &GpuTensor, query: &GpuTensor, value: &GpuTensor) -> GpuTensor {
+        hyper::ple_gate(self, key, query, value)
     }
 
     fn gated_delta(
@@ -416,8 +436,9 @@ impl Backend for GpuBackend {
         v: &GpuTensor,
         cache: &mut GpuKvCache,
         dims: AttnDims,
+        mask: Option<&KeyMask>,
     ) -> GpuTensor {
-        attention::attention(self, q, k, v, cache, dims)
+        attention::attention(self, q, k, v, cache, dims, mask)
     }
 
     fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {

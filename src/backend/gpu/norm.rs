@@ -6,6 +6,7 @@
 //! leave most of a workgroup idle.
 use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
+use crate::config::GateActivation;
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/norm.wgsl`).
 const WG: usize = 256;
@@ -29,7 +30,8 @@ fn layout(
     group: usize,
     eps: f32,
     scale: f32,
-) -> ([u32; 7], [u32; 3]) {
+    act: GateActivation,
+) -> ([u32; 9], [u32; 3]) {
     let n = x.rows * x.cols;
     assert!(
         group > 0 && n % group == 0,
@@ -37,13 +39,12 @@ fn layout(
         x.rows,
         x.cols
     );
-    if let Some(w) = weight {
-        assert_eq!(
-            w.rows * w.cols,
-            group,
-            "rms_norm: weight length must equal the group"
-        );
-    }
+    let wlen = weight.map_or(group, |w| w.rows * w.cols);
+    assert!(
+        wlen == group || wlen == x.cols,
+        "rms_norm: weight of {wlen} is neither the group {group} nor the row {}",
+        x.cols
+    );
     let groups = n / group;
     let tpg = group.next_power_of_two().min(WG);
     let gpw = WG / tpg;
@@ -56,11 +57,17 @@ fn layout(
         eps.to_bits(),
         scale.to_bits(),
         weight.is_some() as u32,
+        wlen as u32,
+        match act {
+            GateActivation::Silu => 0,
+            GateActivation::Sigmoid => 1,
+        },
     ];
     (params, [gx, gy, 1])
 }
 
-/// `scale * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns (`w = 1` if `None`).
+/// `scale * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns (`w = 1` if `None`;
+/// `w` of the group's length, or of the row's for a weight per column).
 pub(super) fn rms_norm(
     b: &GpuBackend,
     x: &GpuTensor,
@@ -69,7 +76,7 @@ pub(super) fn rms_norm(
     eps: f32,
     scale: f32,
 ) -> GpuTensor {
-    let (params, groups) = layout(x, w, group, eps, scale);
+    let (params, groups) = layout(x, w, group, eps, scale, GateActivation::Silu);
     let out = b.empty(x.rows, x.cols);
     // Without a weight the shader never reads binding 2; x stands in for it.
     let wbuf = w.map_or(&x.buf, |w| &w.buf);
@@ -78,7 +85,7 @@ pub(super) fn rms_norm(
     out
 }
 
-/// `silu(gate) * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns.
+/// `act(gate) * w * x / sqrt(mean(x^2) + eps)` per group of `group` columns.
 pub(super) fn rms_norm_gated(
     b: &GpuBackend,
     x: &GpuTensor,
@@ -86,13 +93,14 @@ pub(super) fn rms_norm_gated(
     w: &GpuTensor,
     group: usize,
     eps: f32,
+    act: GateActivation,
 ) -> GpuTensor {
     assert_eq!(
         (gate.rows, gate.cols),
         (x.rows, x.cols),
         "rms_norm_gated: gate shape"
     );
-    let (params, groups) = layout(x, Some(w), group, eps, 1.0);
+    let (params, groups) = layout(x, Some(w), group, eps, 1.0, act);
     let out = b.empty(x.rows, x.cols);
     b.gpu.dispatch(
         &RMS_NORM_GATED,
