@@ -13,6 +13,7 @@ use rand::Rng;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::gpu::GpuBackend;
 use slotstream::backend::Backend;
+use slotstream::config::GateActivation;
 
 const TOL: f64 = 1e-5;
 
@@ -203,6 +204,7 @@ fn rms_norm_gated_matches_cpu() {
                     &cpu.upload(&w, 1, group),
                     group,
                     1e-6,
+                    GateActivation::Silu,
                 )
                 .data;
             let got = gpu.rms_norm_gated(
@@ -211,6 +213,7 @@ fn rms_norm_gated_matches_cpu() {
                 &gpu.upload(&w, 1, group),
                 group,
                 1e-6,
+                GateActivation::Silu,
             );
             check(
                 &format!("rms_norm_gated [{t}, {cols}] group {group}"),
@@ -236,9 +239,9 @@ fn causal_conv1d_silu_matches_cpu_with_carried_state() {
                     let what = format!("conv C {c} K {k} step {step} T {t}");
                     let x = random(t * c, -2.0, 2.0);
                     let want = cpu
-                        .causal_conv1d_silu(&cpu.upload(&x, t, c), &cw, &mut cs)
+                        .causal_conv1d_silu(&cpu.upload(&x, t, c), &cw, &mut cs, 1)
                         .data;
-                    let got = gpu.causal_conv1d_silu(&gpu.upload(&x, t, c), &gw, &mut gs);
+                    let got = gpu.causal_conv1d_silu(&gpu.upload(&x, t, c), &gw, &mut gs, 1);
                     assert_eq!(gpu.shape(&got), (t, c), "{what}: output shape");
                     check(
                         &format!("{what} output"),

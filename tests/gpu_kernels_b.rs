@@ -11,7 +11,7 @@ use common::{gpu, random};
 
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
 use slotstream::backend::gpu::{GpuBackend, GpuTensor};
-use slotstream::backend::{AttnDims, Backend, DeltaDims};
+use slotstream::backend::{AttnDims, Backend, DeltaDims, KeyMask};
 
 const TOL: f64 = 1e-5;
 
@@ -202,8 +202,17 @@ fn rope_matches_cpu() {
 }
 
 /// Runs the same sequence of attention calls (token counts `steps`) on both backends,
-/// each with a fresh cache, comparing every call's output.
-fn run_attention(g: &GpuBackend, q_heads: usize, kv_heads: usize, hd: usize, steps: &[usize]) {
+/// each with a fresh cache, comparing every call's output. With `masked`, each query also
+/// keeps only a random subset of its past keys (and itself), as the QSA indexer's
+/// selection does.
+fn run_attention(
+    g: &GpuBackend,
+    q_heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    steps: &[usize],
+    masked: bool,
+) {
     let dims = AttnDims {
         q_heads,
         kv_heads,
@@ -218,15 +227,28 @@ fn run_attention(g: &GpuBackend, q_heads: usize, kv_heads: usize, hd: usize, ste
         let k = pair(g, &random(t * kv_dim, -2.0, 2.0), t, kv_dim);
         let v = pair(g, &random(t * kv_dim, -1.0, 1.0), t, kv_dim);
         let past = CpuBackend.kv_len(&cpu_cache);
-        let want = CpuBackend.attention(&q.cpu, &k.cpu, &v.cpu, &mut cpu_cache, dims);
-        let got = g.attention(&q.gpu, &k.gpu, &v.gpu, &mut gpu_cache, dims);
+        let mask = masked.then(|| {
+            let mut m = KeyMask::new(t, past + t);
+            let coin = random((past + t) * t, 0.0, 1.0);
+            for row in 0..t {
+                for key in 0..=past + row {
+                    if key == past + row || coin[row * (past + t) + key] < 0.4 {
+                        m.keep(row, key);
+                    }
+                }
+            }
+            m
+        });
+        let want =
+            CpuBackend.attention(&q.cpu, &k.cpu, &v.cpu, &mut cpu_cache, dims, mask.as_ref());
+        let got = g.attention(&q.gpu, &k.gpu, &v.gpu, &mut gpu_cache, dims, mask.as_ref());
         assert_eq!(
             g.kv_len(&gpu_cache),
             CpuBackend.kv_len(&cpu_cache),
             "kv_len after step {i}"
         );
         let what =
-            format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} step {i}: T={t} past={past}");
+            format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} masked={masked} step {i}: T={t} past={past}");
         let e = check(&what, g, &got, &want);
         eprintln!("{what}: error {e:.2e}");
     }
@@ -247,10 +269,18 @@ fn attention_prefill_then_decode_matches_cpu() {
     for (hq, hkv, hd) in configs {
         // A prefill, single-token decodes (crossing the cache's 64-position growth), a
         // second multi-token call after them, and more decodes.
-        run_attention(&g, hq, hkv, hd, &[37, 1, 1, 1, 1, 30, 1, 1]);
+        run_attention(&g, hq, hkv, hd, &[37, 1, 1, 1, 1, 30, 1, 1], false);
     }
     // A decode from an empty cache.
-    run_attention(&g, 4, 2, 64, &[1, 1, 1]);
+    run_attention(&g, 4, 2, 64, &[1, 1, 1], false);
+}
+
+#[test]
+fn attention_with_a_key_mask_matches_cpu() {
+    let g = gpu();
+    // Masks over more than 32 keys (several words per query), prefill and decode.
+    run_attention(&g, 4, 2, 64, &[45, 1, 1, 33, 1], true);
+    run_attention(&g, 24, 2, 256, &[70, 1, 1], true);
 }
 
 #[test]
@@ -259,5 +289,5 @@ fn attention_long_context_matches_cpu() {
     // ~3000 cached positions: a long prefill (its scores take more than one scratch chunk
     // on the 128 MiB budget: 2600 x 8 heads x 2600 positions x 4 bytes), another long
     // call, then decodes.
-    run_attention(&g, 8, 1, 64, &[2600, 1, 400, 1, 1]);
+    run_attention(&g, 8, 1, 64, &[2600, 1, 400, 1, 1], false);
 }

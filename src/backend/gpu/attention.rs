@@ -191,16 +191,20 @@ pub(super) fn attention(
     let row_scores = (q_heads * total * 4) as u64;
     let chunk = ((budget / row_scores) as usize).clamp(1, t_len);
     let scratch = b.gpu.zeroed(chunk as u64 * row_scores);
-    // The softmax reads the mask's words as f32 bit patterns; without one, scratch stands
-    // in for the binding and is never read.
-    let mask_buf = mask.map(|m| {
-        assert_eq!(
-            (m.keys, m.bits.len()),
-            (total, t_len * m.words_per_row()),
-            "attention: mask shape"
-        );
-        b.gpu.buffer_with(bytemuck::cast_slice(&m.bits))
-    });
+    // The softmax reads the mask's words as f32 bit patterns; without a mask it reads
+    // nothing, and a 4-byte buffer fills the binding (scratch may not: it is bound
+    // read-write in the same dispatch).
+    let mask_buf = match mask {
+        Some(m) => {
+            assert_eq!(
+                (m.keys, m.bits.len()),
+                (total, t_len * m.words_per_row()),
+                "attention: mask shape"
+            );
+            b.gpu.buffer_with(bytemuck::cast_slice(&m.bits))
+        }
+        None => b.gpu.zeroed(4),
+    };
     let group = q_heads / kv_heads;
 
     let mut t0 = 0;
@@ -241,12 +245,8 @@ pub(super) fn attention(
         );
 
         let [gx, gy] = grid((tc * q_heads) as u32);
-        b.gpu.dispatch(
-            &SOFTMAX,
-            &params,
-            &[&scratch, mask_buf.as_ref().unwrap_or(&scratch)],
-            [gx, gy, 1],
-        );
+        b.gpu
+            .dispatch(&SOFTMAX, &params, &[&scratch, &mask_buf], [gx, gy, 1]);
 
         let dim_tiles = hd.div_ceil(TILE);
         let tiles = dim_tiles * row_tiles;
