@@ -1158,6 +1158,69 @@ mod tests {
     }
 
     #[test]
+    fn qwen4_exp_reads_flash_next_fields_and_checks_them() {
+        let mut v = qwen35();
+        v["model_type"] = json!("qwen4_exp");
+        let t = v["text_config"].as_object_mut().unwrap();
+        for (k, x) in [
+            ("model_type", json!("qwen4_exp_text")),
+            ("output_gate_type", json!("sigmoid")),
+            ("hc_lowrank", json!(32)),
+            ("ple_layer_ids", json!([2])),
+            ("ngram_size", json!(3)),
+            ("heads_per_ngram", json!(8)),
+            ("split_ngram_parts", json!(4)),
+            ("indexer_n_heads", json!(4)),
+            ("indexer_kv_heads", json!(1)),
+            ("indexer_head_dim", json!(32)),
+            ("indexer_budget", json!(16)),
+            ("indexer_compress_ratio", json!(4)),
+            (
+                "layer_types",
+                json!([
+                    "linear_attention",
+                    "linear_attention",
+                    "linear_attention",
+                    "full_attention"
+                ]),
+            ),
+        ] {
+            t.insert(k.into(), x);
+        }
+        let path = Path::new("config.json");
+        let cfg = ModelConfig::from_json(&v, path).unwrap();
+        assert_eq!(cfg.family, Family::Qwen4Exp);
+        assert_eq!(cfg.gate_activation, GateActivation::Sigmoid);
+        let x = cfg.flash_next.as_ref().unwrap();
+        assert_eq!((x.hc_count, x.hc_lowrank), (4, 32));
+        let ple = x.ple.as_ref().unwrap();
+        assert_eq!(
+            (
+                ple.layers.clone(),
+                ple.heads(),
+                ple.head_dim(),
+                ple.conv_state_rows()
+            ),
+            (vec![1], 16, 4, 9)
+        );
+        assert_eq!(x.indexer.as_ref().unwrap().block_top_k(), 4);
+        assert_eq!(cfg.residual_width(), 4 * 64);
+        assert_eq!(cfg.name("lm_head"), "language_model.lm_head");
+        // PLE on an attention layer, two indexer key heads, a bad gate: named errors.
+        for (field, value, needle) in [
+            ("ple_layer_ids", json!([4]), "ple_layer_ids"),
+            ("indexer_kv_heads", json!(2), "indexer_kv_heads"),
+            ("output_gate_type", json!("gelu"), "output_gate_type"),
+            ("indexer_budget", json!(18), "indexer_budget"),
+        ] {
+            let mut bad = v.clone();
+            bad["text_config"][field] = value;
+            let e = ModelConfig::from_json(&bad, path).unwrap_err().to_string();
+            assert!(e.contains(needle), "{field}: {e}");
+        }
+    }
+
+    #[test]
     fn rejects_unknown_model_and_bits() {
         let mut v = base();
         v["model_type"] = json!("llama");

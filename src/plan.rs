@@ -165,12 +165,17 @@ impl Plan {
     }
 }
 
-/// The tensors the backends keep resident (the text model's but the routed experts: no
-/// MTP head, no vision tower), each with the bytes it is held in: as stored, except
-/// bf16/f16 tensors without scales, which are widened to f32.
+/// The tensors the backends keep resident (the text model's but the routed experts and
+/// Flash-Next's n-gram table, which stay on the SSD: no MTP head, no vision tower), each
+/// with the bytes it is held in: as stored, except bf16/f16 tensors without scales, which
+/// are widened to f32.
 pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&TensorEntry, u64)> {
     ckpt.tensors()
-        .filter(|t| ckpt.config.is_text_tensor(&t.name) && !t.name.contains(".switch_mlp."))
+        .filter(|t| {
+            ckpt.config.is_text_tensor(&t.name)
+                && !t.name.contains(".switch_mlp.")
+                && !t.name.contains(".ngram_embedding.")
+        })
         .map(|t| {
             let held = match t.dtype {
                 safetensors::Dtype::BF16 | safetensors::Dtype::F16

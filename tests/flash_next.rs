@@ -1,0 +1,176 @@
+//! Qwen3.8-Flash-Next specifics against transformers 5.24 (the fixture's oracle): the
+//! n-gram hash on sequences with EOS (the fixture's and one at the released geometry), and
+//! the two conventions for zero-centered norms giving the same model.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::checkpoint::Checkpoint;
+use slotstream::experts::MappedExperts;
+use slotstream::model::{Logits, Model, NormConvention};
+use slotstream::ngram::ngram_row_ids;
+
+fn reference_json() -> serde_json::Value {
+    let path = fixture_dir(QWEN4_EXP).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn ints<T: TryFrom<i64>>(v: &serde_json::Value) -> Vec<T>
+where
+    T::Error: std::fmt::Debug,
+{
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| T::try_from(x.as_i64().unwrap()).unwrap())
+        .collect()
+}
+
+#[test]
+fn ngram_row_ids_equal_transformers_hashing() {
+    let r = reference_json();
+    // The fixture: its scored sequence holds an EOS between two documents.
+    let ids: Vec<u32> = ints(&r["scored_ids"]);
+    let eos = r["eos_token_id"].as_u64().unwrap() as u32;
+    assert!(
+        ids.contains(&eos),
+        "the fixture's sequence must contain EOS"
+    );
+    let (m, sizes, offsets): (Vec<i64>, Vec<i64>, Vec<i64>) = (
+        ints(&r["ngram_layer_multipliers"]),
+        ints(&r["ngram_heads_vocab_sizes"]),
+        ints(&r["ngram_heads_offsets"]),
+    );
+    let want: Vec<u64> = r["ngram_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| ints::<u64>(row))
+        .collect();
+    assert_eq!(
+        ngram_row_ids(&[], &ids, eos, 3, 8, &m, &sizes, &offsets),
+        want
+    );
+    // In pieces (prefill, then one token at a time): the history carries the context.
+    for split in [1, 29, 30, 31, 57] {
+        let mut got = ngram_row_ids(&[], &ids[..split], eos, 3, 8, &m, &sizes, &offsets);
+        for t in split..ids.len() {
+            got.extend(ngram_row_ids(
+                &ids[..t],
+                &ids[t..t + 1],
+                eos,
+                3,
+                8,
+                &m,
+                &sizes,
+                &offsets,
+            ));
+        }
+        assert_eq!(got, want, "split at {split}");
+    }
+    // The released geometry: 16 heads over primes after 20,000,000, EOS 248044 twice.
+    let real = &r["ngram_real"];
+    let ids: Vec<u32> = ints(&real["input_ids"]);
+    let want: Vec<u64> = real["ngram_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| ints::<u64>(row))
+        .collect();
+    let got = ngram_row_ids(
+        &[],
+        &ids,
+        248_044,
+        3,
+        8,
+        &ints::<i64>(&real["layer_multipliers"]),
+        &ints::<i64>(&real["ngram_heads_vocab_sizes"]),
+        &ints::<i64>(&real["ngram_heads_offsets"]),
+    );
+    assert_eq!(got, want);
+}
+
+/// Norm tensors Flash-Next applies as `1 + w`.
+fn is_centered_norm(name: &str) -> bool {
+    [
+        ".self_attn.q_norm.weight",
+        ".self_attn.k_norm.weight",
+        ".indexer.q_layernorm.weight",
+        ".indexer.k_layernorm.weight",
+        ".hc_norm.weight",
+        ".ple.norm_key.weight",
+        ".ple.norm_query.weight",
+        ".ple.norm_conv.weight",
+    ]
+    .iter()
+    .any(|s| name.ends_with(s))
+}
+
+#[test]
+fn centered_and_folded_norms_give_the_same_logits() {
+    let src = fixture_dir(QWEN4_EXP);
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
+    }
+    // Rewrite the norms as the Hugging Face release stores them: w = stored - 1 (exact in
+    // bf16 for the fixture's weights).
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut data: HashMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
+    let mut rewritten = 0;
+    for (name, view) in st.tensors() {
+        let mut raw = view.data().to_vec();
+        if is_centered_norm(&name) {
+            assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
+            for b in raw.chunks_exact_mut(2) {
+                let v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0;
+                let c = half::bf16::from_f32(v);
+                assert_eq!(c.to_f32(), v, "{name}: not exact in bf16");
+                b.copy_from_slice(&c.to_le_bytes());
+            }
+            rewritten += 1;
+        }
+        data.insert(name, (view.dtype(), view.shape().to_vec(), raw));
+    }
+    assert_eq!(rewritten, 16, "every zero-centered norm of the fixture");
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+
+    let r = reference(QWEN4_EXP);
+    let folded = load_cpu(QWEN4_EXP);
+    assert_eq!(folded.model.norms, Some(NormConvention::Folded));
+    let ckpt = std::sync::Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    assert_eq!(model.norms, Some(NormConvention::Centered));
+    let experts = MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
+    let mut a = folded.model.new_state(&CpuBackend);
+    let mut b = model.new_state(&CpuBackend);
+    let want = folded
+        .model
+        .forward(
+            &CpuBackend,
+            &mut a,
+            &r.scored_ids,
+            &folded.experts,
+            Logits::All,
+        )
+        .unwrap();
+    let got = model
+        .forward(&CpuBackend, &mut b, &r.scored_ids, &experts, Logits::All)
+        .unwrap();
+    let e = rel_err(&got, &want);
+    assert!(e <= 1e-6, "centered vs folded: relative error {e}");
+}
