@@ -927,7 +927,7 @@ fn pool_with(
 
 #[test]
 fn pack_round_trip_gives_the_shard_records() {
-    for name in [BF16, SHARDED, QWEN35] {
+    for name in [BF16, SHARDED, QWEN35, common::QWEN4_EXP] {
         let tmp = copy_fixture(name);
         let (ckpt, index) = open(tmp.path());
         let manifest = pack(&ckpt, &index, tmp.path(), false).unwrap();
@@ -1116,7 +1116,7 @@ fn below_the_floor_is_refused_with_the_numbers() {
 
 #[test]
 fn logits_through_the_pool_equal_the_mapped_checkpoint() {
-    for name in [BF16, SHARDED, QWEN35] {
+    for name in [BF16, SHARDED, QWEN35, common::QWEN4_EXP] {
         let r = common::reference(name);
         let l = common::load_cpu(name);
         let index = Arc::new(l.model.experts.clone());
