@@ -18,7 +18,8 @@
 //! `1 + w`; a checkpoint may store them centered (the Hugging Face release) or with the
 //! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
-use crate::backend::{rope_table, AttnDims, Backend, DeltaDims, KeyMask};
+use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
+use crate::backend::{rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -69,7 +70,7 @@ struct Indexer<B: Backend> {
     /// `q_layernorm` `[head_dim]`, `1 + w`.
     q_norm: B::Tensor,
     /// `k_layernorm`, `1 + w`, on the host where the blocks are pooled and scored.
-    k_norm: Vec<f32>,
+    k_norm: CpuTensor,
 }
 
 /// Flash-Next's hyper-connection (transformers `Qwen4ExpTextGatedResidual`).
@@ -131,6 +132,22 @@ pub enum NormConvention {
 impl NormConvention {
     /// The environment variable that overrides detection: `centered` or `folded`.
     pub const OVERRIDE: &'static str = "SLOTSTREAM_NORMS";
+
+    /// Whether tensor `name` is one of the norms Flash-Next applies as `1 + w` (the
+    /// gated DeltaNet norm is a plain multiplier and is not).
+    pub fn applies_to(name: &str) -> bool {
+        const CENTERED: [&str; 8] = [
+            ".self_attn.q_norm.weight",
+            ".self_attn.k_norm.weight",
+            ".indexer.q_layernorm.weight",
+            ".indexer.k_layernorm.weight",
+            ".hc_norm.weight",
+            ".ple.norm_key.weight",
+            ".ple.norm_query.weight",
+            ".ple.norm_conv.weight",
+        ];
+        CENTERED.iter().any(|s| name.ends_with(s))
+    }
 
     /// Detects the convention from the stored weights: trained centered weights sit near
     /// 0 and folded ones near 1, so the mean over all of them decides (at 0.5).
@@ -410,10 +427,14 @@ impl<B: Backend> Model<B> {
                                 &format!("{p}.self_attn.indexer.q_layernorm.weight"),
                                 ix.head_dim,
                             )?,
-                            k_norm: centered(
-                                &format!("{p}.self_attn.indexer.k_layernorm.weight"),
+                            k_norm: CpuBackend.upload(
+                                &centered(
+                                    &format!("{p}.self_attn.indexer.k_layernorm.weight"),
+                                    ix.head_dim,
+                                )?,
+                                1,
                                 ix.head_dim,
-                            )?,
+                            ),
                         }),
                         None => None,
                     };
@@ -1003,27 +1024,31 @@ impl<B: Backend> Model<B> {
         for k in keys.pending.drain(..) {
             keys.raw.extend(backend.download(&k)?);
         }
-        // Pool the blocks completed since the last call.
-        let half = cfg.rotary_dim / 2;
-        for b in keys.pooled.len() / d..total / ratio {
-            let mut pooled = vec![0.0f32; d];
-            for r in 0..ratio {
-                let row = &keys.raw[(b * ratio + r) * d..(b * ratio + r + 1) * d];
-                pooled.iter_mut().zip(row).for_each(|(p, &v)| *p += v);
-            }
-            pooled.iter_mut().for_each(|p| *p /= ratio as f32);
-            let ss: f32 = pooled.iter().map(|v| v * v).sum();
-            let inv = 1.0 / (ss / d as f32 + cfg.rms_norm_eps).sqrt();
-            pooled
-                .iter_mut()
-                .zip(&ix.k_norm)
-                .for_each(|(p, &w)| *p = w * (*p * inv));
-            rotate_half(
-                &mut pooled,
-                &rope_table(b * ratio, 1, cfg.rotary_dim, cfg.rope_theta),
-                half,
+        // Pool the blocks completed since the last call: mean, k_layernorm, RoPE at the
+        // block's first position (on the host, where the scores are taken).
+        let (first, blocks) = (keys.pooled.len() / d, total / ratio);
+        if blocks > first {
+            let means: Vec<f32> = keys.raw[first * ratio * d..blocks * ratio * d]
+                .chunks_exact(ratio * d)
+                .flat_map(|block| {
+                    (0..d).map(move |j| block.iter().skip(j).step_by(d).sum::<f32>() / ratio as f32)
+                })
+                .collect();
+            let cpu = CpuBackend;
+            let mut normed = cpu.rms_norm(
+                &cpu.upload(&means, blocks - first, d),
+                Some(&ix.k_norm),
+                d,
+                cfg.rms_norm_eps,
+                1.0,
             );
-            keys.pooled.extend(pooled);
+            for (i, row) in normed.data.chunks_exact_mut(d).enumerate() {
+                rotate_half(
+                    row,
+                    &rope_table((first + i) * ratio, 1, cfg.rotary_dim, cfg.rope_theta),
+                );
+            }
+            keys.pooled.extend(normed.data);
         }
         let q = backend.rms_norm(
             &backend.gather_columns(&qk, cq),
@@ -1165,20 +1190,6 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Half-split RoPE of the first `2 * half` values of `x` by the `(cos, sin)` pairs of
-/// [`rope_table`] (one position), as the backends' `rope` applies it.
-fn rotate_half(x: &mut [f32], table: &[(f32, f32)], half: usize) {
-    for (j, &(cos, sin)) in table.iter().enumerate().take(half) {
-        let (a, b) = (x[j], x[j + half]);
-        x[j] = a * cos - b * sin;
-        x[j + half] = b * cos + a * sin;
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
 /// The checkpoint's convention for Flash-Next's `1 + w` norms: `SLOTSTREAM_NORMS` if set,
 /// else [`NormConvention::detect`] over every such norm weight.
 fn norm_convention(ckpt: &Checkpoint) -> Result<NormConvention> {
@@ -1192,20 +1203,10 @@ fn norm_convention(ckpt: &Checkpoint) -> Result<NormConvention> {
             )))
         }
         None => {
-            const CENTERED: [&str; 8] = [
-                ".self_attn.q_norm.weight",
-                ".self_attn.k_norm.weight",
-                ".indexer.q_layernorm.weight",
-                ".indexer.k_layernorm.weight",
-                ".hc_norm.weight",
-                ".ple.norm_key.weight",
-                ".ple.norm_query.weight",
-                ".ple.norm_conv.weight",
-            ];
             let mut values = Vec::new();
             for t in ckpt
                 .tensors()
-                .filter(|t| CENTERED.iter().any(|s| t.name.ends_with(s)))
+                .filter(|t| NormConvention::applies_to(&t.name))
             {
                 values.extend(ckpt.floats(&t.name, &t.shape)?);
             }

@@ -93,22 +93,6 @@ fn ngram_row_ids_equal_transformers_hashing() {
     assert_eq!(got, want);
 }
 
-/// Norm tensors Flash-Next applies as `1 + w`.
-fn is_centered_norm(name: &str) -> bool {
-    [
-        ".self_attn.q_norm.weight",
-        ".self_attn.k_norm.weight",
-        ".indexer.q_layernorm.weight",
-        ".indexer.k_layernorm.weight",
-        ".hc_norm.weight",
-        ".ple.norm_key.weight",
-        ".ple.norm_query.weight",
-        ".ple.norm_conv.weight",
-    ]
-    .iter()
-    .any(|s| name.ends_with(s))
-}
-
 #[test]
 fn centered_and_folded_norms_give_the_same_logits() {
     let src = fixture_dir(QWEN4_EXP);
@@ -125,7 +109,7 @@ fn centered_and_folded_norms_give_the_same_logits() {
     let mut rewritten = 0;
     for (name, view) in st.tensors() {
         let mut raw = view.data().to_vec();
-        if is_centered_norm(&name) {
+        if NormConvention::applies_to(&name) {
             assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
             for b in raw.chunks_exact_mut(2) {
                 let v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0;

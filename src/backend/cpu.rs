@@ -105,7 +105,8 @@ impl<'a> Rows<'a> {
 
 /// f32 dot product with eight partial sums (lets the compiler vectorize).
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// `a . b` in f32, summed in 8 lanes.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -412,11 +413,7 @@ impl Backend for CpuBackend {
         for (t, row) in data.chunks_exact_mut(x.cols).enumerate() {
             let angles = &table[t * half..(t + 1) * half];
             for head in row.chunks_exact_mut(head_dim) {
-                for (j, &(cos, sin)) in angles.iter().enumerate() {
-                    let (x1, x2) = (head[j], head[j + half]);
-                    head[j] = x1 * cos - x2 * sin;
-                    head[j + half] = x1 * sin + x2 * cos;
-                }
+                super::rotate_half(head, angles);
             }
         }
         CpuTensor::new(x.rows, x.cols, data)

@@ -72,6 +72,19 @@ pub fn rope_table(start: usize, rows: usize, rotary_dim: usize, theta: f64) -> V
     table
 }
 
+/// Rotates one head by RoPE's `(cos, sin)` pairs (one row of [`rope_table`]): values `j`
+/// and `j + half` of the first `2 * half` form the pair rotated by angle `j`
+/// (non-traditional half split). The CPU backend's `rope` and the QSA indexer's pooled
+/// keys both use it.
+pub fn rotate_half(head: &mut [f32], angles: &[(f32, f32)]) {
+    let half = angles.len();
+    for (j, &(cos, sin)) in angles.iter().enumerate() {
+        let (x1, x2) = (head[j], head[j + half]);
+        head[j] = x1 * cos - x2 * sin;
+        head[j + half] = x1 * sin + x2 * cos;
+    }
+}
+
 /// Head geometry of a gated DeltaNet layer.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaDims {
