@@ -231,6 +231,11 @@ pub fn run<B: Backend>(
                 for &layer in &index.moe_layers {
                     let all: Vec<u32> = (0..index.num_experts as u32).collect();
                     drop(opened.experts.fetch(layer, &all)?);
+                    // Where the backend computes from a copy (a GPU's device arenas), make
+                    // it now rather than on the records' first use while decoding.
+                    if let Some(held) = opened.experts.resident_layer(layer) {
+                        backend.prepare_records(&held.records())?;
+                    }
                 }
                 preload_seconds = start.elapsed().as_secs_f64();
             }

@@ -47,6 +47,12 @@ pub struct ExpertRecord<'a> {
     pub slot: Option<SlotTag>,
 }
 
+/// Every expert record of one layer, held together (see [`ExpertSource::resident_layer`]).
+pub trait LayerRecords: Send + Sync {
+    /// The records in expert order: element `e` is expert `e`'s.
+    fn records(&self) -> Vec<ExpertRecord<'_>>;
+}
+
 /// Supplies expert records laid out by [`crate::checkpoint::RecordLayout`].
 pub trait ExpertSource: Send + Sync {
     /// A held record; the source may not reuse its memory until this is dropped.
@@ -85,6 +91,18 @@ pub trait ExpertSource: Send + Sync {
     /// A hint that `experts` of `layer` will probably be asked for soon. Never fails:
     /// a source may ignore it.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Every record of `layer`, held, when all of them are resident now (a pool that holds
+    /// every record), so that the backend can pick the routed ones itself and the routing
+    /// never has to be read back per layer; `None` (the default) otherwise. Counts no
+    /// lookups: the caller reports them through [`ExpertSource::count_lookups`].
+    fn resident_layer(&self, _layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
+        None
+    }
+
+    /// Counts lookups of `experts` (distinct ids) of `layer` that were served from
+    /// [`ExpertSource::resident_layer`]'s records (statistics and trace).
+    fn count_lookups(&self, _layer: usize, _experts: &[u32]) {}
 }
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
@@ -198,6 +216,19 @@ impl ExpertSource for AnyExperts {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         if let AnyExperts::Pool(p) = self {
             p.prefetch(layer, experts);
+        }
+    }
+
+    fn resident_layer(&self, layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
+        match self {
+            AnyExperts::Mapped(_) => None,
+            AnyExperts::Pool(p) => p.resident_layer(layer),
+        }
+    }
+
+    fn count_lookups(&self, layer: usize, experts: &[u32]) {
+        if let AnyExperts::Pool(p) = self {
+            p.count_lookups(layer, experts);
         }
     }
 }

@@ -19,11 +19,11 @@
 //! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
-use crate::backend::{rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask};
+use crate::backend::{rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertRecord, ExpertSource, HeldRecord};
+use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
 use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
@@ -282,6 +282,18 @@ struct Tokens<'a> {
     ids: &'a [u32],
     start: u64,
     routing: Option<&'a mut RoutingState>,
+}
+
+/// What a forward step holds until its final read-back has waited for the device.
+struct StepHold<'e, B: Backend, E: ExpertSource + 'e> {
+    /// The previous MoE layer's records (see [`Model::moe`]).
+    in_use: Vec<E::Record<'e>>,
+    /// Whole layers of records routed on the device ([`ExpertSource::resident_layer`]):
+    /// nothing waits for the device until the step ends, so they stay held until then.
+    layers: Vec<Box<dyn LayerRecords + 'e>>,
+    /// Routings that stayed on the device, by MoE layer: their ids are read back with the
+    /// logits and counted as lookups then.
+    routings: Vec<(usize, B::Tensor)>,
 }
 
 /// The two blocks of a decoder layer.
@@ -717,7 +729,11 @@ impl<B: Backend> Model<B> {
         let history = &state.tokens;
         let layer_states = &mut state.layers;
         let mut routing_state = state.routing.as_mut();
-        let mut in_use = Vec::new();
+        let mut hold = StepHold::<B, E> {
+            in_use: Vec::new(),
+            layers: Vec::new(),
+            routings: Vec::new(),
+        };
         let h = std::thread::scope(|scope| -> Result<B::Tensor> {
             // The PLE layers' n-gram rows depend only on the token ids: they are read from
             // the SSD while the layers before them run.
@@ -780,7 +796,7 @@ impl<B: Backend> Model<B> {
                             start,
                             routing: routing_state.as_deref_mut(),
                         };
-                        self.moe(backend, w, i, &x, tokens, experts, &mut in_use)?
+                        self.moe(backend, w, i, &x, tokens, experts, &mut hold)?
                     }
                     Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
                 };
@@ -789,24 +805,34 @@ impl<B: Backend> Model<B> {
             Ok(h)
         })?;
         state.tokens.extend_from_slice(ids);
-        let Some(which) = which else {
+        let out = match which {
             // Wait for the chunk's work before its last layer's records are released.
-            backend.download(&backend.rows(&h, 0, 1))?;
-            return Ok(Vec::new());
+            None => backend.rows(&h, 0, 1),
+            Some(which) => {
+                let h = match which {
+                    Logits::Last => backend.rows(&h, ids.len() - 1, 1),
+                    Logits::All => h,
+                };
+                let y = match &self.head {
+                    Head::Norm(w) => {
+                        backend.rms_norm(&h, Some(w), cfg.hidden_size, cfg.rms_norm_eps, 1.0)
+                    }
+                    Head::Mixer(hc) => self.hyper(backend, hc, &h).0,
+                };
+                backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed))
+            }
         };
-        let h = match which {
-            Logits::Last => backend.rows(&h, ids.len() - 1, 1),
-            Logits::All => h,
-        };
-        let y = match &self.head {
-            Head::Norm(w) => backend.rms_norm(&h, Some(w), cfg.hidden_size, cfg.rms_norm_eps, 1.0),
-            Head::Mixer(hc) => self.hyper(backend, hc, &h).0,
-        };
-        let logits = backend.matmul(&y, self.lm_head.as_ref().unwrap_or(&self.embed));
-        let logits = backend.download(&logits);
-        // The read-back waited for all recorded work: the last layer's records are free.
-        drop(in_use);
-        logits
+        let mut read: Vec<&B::Tensor> = vec![&out];
+        read.extend(hold.routings.iter().map(|(_, r)| r));
+        let mut values = backend.download_many(&read)?.into_iter();
+        let logits = values.next().unwrap_or_default();
+        for ((layer, _), routing) in hold.routings.iter().zip(values) {
+            let routing = Routing::from_device(&routing, cfg.num_experts_per_tok, cfg.num_experts)?;
+            experts.count_lookups(*layer, &routing.distinct());
+        }
+        // The read-back waited for all recorded work: the records are free.
+        drop(hold);
+        Ok(if which.is_some() { logits } else { Vec::new() })
     }
 
     /// The input of a layer's mixer or MLP block read from the residual `h`, and the
@@ -1131,9 +1157,14 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// The MoE block of `layer`. `in_use` holds the previous MoE layer's records: a
+    /// The MoE block of `layer`. `hold.in_use` holds the previous MoE layer's records: a
     /// backend may still be reading them (GPU work runs after it is recorded), so they stay
     /// pinned until this layer's routing read-back has waited for that work.
+    ///
+    /// When the source holds every record of the layer (a pool of every record), a short
+    /// input is routed on the backend instead: the router's top-k stays on the device and
+    /// the backend picks the records from the whole layer, so nothing is read back until
+    /// the step ends; the layer's records stay held until then.
     #[allow(clippy::too_many_arguments)]
     fn moe<'e, E: ExpertSource>(
         &self,
@@ -1143,10 +1174,55 @@ impl<B: Backend> Model<B> {
         x: &B::Tensor,
         tokens: Tokens<'_>,
         experts: &'e E,
-        in_use: &mut Vec<E::Record<'e>>,
+        hold: &mut StepHold<'e, B, E>,
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let logits = backend.matmul(x, &w.router);
+        let resident = if tokens.ids.len() < SWEEP_MIN_TOKENS {
+            experts.resident_layer(layer)
+        } else {
+            None
+        };
+        if let Some(resident) = resident {
+            let k = cfg.num_experts_per_tok;
+            let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
+            let ids = match (&self.routing, tokens.routing) {
+                (Some(model), Some(state)) => {
+                    let mut ids = Vec::with_capacity(tokens.ids.len() * k);
+                    for (t, &token) in tokens.ids.iter().enumerate() {
+                        ids.extend_from_slice(&model.route(
+                            state,
+                            layer,
+                            tokens.start + t as u64,
+                            token,
+                        )?);
+                    }
+                    Some(ids)
+                }
+                _ => None,
+            };
+            let routed = backend.moe_experts_resident(
+                x,
+                &routing,
+                k,
+                ids.as_deref(),
+                &resident.records(),
+                &self.experts.layout,
+            )?;
+            match ids {
+                Some(ids) => {
+                    let mut distinct = ids;
+                    distinct.sort_unstable();
+                    distinct.dedup();
+                    experts.count_lookups(layer, &distinct);
+                }
+                None => hold.routings.push((layer, routing)),
+            }
+            hold.layers.push(resident);
+            let shared = Self::dense_mlp(backend, &w.shared, x);
+            let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
+            return Ok(backend.add(&routed, &shared));
+        }
         let mut routing =
             backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
         if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
@@ -1158,7 +1234,7 @@ impl<B: Backend> Model<B> {
                 slot.copy_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
             }
         }
-        in_use.clear();
+        hold.in_use.clear();
         let distinct = routing.distinct();
         let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
             let mut uses = vec![0u32; distinct.len()];
@@ -1183,7 +1259,7 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         let routed = backend.moe_experts(x, &routing, &records, &self.experts.layout);
-        *in_use = held;
+        hold.in_use = held;
         let shared = Self::dense_mlp(backend, &w.shared, x);
         let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
         Ok(backend.add(&routed, &shared))

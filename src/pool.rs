@@ -24,7 +24,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertSource, HeldRecord, SlotTag};
+use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, SlotTag};
 use crate::io::{read_range, AlignedBuf, IoMode, Reader, ALIGN};
 use crate::pack::PackedRecords;
 
@@ -189,6 +189,9 @@ struct Inner {
     stats: PoolStats,
     trace: Option<Vec<TraceEvent>>,
     token: u64,
+    /// Per layer, the slots of all its experts as [`SlotPool::pin_layer`] last found them
+    /// (checked against the slots before use, so evictions only cost a fresh lookup).
+    layer_slots: HashMap<usize, Vec<usize>>,
 }
 
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
@@ -289,6 +292,7 @@ impl SlotPool {
                 stats,
                 trace: None,
                 token: 0,
+                layer_slots: HashMap::new(),
             }),
             memory,
             stride,
@@ -765,6 +769,89 @@ impl SlotPool {
             .collect()
     }
 
+    /// Every expert record of `layer`, pinned under one lock, when all of them are
+    /// resident (`Ready`) now, as in a pool that holds every record; `None` otherwise.
+    /// Counts no lookups: [`SlotPool::count_hits`] does once the routing is known.
+    pub fn pin_layer(self: &Arc<Self>, layer: usize) -> Option<LayerPin> {
+        let mut inner = self.lock();
+        let experts = self.index.num_experts;
+        let valid = |inner: &Inner, slots: &[usize]| {
+            slots.len() == experts
+                && slots.iter().enumerate().all(|(e, &i)| {
+                    let s = &inner.slots[i];
+                    s.state == State::Ready && s.key == Some((layer as u32, e as u32))
+                })
+        };
+        let slots = match inner.layer_slots.remove(&layer) {
+            Some(slots) if valid(&inner, &slots) => slots,
+            _ => {
+                let slots: Vec<usize> = (0..experts as u32)
+                    .map(|e| inner.map.get(&(layer as u32, e)).copied())
+                    .collect::<Option<_>>()?;
+                if !valid(&inner, &slots) {
+                    return None;
+                }
+                slots
+            }
+        };
+        let n = inner.slots.len();
+        let tags = slots
+            .iter()
+            .map(|&i| {
+                let s = &mut inner.slots[i];
+                s.pins += 1;
+                SlotTag {
+                    pool: self.id,
+                    slot: i,
+                    generation: s.generation,
+                    slots: n,
+                    stride: self.stride,
+                }
+            })
+            .collect();
+        inner.layer_slots.insert(layer, slots);
+        Some(LayerPin {
+            pool: self.clone(),
+            tags,
+            len: self.index.layout.record_bytes,
+        })
+    }
+
+    /// Counts lookups of `experts` of `layer` served from a [`LayerPin`]: hits (or
+    /// prefetches used), per-layer counts and trace events, as [`SlotPool::ensure`] would
+    /// have counted them. Experts not resident are skipped.
+    pub fn count_hits(&self, layer: usize, experts: &[u32]) {
+        let mut inner = self.lock();
+        for &e in experts {
+            let Some(i) = inner.map.get(&(layer as u32, e)).copied() else {
+                continue;
+            };
+            let s = &mut inner.slots[i];
+            s.referenced = true;
+            let prefetched = std::mem::take(&mut s.speculative);
+            inner.stats.hits += 1;
+            if prefetched {
+                inner.stats.prefetches_used += 1;
+            }
+            if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
+                per_layer.hits += 1;
+            }
+            let token = inner.token;
+            if let Some(trace) = inner.trace.as_mut() {
+                trace.push(TraceEvent {
+                    token,
+                    layer: layer as u32,
+                    expert: e,
+                    outcome: if prefetched {
+                        Outcome::Prefetched
+                    } else {
+                        Outcome::Hit
+                    },
+                });
+            }
+        }
+    }
+
     /// A handle on slot `slot`, which the caller has just pinned (the handle unpins it).
     fn slot_record(self: &Arc<Self>, inner: &Inner, slot: usize) -> SlotRecord {
         SlotRecord {
@@ -939,6 +1026,38 @@ impl Drop for SlotRecord {
     }
 }
 
+/// Every expert record of one layer, pinned ([`SlotPool::pin_layer`]); unpins on drop.
+pub struct LayerPin {
+    pool: Arc<SlotPool>,
+    /// In expert order.
+    tags: Vec<SlotTag>,
+    len: usize,
+}
+
+impl LayerRecords for LayerPin {
+    fn records(&self) -> Vec<ExpertRecord<'_>> {
+        self.tags
+            .iter()
+            .map(|t| ExpertRecord {
+                // SAFETY: every slot is pinned and was Ready when pinned, so it is neither
+                // evicted nor rewritten until this pin drops.
+                bytes: unsafe { &self.pool.slot_bytes(t.slot)[..self.len] },
+                slot: Some(*t),
+            })
+            .collect()
+    }
+}
+
+impl Drop for LayerPin {
+    fn drop(&mut self) {
+        let mut inner = self.pool.lock();
+        for t in &self.tags {
+            let s = &mut inner.slots[t.slot];
+            s.pins = s.pins.saturating_sub(1);
+        }
+    }
+}
+
 /// The pool as the model's expert source: `fetch` blocks on `ensure`. Call the forward
 /// pass from a thread that is not one of the runtime's workers (a plain thread or
 /// `spawn_blocking`).
@@ -1087,5 +1206,15 @@ impl ExpertSource for PoolExperts {
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         self.pool.prefetch(layer, experts);
+    }
+
+    fn resident_layer(&self, layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
+        self.pool
+            .pin_layer(layer)
+            .map(|p| Box::new(p) as Box<dyn LayerRecords>)
+    }
+
+    fn count_lookups(&self, layer: usize, experts: &[u32]) {
+        self.pool.count_hits(layer, experts);
     }
 }

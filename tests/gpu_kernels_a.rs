@@ -354,3 +354,48 @@ fn router_top_k_rejects_k_beyond_experts() {
     let logits = gpu.upload(&[0.0; 8], 2, 4);
     assert!(gpu.router_top_k(&logits, 5, true).is_err());
 }
+
+/// Kernel outputs come from a pool of reused buffers: a buffer freed while the dispatches
+/// that read it are still only recorded is handed to the next output at once (wgpu orders
+/// the new writes after the old reads), so results stay exact, and a steady loop creates
+/// no new buffers or bind groups.
+#[test]
+fn reused_output_buffers_keep_results_and_stop_allocating() {
+    let cpu = CpuBackend;
+    let gpu = common::gpu(); // its own device, so other tests do not move its counters
+    let (t, cols) = (3, 1000);
+    let (a, b) = (random(t * cols, -2.0, 2.0), random(t * cols, -2.0, 2.0));
+    let (ca, cb) = (cpu.upload(&a, t, cols), cpu.upload(&b, t, cols));
+    let (ga, gb) = (gpu.upload(&a, t, cols), gpu.upload(&b, t, cols));
+    let (mut cacc, mut gacc) = (cpu.zeros(t, cols), gpu.zeros(t, cols));
+    let mut steady = None;
+    for step in 0..40 {
+        let cy = cpu.add(&ca, &cb);
+        let cz = cpu.swiglu(&cy, &ca);
+        cacc = cpu.add(&cacc, &cz);
+        let gy = gpu.add(&ga, &gb);
+        let gz = gpu.swiglu(&gy, &ga);
+        // gy's buffer returns to the pool before swiglu has run; the next add reuses it.
+        drop(gy);
+        gacc = gpu.add(&gacc, &gz);
+        if step == 10 {
+            steady = Some(gpu.gpu.counters());
+        }
+        if step % 13 == 0 {
+            check(
+                &format!("step {step}"),
+                &gpu.download(&gacc).unwrap(),
+                &cacc.data,
+            );
+        }
+    }
+    check("after 40 steps", &gpu.download(&gacc).unwrap(), &cacc.data);
+    let d = gpu.gpu.counters() - steady.unwrap();
+    assert_eq!(d.dispatches, 29 * 3, "dispatches");
+    // Only the read-backs' staging buffers are new (four downloads after step 10).
+    assert_eq!(d.buffers_created, 4, "buffers created in the steady state");
+    assert_eq!(
+        d.bind_groups_created, 0,
+        "bind groups created in the steady state"
+    );
+}

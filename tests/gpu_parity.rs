@@ -80,7 +80,13 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
         );
 
         let floor = floor_slots(index.num_experts, 8);
-        for placement in [Placement::Unified, Placement::Device] {
+        // Device placement twice: slots copied into the device arenas by the GPU from the
+        // pool's imported memory, and written through staging memory.
+        for (placement, host_copies) in [
+            (Placement::Unified, true),
+            (Placement::Device, true),
+            (Placement::Device, false),
+        ] {
             // The floor twice: a second pool of the same shape must not reuse the first one's mirror.
             for slots in [
                 floor,
@@ -92,15 +98,199 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
                 options.io = IoMode::Direct;
                 let pool =
                     SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+                g.gpu.set_host_copies(host_copies);
                 g.place_pool(&pool, placement)
                     .unwrap_or_else(|e| panic!("{placement:?}: {e}"));
+                g.gpu.set_host_copies(true);
                 let experts = PoolExperts::new(pool);
                 let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
                 assert_eq!(
                     got, r.greedy_ids,
-                    "{name}: {placement:?} pool of {slots} slots"
+                    "{name}: {placement:?} (host copies {host_copies}) pool of {slots} slots"
                 );
             }
         }
+    }
+}
+
+/// With every record resident (loaded before the first step), short steps route on the
+/// device: the top-k ids never come back per layer, only once per step with the logits
+/// (one wait per step), and the logits equal the mapped path's. The lookups are still
+/// counted (all hits, one trace event each) and every pin is released after each step.
+#[test]
+fn gpu_steps_with_every_record_resident_route_on_the_device() {
+    let g = gpu();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    for name in FIXTURES {
+        let r = reference(name);
+        let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
+        let model = Model::load(&ckpt, &g).unwrap();
+        let index = Arc::new(model.experts.clone());
+        let mapped = MappedExperts::new(ckpt.clone(), index.clone());
+        // A short prompt (the last tokens of the fixture's), then its greedy ids one by one.
+        let prompt = &r.prompt_ids[r.prompt_ids.len() - 5..];
+        let steps: Vec<&[u32]> = std::iter::once(prompt)
+            .chain(r.greedy_ids[..12].chunks(1))
+            .collect();
+        let mut state = model.new_state(&g);
+        let want: Vec<Vec<f32>> = steps
+            .iter()
+            .map(|ids| {
+                model
+                    .forward(&g, &mut state, ids, &mapped, Logits::Last)
+                    .unwrap()
+            })
+            .collect();
+        // One arena, then arenas of 7 slots: a layer's records then lie in several arenas
+        // (as a large pool's do on a GPU), and each projection runs once per arena.
+        // Device placement copies slots from the pool's imported memory, or (last) through
+        // staging memory.
+        for (placement, arena_slots, host_copies) in [
+            (Placement::Unified, 0, true),
+            (Placement::Device, 0, true),
+            (Placement::Unified, 7, true),
+            (Placement::Device, 7, true),
+            (Placement::Device, 7, false),
+        ] {
+            let mut options = StreamOptions::with_slots(index.records());
+            options.io = IoMode::Direct;
+            let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+            g.gpu.limit_arenas((arena_slots * pool.stride()) as u64);
+            g.gpu.set_host_copies(host_copies);
+            g.place_pool(&pool, placement).unwrap();
+            g.gpu.limit_arenas(0);
+            g.gpu.set_host_copies(true);
+            let experts = PoolExperts::new(pool.clone());
+            let all: Vec<u32> = (0..index.num_experts as u32).collect();
+            for &layer in &index.moe_layers {
+                drop(experts.fetch(layer, &all).unwrap());
+            }
+            pool.reset_stats();
+            pool.enable_trace();
+            let mut state = model.new_state(&g);
+            for (i, (ids, want)) in steps.iter().zip(&want).enumerate() {
+                let before = g.gpu.counters();
+                let got = model
+                    .forward(&g, &mut state, ids, &experts, Logits::Last)
+                    .unwrap();
+                let waits = (g.gpu.counters() - before).waits;
+                assert_eq!(
+                    waits, 1,
+                    "{name}: {placement:?}, arenas of {arena_slots}: step {i} waited {waits} times"
+                );
+                let e = rel_err(&got, want);
+                assert!(e <= 1e-6, "{name}: {placement:?}, arenas of {arena_slots}: step {i}: relative logit error {e}");
+                assert_eq!(
+                    pool.pinned_slots(),
+                    0,
+                    "{name}: {placement:?}: pins left after step {i}"
+                );
+            }
+            let st = pool.stats();
+            let trace = pool.take_trace();
+            assert_eq!(st.misses, 0, "{name}: {placement:?}");
+            assert_eq!(st.hits as usize, trace.len(), "{name}: {placement:?}");
+            let k = model.config.num_experts_per_tok;
+            // Each step routes k distinct experts per token and MoE layer.
+            let least = steps.len() * index.moe_layers.len() * k;
+            assert!(
+                trace.len() >= least,
+                "{name}: {placement:?}: {} lookups, fewer than {least}",
+                trace.len()
+            );
+            assert!(trace
+                .iter()
+                .all(|t| (t.expert as usize) < index.num_experts));
+        }
+    }
+}
+
+/// The same with a synthetic routing model (as `slotstream bench` runs): its ids go to the
+/// device with the layer's step, and the logits equal the mapped path's.
+#[test]
+fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
+    use slotstream::config::Family;
+    use slotstream::routing_model::RoutingParams;
+    use slotstream::synth::{write_checkpoint_with, Preset};
+    const TINY: Preset = Preset {
+        name: "tiny",
+        family: Family::Qwen3Next,
+        hidden: 128,
+        layers: 4,
+        vocab: 320,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 64,
+        linear_key_heads: 2,
+        linear_value_heads: 4,
+        linear_head_dim: 32,
+        experts: 32,
+        top_k: 4,
+        intermediate: 64,
+        group_size: 64,
+        rope_theta: 1e7,
+    };
+    let g = gpu();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let params = RoutingParams {
+        seed: rand::random(),
+        ..RoutingParams::calibrated()
+    };
+    write_checkpoint_with(dir.path(), &TINY, TINY.layers, false, Some(&params)).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let model = Model::load(&ckpt, &g).unwrap();
+    assert!(model.routing.is_some());
+    let index = Arc::new(model.experts.clone());
+    let mapped = MappedExperts::new(ckpt.clone(), index.clone());
+    for placement in [Placement::Unified, Placement::Device] {
+        let pool = SlotPool::open(
+            &ckpt,
+            index.clone(),
+            StreamOptions::with_slots(index.records()),
+            rt.handle().clone(),
+        )
+        .unwrap();
+        g.place_pool(&pool, placement).unwrap();
+        let experts = PoolExperts::new(pool.clone());
+        let all: Vec<u32> = (0..TINY.experts as u32).collect();
+        for &layer in &index.moe_layers {
+            drop(experts.fetch(layer, &all).unwrap());
+        }
+        pool.reset_stats();
+        let (mut s1, mut s2) = (model.new_state(&g), model.new_state(&g));
+        let steps: Vec<Vec<u32>> = std::iter::once(vec![10, 200, 33, 33, 7])
+            .chain((0..8).map(|i| vec![i * 41 % 300]))
+            .collect();
+        for (i, ids) in steps.iter().enumerate() {
+            let before = g.gpu.counters();
+            let a = model
+                .forward(&g, &mut s1, ids, &experts, Logits::Last)
+                .unwrap();
+            assert_eq!(
+                (g.gpu.counters() - before).waits,
+                1,
+                "{placement:?}: step {i}"
+            );
+            let b = model
+                .forward(&g, &mut s2, ids, &mapped, Logits::Last)
+                .unwrap();
+            let e = rel_err(&a, &b);
+            assert!(
+                e <= 1e-6,
+                "seed {}: {placement:?}: step {i}: relative logit error {e}",
+                params.seed
+            );
+        }
+        assert_eq!(pool.stats().misses, 0);
+        assert_eq!(pool.pinned_slots(), 0);
     }
 }

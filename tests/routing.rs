@@ -227,3 +227,75 @@ fn calibration_command_reports_the_figures() {
         model.trace(&(0..8).collect::<Vec<_>>(), 40).unwrap()
     );
 }
+
+/// With every record resident (loaded before the first step), steps route through
+/// `ExpertSource::resident_layer` (no per-layer lookups): the logits still equal the mapped
+/// checkpoint's and the trace still shows exactly the routing model's ids, all hits.
+#[test]
+fn every_record_resident_counts_the_routing_models_ids() {
+    use slotstream::experts::ExpertSource;
+    let seed: u64 = rand::random();
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, model) = write(dir.path(), Some(&params(seed)));
+    let routing = model.routing.as_ref().unwrap();
+    let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+    let rt = runtime();
+    let index = Arc::new(model.experts.clone());
+    let pool = SlotPool::open(
+        &ckpt,
+        index.clone(),
+        StreamOptions::with_slots(index.records()),
+        rt.handle().clone(),
+    )
+    .unwrap();
+    let pooled = PoolExperts::new(pool.clone());
+    let all: Vec<u32> = (0..TINY.experts as u32).collect();
+    for &layer in &index.moe_layers {
+        drop(pooled.fetch(layer, &all).unwrap());
+    }
+    pool.reset_stats();
+    pool.enable_trace();
+    let (mut s1, mut s2) = (model.new_state(&CpuBackend), model.new_state(&CpuBackend));
+    let mut want_ids = Vec::new();
+    let mut state = routing.new_state();
+    let steps: Vec<Vec<u32>> = std::iter::once(PROMPT.to_vec())
+        .chain((0..8).map(|i| vec![(i * 41 % 300) as u32]))
+        .collect();
+    let mut pos = 0u64;
+    for ids in &steps {
+        let a = model
+            .forward(&CpuBackend, &mut s1, ids, &pooled, Logits::Last)
+            .unwrap();
+        let b = model
+            .forward(&CpuBackend, &mut s2, ids, &mapped, Logits::Last)
+            .unwrap();
+        assert!(a == b, "seed {seed}: logits differ");
+        // The routing model routes position by position, layer by layer within a position.
+        let mut per_layer = vec![std::collections::BTreeSet::new(); TINY.layers];
+        for (t, &id) in ids.iter().enumerate() {
+            for (l, set) in per_layer.iter_mut().enumerate() {
+                set.extend(routing.route(&mut state, l, pos + t as u64, id).unwrap());
+            }
+        }
+        pos += ids.len() as u64;
+        want_ids.push(per_layer);
+    }
+    let trace = pool.take_trace();
+    assert!(trace
+        .iter()
+        .all(|e| e.outcome == slotstream::pool::Outcome::Hit));
+    let tokens: std::collections::BTreeSet<u64> = trace.iter().map(|e| e.token).collect();
+    assert_eq!(tokens.len(), steps.len(), "seed {seed}");
+    for (step, (token, want)) in tokens.iter().zip(&want_ids).enumerate() {
+        for (l, want) in want.iter().enumerate() {
+            let got: std::collections::BTreeSet<u32> = trace
+                .iter()
+                .filter(|e| e.token == *token && e.layer as usize == l)
+                .map(|e| e.expert)
+                .collect();
+            assert_eq!(&got, want, "seed {seed}: step {step}, layer {l}");
+        }
+    }
+    assert_eq!(pool.stats().misses, 0);
+    assert_eq!(pool.pinned_slots(), 0);
+}

@@ -7,6 +7,12 @@
 //   1: act  - f32 activations (x for matmuls, y for the expert combine)
 //   2: w    - u32 weights: packed words, scales and biases (or a slot arena)
 //   3: aux  - u32 side data: route table, token ids, or routing weights (f32 bits)
+//
+// Routed matmuls read each route's record base and input row from `aux`: either a table
+// built on the host, (base, token) per route and all of them computed (routed = 1), or
+// one resolved on the device by `moe_routes` (router.wgsl), (arena, base, token, 0) per
+// route, of which a dispatch computes only the routes whose records lie in the arena it
+// binds (`p.arena`), the input row being the token (routed = 2) or the route (3).
 //   4: out  - f32 output
 
 struct Params {
@@ -18,10 +24,10 @@ struct Params {
     w_off: u32,       // packed words start (u32 index), relative to the record base
     s_off: u32,       // scales start (elements of scale_dtype), relative to the record base
     b_off: u32,       // biases start (elements of scale_dtype), relative to the record base
-    routed: u32,      // 1: workgroup z indexes the route table in aux, 0: z is the token
+    routed: u32,      // 0: z is the token; 1, 2, 3: z is a route of the table in aux (above)
     k: u32,           // experts per token (combine)
     tokens: u32,
-    _pad: u32,
+    arena: u32,       // routed 2, 3: the arena bound at binding 2
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -81,13 +87,19 @@ fn elems_per_word() -> u32 {
     return select(2u, 1u, p.scale_dtype == 0u);
 }
 
-// The record base (u32 words) and input row of workgroup z: from the route table when
-// routed, else the resident weight (base 0) and token z.
-fn route_of(z: u32) -> vec2<u32> {
+// The record base (u32 words) and input row of workgroup z, and whether this dispatch
+// computes it (1): from the route table when routed, else the resident weight (base 0)
+// and token z.
+fn route_of(z: u32) -> vec3<u32> {
     if (p.routed == 1u) {
-        return vec2<u32>(aux[z * 2u], aux[z * 2u + 1u]);
+        return vec3<u32>(aux[z * 2u], aux[z * 2u + 1u], 1u);
     }
-    return vec2<u32>(0u, z);
+    if (p.routed >= 2u) {
+        let e = z * 4u;
+        let row = select(aux[e + 2u], z, p.routed == 3u);
+        return vec3<u32>(aux[e + 1u], row, select(0u, 1u, aux[e] == p.arena));
+    }
+    return vec3<u32>(0u, z, 1u);
 }
 
 // y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS rows per workgroup, LANES lanes per
@@ -103,8 +115,9 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     let r = route_of(z);
     let base = r.x;
     let t = r.y;
+    let computed = r.z == 1u;
     var acc = 0.0;
-    if (row < p.rows) {
+    if (row < p.rows && computed) {
         let per_word = 32u / p.bits;
         let words_per_row = p.cols / per_word;
         let groups = p.cols / p.group_size;
@@ -128,7 +141,7 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
         }
     }
     let total = row_sum(li, lane, acc);
-    if (lane == 0u && row < p.rows) {
+    if (lane == 0u && row < p.rows && computed) {
         out[z * p.rows + row] = total;
     }
 }
@@ -165,8 +178,9 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     let r = route_of(z);
     let base = r.x;
     let t = r.y;
+    let computed = r.z == 1u;
     var acc = 0.0;
-    if (row < p.rows) {
+    if (row < p.rows && computed) {
         let vecs_per_row = p.cols / 32u;
         let groups = p.cols / p.group_size;
         let v0 = (base + p.w_off) / 4u + row * vecs_per_row;
@@ -192,7 +206,7 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
         }
     }
     let total = row_sum(li, lane, acc);
-    if (lane == 0u && row < p.rows) {
+    if (lane == 0u && row < p.rows && computed) {
         out[z * p.rows + row] = total;
     }
 }
@@ -235,7 +249,8 @@ fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: v
     }
 }
 
-// out[t, d] = sum_j weight[t, j] * y[t * k + j, d], weights as f32 bits in aux.
+// out[t, d] = sum_j weight[t, j] * y[t * k + j, d], weights as f32 bits in aux from word
+// p.w_off.
 @compute @workgroup_size(256)
 fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = gid.x + gid.y * nwg.x * 256u;
@@ -247,7 +262,7 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
     var acc = 0.0;
     for (var j = 0u; j < p.k; j++) {
         let r = t * p.k + j;
-        acc += bitcast<f32>(aux[r]) * act[r * p.rows + d];
+        acc += bitcast<f32>(aux[p.w_off + r]) * act[r * p.rows + d];
     }
     out[i] = acc;
 }

@@ -8,6 +8,9 @@
 // number of experts works.
 //
 // Output (u32 words): ids [T, k], then the weights [T, k] as f32 bits.
+//
+// `moe_routes` turns such ids into the route table of the routed-expert matmuls
+// (quant.wgsl, routed = 2 and 3) when the routing stays on the device.
 
 struct Params {
     tokens: u32,
@@ -133,4 +136,23 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             out[weights + o + r] = bitcast<u32>(picked_p[r] / norm);
         }
     }
+}
+
+// moe_routes: per route r < tokens * k, (arena, base, token, 0) of expert ids[r] from the
+// layer's table of (arena, record base in u32 words) per expert. An id beyond the table is
+// clamped to the last expert (the host checks the ids when it reads them back).
+@group(0) @binding(1) var<storage, read> route_ids: array<u32>;
+@group(0) @binding(3) var<storage, read> expert_table: array<u32>;
+
+@compute @workgroup_size(64)
+fn moe_routes(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let r = gid.x + gid.y * nwg.x * 64u;
+    if (r >= p.tokens * p.k) {
+        return;
+    }
+    let e = min(route_ids[r], p.experts - 1u);
+    out[r * 4u] = expert_table[e * 2u];
+    out[r * 4u + 1u] = expert_table[e * 2u + 1u];
+    out[r * 4u + 2u] = r / p.k;
+    out[r * 4u + 3u] = 0u;
 }

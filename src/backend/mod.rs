@@ -13,7 +13,7 @@ pub use quant::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 
 /// A compute backend chosen at run time.
@@ -165,6 +165,38 @@ impl Routing {
         ids.sort_unstable();
         ids.dedup();
         ids
+    }
+
+    /// The routing in a [`Backend::router_top_k_device`] tensor's values: `n` ids (u32
+    /// bits) then `n` weights. Errors: an odd length, or an id not below `experts`.
+    pub fn from_device(values: &[f32], top_k: usize, experts: usize) -> Result<Routing> {
+        if !values.len().is_multiple_of(2) {
+            return Err(Error::Internal(format!(
+                "a device routing of {} values",
+                values.len()
+            )));
+        }
+        let n = values.len() / 2;
+        let ids: Vec<u32> = values[..n].iter().map(|v| v.to_bits()).collect();
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= experts) {
+            return Err(Error::Gpu(format!(
+                "router: the device chose expert id {bad} of {experts}"
+            )));
+        }
+        Ok(Routing {
+            top_k,
+            ids,
+            weights: values[n..].to_vec(),
+        })
+    }
+
+    /// This routing as a [`Backend::router_top_k_device`] tensor's values.
+    pub fn to_device(&self) -> Vec<f32> {
+        self.ids
+            .iter()
+            .map(|&id| f32::from_bits(id))
+            .chain(self.weights.iter().copied())
+            .collect()
     }
 }
 
@@ -364,4 +396,64 @@ pub trait Backend: Send + Sync {
         records: &[ExpertRecord<'_>],
         layout: &RecordLayout,
     ) -> Self::Tensor;
+
+    /// [`Backend::router_top_k`] whose result stays on the backend, for
+    /// [`Backend::moe_experts_resident`]: a `[1, 2 * T * k]` tensor of the ids `[T, k]` (as
+    /// u32 bits) then the weights `[T, k]` ([`Routing::from_device`] reads it). Nothing is
+    /// read back. The default computes [`Backend::router_top_k`] and uploads it.
+    /// Errors: as [`Backend::router_top_k`].
+    fn router_top_k_device(
+        &self,
+        logits: &Self::Tensor,
+        k: usize,
+        renormalize: bool,
+    ) -> Result<Self::Tensor> {
+        let routing = self.router_top_k(logits, k, renormalize)?;
+        let values = routing.to_device();
+        Ok(self.upload(&values, 1, values.len()))
+    }
+
+    /// [`Backend::moe_experts`] when every record of the layer is at hand: `layer[e]` is
+    /// expert `e`'s record. The weights come from `routing` (a
+    /// [`Backend::router_top_k_device`] tensor), the ids from `ids` (`[T, k]`, e.g. a
+    /// synthetic routing model's) or else from `routing`, so a backend can route without
+    /// reading anything back. The default reads the routing back and calls
+    /// [`Backend::moe_experts`]. Errors: a failed read-back, an id beyond `layer`.
+    fn moe_experts_resident(
+        &self,
+        x: &Self::Tensor,
+        routing: &Self::Tensor,
+        k: usize,
+        ids: Option<&[u32]>,
+        layer: &[ExpertRecord<'_>],
+        layout: &RecordLayout,
+    ) -> Result<Self::Tensor> {
+        let mut r = Routing::from_device(&self.download(routing)?, k, layer.len())?;
+        if let Some(ids) = ids {
+            if ids.len() != r.ids.len() || ids.iter().any(|&id| id as usize >= layer.len()) {
+                return Err(Error::InvalidInput(format!(
+                    "{} routed ids (for {} routes) with a layer of {} experts",
+                    ids.len(),
+                    r.ids.len(),
+                    layer.len()
+                )));
+            }
+            r.ids.copy_from_slice(ids);
+        }
+        let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
+        Ok(self.moe_experts(x, &r, &records, layout))
+    }
+
+    /// Gets records that will be computed from soon ready where the backend reads them
+    /// (a GPU copies pool slots into its device arenas); the default does nothing.
+    /// Errors: a lost device.
+    fn prepare_records(&self, _records: &[ExpertRecord<'_>]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Reads several tensors back (a backend may wait for the device once for all).
+    /// Errors: a lost device.
+    fn download_many(&self, tensors: &[&Self::Tensor]) -> Result<Vec<Vec<f32>>> {
+        tensors.iter().map(|t| self.download(t)).collect()
+    }
 }

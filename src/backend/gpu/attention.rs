@@ -11,7 +11,7 @@
 //! tiles (decode over a long context), its positions are split over more workgroups and
 //! the partial outputs summed by a fourth kernel.
 
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, Access, Bind, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
 use crate::backend::{AttnDims, KeyMask};
 
@@ -84,13 +84,16 @@ pub(super) fn rope(
         .into_iter()
         .flat_map(|(cos, sin)| [cos, sin])
         .collect();
-    let table = b.gpu.buffer_with(bytemuck::cast_slice(&table));
     // The whole `Params` block of the shader, of which rope reads the first 4 words.
     let mut params = [0u32; PARAMS];
     params[..4].copy_from_slice(&[n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32]);
     let [gx, gy] = grid(n.div_ceil(256) as u32);
-    b.gpu
-        .dispatch(&ROPE, &params, &[&out.buf, &x.buf, &table], [gx, gy, 1]);
+    let binds = [
+        Bind::Buffer(&out.buf),
+        Bind::Buffer(&x.buf),
+        Bind::Data(bytemuck::cast_slice(&table)),
+    ];
+    b.gpu.dispatch_with(&ROPE, &params, &binds, [gx, gy, 1]);
     out
 }
 
@@ -190,7 +193,7 @@ pub(super) fn attention(
     let budget = SCRATCH_BYTES.min(max_binding(b));
     let row_scores = (q_heads * total * 4) as u64;
     let chunk = ((budget / row_scores) as usize).clamp(1, t_len);
-    let scratch = b.gpu.zeroed(chunk as u64 * row_scores);
+    let scratch = b.gpu.scratch_zeroed(chunk as u64 * row_scores);
     // The softmax reads the mask's words as f32 bit patterns; without a mask it reads
     // nothing, and a 4-byte buffer fills the binding (scratch may not: it is bound
     // read-write in the same dispatch).
@@ -272,7 +275,7 @@ pub(super) fn attention(
             );
         } else {
             let n = tc * q.cols;
-            let partials = b.gpu.buffer((splits * n * 4) as u64);
+            let partials = b.gpu.scratch((splits * n * 4) as u64);
             params[0] = n as u32;
             params[12] = 0;
             params[15] = n as u32;

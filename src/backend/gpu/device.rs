@@ -10,11 +10,17 @@
 //!   in chunks (`model::PREFILL_CHUNK`).
 //! - The uniform block passed must be at least as long as the shader's `Params` struct
 //!   (it is padded to 16 bytes, not to the struct).
-//! - Dispatches are recorded into one pending command encoder and submitted together at
-//!   the next read-back ([`Gpu::flush`]), so a token costs few submissions. Their uniform
-//!   blocks go into one buffer at aligned offsets, uploaded at submission.
+//! - Dispatches are recorded into one compute pass of one pending command encoder, which is
+//!   submitted at the next read-back ([`Gpu::flush`]) or every [`SUBMIT_EVERY`] dispatches
+//!   (so the device starts on a long step while the host still records it). Their uniform
+//!   blocks go into one ring buffer at aligned offsets, bound through a dynamic offset, and
+//!   small per-dispatch storage data ([`Bind::Data`]: route tables, ids, RoPE angles) into a
+//!   second ring; both are uploaded at submission.
+//! - Bind groups are cached by kernel and buffers, and kernel outputs come from a pool of
+//!   reusable buffers ([`DeviceBuffer`]), so a decode step creates almost no wgpu objects.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use wgpu::util::DeviceExt;
@@ -189,18 +195,223 @@ pub struct Gpu {
     /// uploaded just before the encoder is submitted (one buffer instead of one each).
     uniforms: wgpu::Buffer,
     uniform_stride: usize,
+    /// [`Bind::Data`] of the recorded dispatches, uploaded like the uniform blocks.
+    data: wgpu::Buffer,
+    data_align: usize,
+    /// Bind groups by kernel and bound buffer ranges (the uniform ring is bound through a
+    /// dynamic offset, so it is not part of the key).
+    bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+    /// Free kernel-output buffers ([`Gpu::scratch`]).
+    pool: Arc<BufferPool>,
+    /// A NaN-filled buffer copied over reused outputs when poisoning.
+    poison_source: Mutex<Option<wgpu::Buffer>>,
+    /// Dispatches recorded before a submission is forced.
+    submit_every: usize,
+    counters: Counters,
+    /// Most bytes of one slot arena (0: only the device's limits), see [`Gpu::limit_arenas`].
+    arena_bytes: AtomicU64,
+    /// How long a wait for the device polls before it blocks ([`Gpu::wait`]).
+    spin: std::time::Duration,
+    /// Whether device placement copies slots from imported host memory (see
+    /// [`Gpu::set_host_copies`]).
+    host_copies: std::sync::atomic::AtomicBool,
 }
 
 /// Bytes of [`Gpu::uniforms`]: 16,384 dispatches at the usual 256-byte alignment before a
 /// submission is forced.
 const UNIFORM_RING: u64 = 4 << 20;
+/// Bytes of [`Gpu::data`]; a [`Bind::Data`] beyond what is left goes into a buffer of its own.
+const DATA_RING: u64 = 4 << 20;
+/// Microseconds a wait polls the device before blocking, on GPUs that are not CPU
+/// emulations (`SLOTSTREAM_GPU_SPIN_US` overrides; 0 always blocks): a blocking wait can
+/// take far longer to wake up than a short step takes to finish.
+const SPIN_US: u64 = 20_000;
+/// Default number of dispatches recorded before they are submitted without waiting
+/// (`SLOTSTREAM_GPU_SUBMIT_EVERY` overrides; 0 submits only at read-backs and writes).
+pub const SUBMIT_EVERY: usize = 64;
+/// Cached bind groups kept before the cache is emptied (entries hold their buffers alive).
+const BIND_GROUP_CACHE: usize = 8192;
+/// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
+const POOL_FREE_BYTES: u64 = 1 << 30;
 
 /// What has been recorded and not yet submitted.
 #[derive(Default)]
 struct Recording {
+    /// The open compute pass of `encoder` (ended before copies and at submission; declared
+    /// first so that it is also dropped before the encoder).
+    pass: Option<wgpu::ComputePass<'static>>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Uniform blocks of the recorded dispatches, in [`Gpu::uniforms`]' layout.
     uniforms: Vec<u8>,
+    /// Staged [`Bind::Data`] bytes, in [`Gpu::data`]'s layout.
+    data: Vec<u8>,
+    dispatches: usize,
+}
+
+impl Recording {
+    /// The encoder with no pass open, for copies and clears.
+    fn encoder(&mut self, device: &wgpu::Device) -> &mut wgpu::CommandEncoder {
+        // Ending the pass (dropping it) unlocks the encoder.
+        self.pass = None;
+        self.encoder
+            .get_or_insert_with(|| device.create_command_encoder(&Default::default()))
+    }
+}
+
+/// A storage binding of a dispatch (after the uniform block at binding 0).
+#[derive(Clone, Copy, Debug)]
+pub enum Bind<'a> {
+    /// A whole buffer.
+    Buffer(&'a wgpu::Buffer),
+    /// Small bytes for this dispatch alone (padded to 4-byte words), staged in a ring
+    /// buffer uploaded at submission instead of a buffer of their own. At most one per
+    /// dispatch may be bound read-write.
+    Data(&'a [u8]),
+}
+
+impl<'a> From<&'a wgpu::Buffer> for Bind<'a> {
+    fn from(b: &'a wgpu::Buffer) -> Self {
+        Bind::Buffer(b)
+    }
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct BindKey {
+    kernel: (&'static str, &'static str),
+    /// (buffer, offset, size) per storage binding.
+    buffers: Vec<(wgpu::Buffer, u64, u64)>,
+}
+
+/// Counts of what the device was asked to do (see [`Gpu::counters`]).
+#[derive(Default)]
+struct Counters {
+    dispatches: AtomicU64,
+    submits: AtomicU64,
+    waits: AtomicU64,
+    buffers_created: AtomicU64,
+    bind_groups_created: AtomicU64,
+    wait_ns: AtomicU64,
+    write_bytes: AtomicU64,
+}
+
+/// A snapshot of [`Gpu`]'s counters since it was opened, for profiles.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuCounters {
+    pub dispatches: u64,
+    pub submits: u64,
+    /// Waits for the device (read-backs and syncs).
+    pub waits: u64,
+    /// wgpu buffers created (kernel outputs the pool could not serve, uploads, read-back
+    /// staging).
+    pub buffers_created: u64,
+    pub bind_groups_created: u64,
+    /// Nanoseconds spent waiting for the device.
+    pub wait_ns: u64,
+    /// Bytes written through the queue ([`Gpu::write`]).
+    pub write_bytes: u64,
+}
+
+impl std::ops::Sub for GpuCounters {
+    type Output = GpuCounters;
+    fn sub(self, o: GpuCounters) -> GpuCounters {
+        GpuCounters {
+            dispatches: self.dispatches - o.dispatches,
+            submits: self.submits - o.submits,
+            waits: self.waits - o.waits,
+            buffers_created: self.buffers_created - o.buffers_created,
+            bind_groups_created: self.bind_groups_created - o.bind_groups_created,
+            wait_ns: self.wait_ns - o.wait_ns,
+            write_bytes: self.write_bytes - o.write_bytes,
+        }
+    }
+}
+
+/// Free kernel-output buffers by size class.
+///
+/// Why reuse is safe without waiting for the device: a buffer comes back here when the
+/// last tensor holding it is dropped, which can happen while dispatches that read or write
+/// it are recorded but not yet executed (or not even submitted). Its next user records its
+/// own dispatches (or copies) later on the same queue, and wgpu orders every use of a
+/// buffer on a queue: within a command encoder it inserts a barrier before each dispatch
+/// whose use of a buffer conflicts with an earlier one (read then write, write then write,
+/// write then read; compute passes track usage per dispatch), and across submissions it
+/// transitions buffers from their last state at the start of each submission. So the new
+/// writer's dispatch runs only after the old readers have finished, just as if the buffer
+/// were new. The only writes that bypass the encoder are `queue.write_buffer` ones, which
+/// land before the *next* submission's commands; [`Gpu::write`] therefore submits
+/// everything recorded first, and kernel outputs are never written that way.
+#[derive(Default)]
+pub struct BufferPool {
+    free: Mutex<FreeLists>,
+}
+
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BufferPool")
+    }
+}
+
+#[derive(Default)]
+struct FreeLists {
+    by_size: HashMap<u64, Vec<wgpu::Buffer>>,
+    bytes: u64,
+}
+
+/// Size class of a request of `len` bytes: 256 bytes at least, then eight classes per
+/// power of two, so buffers of slightly different lengths (a growing context) share one.
+fn size_class(len: u64) -> u64 {
+    let len = len.max(256);
+    let step = (len.next_power_of_two() / 8).max(256);
+    len.next_multiple_of(step)
+}
+
+impl BufferPool {
+    fn take(&self, size: u64) -> Option<wgpu::Buffer> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let buf = free.by_size.get_mut(&size)?.pop()?;
+        free.bytes -= size;
+        Some(buf)
+    }
+
+    fn put(&self, buf: wgpu::Buffer) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let size = buf.size();
+        if free.bytes + size > POOL_FREE_BYTES {
+            return; // destroyed when dropped here
+        }
+        free.bytes += size;
+        free.by_size.entry(size).or_default().push(buf);
+    }
+}
+
+/// A storage buffer that goes back to its [`BufferPool`] when dropped (or a plain one, for
+/// uploads). Derefs to the `wgpu::Buffer`, which may be longer than asked for.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    buf: wgpu::Buffer,
+    pool: Option<Arc<BufferPool>>,
+}
+
+impl DeviceBuffer {
+    /// A buffer that is simply dropped at the end (not pooled).
+    pub fn plain(buf: wgpu::Buffer) -> Self {
+        DeviceBuffer { buf, pool: None }
+    }
+}
+
+impl std::ops::Deref for DeviceBuffer {
+    type Target = wgpu::Buffer;
+    fn deref(&self) -> &wgpu::Buffer {
+        &self.buf
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.put(self.buf.clone());
+        }
+    }
 }
 
 impl Gpu {
@@ -263,8 +474,27 @@ impl Gpu {
             mapped_at_creation: false,
         });
         let uniform_stride = (limits.min_uniform_buffer_offset_alignment as usize).max(256);
+        let data = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("dispatch data"),
+            size: DATA_RING,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let data_align = (limits.min_storage_buffer_offset_alignment as usize).max(16);
+        let submit_every = std::env::var("SLOTSTREAM_GPU_SUBMIT_EVERY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(SUBMIT_EVERY);
         let summary = summarize(&adapter);
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, "GPU opened");
+        let spin_us = std::env::var("SLOTSTREAM_GPU_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(if summary.device_type == "Cpu" {
+                0
+            } else {
+                SPIN_US
+            });
+        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, "GPU opened");
         Ok(Gpu {
             device,
             queue,
@@ -277,7 +507,104 @@ impl Gpu {
             recording: Mutex::default(),
             uniforms,
             uniform_stride,
+            data,
+            data_align,
+            bind_groups: Mutex::default(),
+            pool: Arc::default(),
+            poison_source: Mutex::default(),
+            submit_every,
+            counters: Counters::default(),
+            arena_bytes: AtomicU64::new(0),
+            spin: std::time::Duration::from_micros(spin_us),
+            host_copies: std::sync::atomic::AtomicBool::new(
+                host_import && std::env::var("SLOTSTREAM_GPU_HOST_COPY").map_or(true, |v| v != "0"),
+            ),
         })
+    }
+
+    /// Whether pools attached with device placement from now on have their slots copied
+    /// into the device arenas by the GPU from the pool's memory imported as buffers (the
+    /// default where host memory can be imported; `SLOTSTREAM_GPU_HOST_COPY=0` turns it
+    /// off) rather than written through `queue.write_buffer`'s staging copy.
+    pub fn set_host_copies(&self, on: bool) {
+        self.host_copies
+            .store(on && self.host_import, Ordering::Relaxed);
+    }
+
+    /// See [`Gpu::set_host_copies`].
+    pub fn host_copies(&self) -> bool {
+        self.host_copies.load(Ordering::Relaxed)
+    }
+
+    /// Waits until the device has finished every submission (and run the callbacks of
+    /// the finished work): polls for up to the spin time, then blocks.
+    /// Errors: a lost device.
+    pub fn wait(&self) -> Result<()> {
+        let start = std::time::Instant::now();
+        Self::count(&self.counters.waits);
+        let lost = |e: wgpu::PollError| Error::Gpu(format!("waiting for the device: {e}"));
+        let mut done = false;
+        while !done && start.elapsed() < self.spin {
+            done = self
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(lost)?
+                .is_queue_empty();
+            if !done {
+                std::hint::spin_loop();
+            }
+        }
+        if !done {
+            self.device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: None,
+                    timeout: None,
+                })
+                .map_err(lost)?;
+        }
+        self.counters
+            .wait_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Caps the bytes of each slot arena of pools attached from now on (0: no cap), so
+    /// tests can spread a small pool over several arenas as a large one is on a GPU.
+    pub fn limit_arenas(&self, bytes: u64) {
+        self.arena_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Drops every cached bind group, so buffers that only they still reference (a replaced
+    /// pool mirror's arenas) are freed.
+    pub fn forget_bind_groups(&self) {
+        self.bind_groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// The cap set by [`Gpu::limit_arenas`] (0: none).
+    pub fn arena_limit(&self) -> u64 {
+        self.arena_bytes.load(Ordering::Relaxed)
+    }
+
+    /// What the device was asked to do since it was opened.
+    pub fn counters(&self) -> GpuCounters {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        GpuCounters {
+            dispatches: get(&c.dispatches),
+            submits: get(&c.submits),
+            waits: get(&c.waits),
+            buffers_created: get(&c.buffers_created),
+            bind_groups_created: get(&c.bind_groups_created),
+            wait_ns: get(&c.wait_ns),
+            write_bytes: get(&c.write_bytes),
+        }
+    }
+
+    fn count(a: &AtomicU64) {
+        a.fetch_add(1, Ordering::Relaxed);
     }
 
     fn pipeline(&self, k: &Kernel) -> Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)> {
@@ -301,7 +628,7 @@ impl Gpu {
                     visibility: wgpu::ShaderStages::COMPUTE,
                     ty: wgpu::BindingType::Buffer {
                         ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: false,
+                        has_dynamic_offset: true,
                         min_binding_size: None,
                     },
                     count: None,
@@ -346,16 +673,23 @@ impl Gpu {
         self.recording.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Uploads the recorded uniform blocks and submits the encoder.
+    /// Uploads the recorded uniform blocks and data and submits the encoder.
     fn submit(&self, rec: &mut Recording) {
+        rec.pass = None;
         if let Some(enc) = rec.encoder.take() {
+            // Queued before this submission's commands and after the previous
+            // submissions' (wgpu orders the writes after their reads of the buffers).
             if !rec.uniforms.is_empty() {
-                // Queued before this submission's commands and after the previous
-                // submissions' (wgpu orders the write after their reads of the buffer).
                 self.queue.write_buffer(&self.uniforms, 0, &rec.uniforms);
                 rec.uniforms.clear();
             }
+            if !rec.data.is_empty() {
+                self.queue.write_buffer(&self.data, 0, &rec.data);
+                rec.data.clear();
+            }
+            rec.dispatches = 0;
             self.queue.submit([enc.finish()]);
+            Self::count(&self.counters.submits);
         }
     }
 
@@ -368,8 +702,14 @@ impl Gpu {
         buffers: &[&wgpu::Buffer],
         groups: [u32; 3],
     ) {
+        let binds: Vec<Bind<'_>> = buffers.iter().map(|&b| Bind::Buffer(b)).collect();
+        self.dispatch_with(k, params, &binds, groups);
+    }
+
+    /// [`Gpu::dispatch`] with bindings that may be staged data ([`Bind::Data`]).
+    pub fn dispatch_with(&self, k: &Kernel, params: &[u32], binds: &[Bind<'_>], groups: [u32; 3]) {
         debug_assert_eq!(
-            buffers.len(),
+            binds.len(),
             k.bindings.len(),
             "{}::{} bindings",
             k.file,
@@ -386,42 +726,111 @@ impl Gpu {
             k.file,
             k.entry
         );
+        let staged: usize = binds
+            .iter()
+            .map(|b| match b {
+                Bind::Data(d) => d.len().next_multiple_of(self.data_align),
+                Bind::Buffer(_) => 0,
+            })
+            .sum();
+        let ring = staged <= DATA_RING as usize;
         let mut rec = self.recording();
-        if rec.uniforms.len() + self.uniform_stride > UNIFORM_RING as usize {
+        if rec.uniforms.len() + self.uniform_stride > UNIFORM_RING as usize
+            || (ring && rec.data.len() + staged > DATA_RING as usize)
+        {
             self.submit(&mut rec);
+        }
+        // Staged data goes into the ring when all of it fits; it is written at the
+        // submission that also carries this dispatch (both are recorded under one lock),
+        // so no later submission can overwrite it first. Otherwise each piece gets a
+        // buffer of its own.
+        let mut own = false;
+        let mut ranges = Vec::with_capacity(binds.len());
+        for b in binds {
+            match *b {
+                Bind::Buffer(buf) => ranges.push((buf.clone(), 0, buf.size())),
+                Bind::Data(bytes) => {
+                    let len = bytes.len().next_multiple_of(4).max(4);
+                    if ring {
+                        let at = rec.data.len();
+                        rec.data.extend_from_slice(bytes);
+                        rec.data
+                            .resize(at + len.next_multiple_of(self.data_align), 0);
+                        ranges.push((self.data.clone(), at as u64, len as u64));
+                    } else {
+                        own = true;
+                        ranges.push((self.buffer_with(bytes), 0, len as u64));
+                    }
+                }
+            }
         }
         let offset = rec.uniforms.len();
         rec.uniforms.extend_from_slice(block);
         rec.uniforms.resize(offset + self.uniform_stride, 0);
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer: &self.uniforms,
-                offset: offset as u64,
-                size: std::num::NonZeroU64::new(block.len() as u64),
-            }),
-        }];
-        for (i, b) in buffers.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
+        let key = BindKey {
+            kernel: (k.file, k.entry),
+            buffers: ranges,
+        };
+        let bind = {
+            let mut cache = self.bind_groups.lock().unwrap_or_else(|p| p.into_inner());
+            match cache.get(&key) {
+                Some(bg) => bg.clone(),
+                None => {
+                    let mut entries = vec![wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: &self.uniforms,
+                            offset: 0,
+                            size: std::num::NonZeroU64::new(self.uniform_stride as u64),
+                        }),
+                    }];
+                    for (i, (buf, off, size)) in key.buffers.iter().enumerate() {
+                        entries.push(wgpu::BindGroupEntry {
+                            binding: i as u32 + 1,
+                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                buffer: buf,
+                                offset: *off,
+                                size: std::num::NonZeroU64::new(*size),
+                            }),
+                        });
+                    }
+                    let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(k.entry),
+                        layout: &pipeline.1,
+                        entries: &entries,
+                    });
+                    Self::count(&self.counters.bind_groups_created);
+                    tracing::trace!(kernel = k.entry, offsets = ?key.buffers.iter().map(|b| b.1).collect::<Vec<_>>(), "bind group created");
+                    // Bind groups over one-off buffers are not worth keeping.
+                    if !own {
+                        if cache.len() >= BIND_GROUP_CACHE {
+                            cache.clear();
+                        }
+                        cache.insert(key, bg.clone());
+                    }
+                    bg
+                }
+            }
+        };
+        if rec.pass.is_none() {
+            let enc = rec
+                .encoder
+                .get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
+            let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
             });
+            rec.pass = Some(pass.forget_lifetime());
         }
-        let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(k.entry),
-            layout: &pipeline.1,
-            entries: &entries,
-        });
-        let enc = rec
-            .encoder
-            .get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some(k.entry),
-            timestamp_writes: None,
-        });
+        let pass = rec.pass.as_mut().expect("a compute pass is open");
         pass.set_pipeline(&pipeline.0);
-        pass.set_bind_group(0, &bind, &[]);
+        pass.set_bind_group(0, &bind, &[offset as u32]);
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        Self::count(&self.counters.dispatches);
+        rec.dispatches += 1;
+        if self.submit_every > 0 && rec.dispatches >= self.submit_every {
+            self.submit(&mut rec);
+        }
     }
 
     /// Records a buffer-to-buffer copy in order with the dispatches.
@@ -437,10 +846,15 @@ impl Gpu {
             return;
         }
         let mut rec = self.recording();
-        let enc = rec
-            .encoder
-            .get_or_insert_with(|| self.device.create_command_encoder(&Default::default()));
-        enc.copy_buffer_to_buffer(src, src_off, dst, dst_off, len);
+        rec.encoder(&self.device)
+            .copy_buffer_to_buffer(src, src_off, dst, dst_off, len);
+    }
+
+    /// Records zeroing the first `len` bytes of `dst`, in order with the dispatches.
+    pub fn clear(&self, dst: &wgpu::Buffer, len: u64) {
+        let mut rec = self.recording();
+        rec.encoder(&self.device)
+            .clear_buffer(dst, 0, Some(len.next_multiple_of(4)));
     }
 
     /// Submits everything recorded so far.
@@ -453,17 +867,11 @@ impl Gpu {
     /// benchmarks and tests; the forward pass synchronises through read-backs).
     pub fn sync(&self) -> Result<()> {
         self.flush();
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: None,
-                timeout: None,
-            })
-            .map(|_| ())
-            .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))
+        self.wait()
     }
 
     /// A storage buffer of `len` bytes (at least 4) for a kernel to fill: zeroed, or
-    /// NaN-filled when poisoning.
+    /// NaN-filled when poisoning. Not pooled (see [`Gpu::scratch`]).
     pub fn buffer(&self, len: u64) -> wgpu::Buffer {
         if self.poison {
             return self.buffer_with(&vec![0xFF; len.max(4) as usize]);
@@ -471,8 +879,40 @@ impl Gpu {
         self.zeroed(len)
     }
 
+    /// A buffer of at least `len` bytes for a kernel to fill, from the pool of free
+    /// outputs (see [`BufferPool`] for why reuse needs no wait). It holds what an earlier
+    /// use left (NaN when poisoning, so a kernel that leaves part of its output unwritten
+    /// fails its tests with reused buffers too).
+    pub fn scratch(&self, len: u64) -> DeviceBuffer {
+        let max = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size);
+        let size = size_class(len.max(4)).min(max).max(len.next_multiple_of(4));
+        let buf = self.pool.take(size).unwrap_or_else(|| self.zeroed(size));
+        if self.poison {
+            let mut source = self.poison_source.lock().unwrap_or_else(|p| p.into_inner());
+            if source.as_ref().is_none_or(|s| s.size() < size) {
+                *source = Some(self.buffer_with(&vec![0xFF; size as usize]));
+            }
+            self.copy(source.as_ref().expect("poison source"), 0, &buf, 0, size);
+        }
+        DeviceBuffer {
+            buf,
+            pool: Some(self.pool.clone()),
+        }
+    }
+
+    /// [`Gpu::scratch`] with its first `len` bytes zeroed (a recorded clear).
+    pub fn scratch_zeroed(&self, len: u64) -> DeviceBuffer {
+        let buf = self.scratch(len);
+        self.clear(&buf, len.max(4));
+        buf
+    }
+
     /// A storage buffer of `len` bytes (at least 4), zeroed.
     pub fn zeroed(&self, len: u64) -> wgpu::Buffer {
+        Self::count(&self.counters.buffers_created);
         self.device.create_buffer(&wgpu::BufferDescriptor {
             label: None,
             size: len.max(4).next_multiple_of(4),
@@ -493,6 +933,7 @@ impl Gpu {
             padded.resize(bytes.len().next_multiple_of(4).max(4), 0);
             &padded
         };
+        Self::count(&self.counters.buffers_created);
         self.device
             .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: None,
@@ -503,47 +944,79 @@ impl Gpu {
             })
     }
 
+    /// Submits the writes queued so far and waits for them, so their staging memory is
+    /// freed (a long run of [`Gpu::write`]s would otherwise hold all of it until the next
+    /// submission).
+    pub fn settle_writes(&self) -> Result<()> {
+        self.flush();
+        self.queue.submit([]);
+        self.sync()
+    }
+
     /// Writes `bytes` at `offset` of `dst`, ordered after everything recorded so far.
     pub fn write(&self, dst: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
         // queue.write_buffer lands before the next submission's commands, so anything
         // already recorded must be submitted first.
         self.flush();
+        self.counters
+            .write_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         self.queue.write_buffer(dst, offset, bytes);
     }
 
     /// Copies `len` bytes at `offset` of `src` back to the host (submits and waits).
     /// Errors: the device was lost or the mapping failed.
     pub fn read(&self, src: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
-        if len == 0 {
-            return Ok(Vec::new());
+        Ok(self
+            .read_many(&[(src, offset, len)])?
+            .pop()
+            .unwrap_or_default())
+    }
+
+    /// Reads several ranges `(buffer, offset, len)` back with one submission and one wait.
+    /// Errors: the device was lost or the mapping failed.
+    pub fn read_many(&self, ranges: &[(&wgpu::Buffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
+        let total: u64 = ranges.iter().map(|r| r.2.next_multiple_of(4)).sum();
+        if total == 0 {
+            return Ok(ranges.iter().map(|_| Vec::new()).collect());
         }
+        Self::count(&self.counters.buffers_created);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
-            size: len.next_multiple_of(4),
+            size: total,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        self.copy(src, offset, &staging, 0, len.next_multiple_of(4));
+        let mut at = 0;
+        for &(src, offset, len) in ranges {
+            self.copy(src, offset, &staging, at, len.next_multiple_of(4));
+            at += len.next_multiple_of(4);
+        }
         self.flush();
         let slice = staging.slice(..);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: None,
-                timeout: None,
-            })
-            .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))?;
+        self.wait()?;
         rx.recv()
             .map_err(|_| Error::Gpu("read-back was never completed".into()))?
             .map_err(|e| Error::Gpu(format!("read-back failed: {e}")))?;
-        let bytes = slice
-            .get_mapped_range()
-            .map_err(|e| Error::Gpu(format!("read-back failed: {e}")))?[..len as usize]
-            .to_vec();
+        let out = {
+            let mapped = slice
+                .get_mapped_range()
+                .map_err(|e| Error::Gpu(format!("read-back failed: {e}")))?;
+            let mut at = 0usize;
+            ranges
+                .iter()
+                .map(|&(_, _, len)| {
+                    let v = mapped[at..at + len as usize].to_vec();
+                    at += len.next_multiple_of(4) as usize;
+                    v
+                })
+                .collect()
+        };
         staging.unmap();
-        Ok(bytes)
+        Ok(out)
     }
 }

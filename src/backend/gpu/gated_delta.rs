@@ -102,7 +102,7 @@ pub(super) fn gated_delta(
         row_blocks as u32,
         0,
     ];
-    let gates = b.gpu.buffer((t_len * value_heads * 2 * 4) as u64);
+    let gates = b.gpu.scratch((t_len * value_heads * 2 * 4) as u64);
     let [gx, gy] = grid((t_len * value_heads).div_ceil(256) as u32);
     b.gpu.dispatch(
         &GATES,

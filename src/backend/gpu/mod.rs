@@ -2,8 +2,11 @@
 //! (Metal on Apple Silicon, Vulkan elsewhere, lavapipe without a GPU).
 //!
 //! Synchronisation per forward step: dispatches are recorded into one command encoder and
-//! submitted at read-backs. There is one read-back per MoE layer (the router's top-k ids
-//! and weights, which decide what the slot pool must hold) and one for the logits.
+//! submitted at read-backs (and every few hundred dispatches, without waiting). A streamed
+//! MoE layer reads back its router's top-k ids and weights, which decide what the slot pool
+//! must hold; a layer whose records are all resident (a pool of every record) keeps its
+//! routing on the device ([`Backend::moe_experts_resident`]), so such a step waits once,
+//! for the logits (and the ids, read back with them for the pool's statistics).
 
 mod attention;
 mod conv;
@@ -20,7 +23,7 @@ mod router;
 
 use std::sync::{Arc, Mutex};
 
-pub use device::{list_adapters, AdapterSummary, Gpu, GpuOptions};
+pub use device::{list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions};
 
 use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing};
 use crate::checkpoint::{LinearWeight, RecordLayout};
@@ -28,10 +31,11 @@ use crate::config::GateActivation;
 use crate::error::Result;
 use crate::experts::ExpertRecord;
 
-/// An f32 matrix `[rows, cols]` in a storage buffer.
+/// An f32 matrix `[rows, cols]` in a storage buffer (a kernel's output goes back to the
+/// backend's buffer pool when its last clone is dropped).
 #[derive(Clone, Debug)]
 pub struct GpuTensor {
-    pub buf: Arc<wgpu::Buffer>,
+    pub buf: Arc<DeviceBuffer>,
     pub rows: usize,
     pub cols: usize,
 }
@@ -107,15 +111,24 @@ struct Mirror {
     generations: Vec<u64>,
     /// Unified placement: the pool whose memory the arenas import (kept alive here).
     unified: Option<Arc<crate::pool::SlotPool>>,
+    /// Device placement, where host memory can be imported: the pool's memory as GPU
+    /// buffers (a unified mirror), from which slots are copied into the device arenas by
+    /// the GPU, in order with the kernels, instead of through `queue.write_buffer`'s
+    /// staging copy.
+    host: Option<Box<Mirror>>,
 }
 
 impl Mirror {
     /// Slots per arena: within the storage binding and buffer limits, and within 2 GiB so
-    /// every word and scale offset inside an arena fits the kernels' u32 parameters.
+    /// every word and scale offset inside an arena fits the kernels' u32 parameters (and
+    /// within [`Gpu::limit_arenas`]).
     fn slots_per_arena(gpu: &Gpu, stride: usize) -> usize {
-        let max = (gpu.limits.max_storage_buffer_binding_size as u64)
+        let mut max = (gpu.limits.max_storage_buffer_binding_size as u64)
             .min(gpu.limits.max_buffer_size)
             .min(1 << 31);
+        if gpu.arena_limit() > 0 {
+            max = max.min(gpu.arena_limit());
+        }
         ((max / stride as u64) as usize).max(1)
     }
 
@@ -131,6 +144,7 @@ impl Mirror {
                 .collect(),
             generations: vec![0; slots],
             unified: None,
+            host: None,
         }
     }
 }
@@ -139,6 +153,8 @@ impl Mirror {
 pub struct GpuBackend {
     pub gpu: Gpu,
     mirror: Mutex<Option<Mirror>>,
+    /// The device counters at the last [`Backend::download`] (for the debug log).
+    logged: Mutex<GpuCounters>,
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -155,7 +171,31 @@ impl GpuBackend {
         Ok(GpuBackend {
             gpu: Gpu::open(options)?,
             mirror: Mutex::default(),
+            logged: Mutex::default(),
         })
+    }
+
+    /// Logs (at debug level) what the device was asked to do since the last call: with a
+    /// download per forward step, the dispatches, submissions, waits and objects created
+    /// per token.
+    fn log_counters(&self) {
+        if !tracing::enabled!(tracing::Level::DEBUG) {
+            return;
+        }
+        let now = self.gpu.counters();
+        let mut last = self.logged.lock().unwrap_or_else(|p| p.into_inner());
+        let d = now - *last;
+        *last = now;
+        tracing::debug!(
+            dispatches = d.dispatches,
+            submits = d.submits,
+            waits = d.waits,
+            buffers_created = d.buffers_created,
+            bind_groups_created = d.bind_groups_created,
+            wait_ms = d.wait_ns as f64 / 1e6,
+            write_mb = d.write_bytes as f64 / 1e6,
+            "GPU work since the last download"
+        );
     }
 
     /// The placement an adapter type calls for: unified on integrated and CPU adapters
@@ -181,19 +221,30 @@ impl GpuBackend {
         placement: Placement,
     ) -> Result<()> {
         let (stride, slots) = (pool.stride(), pool.slots());
+        // Arenas over host memory start on host pages: a whole number of pages per arena.
+        let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
+        let per_arena = Mirror::slots_per_arena(&self.gpu, stride).min(slots.max(1));
+        let host_arena = (per_arena / unit * unit).max(unit);
         let mirror = match placement {
-            Placement::Device => Mirror::device(&self.gpu, pool.id(), slots, stride),
-            Placement::Unified => {
-                // Arenas start on host pages: a whole number of pages per arena.
-                let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
-                let per_arena = Mirror::slots_per_arena(&self.gpu, stride).min(slots.max(1));
-                self.import_pool(pool, (per_arena / unit * unit).max(unit))?
+            Placement::Device => {
+                let mut mirror = Mirror::device(&self.gpu, pool.id(), slots, stride);
+                if self.gpu.host_copies() {
+                    match self.import_pool(pool, host_arena) {
+                        Ok(host) => mirror.host = Some(Box::new(host)),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "slots will be copied to the GPU through staging memory")
+                        }
+                    }
+                }
+                mirror
             }
+            Placement::Unified => self.import_pool(pool, host_arena)?,
         };
         tracing::info!(
             ?placement,
             slots,
             arenas = mirror.arenas.len(),
+            host_copies = mirror.host.is_some(),
             "slot pool attached to the GPU"
         );
         let mut guard = self.mirror.lock().unwrap_or_else(|p| p.into_inner());
@@ -202,6 +253,8 @@ impl GpuBackend {
             self.gpu.sync()?;
         }
         *guard = Some(mirror);
+        // Cached bind groups would keep the old arenas alive.
+        self.gpu.forget_bind_groups();
         Ok(())
     }
 
@@ -232,20 +285,26 @@ impl GpuBackend {
             arenas,
             generations: Vec::new(),
             unified: Some(pool.clone()),
+            host: None,
         })
     }
 
     fn tensor(&self, buf: wgpu::Buffer, rows: usize, cols: usize) -> GpuTensor {
         GpuTensor {
-            buf: Arc::new(buf),
+            buf: Arc::new(DeviceBuffer::plain(buf)),
             rows,
             cols,
         }
     }
 
-    /// A new `[rows, cols]` tensor for a kernel to fill (NaN when poisoning outputs).
+    /// A `[rows, cols]` tensor for a kernel to fill, in a reused buffer (NaN when
+    /// poisoning outputs, else whatever an earlier use left).
     fn empty(&self, rows: usize, cols: usize) -> GpuTensor {
-        self.tensor(self.gpu.buffer((rows * cols * 4) as u64), rows, cols)
+        GpuTensor {
+            buf: Arc::new(self.gpu.scratch((rows * cols * 4) as u64)),
+            rows,
+            cols,
+        }
     }
 }
 
@@ -305,6 +364,7 @@ impl Backend for GpuBackend {
 
     fn download(&self, t: &GpuTensor) -> Result<Vec<f32>> {
         let bytes = self.gpu.read(&t.buf, 0, (t.rows * t.cols * 4) as u64)?;
+        self.log_counters();
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 
@@ -465,5 +525,65 @@ impl Backend for GpuBackend {
         layout: &RecordLayout,
     ) -> GpuTensor {
         quant::moe_experts(self, x, routing, records, layout)
+    }
+
+    fn router_top_k_device(
+        &self,
+        logits: &GpuTensor,
+        k: usize,
+        renormalize: bool,
+    ) -> Result<GpuTensor> {
+        router::router_top_k_device(self, logits, k, renormalize)
+    }
+
+    fn moe_experts_resident(
+        &self,
+        x: &GpuTensor,
+        routing: &GpuTensor,
+        k: usize,
+        ids: Option<&[u32]>,
+        layer: &[ExpertRecord<'_>],
+        layout: &RecordLayout,
+    ) -> Result<GpuTensor> {
+        if let Some(ids) = ids {
+            let routes = routing.cols / 2;
+            if ids.len() != routes || ids.iter().any(|&id| id as usize >= layer.len()) {
+                return Err(crate::error::Error::InvalidInput(format!(
+                    "{} routed ids (for {routes} routes) with a layer of {} experts",
+                    ids.len(),
+                    layer.len()
+                )));
+            }
+        }
+        if let Some(out) = quant::moe_experts_resident(self, x, routing, k, ids, layer, layout) {
+            return Ok(out);
+        }
+        // Records outside a pool: read the routing back and gather them as usual.
+        let mut r = Routing::from_device(&self.download(routing)?, k, layer.len())?;
+        if let Some(ids) = ids {
+            r.ids.copy_from_slice(ids);
+        }
+        let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
+        Ok(quant::moe_experts(self, x, &r, &records, layout))
+    }
+
+    fn prepare_records(&self, records: &[ExpertRecord<'_>]) -> Result<()> {
+        if quant::mirror_places(self, records).is_some() {
+            self.gpu.settle_writes()?;
+        }
+        Ok(())
+    }
+
+    fn download_many(&self, tensors: &[&GpuTensor]) -> Result<Vec<Vec<f32>>> {
+        let ranges: Vec<(&wgpu::Buffer, u64, u64)> = tensors
+            .iter()
+            .map(|t| (&**t.buf, 0, (t.rows * t.cols * 4) as u64))
+            .collect();
+        let bytes = self.gpu.read_many(&ranges)?;
+        self.log_counters();
+        Ok(bytes
+            .iter()
+            .map(|b| bytemuck::pod_collect_to_vec(b))
+            .collect())
     }
 }

@@ -7,7 +7,7 @@
 
 use safetensors::Dtype;
 
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, Access, Bind, Kernel};
 use super::{GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::Routing;
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
@@ -46,6 +46,7 @@ fn elem_bytes(code: u32) -> usize {
 /// Uniform block of `wgsl/quant.wgsl`.
 #[derive(Clone, Copy, Default)]
 struct Params {
+    arena: u32,
     rows: u32,
     cols: u32,
     bits: u32,
@@ -106,10 +107,37 @@ impl Params {
             self.routed,
             self.k,
             self.tokens,
-            0,
+            self.arena,
         ]
     }
+
+    /// Parameters of projection `proj` of records laid out by `layout` over `routes`
+    /// routes of a route table (`routed` as in `wgsl/quant.wgsl`).
+    fn routed(layout: &RecordLayout, proj: Projection, routes: usize, routed: u32) -> Self {
+        let code = dtype_code(layout.scale_dtype);
+        let eb = elem_bytes(code);
+        let p = proj.index();
+        let (rows, cols) = layout.shape(proj);
+        let off = |kind| layout.offsets[RecordLayout::piece(proj, kind)];
+        Params {
+            rows: rows as u32,
+            cols: cols as u32,
+            bits: layout.specs[p].bits,
+            group_size: layout.specs[p].group_size as u32,
+            scale_dtype: code,
+            w_off: (off(PieceKind::Weight) / 4) as u32,
+            s_off: (off(PieceKind::Scales) / eb) as u32,
+            b_off: (off(PieceKind::Biases) / eb) as u32,
+            routed,
+            tokens: routes as u32,
+            ..Default::default()
+        }
+    }
 }
+
+/// Bytes of mirror copies queued before they are submitted and waited for, which bounds
+/// the staging memory a first use (or a preload) of many records holds.
+const MIRROR_WRITE_BATCH: usize = 256 << 20;
 
 /// Packed words, scales and biases in one buffer (each part starting on a 4-byte
 /// boundary, the whole padded to 16 bytes), as the kernels read them.
@@ -180,12 +208,18 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
             ..
         } => {
             let params = Params::resident(*spec, rows, cols, *scale_dtype, *s_off, *b_off);
-            let ids_buf = b.gpu.buffer_with(bytemuck::cast_slice(ids));
-            b.gpu.dispatch(
+            let ids = bytemuck::cast_slice(ids);
+            let binds = [
+                Bind::Buffer(&b.gpu.dummy),
+                Bind::Buffer(data),
+                Bind::Data(ids),
+                Bind::Buffer(&out.buf),
+            ];
+            b.gpu.dispatch_with(
                 &EMBED,
                 &params.words(),
-                &[&b.gpu.dummy, data, &ids_buf, &out.buf],
-                [1, 1, ids.len() as u32],
+                &binds,
+                [1, 1, ids.len() as u32 / 4],
             );
         }
         GpuWeight::Dense { data, .. } => {
@@ -245,6 +279,69 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
     }
 }
 
+/// Arenas, and (arena, record base in u32 words) per record.
+type Places = (Vec<wgpu::Buffer>, Vec<(usize, u32)>);
+
+/// [`place_records`] for records that all come from a pool: the mirror's arenas and each
+/// record's (arena, base in u32 words), copying into device arenas the records whose
+/// slot's generation changed. `None` when a record has no slot.
+pub(super) fn mirror_places(b: &GpuBackend, records: &[ExpertRecord<'_>]) -> Option<Places> {
+    let tag = records
+        .first()
+        .and_then(|r| r.slot)
+        .filter(|_| records.iter().all(|r| r.slot.is_some()))?;
+    let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
+    if !guard.as_ref().is_some_and(|m| m.pool == tag.pool) {
+        if guard.is_some() {
+            // The old mirror's buffers may still be in use by recorded work.
+            let _ = b.gpu.sync();
+        }
+        tracing::debug!(slots = tag.slots, "device mirror of the slot pool");
+        *guard = Some(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
+        // Cached bind groups would keep the old arenas alive.
+        b.gpu.forget_bind_groups();
+    }
+    let m = guard.as_mut()?;
+    let mut written = 0;
+    let places = records
+        .iter()
+        .filter_map(|r| r.slot.map(|tag| (r, tag)))
+        .map(|(r, tag)| {
+            let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
+            if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
+                let dst = (at * m.stride) as u64;
+                if let Some(h) = &m.host {
+                    // The GPU copies the slot when it gets to this command. The caller
+                    // holds the record until a later wait for the device (the model until
+                    // the next layer's read-back or the step's end; prepare_records waits),
+                    // so the slot is not rewritten before.
+                    let (ha, hat) = (tag.slot / h.slots_per_arena, tag.slot % h.slots_per_arena);
+                    let len = (r.bytes.len() as u64).next_multiple_of(4);
+                    b.gpu.copy(
+                        &h.arenas[ha],
+                        (hat * h.stride) as u64,
+                        &m.arenas[arena],
+                        dst,
+                        len,
+                    );
+                } else {
+                    b.gpu.write(&m.arenas[arena], dst, r.bytes);
+                    written += r.bytes.len();
+                    if written >= MIRROR_WRITE_BATCH {
+                        // A failure here shows up at the next read-back.
+                        let _ = b.gpu.settle_writes();
+                        written = 0;
+                    }
+                }
+                m.generations[tag.slot] = tag.generation;
+            }
+            (arena, (at * m.stride / 4) as u32)
+        })
+        .collect();
+    // Buffers are reference-counted handles, so cloning them is cheap.
+    Some((m.arenas.clone(), places))
+}
+
 /// Where each route's record lives on the device: (arena buffer index, record base in
 /// u32 words). Pool records are mirrored (copied when their slot's generation changed);
 /// others are uploaded into a temporary arena.
@@ -253,37 +350,8 @@ fn place_records(
     records: &[ExpertRecord<'_>],
     layout: &RecordLayout,
 ) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
-    if let Some(tag) = records
-        .first()
-        .and_then(|r| r.slot)
-        .filter(|_| records.iter().all(|r| r.slot.is_some()))
-    {
-        let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
-        if !guard.as_ref().is_some_and(|m| m.pool == tag.pool) {
-            if guard.is_some() {
-                // The old mirror's buffers may still be in use by recorded work.
-                let _ = b.gpu.sync();
-            }
-            tracing::debug!(slots = tag.slots, "device mirror of the slot pool");
-            *guard = Some(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
-        }
-        if let Some(m) = guard.as_mut() {
-            let places = records
-                .iter()
-                .filter_map(|r| r.slot.map(|tag| (r, tag)))
-                .map(|(r, tag)| {
-                    let (arena, at) = (tag.slot / m.slots_per_arena, tag.slot % m.slots_per_arena);
-                    if m.unified.is_none() && m.generations[tag.slot] != tag.generation {
-                        b.gpu
-                            .write(&m.arenas[arena], (at * m.stride) as u64, r.bytes);
-                        m.generations[tag.slot] = tag.generation;
-                    }
-                    (arena, (at * m.stride / 4) as u32)
-                })
-                .collect();
-            // Buffers are reference-counted handles, so cloning them is cheap.
-            return (m.arenas.clone(), places);
-        }
+    if let Some(mirrored) = mirror_places(b, records) {
+        return mirrored;
     }
     // Records without a slot: each distinct record uploaded once, into as many
     // temporary arenas as the binding limit requires.
@@ -324,27 +392,8 @@ pub(super) fn moe_experts(
 ) -> GpuTensor {
     let routes = routing.ids.len();
     let (arenas, places) = place_records(b, records, layout);
-    let code = dtype_code(layout.scale_dtype);
-    let eb = elem_bytes(code);
     let (d, inter) = (layout.hidden, layout.intermediate);
-    let proj_params = |proj: Projection, routes: usize| {
-        let p = proj.index();
-        let (rows, cols) = layout.shape(proj);
-        let off = |kind| layout.offsets[RecordLayout::piece(proj, kind)];
-        Params {
-            rows: rows as u32,
-            cols: cols as u32,
-            bits: layout.specs[p].bits,
-            group_size: layout.specs[p].group_size as u32,
-            scale_dtype: code,
-            w_off: (off(PieceKind::Weight) / 4) as u32,
-            s_off: (off(PieceKind::Scales) / eb) as u32,
-            b_off: (off(PieceKind::Biases) / eb) as u32,
-            routed: 1,
-            tokens: routes as u32,
-            ..Default::default()
-        }
-    };
+    let proj_params = |proj: Projection, routes: usize| Params::routed(layout, proj, routes, 1);
     // Route tables per arena: (record base, input row), and where each route's output goes.
     let mut per_arena: Vec<(Vec<u32>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); arenas.len()];
     for (r, &(arena, base)) in places.iter().enumerate() {
@@ -356,11 +405,11 @@ pub(super) fn moe_experts(
     let gate = b.empty(routes, inter);
     let up = b.empty(routes, inter);
     let y = b.empty(routes, d);
-    let arena_runs: Vec<(usize, wgpu::Buffer, Vec<usize>)> = per_arena
+    let arena_runs: Vec<(usize, Vec<u32>, Vec<usize>)> = per_arena
         .into_iter()
         .enumerate()
         .filter(|(_, (t, _))| !t.is_empty())
-        .map(|(a, (table, order))| (a, b.gpu.buffer_with(bytemuck::cast_slice(&table)), order))
+        .map(|(a, (table, order))| (a, table, order))
         .collect();
     // Route r of an arena writes row `order[r]`: the kernel writes row z, so each arena
     // computes into a compact buffer that is then copied to its routes' rows.
@@ -386,10 +435,16 @@ pub(super) fn moe_experts(
             } else {
                 b.empty(n, inter)
             };
-            b.gpu.dispatch(
+            let binds = [
+                Bind::Buffer(&x.buf),
+                Bind::Buffer(&arenas[*a]),
+                Bind::Data(bytemuck::cast_slice(table)),
+                Bind::Buffer(&target.buf),
+            ];
+            b.gpu.dispatch_with(
                 params.qmatmul_kernel(),
                 &params.words(),
-                &[&x.buf, &arenas[*a], table, &target.buf],
+                &binds,
                 row_groups(inter, n),
             );
             if !single {
@@ -405,13 +460,18 @@ pub(super) fn moe_experts(
             .iter()
             .flat_map(|&r| [places[r].1, r as u32])
             .collect();
-        let down_buf = b.gpu.buffer_with(bytemuck::cast_slice(&down_table));
         let params = proj_params(Projection::Down, n);
         let target = if single { y.clone() } else { b.empty(n, d) };
-        b.gpu.dispatch(
+        let binds = [
+            Bind::Buffer(&h.buf),
+            Bind::Buffer(&arenas[*a]),
+            Bind::Data(bytemuck::cast_slice(&down_table)),
+            Bind::Buffer(&target.buf),
+        ];
+        b.gpu.dispatch_with(
             params.qmatmul_kernel(),
             &params.words(),
-            &[&h.buf, &arenas[*a], &down_buf, &target.buf],
+            &binds,
             row_groups(d, n),
         );
         if !single {
@@ -419,7 +479,6 @@ pub(super) fn moe_experts(
         }
     }
     let out = b.empty(x.rows, d);
-    let weights = b.gpu.buffer_with(bytemuck::cast_slice(&routing.weights));
     let params = Params {
         rows: d as u32,
         k: routing.top_k as u32,
@@ -427,11 +486,98 @@ pub(super) fn moe_experts(
         ..Default::default()
     };
     let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
+    let weights = bytemuck::cast_slice(&routing.weights);
+    let binds = [
+        Bind::Buffer(&y.buf),
+        Bind::Buffer(&arenas[0]),
+        Bind::Data(weights),
+        Bind::Buffer(&out.buf),
+    ];
+    b.gpu
+        .dispatch_with(&COMBINE, &params.words(), &binds, [gx, gy, 1]);
+    out
+}
+
+/// Routed experts with every record of the layer at hand (`layer[e]` is expert `e`'s) and
+/// the routing on the device (see [`crate::backend::Backend::moe_experts_resident`]):
+/// nothing is read back. `moe_routes` resolves each route's expert to its record's arena
+/// and base through the layer's table, uploaded with the dispatch; each projection then
+/// runs once per arena that holds records of the layer, computing only the routes whose
+/// records lie in it, so every output row is written by exactly one dispatch. `None`
+/// when the records do not all come from a pool (no mirror to read them from).
+pub(super) fn moe_experts_resident(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    routing: &GpuTensor,
+    k: usize,
+    ids: Option<&[u32]>,
+    layer: &[ExpertRecord<'_>],
+    layout: &RecordLayout,
+) -> Option<GpuTensor> {
+    let routes = routing.cols / 2;
+    assert_eq!(routes, x.rows * k, "moe_experts_resident: routes");
+    let (arenas, places) = mirror_places(b, layer)?;
+    let table: Vec<u32> = places
+        .iter()
+        .flat_map(|&(arena, base)| [arena as u32, base])
+        .collect();
+    let mut used: Vec<usize> = places.iter().map(|p| p.0).collect();
+    used.sort_unstable();
+    used.dedup();
+    let route_table = match ids {
+        Some(ids) => {
+            super::router::moe_routes(b, Bind::Data(bytemuck::cast_slice(ids)), routes, k, &table)
+        }
+        None => super::router::moe_routes(b, Bind::Buffer(&routing.buf), routes, k, &table),
+    };
+    let (d, inter) = (layout.hidden, layout.intermediate);
+    let gate = b.empty(routes, inter);
+    let up = b.empty(routes, inter);
+    for &a in &used {
+        for (proj, out) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
+            let params = Params {
+                arena: a as u32,
+                ..Params::routed(layout, proj, routes, 2)
+            };
+            let binds = [&*x.buf, &arenas[a], &*route_table.buf, &*out.buf];
+            b.gpu.dispatch(
+                params.qmatmul_kernel(),
+                &params.words(),
+                &binds,
+                row_groups(inter, routes),
+            );
+        }
+    }
+    let h = super::elementwise::swiglu(b, &gate, &up);
+    let y = b.empty(routes, d);
+    for &a in &used {
+        let params = Params {
+            arena: a as u32,
+            ..Params::routed(layout, Projection::Down, routes, 3)
+        };
+        let binds = [&*h.buf, &arenas[a], &*route_table.buf, &*y.buf];
+        b.gpu.dispatch(
+            params.qmatmul_kernel(),
+            &params.words(),
+            &binds,
+            row_groups(d, routes),
+        );
+    }
+    let out = b.empty(x.rows, d);
+    let params = Params {
+        rows: d as u32,
+        k: k as u32,
+        tokens: x.rows as u32,
+        // The weights follow the ids in the routing tensor.
+        w_off: routes as u32,
+        ..Default::default()
+    };
+    let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
     b.gpu.dispatch(
         &COMBINE,
         &params.words(),
-        &[&y.buf, &arenas[0], &weights, &out.buf],
+        &[&y.buf, &b.gpu.dummy, &routing.buf, &out.buf],
         [gx, gy, 1],
     );
-    out
+    Some(out)
 }

@@ -3,7 +3,7 @@
 //! One workgroup per token computes the softmax and picks the `k` largest probabilities
 //! on the device; ids and weights land in one small buffer that is read back in one go
 //! (the layer's one read-back).
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, Access, Bind, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::Routing;
 use crate::error::{Error, Result};
@@ -16,6 +16,11 @@ const ROUTER_TOP_K: Kernel = Kernel::new(
     "router_top_k",
     &[Access::Read, Access::ReadWrite],
 );
+const MOE_ROUTES: Kernel = Kernel::new(
+    "router.wgsl",
+    "moe_routes",
+    &[Access::Read, Access::ReadWrite, Access::Read],
+);
 
 /// Softmax over each row of `logits` `[T, E]`, the `k` largest probabilities (highest
 /// first, ties to the lower id), renormalized to sum 1 if asked.
@@ -27,12 +32,8 @@ pub(super) fn router_top_k(
     renormalize: bool,
 ) -> Result<Routing> {
     let (tokens, experts) = (logits.rows, logits.cols);
-    if k > experts || k > MAX_K {
-        return Err(Error::InvalidInput(format!(
-            "router: top-{k} of {experts} experts (at most {MAX_K} supported)"
-        )));
-    }
     let n = tokens * k;
+    let out = router_top_k_device(b, logits, k, renormalize)?;
     if n == 0 {
         return Ok(Routing {
             top_k: k,
@@ -40,16 +41,8 @@ pub(super) fn router_top_k(
             weights: Vec::new(),
         });
     }
-    // ids [T, k] then weights [T, k] (f32 bits).
-    let out = b.gpu.buffer((2 * n * 4) as u64);
-    let [gx, gy] = grid(u32::try_from(tokens).expect("router: too many tokens"));
-    b.gpu.dispatch(
-        &ROUTER_TOP_K,
-        &[tokens as u32, experts as u32, k as u32, renormalize as u32],
-        &[&logits.buf, &out],
-        [gx, gy, 1],
-    );
-    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&b.gpu.read(&out, 0, (2 * n * 4) as u64)?);
+    let words: Vec<u32> =
+        bytemuck::pod_collect_to_vec(&b.gpu.read(&out.buf, 0, (2 * n * 4) as u64)?);
     let ids = words[..n].to_vec();
     if let Some(bad) = ids.iter().find(|&&id| id as usize >= experts) {
         return Err(Error::Gpu(format!(
@@ -62,4 +55,59 @@ pub(super) fn router_top_k(
         ids,
         weights,
     })
+}
+
+/// [`router_top_k`] left on the device: `[1, 2 * T * k]`, the ids then the weights (f32
+/// bits). Errors: `k` beyond `E` or beyond [`MAX_K`].
+pub(super) fn router_top_k_device(
+    b: &GpuBackend,
+    logits: &GpuTensor,
+    k: usize,
+    renormalize: bool,
+) -> Result<GpuTensor> {
+    let (tokens, experts) = (logits.rows, logits.cols);
+    if k > experts || k > MAX_K {
+        return Err(Error::InvalidInput(format!(
+            "router: top-{k} of {experts} experts (at most {MAX_K} supported)"
+        )));
+    }
+    let n = tokens * k;
+    let out = b.empty(1, 2 * n);
+    if n > 0 {
+        let [gx, gy] = grid(u32::try_from(tokens).expect("router: too many tokens"));
+        b.gpu.dispatch(
+            &ROUTER_TOP_K,
+            &[tokens as u32, experts as u32, k as u32, renormalize as u32],
+            &[&logits.buf, &out.buf],
+            [gx, gy, 1],
+        );
+    }
+    Ok(out)
+}
+
+/// The route table of [`super::quant::moe_experts_resident`]: `(arena, base, token, 0)` per
+/// route of `ids` (a routing tensor's buffer, or ids from the host), from `table`, the
+/// layer's `(arena, base)` per expert.
+pub(super) fn moe_routes(
+    b: &GpuBackend,
+    ids: Bind<'_>,
+    routes: usize,
+    k: usize,
+    table: &[u32],
+) -> GpuTensor {
+    let experts = table.len() / 2;
+    let out = b.empty(routes, 4);
+    let [gx, gy] = grid(routes.div_ceil(64) as u32);
+    let binds = [
+        ids,
+        Bind::Buffer(&out.buf),
+        Bind::Data(bytemuck::cast_slice(table)),
+    ];
+    b.gpu.dispatch_with(
+        &MOE_ROUTES,
+        &[(routes / k) as u32, experts as u32, k as u32, 0],
+        &binds,
+        [gx, gy, 1],
+    );
+    out
 }
