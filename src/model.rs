@@ -19,7 +19,9 @@
 //! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
-use crate::backend::{rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing};
+use crate::backend::{
+    distinct_ids, rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing,
+};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -1183,56 +1185,29 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
+        let k = cfg.num_experts_per_tok;
+        let model_ids = self.routing_model_ids(layer, tokens)?;
         if let Some(resident) = resident {
-            let k = cfg.num_experts_per_tok;
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
-            let ids = match (&self.routing, tokens.routing) {
-                (Some(model), Some(state)) => {
-                    let mut ids = Vec::with_capacity(tokens.ids.len() * k);
-                    for (t, &token) in tokens.ids.iter().enumerate() {
-                        ids.extend_from_slice(&model.route(
-                            state,
-                            layer,
-                            tokens.start + t as u64,
-                            token,
-                        )?);
-                    }
-                    Some(ids)
-                }
-                _ => None,
-            };
             let routed = backend.moe_experts_resident(
                 x,
                 &routing,
                 k,
-                ids.as_deref(),
+                model_ids.as_deref(),
                 &resident.records(),
                 &self.experts.layout,
             )?;
-            match ids {
-                Some(ids) => {
-                    let mut distinct = ids;
-                    distinct.sort_unstable();
-                    distinct.dedup();
-                    experts.count_lookups(layer, &distinct);
-                }
+            match model_ids {
+                Some(ids) => experts.count_lookups(layer, &distinct_ids(ids)),
                 None => hold.routings.push((layer, routing)),
             }
             hold.layers.push(resident);
-            let shared = Self::dense_mlp(backend, &w.shared, x);
-            let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
-            return Ok(backend.add(&routed, &shared));
+            return Ok(Self::add_shared_expert(backend, w, x, &routed));
         }
-        let mut routing =
-            backend.router_top_k(&logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)?;
-        if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
-            // The router's weights stay, rank by rank; the routing model picks the ids, one
-            // position at a time in order (its state is per position).
-            let k = routing.top_k;
-            for ((t, &token), slot) in tokens.ids.iter().enumerate().zip(routing.ids.chunks_mut(k))
-            {
-                slot.copy_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
-            }
+        let mut routing = backend.router_top_k(&logits, k, cfg.norm_topk_prob)?;
+        if let Some(ids) = model_ids {
+            // The router's weights stay, rank by rank; the routing model picks the ids.
+            routing.ids = ids;
         }
         hold.in_use.clear();
         let distinct = routing.distinct();
@@ -1260,9 +1235,27 @@ impl<B: Backend> Model<B> {
             .collect();
         let routed = backend.moe_experts(x, &routing, &records, &self.experts.layout);
         hold.in_use = held;
+        Ok(Self::add_shared_expert(backend, w, x, &routed))
+    }
+
+    /// The synthetic routing model's expert ids `[T, k]` for `tokens` at `layer`, one
+    /// position at a time in order (its state is per position); `None` without one.
+    fn routing_model_ids(&self, layer: usize, tokens: Tokens<'_>) -> Result<Option<Vec<u32>>> {
+        let (Some(model), Some(state)) = (&self.routing, tokens.routing) else {
+            return Ok(None);
+        };
+        let mut ids = Vec::with_capacity(tokens.ids.len() * self.config.num_experts_per_tok);
+        for (t, &token) in tokens.ids.iter().enumerate() {
+            ids.extend_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
+        }
+        Ok(Some(ids))
+    }
+
+    /// `routed` plus the shared expert's SwiGLU MLP of `x`, scaled by its sigmoid gate.
+    fn add_shared_expert(backend: &B, w: &Moe<B>, x: &B::Tensor, routed: &B::Tensor) -> B::Tensor {
         let shared = Self::dense_mlp(backend, &w.shared, x);
         let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
-        Ok(backend.add(&routed, &shared))
+        backend.add(routed, &shared)
     }
 }
 

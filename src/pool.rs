@@ -194,6 +194,50 @@ struct Inner {
     layer_slots: HashMap<usize, Vec<usize>>,
 }
 
+impl Inner {
+    /// Marks resident slot `i` referenced for a lookup: a hit, or a prefetch used when a
+    /// lookahead read brought it in.
+    fn touch(&mut self, i: usize) -> Outcome {
+        let s = &mut self.slots[i];
+        s.referenced = true;
+        if std::mem::take(&mut s.speculative) {
+            Outcome::Prefetched
+        } else {
+            Outcome::Hit
+        }
+    }
+
+    /// Counts one lookup of `expert` of `layer`: the pool's and the layer's hits or
+    /// misses, prefetches used, and the routing trace.
+    fn count(&mut self, layer: usize, expert: u32, outcome: Outcome) {
+        let miss = outcome == Outcome::Miss;
+        if miss {
+            self.stats.misses += 1;
+        } else {
+            self.stats.hits += 1;
+        }
+        if outcome == Outcome::Prefetched {
+            self.stats.prefetches_used += 1;
+        }
+        if let Some(per_layer) = self.stats.per_layer.get_mut(layer) {
+            if miss {
+                per_layer.misses += 1;
+            } else {
+                per_layer.hits += 1;
+            }
+        }
+        let token = self.token;
+        if let Some(trace) = self.trace.as_mut() {
+            trace.push(TraceEvent {
+                token,
+                layer: layer as u32,
+                expert,
+                outcome,
+            });
+        }
+    }
+}
+
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
 pub struct SlotPool {
     inner: Mutex<Inner>,
@@ -484,25 +528,11 @@ impl SlotPool {
                 let key = (layer as u32, e);
                 let (slot, outcome) = match inner.map.get(&key).copied() {
                     Some(i) => {
-                        let s = &mut inner.slots[i];
-                        s.pins += 1;
-                        s.referenced = true;
-                        let prefetched = std::mem::take(&mut s.speculative);
-                        if s.state == State::Loading {
-                            waits.push(s.load.clone());
+                        inner.slots[i].pins += 1;
+                        if inner.slots[i].state == State::Loading {
+                            waits.push(inner.slots[i].load.clone());
                         }
-                        inner.stats.hits += 1;
-                        if prefetched {
-                            inner.stats.prefetches_used += 1;
-                        }
-                        (
-                            i,
-                            if prefetched {
-                                Outcome::Prefetched
-                            } else {
-                                Outcome::Hit
-                            },
-                        )
+                        (i, inner.touch(i))
                     }
                     None => {
                         let Some(i) = self.claim_victim(&mut inner, key) else {
@@ -518,28 +548,13 @@ impl SlotPool {
                             )));
                         };
                         inner.slots[i].pins = 1;
-                        inner.stats.misses += 1;
                         inner.stats.demand_bytes += self.index.layout.record_bytes as u64;
                         waits.push(Some(self.start_load(&mut inner, i, key, None)));
                         (i, Outcome::Miss)
                     }
                 };
                 held.push(self.slot_record(&inner, slot));
-                if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
-                    match outcome {
-                        Outcome::Miss => per_layer.misses += 1,
-                        _ => per_layer.hits += 1,
-                    }
-                }
-                let token = inner.token;
-                if let Some(trace) = inner.trace.as_mut() {
-                    trace.push(TraceEvent {
-                        token,
-                        layer: layer as u32,
-                        expert: e,
-                        outcome,
-                    });
-                }
+                inner.count(layer, e, outcome);
             }
         }
         if !waits.is_empty() {
@@ -823,31 +838,9 @@ impl SlotPool {
     pub fn count_hits(&self, layer: usize, experts: &[u32]) {
         let mut inner = self.lock();
         for &e in experts {
-            let Some(i) = inner.map.get(&(layer as u32, e)).copied() else {
-                continue;
-            };
-            let s = &mut inner.slots[i];
-            s.referenced = true;
-            let prefetched = std::mem::take(&mut s.speculative);
-            inner.stats.hits += 1;
-            if prefetched {
-                inner.stats.prefetches_used += 1;
-            }
-            if let Some(per_layer) = inner.stats.per_layer.get_mut(layer) {
-                per_layer.hits += 1;
-            }
-            let token = inner.token;
-            if let Some(trace) = inner.trace.as_mut() {
-                trace.push(TraceEvent {
-                    token,
-                    layer: layer as u32,
-                    expert: e,
-                    outcome: if prefetched {
-                        Outcome::Prefetched
-                    } else {
-                        Outcome::Hit
-                    },
-                });
+            if let Some(i) = inner.map.get(&(layer as u32, e)).copied() {
+                let outcome = inner.touch(i);
+                inner.count(layer, e, outcome);
             }
         }
     }
@@ -1208,7 +1201,12 @@ impl ExpertSource for PoolExperts {
         self.pool.prefetch(layer, experts);
     }
 
+    /// Only when the pool holds every record: a streaming pool that happens to have a
+    /// whole layer ready would otherwise pin all of it for the step.
     fn resident_layer(&self, layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
+        if self.pool.slots() < self.pool.index.records() {
+            return None;
+        }
         self.pool
             .pin_layer(layer)
             .map(|p| Box::new(p) as Box<dyn LayerRecords>)

@@ -399,3 +399,75 @@ fn reused_output_buffers_keep_results_and_stop_allocating() {
         "bind groups created in the steady state"
     );
 }
+
+/// A cached bind group keeps the buffers it binds alive, so it leaves the cache when one
+/// of them goes for good: an uploaded tensor that is dropped, and a KV cache's buffers when
+/// they are replaced by larger ones or dropped with the cache. Kernel outputs go back to
+/// the buffer pool instead, and their bind groups stay (the next step reuses both).
+#[test]
+fn bind_groups_do_not_keep_dropped_buffers_alive() {
+    use slotstream::backend::AttnDims;
+    let gpu = common::gpu();
+    let (t, cols) = (2, 300);
+    let a = gpu.upload(&random(t * cols, -1.0, 1.0), t, cols);
+    let b = gpu.upload(&random(t * cols, -1.0, 1.0), t, cols);
+    let y = gpu.add(&a, &b);
+    gpu.download(&y).unwrap();
+    let (a_buf, y_buf): (wgpu::Buffer, wgpu::Buffer) = ((**a.buf).clone(), (**y.buf).clone());
+    assert_eq!(
+        gpu.gpu.cached_bind_groups_of(&a_buf),
+        1,
+        "the add's bind group"
+    );
+    drop(y);
+    assert_eq!(
+        gpu.gpu.cached_bind_groups_of(&y_buf),
+        1,
+        "a pooled output keeps its bind groups"
+    );
+    drop(a);
+    assert_eq!(gpu.gpu.cached_bind_groups_of(&a_buf), 0, "a dropped upload");
+
+    let dims = AttnDims {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        scale: 0.35,
+    };
+    let mut cache = gpu.new_kv_cache(16);
+    let mut replaced = Vec::new();
+    for step in 0..300 {
+        let q = gpu.upload(&random(32, -1.0, 1.0), 1, 32);
+        let k = gpu.upload(&random(16, -1.0, 1.0), 1, 16);
+        let v = gpu.upload(&random(16, -1.0, 1.0), 1, 16);
+        let before = cache.keys.as_ref().map(|b| (**b).clone());
+        let out = gpu.attention(&q, &k, &v, &mut cache, dims, None);
+        if step % 50 == 0 {
+            gpu.download(&out).unwrap();
+        }
+        let now = cache.keys.as_ref().map(|b| (**b).clone()).unwrap();
+        assert!(gpu.gpu.cached_bind_groups_of(&now) > 0, "step {step}");
+        if let Some(old) = before.filter(|old| *old != now) {
+            replaced.push(old);
+        }
+    }
+    assert!(
+        replaced.len() >= 2,
+        "the cache grew {} times",
+        replaced.len()
+    );
+    for old in &replaced {
+        assert_eq!(
+            gpu.gpu.cached_bind_groups_of(old),
+            0,
+            "a replaced KV buffer"
+        );
+    }
+    let last = cache.keys.as_ref().map(|b| (**b).clone()).unwrap();
+    drop(cache);
+    assert_eq!(
+        gpu.gpu.cached_bind_groups_of(&last),
+        0,
+        "a dropped KV cache"
+    );
+}

@@ -299,3 +299,35 @@ fn every_record_resident_counts_the_routing_models_ids() {
     assert_eq!(pool.stats().misses, 0);
     assert_eq!(pool.pinned_slots(), 0);
 }
+
+/// Whole-layer routing on the backend is for pools that hold every record: a streaming
+/// pool that happens to hold all of a layer's experts still serves them one lookup at a
+/// time (otherwise it would pin the whole layer for each step).
+#[test]
+fn only_a_pool_of_every_record_offers_resident_layers() {
+    use slotstream::experts::ExpertSource;
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, model) = write(dir.path(), None);
+    let rt = runtime();
+    let index = Arc::new(model.experts.clone());
+    let all: Vec<u32> = (0..TINY.experts as u32).collect();
+    let layer = index.moe_layers[0];
+    for (slots, offered) in [(index.records() - 1, false), (index.records(), true)] {
+        let pool = SlotPool::open(
+            &ckpt,
+            index.clone(),
+            StreamOptions::with_slots(slots),
+            rt.handle().clone(),
+        )
+        .unwrap();
+        let pooled = PoolExperts::new(pool.clone());
+        drop(pooled.fetch(layer, &all).unwrap());
+        assert_eq!(
+            pooled.resident_layer(layer).is_some(),
+            offered,
+            "{slots} slots of {} records",
+            index.records()
+        );
+        assert_eq!(pool.pinned_slots(), 0);
+    }
+}

@@ -143,6 +143,13 @@ impl KeyMask {
     }
 }
 
+/// `ids` sorted ascending without repeats.
+pub fn distinct_ids(mut ids: Vec<u32>) -> Vec<u32> {
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
 /// The router's choice for a batch of tokens: `top_k` experts per token, highest first.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
@@ -161,10 +168,7 @@ impl Routing {
 
     /// Distinct expert ids, ascending.
     pub fn distinct(&self) -> Vec<u32> {
-        let mut ids = self.ids.clone();
-        ids.sort_unstable();
-        ids.dedup();
-        ids
+        distinct_ids(self.ids.clone())
     }
 
     /// The routing in a [`Backend::router_top_k_device`] tensor's values: `n` ids (u32
@@ -428,20 +432,8 @@ pub trait Backend: Send + Sync {
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
     ) -> Result<Self::Tensor> {
-        let mut r = Routing::from_device(&self.download(routing)?, k, layer.len())?;
-        if let Some(ids) = ids {
-            if ids.len() != r.ids.len() || ids.iter().any(|&id| id as usize >= layer.len()) {
-                return Err(Error::InvalidInput(format!(
-                    "{} routed ids (for {} routes) with a layer of {} experts",
-                    ids.len(),
-                    r.ids.len(),
-                    layer.len()
-                )));
-            }
-            r.ids.copy_from_slice(ids);
-        }
-        let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
-        Ok(self.moe_experts(x, &r, &records, layout))
+        check_routed_ids(ids, routing_routes(self, routing), layer.len())?;
+        moe_experts_read_back(self, x, routing, k, ids, layer, layout)
     }
 
     /// Gets records that will be computed from soon ready where the backend reads them
@@ -456,4 +448,45 @@ pub trait Backend: Send + Sync {
     fn download_many(&self, tensors: &[&Self::Tensor]) -> Result<Vec<Vec<f32>>> {
         tensors.iter().map(|t| self.download(t)).collect()
     }
+}
+
+/// Routes in a [`Backend::router_top_k_device`] tensor (ids then weights).
+fn routing_routes<B: Backend + ?Sized>(b: &B, routing: &B::Tensor) -> usize {
+    let (rows, cols) = b.shape(routing);
+    rows * cols / 2
+}
+
+/// Checks ids given to [`Backend::moe_experts_resident`] in place of the router's: one per
+/// route, each below the layer's `experts`. Errors: [`Error::InvalidInput`] naming both.
+pub fn check_routed_ids(ids: Option<&[u32]>, routes: usize, experts: usize) -> Result<()> {
+    match ids {
+        Some(ids) if ids.len() != routes || ids.iter().any(|&id| id as usize >= experts) => {
+            Err(Error::InvalidInput(format!(
+                "{} routed ids (for {routes} routes) with a layer of {experts} experts",
+                ids.len()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// [`Backend::moe_experts_resident`] by reading the routing back and gathering the routed
+/// records with [`Backend::moe_experts`]: the trait's default, and a backend's path for
+/// records it cannot route on the device. `ids` must have passed [`check_routed_ids`].
+/// Errors: a failed read-back, an id beyond `layer`.
+pub fn moe_experts_read_back<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    routing: &B::Tensor,
+    k: usize,
+    ids: Option<&[u32]>,
+    layer: &[ExpertRecord<'_>],
+    layout: &RecordLayout,
+) -> Result<B::Tensor> {
+    let mut r = Routing::from_device(&b.download(routing)?, k, layer.len())?;
+    if let Some(ids) = ids {
+        r.ids.copy_from_slice(ids);
+    }
+    let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
+    Ok(b.moe_experts(x, &r, &records, layout))
 }

@@ -123,8 +123,10 @@ fn reserve(b: &GpuBackend, cache: &mut GpuKvCache, need: usize) {
         cap *= 2;
     }
     let cap = cap.min(max_rows);
-    let keys = b.gpu.zeroed(cap as u64 * row_bytes);
-    let values = b.gpu.zeroed(cap as u64 * row_bytes);
+    // Plain device buffers: when replaced here or dropped with the session, they leave
+    // the bind-group cache too.
+    let keys = b.gpu.plain(b.gpu.zeroed(cap as u64 * row_bytes));
+    let values = b.gpu.plain(b.gpu.zeroed(cap as u64 * row_bytes));
     let used = cache.len as u64 * row_bytes;
     if let (Some(old_k), Some(old_v)) = (&cache.keys, &cache.values) {
         b.gpu.copy(old_k, 0, &keys, 0, used);
@@ -197,16 +199,16 @@ pub(super) fn attention(
     // The softmax reads the mask's words as f32 bit patterns; without a mask it reads
     // nothing, and a 4-byte buffer fills the binding (scratch may not: it is bound
     // read-write in the same dispatch).
-    let mask_buf = match mask {
+    let mask_bind = match mask {
         Some(m) => {
             assert_eq!(
                 (m.keys, m.bits.len()),
                 (total, t_len * m.words_per_row()),
                 "attention: mask shape"
             );
-            b.gpu.buffer_with(bytemuck::cast_slice(&m.bits))
+            Bind::Data(bytemuck::cast_slice(&m.bits))
         }
-        None => b.gpu.zeroed(4),
+        None => Bind::Buffer(&b.gpu.dummy),
     };
     let group = q_heads / kv_heads;
 
@@ -248,8 +250,12 @@ pub(super) fn attention(
         );
 
         let [gx, gy] = grid((tc * q_heads) as u32);
-        b.gpu
-            .dispatch(&SOFTMAX, &params, &[&scratch, &mask_buf], [gx, gy, 1]);
+        b.gpu.dispatch_with(
+            &SOFTMAX,
+            &params,
+            &[Bind::Buffer(&scratch), mask_bind],
+            [gx, gy, 1],
+        );
 
         let dim_tiles = hd.div_ceil(TILE);
         let tiles = dim_tiles * row_tiles;

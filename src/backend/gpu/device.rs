@@ -18,6 +18,11 @@
 //!   second ring; both are uploaded at submission.
 //! - Bind groups are cached by kernel and buffers, and kernel outputs come from a pool of
 //!   reusable buffers ([`DeviceBuffer`]), so a decode step creates almost no wgpu objects.
+//!   A cached bind group keeps its buffers alive, so it goes when one of its buffers
+//!   does: a [`DeviceBuffer`] that is dropped for good and a buffer the pool discards
+//!   leave the cache, a replaced slot mirror empties it ([`Gpu::forget_bind_groups`]),
+//!   and bindings of one dispatch alone ([`Bind::Once`], [`Bind::Data`] beyond the ring)
+//!   are never cached.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -198,10 +203,7 @@ pub struct Gpu {
     /// [`Bind::Data`] of the recorded dispatches, uploaded like the uniform blocks.
     data: wgpu::Buffer,
     data_align: usize,
-    /// Bind groups by kernel and bound buffer ranges (the uniform ring is bound through a
-    /// dynamic offset, so it is not part of the key).
-    bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
-    /// Free kernel-output buffers ([`Gpu::scratch`]).
+    /// Free kernel-output buffers ([`Gpu::scratch`]) and the bind-group cache.
     pool: Arc<BufferPool>,
     /// A NaN-filled buffer copied over reused outputs when poisoning.
     poison_source: Mutex<Option<wgpu::Buffer>>,
@@ -229,7 +231,8 @@ const SPIN_US: u64 = 20_000;
 /// Default number of dispatches recorded before they are submitted without waiting
 /// (`SLOTSTREAM_GPU_SUBMIT_EVERY` overrides; 0 submits only at read-backs and writes).
 pub const SUBMIT_EVERY: usize = 64;
-/// Cached bind groups kept before the cache is emptied (entries hold their buffers alive).
+/// Cached bind groups kept before the cache is emptied: a backstop for buffers that are
+/// not [`DeviceBuffer`]s and are dropped while the device lives (a dropped model's weights).
 const BIND_GROUP_CACHE: usize = 8192;
 /// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
 const POOL_FREE_BYTES: u64 = 1 << 30;
@@ -261,8 +264,11 @@ impl Recording {
 /// A storage binding of a dispatch (after the uniform block at binding 0).
 #[derive(Clone, Copy, Debug)]
 pub enum Bind<'a> {
-    /// A whole buffer.
+    /// A whole buffer that outlives many dispatches (its bind groups are cached).
     Buffer(&'a wgpu::Buffer),
+    /// A whole buffer bound for this dispatch alone (its bind group is not cached, so it
+    /// does not keep the buffer alive).
+    Once(&'a wgpu::Buffer),
     /// Small bytes for this dispatch alone (padded to 4-byte words), staged in a ring
     /// buffer uploaded at submission instead of a buffer of their own. At most one per
     /// dispatch may be bound read-write.
@@ -280,6 +286,25 @@ struct BindKey {
     kernel: (&'static str, &'static str),
     /// (buffer, offset, size) per storage binding.
     buffers: Vec<(wgpu::Buffer, u64, u64)>,
+}
+
+/// Bind groups by kernel and bound buffer ranges (the uniform ring is bound through a
+/// dynamic offset, so it is not part of the key).
+#[derive(Default)]
+struct BindGroups {
+    map: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
+}
+
+impl BindGroups {
+    fn lock(&self) -> MutexGuard<'_, HashMap<BindKey, wgpu::BindGroup>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops the bind groups that bind `buf`, so that they no longer keep it alive.
+    fn forget(&self, buf: &wgpu::Buffer) {
+        self.lock()
+            .retain(|key, _| key.buffers.iter().all(|(b, _, _)| b != buf));
+    }
 }
 
 /// Counts of what the device was asked to do (see [`Gpu::counters`]).
@@ -343,6 +368,8 @@ impl std::ops::Sub for GpuCounters {
 #[derive(Default)]
 pub struct BufferPool {
     free: Mutex<FreeLists>,
+    /// The device's bind-group cache, told when a buffer goes for good.
+    bind_groups: BindGroups,
 }
 
 impl std::fmt::Debug for BufferPool {
@@ -377,6 +404,8 @@ impl BufferPool {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let size = buf.size();
         if free.bytes + size > POOL_FREE_BYTES {
+            drop(free);
+            self.bind_groups.forget(&buf);
             return; // destroyed when dropped here
         }
         free.bytes += size;
@@ -384,19 +413,15 @@ impl BufferPool {
     }
 }
 
-/// A storage buffer that goes back to its [`BufferPool`] when dropped (or a plain one, for
-/// uploads). Derefs to the `wgpu::Buffer`, which may be longer than asked for.
+/// A storage buffer that goes back to its [`BufferPool`] when dropped, or a plain one
+/// (uploads, states, KV caches) that is destroyed then; either way no cached bind group
+/// keeps a destroyed buffer alive. Derefs to the `wgpu::Buffer`, which may be longer than
+/// asked for.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     buf: wgpu::Buffer,
-    pool: Option<Arc<BufferPool>>,
-}
-
-impl DeviceBuffer {
-    /// A buffer that is simply dropped at the end (not pooled).
-    pub fn plain(buf: wgpu::Buffer) -> Self {
-        DeviceBuffer { buf, pool: None }
-    }
+    pool: Arc<BufferPool>,
+    pooled: bool,
 }
 
 impl std::ops::Deref for DeviceBuffer {
@@ -408,8 +433,10 @@ impl std::ops::Deref for DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if let Some(pool) = self.pool.take() {
-            pool.put(self.buf.clone());
+        if self.pooled {
+            self.pool.put(self.buf.clone());
+        } else {
+            self.pool.bind_groups.forget(&self.buf);
         }
     }
 }
@@ -509,7 +536,6 @@ impl Gpu {
             uniform_stride,
             data,
             data_align,
-            bind_groups: Mutex::default(),
             pool: Arc::default(),
             poison_source: Mutex::default(),
             submit_every,
@@ -574,13 +600,20 @@ impl Gpu {
         self.arena_bytes.store(bytes, Ordering::Relaxed);
     }
 
+    /// Cached bind groups that bind `buf` (each keeps it alive).
+    pub fn cached_bind_groups_of(&self, buf: &wgpu::Buffer) -> usize {
+        self.pool
+            .bind_groups
+            .lock()
+            .keys()
+            .filter(|key| key.buffers.iter().any(|(b, _, _)| b == buf))
+            .count()
+    }
+
     /// Drops every cached bind group, so buffers that only they still reference (a replaced
     /// pool mirror's arenas) are freed.
     pub fn forget_bind_groups(&self) {
-        self.bind_groups
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.pool.bind_groups.lock().clear();
     }
 
     /// The cap set by [`Gpu::limit_arenas`] (0: none).
@@ -730,7 +763,7 @@ impl Gpu {
             .iter()
             .map(|b| match b {
                 Bind::Data(d) => d.len().next_multiple_of(self.data_align),
-                Bind::Buffer(_) => 0,
+                Bind::Buffer(_) | Bind::Once(_) => 0,
             })
             .sum();
         let ring = staged <= DATA_RING as usize;
@@ -749,6 +782,10 @@ impl Gpu {
         for b in binds {
             match *b {
                 Bind::Buffer(buf) => ranges.push((buf.clone(), 0, buf.size())),
+                Bind::Once(buf) => {
+                    own = true;
+                    ranges.push((buf.clone(), 0, buf.size()));
+                }
                 Bind::Data(bytes) => {
                     let len = bytes.len().next_multiple_of(4).max(4);
                     if ring {
@@ -772,7 +809,7 @@ impl Gpu {
             buffers: ranges,
         };
         let bind = {
-            let mut cache = self.bind_groups.lock().unwrap_or_else(|p| p.into_inner());
+            let mut cache = self.pool.bind_groups.lock();
             match cache.get(&key) {
                 Some(bg) => bg.clone(),
                 None => {
@@ -801,7 +838,8 @@ impl Gpu {
                     });
                     Self::count(&self.counters.bind_groups_created);
                     tracing::trace!(kernel = k.entry, offsets = ?key.buffers.iter().map(|b| b.1).collect::<Vec<_>>(), "bind group created");
-                    // Bind groups over one-off buffers are not worth keeping.
+                    // Bind groups over one-off buffers are not worth keeping, and would
+                    // keep them alive.
                     if !own {
                         if cache.len() >= BIND_GROUP_CACHE {
                             cache.clear();
@@ -870,15 +908,6 @@ impl Gpu {
         self.wait()
     }
 
-    /// A storage buffer of `len` bytes (at least 4) for a kernel to fill: zeroed, or
-    /// NaN-filled when poisoning. Not pooled (see [`Gpu::scratch`]).
-    pub fn buffer(&self, len: u64) -> wgpu::Buffer {
-        if self.poison {
-            return self.buffer_with(&vec![0xFF; len.max(4) as usize]);
-        }
-        self.zeroed(len)
-    }
-
     /// A buffer of at least `len` bytes for a kernel to fill, from the pool of free
     /// outputs (see [`BufferPool`] for why reuse needs no wait). It holds what an earlier
     /// use left (NaN when poisoning, so a kernel that leaves part of its output unwritten
@@ -899,7 +928,8 @@ impl Gpu {
         }
         DeviceBuffer {
             buf,
-            pool: Some(self.pool.clone()),
+            pool: self.pool.clone(),
+            pooled: true,
         }
     }
 
@@ -908,6 +938,15 @@ impl Gpu {
         let buf = self.scratch(len);
         self.clear(&buf, len.max(4));
         buf
+    }
+
+    /// `buf` as a [`DeviceBuffer`] that is destroyed, not pooled, when dropped.
+    pub fn plain(&self, buf: wgpu::Buffer) -> DeviceBuffer {
+        DeviceBuffer {
+            buf,
+            pool: self.pool.clone(),
+            pooled: false,
+        }
     }
 
     /// A storage buffer of `len` bytes (at least 4), zeroed.

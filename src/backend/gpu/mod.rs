@@ -70,8 +70,8 @@ pub struct GpuKvCache {
     pub kv_dim: usize,
     pub len: usize,
     pub capacity: usize,
-    pub keys: Option<wgpu::Buffer>,
-    pub values: Option<wgpu::Buffer>,
+    pub keys: Option<DeviceBuffer>,
+    pub values: Option<DeviceBuffer>,
 }
 
 /// Where the GPU reads pool slots from. A slot is (arena, offset); arenas hold whole
@@ -291,7 +291,7 @@ impl GpuBackend {
 
     fn tensor(&self, buf: wgpu::Buffer, rows: usize, cols: usize) -> GpuTensor {
         GpuTensor {
-            buf: Arc::new(DeviceBuffer::plain(buf)),
+            buf: Arc::new(self.gpu.plain(buf)),
             rows,
             cols,
         }
@@ -545,26 +545,12 @@ impl Backend for GpuBackend {
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
     ) -> Result<GpuTensor> {
-        if let Some(ids) = ids {
-            let routes = routing.cols / 2;
-            if ids.len() != routes || ids.iter().any(|&id| id as usize >= layer.len()) {
-                return Err(crate::error::Error::InvalidInput(format!(
-                    "{} routed ids (for {routes} routes) with a layer of {} experts",
-                    ids.len(),
-                    layer.len()
-                )));
-            }
-        }
+        super::check_routed_ids(ids, routing.rows * routing.cols / 2, layer.len())?;
         if let Some(out) = quant::moe_experts_resident(self, x, routing, k, ids, layer, layout) {
             return Ok(out);
         }
         // Records outside a pool: read the routing back and gather them as usual.
-        let mut r = Routing::from_device(&self.download(routing)?, k, layer.len())?;
-        if let Some(ids) = ids {
-            r.ids.copy_from_slice(ids);
-        }
-        let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
-        Ok(quant::moe_experts(self, x, &r, &records, layout))
+        super::moe_experts_read_back(self, x, routing, k, ids, layer, layout)
     }
 
     fn prepare_records(&self, records: &[ExpertRecord<'_>]) -> Result<()> {

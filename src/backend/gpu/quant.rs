@@ -343,15 +343,15 @@ pub(super) fn mirror_places(b: &GpuBackend, records: &[ExpertRecord<'_>]) -> Opt
 }
 
 /// Where each route's record lives on the device: (arena buffer index, record base in
-/// u32 words). Pool records are mirrored (copied when their slot's generation changed);
-/// others are uploaded into a temporary arena.
+/// u32 words), and whether the arenas are temporary. Pool records are mirrored (copied
+/// when their slot's generation changed); others are uploaded into temporary arenas.
 fn place_records(
     b: &GpuBackend,
     records: &[ExpertRecord<'_>],
     layout: &RecordLayout,
-) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>) {
-    if let Some(mirrored) = mirror_places(b, records) {
-        return mirrored;
+) -> (Vec<wgpu::Buffer>, Vec<(usize, u32)>, bool) {
+    if let Some((arenas, places)) = mirror_places(b, records) {
+        return (arenas, places, false);
     }
     // Records without a slot: each distinct record uploaded once, into as many
     // temporary arenas as the binding limit requires.
@@ -380,7 +380,7 @@ fn place_records(
         .iter()
         .map(|&d| (d / per_arena, ((d % per_arena) * stride / 4) as u32))
         .collect();
-    (arenas, places)
+    (arenas, places, true)
 }
 
 pub(super) fn moe_experts(
@@ -391,7 +391,16 @@ pub(super) fn moe_experts(
     layout: &RecordLayout,
 ) -> GpuTensor {
     let routes = routing.ids.len();
-    let (arenas, places) = place_records(b, records, layout);
+    let (arenas, places, temporary) = place_records(b, records, layout);
+    // Temporary arenas are bound without caching their bind groups, which would keep
+    // them alive.
+    let arena = |a: usize| {
+        if temporary {
+            Bind::Once(&arenas[a])
+        } else {
+            Bind::Buffer(&arenas[a])
+        }
+    };
     let (d, inter) = (layout.hidden, layout.intermediate);
     let proj_params = |proj: Projection, routes: usize| Params::routed(layout, proj, routes, 1);
     // Route tables per arena: (record base, input row), and where each route's output goes.
@@ -437,7 +446,7 @@ pub(super) fn moe_experts(
             };
             let binds = [
                 Bind::Buffer(&x.buf),
-                Bind::Buffer(&arenas[*a]),
+                arena(*a),
                 Bind::Data(bytemuck::cast_slice(table)),
                 Bind::Buffer(&target.buf),
             ];
@@ -464,7 +473,7 @@ pub(super) fn moe_experts(
         let target = if single { y.clone() } else { b.empty(n, d) };
         let binds = [
             Bind::Buffer(&h.buf),
-            Bind::Buffer(&arenas[*a]),
+            arena(*a),
             Bind::Data(bytemuck::cast_slice(&down_table)),
             Bind::Buffer(&target.buf),
         ];
@@ -489,7 +498,7 @@ pub(super) fn moe_experts(
     let weights = bytemuck::cast_slice(&routing.weights);
     let binds = [
         Bind::Buffer(&y.buf),
-        Bind::Buffer(&arenas[0]),
+        arena(0),
         Bind::Data(weights),
         Bind::Buffer(&out.buf),
     ];

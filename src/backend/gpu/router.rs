@@ -5,7 +5,7 @@
 //! (the layer's one read-back).
 use super::device::{grid, Access, Bind, Kernel};
 use super::{GpuBackend, GpuTensor};
-use crate::backend::Routing;
+use crate::backend::{Backend, Routing};
 use crate::error::{Error, Result};
 
 /// Largest `k` the shader holds picks for (`MAX_K` in `wgsl/router.wgsl`).
@@ -31,30 +31,8 @@ pub(super) fn router_top_k(
     k: usize,
     renormalize: bool,
 ) -> Result<Routing> {
-    let (tokens, experts) = (logits.rows, logits.cols);
-    let n = tokens * k;
     let out = router_top_k_device(b, logits, k, renormalize)?;
-    if n == 0 {
-        return Ok(Routing {
-            top_k: k,
-            ids: Vec::new(),
-            weights: Vec::new(),
-        });
-    }
-    let words: Vec<u32> =
-        bytemuck::pod_collect_to_vec(&b.gpu.read(&out.buf, 0, (2 * n * 4) as u64)?);
-    let ids = words[..n].to_vec();
-    if let Some(bad) = ids.iter().find(|&&id| id as usize >= experts) {
-        return Err(Error::Gpu(format!(
-            "router: the device returned expert id {bad} of {experts}"
-        )));
-    }
-    let weights = words[n..].iter().map(|&w| f32::from_bits(w)).collect();
-    Ok(Routing {
-        top_k: k,
-        ids,
-        weights,
-    })
+    Routing::from_device(&b.download(&out)?, k, logits.cols)
 }
 
 /// [`router_top_k`] left on the device: `[1, 2 * T * k]`, the ids then the weights (f32
