@@ -26,6 +26,7 @@ use crate::experts::{open_source, ExpertSource, PoolSize, SourceOptions};
 use crate::generate::{generate, GenerateOptions};
 use crate::io::{AlignedBuf, ALIGN};
 use crate::model::Model;
+use crate::ngram::{self, NgramCounts};
 use crate::pack::PACK_FILE;
 use crate::plan::{human, parse_size, peak_rss, resident_tensors};
 use crate::pool::{floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
@@ -126,6 +127,8 @@ pub struct BenchRow {
     pub limit_kind: &'static str,
     /// Tokens per second the limit allows (`None` when nothing was read).
     pub limit_tps: Option<f64>,
+    /// The n-gram table's row lookups and reads while decoding (models with a PLE layer).
+    pub ngram: Option<NgramCounts>,
 }
 
 /// The whole run: what was measured against, and the rows.
@@ -181,6 +184,7 @@ pub fn run<B: Backend>(
         .map(|_| rng.random_range(0..cfg.vocab_size as u32))
         .collect();
     let active = active_bytes_per_token(ckpt, &index);
+    let tables = model.ngram_tables();
     let mut rows = Vec::new();
     for budget in &options.budgets {
         for &lookahead in &options.lookahead {
@@ -250,7 +254,7 @@ pub fn run<B: Backend>(
                 cancel: None,
             };
             let mut state = model.new_state(backend);
-            let mut at_warmup: Option<(Instant, PoolStats)> = None;
+            let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;
             let mut count = 0;
             let (_, stats) = generate(
                 &model,
@@ -263,13 +267,13 @@ pub fn run<B: Backend>(
                     count += 1;
                     // The first token comes from prefill; decode steps follow it.
                     if count == options.warmup + 1 {
-                        at_warmup = Some((Instant::now(), pool.stats()));
+                        at_warmup = Some((Instant::now(), pool.stats(), ngram::total(&tables)));
                     }
                     Ok(true)
                 },
             )?;
-            let end = (Instant::now(), pool.stats());
-            let (t0, s0) = at_warmup
+            let end = (Instant::now(), pool.stats(), ngram::total(&tables));
+            let (t0, s0, n0) = at_warmup
                 .ok_or_else(|| Error::InvalidInput("generation ended before the warm-up".into()))?;
             let seconds = end.0.duration_since(t0).as_secs_f64();
             let s1 = end.1;
@@ -318,6 +322,7 @@ pub fn run<B: Backend>(
                 } else {
                     None
                 },
+                ngram: end.2.zip(n0).map(|(n1, n0)| n1 - n0),
             });
         }
     }
@@ -384,6 +389,21 @@ impl BenchReport {
                 r.prefetches_wasted,
                 r.peak_rss.map_or("-".into(), human)
             );
+        }
+        for r in &self.rows {
+            if let Some(n) = r.ngram {
+                let lookups = (n.row_hits + n.row_misses).max(1);
+                s += &format!(
+                    "\nn-gram table, budget {} (lookahead {}): {} row lookups while decoding, \
+                     hit rate {:.3}, {} rows read ({:.1} KB per token)",
+                    r.budget,
+                    if r.lookahead { "on" } else { "off" },
+                    n.row_hits + n.row_misses,
+                    n.row_hits as f64 / lookups as f64,
+                    n.row_misses,
+                    n.bytes_read as f64 / 1e3 / r.decode_tokens.max(1) as f64
+                );
+            }
         }
         s
     }

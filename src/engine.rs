@@ -40,6 +40,7 @@ use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
 use crate::model::{Model, SequenceState};
+use crate::ngram::{NgramCounts, NgramTable};
 use crate::pool::{PoolStats, SlotPool};
 use crate::sampling::SamplingOptions;
 use crate::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
@@ -152,6 +153,8 @@ struct Shared {
     context: usize,
     vocab: usize,
     pool: Option<Arc<SlotPool>>,
+    /// The model's n-gram tables, for their counters.
+    ngram: Vec<Arc<NgramTable>>,
     stats: Mutex<EngineStats>,
 }
 
@@ -165,6 +168,9 @@ trait Runner: Send + Sync {
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
     ) -> Result<()>;
+
+    /// The model's n-gram tables ([`Model::ngram_tables`]).
+    fn ngram_tables(&self) -> Vec<Arc<NgramTable>>;
 }
 
 struct Loaded<B: Backend> {
@@ -197,6 +203,7 @@ impl Engine {
                         (Box::new(l), pool)
                     }
                 };
+            let ngram = runner.ngram_tables();
             let tokenizer = Tokenizer::load(&dir)?;
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
@@ -211,6 +218,7 @@ impl Engine {
                 context: options.source.context,
                 vocab: ckpt.config.vocab_size,
                 pool,
+                ngram,
                 stats: Mutex::new(EngineStats::default()),
             })
         })
@@ -290,6 +298,12 @@ impl Engine {
     /// experts stream through a pool.
     pub fn pool_stats(&self) -> Option<PoolStats> {
         self.shared.pool.as_ref().map(|p| p.stats())
+    }
+
+    /// The n-gram table's row lookups and reads since the model was loaded; `None` for a
+    /// model without one.
+    pub fn ngram_counts(&self) -> Option<NgramCounts> {
+        crate::ngram::total(&self.shared.ngram)
     }
 
     /// Slots pinned now (0 between requests).
@@ -445,6 +459,10 @@ impl<B: Backend> Loaded<B> {
 }
 
 impl<B: Backend> Runner for Loaded<B> {
+    fn ngram_tables(&self) -> Vec<Arc<NgramTable>> {
+        self.model.ngram_tables()
+    }
+
     fn run(
         &self,
         prompt: &[u32],

@@ -12,7 +12,7 @@ use crate::backend::gpu::Placement;
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
-use crate::io::IoMode;
+use crate::io::{IoMode, RangeRead};
 use crate::plan::Plan;
 use crate::pool::{PoolExperts, SlotPool, StreamOptions};
 
@@ -103,6 +103,14 @@ pub trait ExpertSource: Send + Sync {
     /// Counts lookups of `experts` (distinct ids) of `layer` that were served from
     /// [`ExpertSource::resident_layer`]'s records (statistics and trace).
     fn count_lookups(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Reads `reads` that the model needs besides expert records (n-gram table rows),
+    /// returning their bytes in order. A source with a bounded reader runs them through it,
+    /// concurrently and within the same queue depth as its expert reads; the default reads
+    /// them one after another. Errors: the first failed read, naming its file and offset.
+    fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
+        reads.iter().map(RangeRead::read).collect()
+    }
 }
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
@@ -229,6 +237,13 @@ impl ExpertSource for AnyExperts {
     fn count_lookups(&self, layer: usize, experts: &[u32]) {
         if let AnyExperts::Pool(p) = self {
             p.count_lookups(layer, experts);
+        }
+    }
+
+    fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
+        match self {
+            AnyExperts::Mapped(m) => m.read_ranges(reads),
+            AnyExperts::Pool(p) => p.read_ranges(reads),
         }
     }
 }

@@ -282,6 +282,24 @@ pub fn read_exact_at(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<(
     Ok(())
 }
 
+/// A small read the model asks for besides expert records (an n-gram table row's
+/// packed words, scales or biases): `len` bytes at `offset` of `file`.
+#[derive(Clone)]
+pub struct RangeRead {
+    pub file: Arc<dyn ReadAt>,
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl RangeRead {
+    /// Reads the range into a new buffer. Errors: as [`read_range`].
+    pub fn read(&self) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; self.len];
+        read_range(self.file.as_ref(), self.offset, &mut buf)?;
+        Ok(buf)
+    }
+}
+
 /// Reads `dst.len()` bytes at `offset` of `file` into `dst`, honouring direct-I/O
 /// alignment: aligned requests go straight into `dst`; others read the aligned enclosing
 /// range into scratch memory and copy the piece out.

@@ -18,6 +18,8 @@
 //! `1 + w`; a checkpoint may store them centered (the Hugging Face release) or with the
 //! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
+use std::sync::Arc;
+
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
 use crate::backend::{
     distinct_ids, rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing,
@@ -101,7 +103,7 @@ enum Residual<B: Backend> {
 
 /// Flash-Next's PLE block (transformers `Qwen4ExpTextPLELayer`).
 struct Ple<B: Backend> {
-    table: NgramTable,
+    table: Arc<NgramTable>,
     /// `key_proj` `[S*H, ple_embed_dim]`, `value_proj` `[H, ple_embed_dim]`.
     key: B::Weight,
     value: B::Weight,
@@ -497,7 +499,7 @@ impl<B: Backend> Model<B> {
                     let (e, k) = (c.embed_dim, c.conv_kernel);
                     let conv = ckpt.floats(&format!("{p}.ple.conv1d.weight"), &[width, k, 1])?;
                     Some(Ple {
-                        table: NgramTable::open(ckpt, i, c)?,
+                        table: Arc::new(NgramTable::open(ckpt, i, c)?),
                         key: linear(&format!("{p}.ple.key_proj"), width, e)?,
                         value: linear(&format!("{p}.ple.value_proj"), d, e)?,
                         norm_key: centered_vector(&format!("{p}.ple.norm_key.weight"), width)?,
@@ -620,6 +622,15 @@ impl<B: Backend> Model<B> {
             index_q,
             index_k,
         }
+    }
+
+    /// The PLE layers' n-gram tables (for their counters: [`crate::ngram::total`]).
+    pub fn ngram_tables(&self) -> Vec<Arc<NgramTable>> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.ple.as_ref())
+            .map(|ple| ple.table.clone())
+            .collect()
     }
 
     /// A fresh sequence: zero conv and recurrent states, empty KV caches.
@@ -745,7 +756,7 @@ impl<B: Backend> Model<B> {
                 .map(|l| {
                     l.ple
                         .as_ref()
-                        .map(|ple| scope.spawn(|| ple.table.embed(history, ids)))
+                        .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
                 })
                 .collect();
             let embedded = backend.embed(&self.embed, ids)?;

@@ -4,7 +4,8 @@
 //! shapes): heads `0..8` hash the token's bigram, heads `8..16` its trigram, and the rows
 //! are concatenated in head order. The table (32 GB at 4 bits for Qwen3.8-Flash-Next) is
 //! never loaded: a row is three small positional reads (packed words, scales, biases) from
-//! the checkpoint's shard files, kept in a small FIFO row cache. Hashing follows
+//! the checkpoint's shard files, issued together through the expert source's bounded
+//! reader and kept in a small FIFO row cache. Hashing follows
 //! transformers 5.24 `Qwen4ExpTextNGramEmbedding` (../shared/spec/models.md §5.2,
 //! reference-system.md A.6); the multipliers, head sizes and offsets come from the
 //! checkpoint's int64 buffers.
@@ -20,7 +21,8 @@ use crate::backend::{dequantize_row, Floats, QuantView};
 use crate::checkpoint::Checkpoint;
 use crate::config::{PleConfig, QuantSpec};
 use crate::error::{Error, Result};
-use crate::io::{read_range, DiskFile, IoMode, ReadAt};
+use crate::experts::ExpertSource;
+use crate::io::{DiskFile, IoMode, RangeRead, ReadAt};
 
 /// Rows the cache keeps per table (about 160 KB of f32 at the released head width of 160
 /// per thousand rows: 400 K rows is the reference system's choice, 256 MB).
@@ -81,13 +83,12 @@ struct Shard {
     biases: (Arc<dyn ReadAt>, u64),
 }
 
-/// Row-cache and read counters of one table.
+/// Row-cache and read counters of one table (see [`NgramCounts`]).
 #[derive(Debug, Default)]
-pub struct NgramStats {
-    /// Rows served from the cache.
-    pub hits: AtomicU64,
-    /// Rows read from the SSD.
-    pub misses: AtomicU64,
+struct NgramStats {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    bytes: AtomicU64,
 }
 
 /// One PLE layer's n-gram table: hashing buffers, shard locations and the row cache.
@@ -105,7 +106,7 @@ pub struct NgramTable {
     scale_dtype: Dtype,
     shards: Vec<Shard>,
     cache: Mutex<RowCache>,
-    pub stats: NgramStats,
+    stats: NgramStats,
 }
 
 #[derive(Default)]
@@ -252,76 +253,160 @@ impl NgramTable {
     }
 
     /// The embedding of `new` after `history`: `[new.len(), heads * head_dim]` f32, rows
-    /// dequantized (`scale * q + bias`), concatenated in head order.
-    /// Errors: a failed read (named file and offset).
-    pub fn embed(&self, history: &[u32], new: &[u32]) -> Result<Vec<f32>> {
+    /// dequantized (`scale * q + bias`), concatenated in head order. Rows not in the cache
+    /// are read through `source` ([`ExpertSource::read_ranges`]: a pool's bounded reader),
+    /// all of them at once. Errors: a failed read (named file and offset).
+    pub fn embed<E: ExpertSource + ?Sized>(
+        &self,
+        history: &[u32],
+        new: &[u32],
+        source: &E,
+    ) -> Result<Vec<f32>> {
         let ids = self.row_ids(history, new);
+        let mut rows: HashMap<u64, Arc<[f32]>> = HashMap::with_capacity(ids.len());
+        let mut missing = Vec::new();
+        {
+            let cache = self.cache()?;
+            for &id in &ids {
+                if rows.contains_key(&id) {
+                    continue;
+                }
+                match cache.rows.get(&id) {
+                    Some(row) => {
+                        rows.insert(id, row.clone());
+                    }
+                    None => {
+                        // A placeholder until read, so a repeat within the call is a hit.
+                        rows.insert(id, Arc::from(Vec::new()));
+                        missing.push(id);
+                    }
+                }
+            }
+        }
+        let hits = ids.len() - missing.len();
+        self.stats.hits.fetch_add(hits as u64, Ordering::Relaxed);
+        self.stats
+            .misses
+            .fetch_add(missing.len() as u64, Ordering::Relaxed);
+        let reads: Vec<RangeRead> = missing.iter().flat_map(|&id| self.row_reads(id)).collect();
+        self.stats.bytes.fetch_add(
+            reads.iter().map(|r| r.len as u64).sum::<u64>(),
+            Ordering::Relaxed,
+        );
+        let bytes = source.read_ranges(reads)?;
+        let mut cache = self.cache()?;
+        for (&id, parts) in missing.iter().zip(bytes.chunks_exact(3)) {
+            let row = self.dequantize(&parts[0], &parts[1], &parts[2]);
+            rows.insert(id, row.clone());
+            if cache.rows.insert(id, row).is_none() {
+                cache.order.push_back(id);
+                if cache.order.len() > ROW_CACHE_ROWS {
+                    if let Some(old) = cache.order.pop_front() {
+                        cache.rows.remove(&old);
+                    }
+                }
+            }
+        }
+        drop(cache);
         let mut out = Vec::with_capacity(ids.len() * self.head_dim);
         for id in ids {
-            out.extend_from_slice(&self.row(id)?);
+            out.extend_from_slice(&rows[&id]);
         }
         Ok(out)
     }
 
-    /// One dequantized row, from the cache or the SSD.
-    fn row(&self, id: u64) -> Result<Arc<[f32]>> {
-        if let Some(r) = self
-            .cache
-            .lock()
-            .map_err(|_| Error::Internal("n-gram row cache poisoned".into()))?
-            .rows
-            .get(&id)
-        {
-            self.stats.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(r.clone());
+    /// The row cache and read counters so far.
+    pub fn counts(&self) -> NgramCounts {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NgramCounts {
+            row_hits: get(&self.stats.hits),
+            row_misses: get(&self.stats.misses),
+            bytes_read: get(&self.stats.bytes),
         }
-        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn cache(&self) -> Result<std::sync::MutexGuard<'_, RowCache>> {
+        self.cache
+            .lock()
+            .map_err(|_| Error::Internal("n-gram row cache poisoned".into()))
+    }
+
+    /// The three reads of row `id`: packed words, scales and biases.
+    fn row_reads(&self, id: u64) -> [RangeRead; 3] {
         let shard = &self.shards[(id / self.rows_per_shard) as usize];
         let r = id % self.rows_per_shard;
         let d = self.head_dim;
         let packed_len = d / self.spec.per_word() * 4;
-        let groups = d / self.spec.group_size;
-        let scale_len = groups * self.scale_dtype.bitsize() / 8;
-        let mut packed = vec![0u8; packed_len];
-        let mut scales = vec![0u8; scale_len];
-        let mut biases = vec![0u8; scale_len];
-        for ((file, base), len, buf) in [
-            (&shard.weight, packed_len, &mut packed),
-            (&shard.scales, scale_len, &mut scales),
-            (&shard.biases, scale_len, &mut biases),
-        ] {
-            read_range(file.as_ref(), base + r * len as u64, buf)?;
-        }
+        let scale_len = d / self.spec.group_size * self.scale_dtype.bitsize() / 8;
+        let read = |(file, base): &(Arc<dyn ReadAt>, u64), len: usize| RangeRead {
+            file: file.clone(),
+            offset: base + r * len as u64,
+            len,
+        };
+        [
+            read(&shard.weight, packed_len),
+            read(&shard.scales, scale_len),
+            read(&shard.biases, scale_len),
+        ]
+    }
+
+    /// One row from its packed words, scales and biases.
+    fn dequantize(&self, packed: &[u8], scales: &[u8], biases: &[u8]) -> Arc<[f32]> {
         let view = QuantView {
             spec: self.spec,
             rows: 1,
-            cols: d,
-            packed: &packed,
+            cols: self.head_dim,
+            packed,
             scales: Floats {
                 dtype: self.scale_dtype,
-                bytes: &scales,
+                bytes: scales,
             },
             biases: Floats {
                 dtype: self.scale_dtype,
-                bytes: &biases,
+                bytes: biases,
             },
         };
-        let mut values = vec![0.0f32; d];
+        let mut values = vec![0.0f32; self.head_dim];
         dequantize_row(&view, 0, &mut values);
-        let row: Arc<[f32]> = values.into();
-        let mut cache = self
-            .cache
-            .lock()
-            .map_err(|_| Error::Internal("n-gram row cache poisoned".into()))?;
-        if cache.rows.insert(id, row.clone()).is_none() {
-            cache.order.push_back(id);
-            if cache.order.len() > ROW_CACHE_ROWS {
-                if let Some(old) = cache.order.pop_front() {
-                    cache.rows.remove(&old);
-                }
-            }
+        values.into()
+    }
+}
+
+/// The counters of `tables` summed (a model's PLE layers); `None` without tables.
+pub fn total(tables: &[Arc<NgramTable>]) -> Option<NgramCounts> {
+    tables.iter().map(|t| t.counts()).reduce(|a, b| a + b)
+}
+
+/// An n-gram table's row lookups and reads so far (`/stats`, `bench`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NgramCounts {
+    /// Row lookups served from the row cache (or an earlier row of the same call).
+    pub row_hits: u64,
+    /// Rows read from the SSD.
+    pub row_misses: u64,
+    /// Bytes read for those rows (packed words, scales and biases).
+    pub bytes_read: u64,
+}
+
+impl std::ops::Add for NgramCounts {
+    type Output = NgramCounts;
+    fn add(self, o: NgramCounts) -> NgramCounts {
+        NgramCounts {
+            row_hits: self.row_hits + o.row_hits,
+            row_misses: self.row_misses + o.row_misses,
+            bytes_read: self.bytes_read + o.bytes_read,
         }
-        Ok(row)
+    }
+}
+
+impl std::ops::Sub for NgramCounts {
+    type Output = NgramCounts;
+    fn sub(self, o: NgramCounts) -> NgramCounts {
+        NgramCounts {
+            row_hits: self.row_hits - o.row_hits,
+            row_misses: self.row_misses - o.row_misses,
+            bytes_read: self.bytes_read - o.bytes_read,
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use crate::checkpoint::Checkpoint;
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, SlotTag};
-use crate::io::{read_range, AlignedBuf, IoMode, Reader, ALIGN};
+use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader, ALIGN};
 use crate::pack::PackedRecords;
 
 /// `(layer, expert)`.
@@ -955,6 +955,29 @@ impl SlotPool {
         Ok(())
     }
 
+    /// Reads `reads` outside the slots (the n-gram table's rows), all at once on the
+    /// blocking pool, each holding one of the demand reads' queue-depth permits, so they
+    /// share the reader's bound with expert misses. Returns their bytes in order.
+    /// Errors: the first failed read, naming its file and offset.
+    pub async fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
+        let demand = self.reader.semaphore();
+        let runtime = self.runtime.clone();
+        futures::future::try_join_all(reads.into_iter().map(|read| {
+            let (demand, runtime) = (demand.clone(), runtime.clone());
+            async move {
+                let _permit = demand
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| Error::Pool("the reader is closed".into()))?;
+                runtime
+                    .spawn_blocking(move || read.read())
+                    .await
+                    .unwrap_or_else(|e| Err(Error::Pool(format!("read task failed: {e}"))))
+            }
+        }))
+        .await
+    }
+
     /// Reads the record of `key` into slot `i` (runs on the blocking pool).
     fn read_record(&self, i: usize, key: Key) -> Result<()> {
         // SAFETY: slot i is Loading and this is its only load (start_load is called once
@@ -1214,5 +1237,9 @@ impl ExpertSource for PoolExperts {
 
     fn count_lookups(&self, layer: usize, experts: &[u32]) {
         self.pool.count_hits(layer, experts);
+    }
+
+    fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
+        futures::executor::block_on(self.pool.read_ranges(reads))
     }
 }

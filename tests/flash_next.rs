@@ -158,3 +158,82 @@ fn centered_and_folded_norms_give_the_same_logits() {
     let e = rel_err(&got, &want);
     assert!(e <= 1e-6, "centered vs folded: relative error {e}");
 }
+
+/// The n-gram rows go through the pool's bounded reader and are counted: a pass over the
+/// scored sequence looks up `heads` rows per token and reads each distinct row once (three
+/// reads: packed words, scales, biases); a second pass reads nothing. The logits equal
+/// those of the mapped checkpoint, whose rows are read one after another.
+#[test]
+fn ngram_rows_are_read_through_the_pool_and_counted() {
+    use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
+    use std::sync::Arc;
+    let r = reference_json();
+    let ids: Vec<u32> = ints(&r["scored_ids"]);
+    let ckpt = Arc::new(Checkpoint::open(&fixture_dir(QWEN4_EXP)).unwrap());
+    let mapped_model = Model::load(&ckpt, &CpuBackend).unwrap();
+    let mapped = MappedExperts::new(ckpt.clone(), Arc::new(mapped_model.experts.clone()));
+    let mut state = mapped_model.new_state(&CpuBackend);
+    let want = mapped_model
+        .forward(&CpuBackend, &mut state, &ids, &mapped, Logits::All)
+        .unwrap();
+
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    let tables = model.ngram_tables();
+    assert_eq!(tables.len(), 1, "one PLE layer");
+    let table = &tables[0];
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let index = Arc::new(model.experts.clone());
+    let pool = SlotPool::open(
+        &ckpt,
+        index.clone(),
+        StreamOptions::with_slots(index.records() / 2),
+        runtime.handle().clone(),
+    )
+    .unwrap();
+    let pooled = PoolExperts::new(pool);
+    let lookups = (ids.len() * table.heads()) as u64;
+    let distinct = {
+        let mut rows = table.row_ids(&[], &ids);
+        rows.sort_unstable();
+        rows.dedup();
+        rows.len() as u64
+    };
+    assert!(distinct < lookups, "the sequence repeats some rows");
+    let row_bytes = (table.head_dim / 8 * 4 + 2 * (table.head_dim / 32) * 2) as u64;
+    for pass in 0..2u64 {
+        let mut state = model.new_state(&CpuBackend);
+        let got = model
+            .forward(&CpuBackend, &mut state, &ids, &pooled, Logits::All)
+            .unwrap();
+        assert!(got == want, "pass {pass}: logits differ from the mapped checkpoint's");
+        let n = slotstream::ngram::total(&tables).unwrap();
+        assert_eq!(n.row_hits + n.row_misses, (pass + 1) * lookups, "pass {pass}");
+        assert_eq!(n.row_misses, distinct, "pass {pass}: each row read once");
+        assert_eq!(n.bytes_read, distinct * row_bytes, "pass {pass}");
+    }
+}
+
+/// `bench` on a Flash-Next model reports the n-gram table's lookups while decoding:
+/// `heads` per decoded token.
+#[test]
+fn bench_reports_ngram_rows() {
+    use slotstream::bench::{run, BenchOptions, Budget};
+    use std::sync::Arc;
+    let ckpt = Arc::new(Checkpoint::open(&fixture_dir(QWEN4_EXP)).unwrap());
+    let heads = Model::load(&ckpt, &CpuBackend).unwrap().ngram_tables()[0].heads() as u64;
+    let options = BenchOptions {
+        budgets: vec![Budget::Percent(50.0)],
+        lookahead: vec![true],
+        prompt_len: 12,
+        tokens: 8,
+        warmup: 2,
+        source: Default::default(),
+        seed: rand::random(),
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();
+    let row = &report.rows[0];
+    let n = row.ngram.expect("n-gram counts for a Flash-Next model");
+    assert_eq!(n.row_hits + n.row_misses, row.decode_tokens as u64 * heads);
+    assert!(report.table().contains("n-gram table"));
+}

@@ -417,6 +417,8 @@ async fn a_stream_abandoned_while_queued_never_runs() {
         .await
         .unwrap();
     assert_eq!(stats["queued_or_running"], 0);
+    // A model without an n-gram table has no n-gram counters.
+    assert!(stats["ngram"].is_null(), "{stats}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,6 +147,7 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     Json(json!({
         "engine": app.engine.stats(),
         "pool": app.engine.pool_stats(),
+        "ngram": app.engine.ngram_counts(),
         "queued_or_running": app.options.queue.max(1) - app.queue.available_permits(),
     }))
 }
