@@ -257,6 +257,8 @@ struct IndexKeys<B: Backend> {
     pending: Vec<B::Tensor>,
     raw: Vec<f32>,
     pooled: Vec<f32>,
+    /// Each call's key selection, once [`SequenceState::keep_qsa_selections`] asked for it.
+    selections: Option<Vec<KeyMask>>,
 }
 
 /// Everything one sequence carries between forward calls: per-layer conv and recurrent
@@ -270,6 +272,38 @@ pub struct SequenceState<B: Backend> {
     /// Set while a forward call runs: a call that failed part-way leaves some layers
     /// advanced and others not, so the state must not be used again.
     broken: bool,
+}
+
+impl<B: Backend> SequenceState<B> {
+    /// Keeps the QSA indexer's key selection of every later forward call, for
+    /// inspection (see [`SequenceState::qsa_selections`]). Costs a bit per query and key.
+    pub fn keep_qsa_selections(&mut self) {
+        for layer in &mut self.layers {
+            if let LayerState::Attention {
+                index: Some(keys), ..
+            } = layer
+            {
+                keys.selections.get_or_insert_with(Vec::new);
+            }
+        }
+    }
+
+    /// The kept QSA selections by layer (layers with an indexer): one [`KeyMask`] per
+    /// forward pass (per chunk of a long input), whose rows are its queries and whose keys
+    /// are the positions up to its last query; every causal key is kept while the context
+    /// is within the indexer's budget.
+    pub fn qsa_selections(&self) -> Vec<(usize, &[KeyMask])> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, layer)| match layer {
+                LayerState::Attention {
+                    index: Some(keys), ..
+                } => keys.selections.as_deref().map(|s| (i, s)),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 /// Tokens per pass of a long input (see [`Model::forward`]).
@@ -664,6 +698,7 @@ impl<B: Backend> Model<B> {
                             pending: Vec::new(),
                             raw: Vec::new(),
                             pooled: Vec::new(),
+                            selections: None,
                         }),
                         _ => None,
                     },
@@ -1024,7 +1059,14 @@ impl<B: Backend> Model<B> {
             index,
             cfg.flash_next.as_ref().and_then(|f| f.indexer.as_ref()),
         ) {
-            (Some(ix), Some(keys), Some(icfg)) => self.qsa_mask(backend, ix, icfg, x, keys, pos)?,
+            (Some(ix), Some(keys), Some(icfg)) => {
+                let mask = self.qsa_mask(backend, ix, icfg, x, keys, pos)?;
+                if let Some(kept) = keys.selections.as_mut() {
+                    let (t, _) = backend.shape(x);
+                    kept.push(mask.clone().unwrap_or_else(|| KeyMask::causal(t, pos + t)));
+                }
+                mask
+            }
             _ => None,
         };
         let o = backend.attention(&q, &k, &v, kv, dims, mask.as_ref());

@@ -205,9 +205,16 @@ fn ngram_rows_are_read_through_the_pool_and_counted() {
         let got = model
             .forward(&CpuBackend, &mut state, &ids, &pooled, Logits::All)
             .unwrap();
-        assert!(got == want, "pass {pass}: logits differ from the mapped checkpoint's");
+        assert!(
+            got == want,
+            "pass {pass}: logits differ from the mapped checkpoint's"
+        );
         let n = slotstream::ngram::total(&tables).unwrap();
-        assert_eq!(n.row_hits + n.row_misses, (pass + 1) * lookups, "pass {pass}");
+        assert_eq!(
+            n.row_hits + n.row_misses,
+            (pass + 1) * lookups,
+            "pass {pass}"
+        );
         assert_eq!(n.row_misses, distinct, "pass {pass}: each row read once");
         assert_eq!(n.bytes_read, distinct * row_bytes, "pass {pass}");
     }
@@ -236,4 +243,70 @@ fn bench_reports_ngram_rows() {
     let n = row.ngram.expect("n-gram counts for a Flash-Next model");
     assert_eq!(n.row_hits + n.row_misses, row.decode_tokens as u64 * heads);
     assert!(report.table().contains("n-gram table"));
+}
+
+/// The QSA indexer's key selection equals transformers' on the fixture's scored sequence
+/// (90 positions, 71 of them past the budget), in one pass and as a prefill followed by
+/// one-token steps (the pooled keys then come from the cache).
+#[test]
+fn qsa_selections_equal_transformers() {
+    let r = reference_json();
+    let ids: Vec<u32> = ints(&r["scored_ids"]);
+    let layer = r["qsa_layer"].as_u64().unwrap() as usize;
+    let want: Vec<Vec<usize>> = r["qsa_selected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ints)
+        .collect();
+    assert_eq!(want.len(), ids.len());
+    let sparse = want
+        .iter()
+        .enumerate()
+        .filter(|(q, k)| k.len() < q + 1)
+        .count();
+    assert!(sparse > 60, "{sparse} positions select blocks");
+    let ckpt = std::sync::Arc::new(Checkpoint::open(&fixture_dir(QWEN4_EXP)).unwrap());
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    let experts = MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
+    let split = rand::random_range(1..ids.len() - 8);
+    for pieces in [vec![ids.len()], {
+        let mut p = vec![split];
+        p.extend(std::iter::repeat_n(1, ids.len() - split));
+        p
+    }] {
+        let mut state = model.new_state(&CpuBackend);
+        state.keep_qsa_selections();
+        let mut at = 0;
+        for n in &pieces {
+            model
+                .forward(
+                    &CpuBackend,
+                    &mut state,
+                    &ids[at..at + n],
+                    &experts,
+                    Logits::Last,
+                )
+                .unwrap();
+            at += n;
+        }
+        let kept = state.qsa_selections();
+        assert_eq!(kept.len(), 1, "one QSA layer");
+        assert_eq!(kept[0].0, layer);
+        let mut got = Vec::new();
+        for mask in kept[0].1 {
+            let rows = mask.bits.len() / mask.words_per_row();
+            for row in 0..rows {
+                got.push(
+                    (0..mask.keys)
+                        .filter(|&k| mask.kept(row, k))
+                        .collect::<Vec<usize>>(),
+                );
+            }
+        }
+        assert_eq!(got.len(), ids.len(), "pieces {:?}", &pieces[..1]);
+        for (q, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "position {q} (first piece {})", pieces[0]);
+        }
+    }
 }

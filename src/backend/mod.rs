@@ -126,6 +126,18 @@ impl KeyMask {
         }
     }
 
+    /// A mask of the last `rows` queries over `keys` positions that keeps every causal
+    /// key (query `r` sits at position `keys - rows + r`).
+    pub fn causal(rows: usize, keys: usize) -> Self {
+        let mut m = KeyMask::new(rows, keys);
+        for r in 0..rows {
+            for k in 0..=keys - rows + r {
+                m.keep(r, k);
+            }
+        }
+        m
+    }
+
     /// u32 words per query.
     pub fn words_per_row(&self) -> usize {
         self.keys.div_ceil(32)
