@@ -1,9 +1,11 @@
 // Causal depthwise conv1d + SiLU with a carried state (see src/backend/gpu/conv.rs).
 //
 // in = [state; x] is [(K-1)*d + T, C]; out[t, c] = silu(sum_j w[c, j] * in[t + j*d, c])
-// (dilation d) and the new state is the last (K-1)*d rows of `in`, written to a separate buffer so every
-// invocation reads the old state. One invocation per element of out followed by the
-// elements of the new state, 256 per workgroup; the grid may be 2-D (device::grid).
+// (dilation d) and the state becomes the last (K-1)*d rows of `in`, in place. One
+// invocation per channel, 256 per workgroup (the grid may be 2-D, device::grid): it
+// computes its channel's outputs for every token, then shifts its channel's state rows,
+// so no invocation reads a state value another has replaced, and the state keeps its
+// buffer from step to step.
 
 struct Params {
     // Tokens T.
@@ -19,15 +21,14 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> w: array<f32>;
-@group(0) @binding(3) var<storage, read> state: array<f32>;
+@group(0) @binding(3) var<storage, read_write> state: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
-@group(0) @binding(5) var<storage, read_write> new_state: array<f32>;
 
 fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
 
-// Row r, channel ch of in = [state; x].
+// Row r, channel ch of in = [state; x] (the state as it was before this step).
 fn input(r: u32, ch: u32) -> f32 {
     let keep = (p.k - 1u) * p.d;
     if (r < keep) {
@@ -39,21 +40,21 @@ fn input(r: u32, ch: u32) -> f32 {
 @compute @workgroup_size(256)
 fn causal_conv1d_silu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                       @builtin(local_invocation_id) lid: vec3<u32>) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid.x;
-    let n_out = p.t * p.c;
-    let n_state = (p.k - 1u) * p.d * p.c;
-    if (i < n_out) {
-        let t = i / p.c;
-        let ch = i - t * p.c;
+    let ch = (wid.x + wid.y * nwg.x) * 256u + lid.x;
+    if (ch >= p.c) {
+        return;
+    }
+    for (var t = 0u; t < p.t; t++) {
         var acc = 0.0;
         for (var j = 0u; j < p.k; j++) {
             acc += w[ch * p.k + j] * input(t + j * p.d, ch);
         }
-        out[i] = acc * sigmoid(acc);
-    } else if (i < n_out + n_state) {
-        let s = i - n_out;
-        let r = s / p.c;
-        let ch = s - r * p.c;
-        new_state[s] = input(p.t + r, ch);
+        out[t * p.c + ch] = acc * sigmoid(acc);
+    }
+    // New row r is old row T + r of `in`. In ascending r, a state row read (T + r > r)
+    // is never one this loop has already rewritten.
+    let keep = (p.k - 1u) * p.d;
+    for (var r = 0u; r < keep; r++) {
+        state[r * p.c + ch] = input(p.t + r, ch);
     }
 }

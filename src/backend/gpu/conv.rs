@@ -1,8 +1,8 @@
 //! Causal depthwise conv with state (`wgsl/conv.wgsl`).
 //!
-//! One dispatch writes the output and a new state buffer (the last `K-1` rows of
-//! `[state; x]`), so no invocation can read a state row another has already replaced;
-//! the caller's state tensor then points at the new buffer.
+//! One dispatch writes the output and shifts the state in place (the last `(K-1)*d` rows
+//! of `[state; x]`), one invocation per channel, so the state keeps its buffer (and the
+//! bind groups that bind it) from step to step.
 use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 
@@ -13,7 +13,6 @@ const CONV: Kernel = Kernel::new(
     "conv.wgsl",
     "causal_conv1d_silu",
     &[
-        Access::Read,
         Access::Read,
         Access::Read,
         Access::ReadWrite,
@@ -43,16 +42,13 @@ pub(super) fn causal_conv1d_silu(
     );
     let t = x.rows;
     let out = b.empty(t, c);
-    let new_state = b.empty(keep, c);
-    let n = (t + keep) * c;
-    u32::try_from(n).expect("conv: tensor too large for u32 indexing");
-    let [gx, gy] = grid(n.div_ceil(WG) as u32);
+    u32::try_from(t.max(keep) * c).expect("conv: tensor too large for u32 indexing");
+    let [gx, gy] = grid(c.div_ceil(WG) as u32);
     b.gpu.dispatch(
         &CONV,
         &[t as u32, c as u32, k as u32, dilation as u32],
-        &[&x.buf, &w.buf, &state.buf, &out.buf, &new_state.buf],
+        &[&x.buf, &w.buf, &state.buf, &out.buf],
         [gx, gy, 1],
     );
-    *state = new_state;
     out
 }

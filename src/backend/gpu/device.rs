@@ -316,6 +316,8 @@ struct Counters {
     buffers_created: AtomicU64,
     bind_groups_created: AtomicU64,
     wait_ns: AtomicU64,
+    record_ns: AtomicU64,
+    submit_ns: AtomicU64,
     write_bytes: AtomicU64,
 }
 
@@ -332,6 +334,11 @@ pub struct GpuCounters {
     pub bind_groups_created: u64,
     /// Nanoseconds spent waiting for the device.
     pub wait_ns: u64,
+    /// Nanoseconds spent recording dispatches ([`Gpu::dispatch_with`], submissions it
+    /// forces excluded).
+    pub record_ns: u64,
+    /// Nanoseconds spent ending passes, finishing encoders and submitting them.
+    pub submit_ns: u64,
     /// Bytes written through the queue ([`Gpu::write`]).
     pub write_bytes: u64,
 }
@@ -346,6 +353,8 @@ impl std::ops::Sub for GpuCounters {
             buffers_created: self.buffers_created - o.buffers_created,
             bind_groups_created: self.bind_groups_created - o.bind_groups_created,
             wait_ns: self.wait_ns - o.wait_ns,
+            record_ns: self.record_ns - o.record_ns,
+            submit_ns: self.submit_ns - o.submit_ns,
             write_bytes: self.write_bytes - o.write_bytes,
         }
     }
@@ -378,9 +387,13 @@ impl std::fmt::Debug for BufferPool {
     }
 }
 
+/// Free buffers by size class, ordered by wgpu's buffer ids: a request takes the lowest,
+/// so a step that frees what it took finds the same buffers again in the next step and
+/// its dispatches bind the same buffers (their bind groups stay cached). Taking the last
+/// freed instead would shift buffers between tensors that outlive a step and the rest.
 #[derive(Default)]
 struct FreeLists {
-    by_size: HashMap<u64, Vec<wgpu::Buffer>>,
+    by_size: HashMap<u64, std::collections::BTreeSet<wgpu::Buffer>>,
     bytes: u64,
 }
 
@@ -395,7 +408,7 @@ fn size_class(len: u64) -> u64 {
 impl BufferPool {
     fn take(&self, size: u64) -> Option<wgpu::Buffer> {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        let buf = free.by_size.get_mut(&size)?.pop()?;
+        let buf = free.by_size.get_mut(&size)?.pop_first()?;
         free.bytes -= size;
         Some(buf)
     }
@@ -409,7 +422,7 @@ impl BufferPool {
             return; // destroyed when dropped here
         }
         free.bytes += size;
-        free.by_size.entry(size).or_default().push(buf);
+        free.by_size.entry(size).or_default().insert(buf);
     }
 }
 
@@ -632,6 +645,8 @@ impl Gpu {
             buffers_created: get(&c.buffers_created),
             bind_groups_created: get(&c.bind_groups_created),
             wait_ns: get(&c.wait_ns),
+            record_ns: get(&c.record_ns),
+            submit_ns: get(&c.submit_ns),
             write_bytes: get(&c.write_bytes),
         }
     }
@@ -708,6 +723,7 @@ impl Gpu {
 
     /// Uploads the recorded uniform blocks and data and submits the encoder.
     fn submit(&self, rec: &mut Recording) {
+        let start = std::time::Instant::now();
         rec.pass = None;
         if let Some(enc) = rec.encoder.take() {
             // Queued before this submission's commands and after the previous
@@ -724,6 +740,11 @@ impl Gpu {
             self.queue.submit([enc.finish()]);
             Self::count(&self.counters.submits);
         }
+        Self::add_ns(&self.counters.submit_ns, start);
+    }
+
+    fn add_ns(counter: &AtomicU64, since: std::time::Instant) {
+        counter.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Records one dispatch of `k` over `groups` workgroups (x, y from [`grid`], z given)
@@ -748,6 +769,7 @@ impl Gpu {
             k.file,
             k.entry
         );
+        let start = std::time::Instant::now();
         let pipeline = self.pipeline(k);
         let mut words = params.to_vec();
         // Uniform blocks are read in 16-byte rows.
@@ -866,6 +888,7 @@ impl Gpu {
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         Self::count(&self.counters.dispatches);
         rec.dispatches += 1;
+        Self::add_ns(&self.counters.record_ns, start);
         if self.submit_every > 0 && rec.dispatches >= self.submit_every {
             self.submit(&mut rec);
         }

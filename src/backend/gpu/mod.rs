@@ -154,7 +154,7 @@ pub struct GpuBackend {
     pub gpu: Gpu,
     mirror: Mutex<Option<Mirror>>,
     /// The device counters at the last [`Backend::download`] (for the debug log).
-    logged: Mutex<GpuCounters>,
+    logged: Mutex<(GpuCounters, std::time::Instant)>,
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -171,7 +171,7 @@ impl GpuBackend {
         Ok(GpuBackend {
             gpu: Gpu::open(options)?,
             mirror: Mutex::default(),
-            logged: Mutex::default(),
+            logged: Mutex::new((GpuCounters::default(), std::time::Instant::now())),
         })
     }
 
@@ -182,10 +182,10 @@ impl GpuBackend {
         if !tracing::enabled!(tracing::Level::DEBUG) {
             return;
         }
-        let now = self.gpu.counters();
+        let (now, at) = (self.gpu.counters(), std::time::Instant::now());
         let mut last = self.logged.lock().unwrap_or_else(|p| p.into_inner());
-        let d = now - *last;
-        *last = now;
+        let (d, since) = (now - last.0, last.1);
+        *last = (now, at);
         tracing::debug!(
             dispatches = d.dispatches,
             submits = d.submits,
@@ -193,6 +193,9 @@ impl GpuBackend {
             buffers_created = d.buffers_created,
             bind_groups_created = d.bind_groups_created,
             wait_ms = d.wait_ns as f64 / 1e6,
+            record_ms = d.record_ns as f64 / 1e6,
+            submit_ms = d.submit_ns as f64 / 1e6,
+            wall_ms = at.duration_since(since).as_secs_f64() * 1e3,
             write_mb = d.write_bytes as f64 / 1e6,
             "GPU work since the last download"
         );
