@@ -110,9 +110,9 @@ struct SynthArgs {
     /// for qwen3.8-flash-next, whose layer 1 holds the PLE block and the n-gram table.
     #[arg(long)]
     layers: Option<usize>,
-    /// qwen3.8-flash-next only: n-gram rows per head (`ngram_vocab_size_base`, at most the
-    /// released 20000000) instead of the released table of 16 x ~20 M rows (32 GB): about
-    /// 1.6 KB per row per head, for small disks and tests. NOT the released shape.
+    /// qwen3.8-flash-next only: about N rows for each of the n-gram table's 16 heads
+    /// (`ngram_vocab_size_base`, 1 to 20000000) instead of the released 20000000 (32 GB):
+    /// a table of about N x 1.6 KB, for small disks and tests. NOT the released shape.
     #[arg(long)]
     ngram_rows: Option<u64>,
     /// Output directory.

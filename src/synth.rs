@@ -793,6 +793,8 @@ impl Preset {
         // positions use them all alike).
         let half = self.head_dim / 8;
         let section = (half * 11).div_ceil(32);
+        // The release writes the base as an integer.
+        let theta = self.rope_theta as u64;
         let mut text = serde_json::Map::new();
         for (k, v) in [
             ("model_type", json!("qwen4_exp_text")),
@@ -818,7 +820,7 @@ impl Preset {
             ("head_dim", json!(self.head_dim)),
             (
                 "rope_parameters",
-                json!({"rope_type": "default", "rope_theta": self.rope_theta,
+                json!({"rope_type": "default", "rope_theta": theta,
                        "partial_rotary_factor": 0.25, "mrope_interleaved": true,
                        "mrope_section": [section, section, half - 2 * section]}),
             ),
@@ -856,7 +858,7 @@ impl Preset {
             (
                 "mtp",
                 json!({"hybrid": true, "layer_types": ["full_attention"], "num_hidden_layers": 1,
-                       "rope_theta": self.rope_theta, "mtp_use_hidden_state_from_layer": null}),
+                       "rope_theta": theta, "mtp_use_hidden_state_from_layer": null}),
             ),
             ("mtp_num_hidden_layers", json!(1)),
             ("mtp_use_dedicated_embeddings", json!(false)),
