@@ -35,7 +35,7 @@ use crate::routing_model::{RoutingParams, ROUTING_FILE};
 #[derive(Clone, Copy, Debug)]
 pub struct Preset {
     pub name: &'static str,
-    /// Layout and config of `qwen3_next` or `qwen3_5_moe`.
+    /// Layout and config of `qwen3_next`, `qwen3_5_moe` or `qwen4_exp`.
     pub family: Family,
     pub hidden: usize,
     pub layers: usize,
@@ -78,7 +78,7 @@ pub struct FlashNextShape {
     pub ple_layer: usize,
     /// Kernel of the PLE block's dilated conv (`ple_conv_kernel_size`).
     pub ple_conv_kernel: usize,
-    /// Largest hashed n-gram (`ngram_size`): bigrams up to this order.
+    /// Largest hashed n-gram (`ngram_size`): orders 2 to this one are hashed.
     pub ngram_size: usize,
     pub heads_per_ngram: usize,
     /// `ngram_vocab_size_base`: head `h` of the table has the `(h+1)`-th prime at or
@@ -336,8 +336,9 @@ impl Preset {
         (layer + 1) % 4 == 0
     }
 
-    /// config.json for `layers` layers, as mlx-lm's `save_config` writes it (for
-    /// Qwen3.8-Flash-Next, as the released conversion has it: [`Preset::flash_next_config`]).
+    /// config.json for `layers` layers, as mlx-lm's `save_config` writes it; for
+    /// Qwen3.8-Flash-Next, as the released conversion has it (reference-system.md A.1, A.8:
+    /// `text_config` with `layer_types` for the layers kept, the n-gram shards' overrides).
     pub fn config(&self, layers: usize) -> serde_json::Value {
         if let Some(x) = &self.flash_next {
             return self.flash_next_config(x, layers);
@@ -1223,7 +1224,8 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 
 /// Writes a `layers`-layer checkpoint of `preset` into `dir` (created if needed):
 /// config.json, `model-0000i-of-0000n.safetensors` (embeddings and head first, then one
-/// per layer), `model.safetensors.index.json`, and a byte-level tokenizer built in code
+/// per layer; Qwen3.8-Flash-Next's layer 1 also holds the n-gram table, 32 GB at the
+/// released shape), `model.safetensors.index.json`, and a byte-level tokenizer built in code
 /// (`tokenizer.json`, `tokenizer_config.json` with a ChatML template). Files are written
 /// under temporary names and renamed, the index last, so an interrupted run leaves no
 /// checkpoint that opens. Shows a progress bar when `progress` is set. The checkpoint
@@ -1242,6 +1244,10 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
 /// [`write_checkpoint`] with a chosen routing model: `Some` writes it as
 /// [`ROUTING_FILE`] (the engine then routes by it), `None` removes any such file left by an
 /// earlier run, so the checkpoint's random router routes.
+///
+/// Errors: [`Preset::check`]'s (too few layers, an inconsistent preset) before anything
+/// is written; a non-empty `dir` that holds no synthetic checkpoint; any write error,
+/// with its path.
 pub fn write_checkpoint_with(
     dir: &Path,
     preset: &Preset,
