@@ -103,12 +103,18 @@ struct PlanArgs {
 
 #[derive(Args)]
 struct SynthArgs {
-    /// demo, qwen3-next-80b-a3b, qwen3.5-35b-a3b or qwen3.8-flash-next (expert shapes).
+    /// demo, qwen3-next-80b-a3b, qwen3.5-35b-a3b or qwen3.8-flash-next.
     #[arg(long)]
     preset: String,
-    /// Keep this many layers (every per-layer shape is kept), for small disks.
+    /// Keep this many layers (every per-layer shape is kept), for small disks. At least 2
+    /// for qwen3.8-flash-next, whose layer 1 holds the PLE block and the n-gram table.
     #[arg(long)]
     layers: Option<usize>,
+    /// qwen3.8-flash-next only: about N rows for each of the n-gram table's 16 heads
+    /// (`ngram_vocab_size_base`, 1 to 20000000) instead of the released 20000000 (32 GB):
+    /// a table of about N x 1.6 KB, for small disks and tests. NOT the released shape.
+    #[arg(long)]
+    ngram_rows: Option<u64>,
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
@@ -944,10 +950,19 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
 
 fn synth(args: SynthArgs) -> Result<()> {
     use slotstream::routing_model::RoutingParams;
-    let preset = slotstream::synth::preset(&args.preset)?;
+    let mut preset = slotstream::synth::preset(&args.preset)?;
     let layers = args.layers.unwrap_or(preset.layers);
-    if layers == 0 {
-        bail!("--layers must be at least 1");
+    if layers < preset.min_layers() {
+        bail!(
+            "--layers must be at least {} for {}",
+            preset.min_layers(),
+            preset.name
+        );
+    }
+    if let Some(rows) = args.ngram_rows {
+        preset = preset
+            .with_ngram_rows(rows)
+            .map_err(|e| anyhow::anyhow!("--ngram-rows {rows}: {e}"))?;
     }
     let routing = (args.routing == SynthRouting::Synthetic).then(RoutingParams::calibrated);
     slotstream::synth::write_checkpoint_with(&args.out, &preset, layers, true, routing.as_ref())

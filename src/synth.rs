@@ -1,12 +1,21 @@
-//! Synthetic checkpoints in the exact MLX layout of a Qwen3-Next or Qwen3.5-MoE conversion
-//! (tensor names, shapes, dtypes, 4-bit weights with the router and shared-expert gate at 8
-//! bits, the config's quantization block, one shard per layer plus one for the embeddings), with
-//! deterministic random weights, written as a stream (never held in memory). They let the
-//! demo, tests and benchmarks run at real shapes without downloading 45-105 GB.
+//! Synthetic checkpoints in the exact MLX layout of a Qwen3-Next, Qwen3.5-MoE or
+//! Qwen3.8-Flash-Next conversion (tensor names, shapes, dtypes, the quantization each module
+//! has in the released conversion, the config's quantization block, one shard per layer plus
+//! one for the embeddings), with deterministic random weights, written as a stream (never
+//! held in memory). They let the demo, tests and benchmarks run at real shapes without
+//! downloading 45-105 GB.
 //!
 //! The weights are random: quantized values uniform, scales chosen so each dequantized
 //! row has unit-scale dot products, norms 1. Text generated from them is noise; the point
 //! is the layout, the sizes and the I/O they cause.
+//!
+//! Qwen3.8-Flash-Next ([`QWEN38_FLASH_NEXT`], `qwen4_exp`) is written as the released MLX
+//! 4-bit conversion stores it (../shared/spec/reference-system.md A.1-A.9): 4-stream
+//! hyper-connections, split gated-DeltaNet projections, QSA attention with its indexer,
+//! the PLE layer at layer 1 with its hashed n-gram table in 128 shards (4 bits, group 32),
+//! bf16 routers, inject weights, indexer and a/b projections, norms with the `+1` folded
+//! in. The text model only: the vision tower (A.10) and the MTP head (A.11) are left out,
+//! as slotstream never reads them.
 //!
 //! A random router routes almost uniformly, so by default a checkpoint also carries a
 //! synthetic routing model ([`crate::routing_model`], `synthetic_routing.json`) calibrated
@@ -26,7 +35,7 @@ use crate::routing_model::{RoutingParams, ROUTING_FILE};
 #[derive(Clone, Copy, Debug)]
 pub struct Preset {
     pub name: &'static str,
-    /// Layout and config of `qwen3_next` or `qwen3_5_moe`.
+    /// Layout and config of `qwen3_next`, `qwen3_5_moe` or `qwen4_exp`.
     pub family: Family,
     pub hidden: usize,
     pub layers: usize,
@@ -43,6 +52,79 @@ pub struct Preset {
     pub intermediate: usize,
     pub group_size: usize,
     pub rope_theta: f64,
+    /// Qwen3.8-Flash-Next's extra blocks; `Some` exactly when `family` is
+    /// [`Family::Qwen4Exp`].
+    pub flash_next: Option<FlashNextShape>,
+}
+
+/// What a Qwen3.8-Flash-Next (`qwen4_exp`) preset adds to the Qwen3.5 blocks: the
+/// hyper-connections (reference-system.md A.3), the QSA indexer (A.5) and the PLE layer
+/// with its hashed n-gram table (A.6). Field names follow the config's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashNextShape {
+    /// Residual streams (`hc_count`): the hidden state is `hc_count * hidden` wide.
+    pub hc_count: usize,
+    /// Rank of each hyper-connection's input mixer (`hc_lowrank`).
+    pub hc_lowrank: usize,
+    /// Query heads of the QSA indexer (`indexer_n_heads`); it has one key head.
+    pub indexer_heads: usize,
+    pub indexer_head_dim: usize,
+    /// Keys a query sees before the indexer selects (`indexer_budget`), in tokens.
+    pub indexer_budget: usize,
+    /// Tokens per scored block (`indexer_compress_ratio`).
+    pub indexer_compress_ratio: usize,
+    /// Zero-based index of the PLE layer (`ple_layer_ids` holds it one-based); it must be
+    /// a gated-DeltaNet layer. Its width (`ple_embed_dim`) is `hidden`.
+    pub ple_layer: usize,
+    /// Kernel of the PLE block's dilated conv (`ple_conv_kernel_size`).
+    pub ple_conv_kernel: usize,
+    /// Largest hashed n-gram (`ngram_size`): orders 2 to this one are hashed.
+    pub ngram_size: usize,
+    pub heads_per_ngram: usize,
+    /// `ngram_vocab_size_base`: head `h` of the table has the `(h+1)`-th prime at or
+    /// above it as its row count (about this many rows per head).
+    pub ngram_vocab_base: u64,
+    /// `make_ngram_vocab_size_divisible_by`: the table's rows are padded to a multiple.
+    pub ngram_divisible_by: u64,
+    /// Row shards of the table (`split_ngram_parts`).
+    pub ngram_shards: usize,
+    /// Group size of the table's 4-bit quantization (a per-shard override in the config).
+    pub ngram_group_size: usize,
+    /// Seed of the hash multipliers (transformers' default `seed`, not in the released
+    /// config.json).
+    pub seed: u64,
+    /// `<|endoftext|>`, the config's BOS and EOS id (the n-gram hash resets after it);
+    /// `<|im_start|>` and `<|im_end|>` follow it.
+    pub eos: usize,
+}
+
+/// The released Qwen3.8-Flash-Next extras (reference-system.md A.1, A.6): 4 streams of
+/// rank 320, an indexer of 4 x 128 keeping 2048 tokens in blocks of 4, the PLE layer at
+/// layer 1 over a 32 GB table of 16 heads x ~20,000,000 rows in 128 shards.
+pub const FLASH_NEXT_SHAPE: FlashNextShape = FlashNextShape {
+    hc_count: 4,
+    hc_lowrank: 320,
+    indexer_heads: 4,
+    indexer_head_dim: 128,
+    indexer_budget: 2048,
+    indexer_compress_ratio: 4,
+    ple_layer: 1,
+    ple_conv_kernel: 4,
+    ngram_size: 3,
+    heads_per_ngram: 8,
+    ngram_vocab_base: 20_000_000,
+    ngram_divisible_by: 128,
+    ngram_shards: 128,
+    ngram_group_size: 32,
+    seed: 1234,
+    eos: 248_044,
+};
+
+impl FlashNextShape {
+    /// Hashed heads per token: `(ngram_size - 1) * heads_per_ngram` (16 released).
+    pub fn ngram_heads(&self) -> usize {
+        (self.ngram_size - 1) * self.heads_per_ngram
+    }
 }
 
 /// The built-in demo: 8 layers of 64 experts, 226 MB of expert records (442 KB each).
@@ -63,6 +145,7 @@ pub const DEMO: Preset = Preset {
     intermediate: 512,
     group_size: 64,
     rope_theta: 1e7,
+    flash_next: None,
 };
 
 /// Qwen3-Next-80B-A3B (../shared/spec/models.md §1.1): records of 1,769,472 bytes.
@@ -83,14 +166,15 @@ pub const QWEN3_NEXT_80B: Preset = Preset {
     intermediate: 512,
     group_size: 64,
     rope_theta: 1e7,
+    flash_next: None,
 };
 
-/// Qwen3.8-Flash-Next's expert shapes (hidden 2560, experts of 640: records of 2,764,800
-/// bytes, reference-system.md B.3) in a Qwen3-Next body, for I/O benchmarks until that
-/// model family is implemented.
-pub const FLASH_NEXT_EXPERTS: Preset = Preset {
+/// Qwen3.8-Flash-Next (`qwen4_exp`, reference-system.md A.1-A.9) as released in MLX 4-bit:
+/// 48 layers of 512 experts (top-10), records of 2,764,800 bytes, a 32 GB n-gram table;
+/// 102.87 GB of tensors at 48 layers ([`Preset::checkpoint_bytes`]).
+pub const QWEN38_FLASH_NEXT: Preset = Preset {
     name: "qwen3.8-flash-next",
-    family: Family::Qwen3Next,
+    family: Family::Qwen4Exp,
     hidden: 2560,
     layers: 48,
     vocab: 248_320,
@@ -105,6 +189,7 @@ pub const FLASH_NEXT_EXPERTS: Preset = Preset {
     intermediate: 640,
     group_size: 64,
     rope_theta: 1e7,
+    flash_next: Some(FLASH_NEXT_SHAPE),
 };
 
 /// Qwen3.5-35B-A3B (../shared/spec/models.md §1.2), text model only, in the `qwen3_5_moe`
@@ -126,10 +211,11 @@ pub const QWEN35_35B: Preset = Preset {
     intermediate: 512,
     group_size: 64,
     rope_theta: 1e7,
+    flash_next: None,
 };
 
 /// The presets by name.
-pub const PRESETS: &[Preset] = &[DEMO, QWEN3_NEXT_80B, QWEN35_35B, FLASH_NEXT_EXPERTS];
+pub const PRESETS: &[Preset] = &[DEMO, QWEN3_NEXT_80B, QWEN35_35B, QWEN38_FLASH_NEXT];
 
 /// Looks a preset up by name. Errors list the known names.
 pub fn preset(name: &str) -> Result<Preset> {
@@ -147,7 +233,7 @@ pub fn preset(name: &str) -> Result<Preset> {
 }
 
 /// What a tensor holds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum Fill {
     /// Packed random `bits`-bit values of a `[.., out, in]` matrix.
     Packed,
@@ -159,6 +245,8 @@ enum Fill {
     Const(f32),
     /// bf16 uniform in `[-a, a]`.
     Uniform(f32),
+    /// These int64 values, little endian.
+    Int64(Vec<i64>),
 }
 
 struct TensorSpec {
@@ -171,7 +259,12 @@ struct TensorSpec {
 impl TensorSpec {
     fn bytes(&self) -> u64 {
         let n: usize = self.shape.iter().product();
-        (n * if self.dtype == "U32" { 4 } else { 2 }) as u64
+        let size = match self.dtype {
+            "I64" => 8,
+            "U32" => 4,
+            _ => 2,
+        };
+        (n * size) as u64
     }
 }
 
@@ -218,13 +311,38 @@ fn vector(out: &mut Vec<TensorSpec>, name: String, shape: Vec<usize>, fill: Fill
     });
 }
 
+/// An unquantized bf16 `[rows, cols]` matrix whose rows have unit-scale dot products with
+/// unit-scale inputs.
+fn dense(out: &mut Vec<TensorSpec>, name: String, rows: usize, cols: usize) {
+    vector(
+        out,
+        name,
+        vec![rows, cols],
+        Fill::Uniform((3.0 / cols as f32).sqrt()),
+    );
+}
+
+fn int64(out: &mut Vec<TensorSpec>, name: String, values: Vec<i64>) {
+    out.push(TensorSpec {
+        name,
+        dtype: "I64",
+        shape: vec![values.len()],
+        fill: Fill::Int64(values),
+    });
+}
+
 impl Preset {
     fn is_full_attention(&self, layer: usize) -> bool {
         (layer + 1) % 4 == 0
     }
 
-    /// config.json for `layers` layers, as mlx-lm's `save_config` writes it.
+    /// config.json for `layers` layers, as mlx-lm's `save_config` writes it; for
+    /// Qwen3.8-Flash-Next, as the released conversion has it (reference-system.md A.1, A.8:
+    /// `text_config` with `layer_types` for the layers kept, the n-gram shards' overrides).
     pub fn config(&self, layers: usize) -> serde_json::Value {
+        if let Some(x) = &self.flash_next {
+            return self.flash_next_config(x, layers);
+        }
         let prefix = self.family.prefix();
         let mut quant = serde_json::Map::new();
         quant.insert("group_size".into(), json!(self.group_size));
@@ -287,12 +405,10 @@ impl Preset {
     }
 
     fn layer_tensors(&self, l: usize) -> Vec<TensorSpec> {
-        let (d, g, e, i) = (
-            self.hidden,
-            self.group_size,
-            self.experts,
-            self.intermediate,
-        );
+        if let Some(x) = &self.flash_next {
+            return self.flash_next_layer_tensors(x, l);
+        }
+        let (d, g, e) = (self.hidden, self.group_size, self.experts);
         let p = format!("{}model.layers.{l}", self.family.prefix());
         let mut t = Vec::new();
         vector(
@@ -468,9 +584,22 @@ impl Preset {
             8,
             64,
         );
+        self.expert_mlps(&mut t, &p);
+        t
+    }
+
+    /// The 4-bit shared expert `mlp.shared_expert.*` and routed experts
+    /// `mlp.switch_mlp.*` (`[experts, out, in]`) of layer prefix `p`.
+    fn expert_mlps(&self, t: &mut Vec<TensorSpec>, p: &str) {
+        let (d, g, e, i) = (
+            self.hidden,
+            self.group_size,
+            self.experts,
+            self.intermediate,
+        );
         for (m, rows, cols) in [("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)] {
             quantized(
-                &mut t,
+                t,
                 &format!("{p}.mlp.shared_expert.{m}"),
                 &[],
                 rows,
@@ -481,7 +610,7 @@ impl Preset {
         }
         for (m, rows, cols) in [("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i)] {
             quantized(
-                &mut t,
+                t,
                 &format!("{p}.mlp.switch_mlp.{m}"),
                 &[e],
                 rows,
@@ -490,7 +619,6 @@ impl Preset {
                 g,
             );
         }
-        t
     }
 
     fn head_tensors(&self) -> Vec<TensorSpec> {
@@ -514,12 +642,23 @@ impl Preset {
             4,
             self.group_size,
         );
-        vector(
-            &mut t,
-            format!("{p}model.norm.weight"),
-            vec![self.hidden],
-            Fill::Const(1.0),
-        );
+        match &self.flash_next {
+            // No final norm: the hyper-connection mixer joins the streams (A.2).
+            Some(x) => hyper_connection(
+                &mut t,
+                &format!("{p}model.hyper_connection_mixer"),
+                x,
+                self.hidden,
+                self.group_size,
+                false,
+            ),
+            None => vector(
+                &mut t,
+                format!("{p}model.norm.weight"),
+                vec![self.hidden],
+                Fill::Const(1.0),
+            ),
+        }
         t
     }
 
@@ -535,6 +674,467 @@ impl Preset {
         }
         n
     }
+
+    /// The fewest layers a checkpoint of this preset can have: 2 for Qwen3.8-Flash-Next,
+    /// whose layer 1 holds the PLE block and the n-gram table (`ple_layer_ids` `[2]`), else 1.
+    pub fn min_layers(&self) -> usize {
+        self.flash_next.map_or(1, |x| x.ple_layer + 1)
+    }
+
+    /// This preset with `rows` n-gram rows per head (`ngram_vocab_size_base`; each head
+    /// gets the next primes at or above it) instead of the released 20,000,000: a table of
+    /// about `16 * rows` rows of 100 bytes instead of 32 GB, for small disks and tests.
+    /// **Departs from the released shape** (reference-system.md A.6); the config's
+    /// `ngram_vocab_size_base` says so, and the hashing buffers follow it.
+    ///
+    /// Errors ([`Error::InvalidInput`]): a preset without an n-gram table, `rows` 0, or
+    /// more rows than the preset's own (this only shrinks the table).
+    pub fn with_ngram_rows(mut self, rows: u64) -> Result<Preset> {
+        let Some(x) = self.flash_next.as_mut() else {
+            return Err(Error::InvalidInput(format!(
+                "preset `{}` has no n-gram table",
+                self.name
+            )));
+        };
+        if rows == 0 || rows > x.ngram_vocab_base {
+            return Err(Error::InvalidInput(format!(
+                "n-gram rows per head must be between 1 and {} (the preset's own), not {rows}",
+                x.ngram_vocab_base
+            )));
+        }
+        x.ngram_vocab_base = rows;
+        Ok(self)
+    }
+
+    /// The n-gram table's hashing buffers and shard rows; `None` for a preset without one.
+    pub fn ngram_geometry(&self) -> Option<NgramGeometry> {
+        self.flash_next
+            .as_ref()
+            .map(|x| NgramGeometry::new(x, self.vocab))
+    }
+
+    /// `<|endoftext|>`, `<|im_start|>` and `<|im_end|>`: the released ids for
+    /// Qwen3.8-Flash-Next, the top three of the vocabulary for the others.
+    fn special_tokens(&self) -> [usize; 3] {
+        let first = self.flash_next.map_or(self.vocab - 3, |x| x.eos);
+        [first, first + 1, first + 2]
+    }
+
+    /// Errors ([`Error::InvalidInput`]) unless a `layers`-layer checkpoint of this preset
+    /// can be written and loaded: at least [`Preset::min_layers`] layers, a
+    /// [`FlashNextShape`] exactly for `qwen4_exp`, special tokens inside the vocabulary,
+    /// and n-gram rows of whole quantization groups.
+    pub fn check(&self, layers: usize) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidInput(format!("preset `{}`: {m}", self.name)));
+        if layers < self.min_layers() {
+            return bad(format!(
+                "needs at least {} layers (layer 1 holds the PLE block and its n-gram table), not {layers}",
+                self.min_layers()
+            ));
+        }
+        if (self.family == Family::Qwen4Exp) != self.flash_next.is_some() {
+            return bad("a Flash-Next shape goes with the qwen4_exp family and no other".into());
+        }
+        if self.vocab < 3 || self.special_tokens()[2] >= self.vocab {
+            return bad(format!(
+                "special tokens {:?} do not fit a vocabulary of {}",
+                self.special_tokens(),
+                self.vocab
+            ));
+        }
+        if let Some(x) = &self.flash_next {
+            let heads = x.ngram_heads();
+            if heads == 0
+                || !self.hidden.is_multiple_of(heads)
+                || x.ngram_group_size == 0
+                || !(self.hidden / heads).is_multiple_of(x.ngram_group_size)
+                || x.ngram_shards == 0
+                || x.ngram_divisible_by == 0
+                || x.ngram_vocab_base == 0
+                || self.is_full_attention(x.ple_layer)
+            {
+                return bad(format!("unusable n-gram or PLE geometry {x:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// config.json of a Qwen3.8-Flash-Next checkpoint of `layers` layers, as the released
+    /// conversion has it (reference-system.md A.1, A.8): the text model under
+    /// `text_config`, with `layer_types` for the layers kept and no `seed` (transformers'
+    /// default 1234 gives the stored multipliers), and a quantization block of 4 bits,
+    /// group 64, with a group-`ngram_group_size` override per n-gram shard and no other
+    /// (the unquantized modules have no `.scales`). The vision tower is left out, so
+    /// there is no `vision_config` and `language_model_only` is true.
+    fn flash_next_config(&self, x: &FlashNextShape, layers: usize) -> serde_json::Value {
+        let prefix = self.family.prefix();
+        let mut quant = serde_json::Map::new();
+        quant.insert("group_size".into(), json!(self.group_size));
+        quant.insert("bits".into(), json!(4));
+        quant.insert("mode".into(), json!("affine"));
+        for s in 0..x.ngram_shards {
+            quant.insert(
+                format!(
+                    "{prefix}model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{s}",
+                    x.ple_layer
+                ),
+                json!({"group_size": x.ngram_group_size, "bits": 4}),
+            );
+        }
+        let layer_types: Vec<&str> = (0..layers)
+            .map(|l| {
+                if self.is_full_attention(l) {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
+            .collect();
+        // M-RoPE sections over the 64 rotary dims' 32 frequencies: [11, 11, 10] (text
+        // positions use them all alike).
+        let half = self.head_dim / 8;
+        let section = (half * 11).div_ceil(32);
+        // The release writes the base as an integer.
+        let theta = self.rope_theta as u64;
+        let mut text = serde_json::Map::new();
+        for (k, v) in [
+            ("model_type", json!("qwen4_exp_text")),
+            ("attention_bias", json!(false)),
+            ("attention_dropout", json!(0.0)),
+            ("bos_token_id", json!(x.eos)),
+            ("eos_token_id", json!(x.eos)),
+            ("pad_token_id", json!(null)),
+            ("dtype", json!("bfloat16")),
+            ("hidden_act", json!("silu")),
+            ("hidden_size", json!(self.hidden)),
+            ("initializer_range", json!(0.02)),
+            ("num_hidden_layers", json!(layers)),
+            ("layer_types", json!(layer_types)),
+            ("full_attention_interval", json!(4)),
+            ("vocab_size", json!(self.vocab)),
+            ("max_position_embeddings", json!(262_144)),
+            ("rms_norm_eps", json!(1e-6)),
+            ("tie_word_embeddings", json!(false)),
+            ("use_cache", json!(true)),
+            ("num_attention_heads", json!(self.heads)),
+            ("num_key_value_heads", json!(self.kv_heads)),
+            ("head_dim", json!(self.head_dim)),
+            (
+                "rope_parameters",
+                json!({"rope_type": "default", "rope_theta": theta,
+                       "partial_rotary_factor": 0.25, "mrope_interleaved": true,
+                       "mrope_section": [section, section, half - 2 * section]}),
+            ),
+            ("linear_num_key_heads", json!(self.linear_key_heads)),
+            ("linear_num_value_heads", json!(self.linear_value_heads)),
+            ("linear_key_head_dim", json!(self.linear_head_dim)),
+            ("linear_value_head_dim", json!(self.linear_head_dim)),
+            ("linear_conv_kernel_dim", json!(4)),
+            ("mamba_ssm_dtype", json!("float32")),
+            ("output_gate_type", json!("sigmoid")),
+            ("num_experts", json!(self.experts)),
+            ("num_experts_per_tok", json!(self.top_k)),
+            ("moe_intermediate_size", json!(self.intermediate)),
+            ("shared_expert_intermediate_size", json!(self.intermediate)),
+            ("router_aux_loss_coef", json!(0.001)),
+            ("output_router_logits", json!(false)),
+            ("hc_count", json!(x.hc_count)),
+            ("hc_lowrank", json!(x.hc_lowrank)),
+            ("indexer_n_heads", json!(x.indexer_heads)),
+            ("indexer_kv_heads", json!(1)),
+            ("indexer_head_dim", json!(x.indexer_head_dim)),
+            ("indexer_budget", json!(x.indexer_budget)),
+            ("indexer_compress_ratio", json!(x.indexer_compress_ratio)),
+            ("ple_layer_ids", json!([x.ple_layer + 1])),
+            ("ple_embed_dim", json!(self.hidden)),
+            ("ple_conv_kernel_size", json!(x.ple_conv_kernel)),
+            ("ngram_size", json!(x.ngram_size)),
+            ("heads_per_ngram", json!(x.heads_per_ngram)),
+            ("ngram_vocab_size_base", json!(x.ngram_vocab_base)),
+            (
+                "make_ngram_vocab_size_divisible_by",
+                json!(x.ngram_divisible_by),
+            ),
+            ("split_ngram_parts", json!(x.ngram_shards)),
+            (
+                "mtp",
+                json!({"hybrid": true, "layer_types": ["full_attention"], "num_hidden_layers": 1,
+                       "rope_theta": theta, "mtp_use_hidden_state_from_layer": null}),
+            ),
+            ("mtp_num_hidden_layers", json!(1)),
+            ("mtp_use_dedicated_embeddings", json!(false)),
+        ] {
+            text.insert(k.into(), v);
+        }
+        // The released vision placeholders (A.1), though this checkpoint has no tower.
+        json!({
+            "architectures": ["Qwen4ExpForConditionalGeneration"],
+            "model_type": "qwen4_exp",
+            "transformers_version": "5.8.0.dev0",
+            "tie_word_embeddings": false,
+            "language_model_only": true,
+            "image_token_id": 248_056, "video_token_id": 248_057,
+            "vision_start_token_id": 248_053, "vision_end_token_id": 248_054,
+            "text_config": text,
+            "quantization": quant.clone(), "quantization_config": quant,
+        })
+    }
+
+    /// Layer `l` of Qwen3.8-Flash-Next as the released conversion stores it
+    /// (reference-system.md A.3-A.9): on the PLE layer first the PLE block and the n-gram
+    /// table, then both hyper-connections, the gated DeltaNet (split projections, a/b
+    /// bf16) or, on every 4th layer, QSA attention with its bf16 indexer, then the MoE block
+    /// with a bf16 router and shared-expert gate. `1 + w` norms are stored folded (1).
+    fn flash_next_layer_tensors(&self, x: &FlashNextShape, l: usize) -> Vec<TensorSpec> {
+        let (d, g, e) = (self.hidden, self.group_size, self.experts);
+        let p = format!("{}model.layers.{l}", self.family.prefix());
+        let mut t = Vec::new();
+        if l == x.ple_layer {
+            self.ple(&mut t, x, &format!("{p}.ple"));
+        }
+        for hc in ["attn_hyper_connection", "mlp_hyper_connection"] {
+            hyper_connection(&mut t, &format!("{p}.{hc}"), x, d, g, true);
+        }
+        if self.is_full_attention(l) {
+            let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
+            let a = format!("{p}.self_attn");
+            for (m, rows, cols) in [
+                ("q_proj", 2 * h * hd, d),
+                ("k_proj", kv * hd, d),
+                ("v_proj", kv * hd, d),
+                ("o_proj", d, h * hd),
+            ] {
+                quantized(&mut t, &format!("{a}.{m}"), &[], rows, cols, 4, g);
+            }
+            for m in ["q_norm", "k_norm"] {
+                vector(
+                    &mut t,
+                    format!("{a}.{m}.weight"),
+                    vec![hd],
+                    Fill::Const(1.0),
+                );
+            }
+            let ihd = x.indexer_head_dim;
+            dense(
+                &mut t,
+                format!("{a}.indexer.index_qk_proj.weight"),
+                (x.indexer_heads + 1) * ihd,
+                d,
+            );
+            for m in ["q_layernorm", "k_layernorm"] {
+                vector(
+                    &mut t,
+                    format!("{a}.indexer.{m}.weight"),
+                    vec![ihd],
+                    Fill::Const(1.0),
+                );
+            }
+        } else {
+            let (nk, nv, hd) = (
+                self.linear_key_heads,
+                self.linear_value_heads,
+                self.linear_head_dim,
+            );
+            let (kd, vd) = (nk * hd, nv * hd);
+            let a = format!("{p}.linear_attn");
+            quantized(
+                &mut t,
+                &format!("{a}.in_proj_qkv"),
+                &[],
+                2 * kd + vd,
+                d,
+                4,
+                g,
+            );
+            quantized(&mut t, &format!("{a}.in_proj_z"), &[], vd, d, 4, g);
+            dense(&mut t, format!("{a}.in_proj_b.weight"), nv, d);
+            dense(&mut t, format!("{a}.in_proj_a.weight"), nv, d);
+            vector(
+                &mut t,
+                format!("{a}.conv1d.weight"),
+                vec![2 * kd + vd, 4, 1],
+                Fill::Uniform(0.5),
+            );
+            vector(&mut t, format!("{a}.dt_bias"), vec![nv], Fill::Const(1.0));
+            vector(&mut t, format!("{a}.A_log"), vec![nv], Fill::Uniform(1.0));
+            vector(
+                &mut t,
+                format!("{a}.norm.weight"),
+                vec![hd],
+                Fill::Const(1.0),
+            );
+            quantized(&mut t, &format!("{a}.out_proj"), &[], d, vd, 4, g);
+        }
+        dense(&mut t, format!("{p}.mlp.gate.weight"), e, d);
+        dense(&mut t, format!("{p}.mlp.shared_expert_gate.weight"), 1, d);
+        self.expert_mlps(&mut t, &p);
+        t
+    }
+
+    /// The PLE block under `p` (reference-system.md A.6): key and value projections at
+    /// 4 bits, three `[S*H]` group norms (folded, 1), the dilated conv `[S*H, kernel, 1]`,
+    /// the int64 hashing buffers and the table's `ngram_shards` row shards
+    /// `[rows_per_shard, hidden / heads]` at 4 bits, group `ngram_group_size`.
+    fn ple(&self, t: &mut Vec<TensorSpec>, x: &FlashNextShape, p: &str) {
+        let (d, g) = (self.hidden, self.group_size);
+        let width = x.hc_count * d;
+        quantized(t, &format!("{p}.key_proj"), &[], width, d, 4, g);
+        quantized(t, &format!("{p}.value_proj"), &[], d, d, 4, g);
+        for m in ["norm_key", "norm_query", "norm_conv"] {
+            vector(t, format!("{p}.{m}.weight"), vec![width], Fill::Const(1.0));
+        }
+        vector(
+            t,
+            format!("{p}.conv1d.weight"),
+            vec![width, x.ple_conv_kernel, 1],
+            Fill::Uniform(0.5),
+        );
+        let ngram = NgramGeometry::new(x, self.vocab);
+        let e = format!("{p}.ple_embedding");
+        int64(t, format!("{e}.layer_multipliers"), ngram.multipliers);
+        int64(t, format!("{e}.ngram_heads_vocab_sizes"), ngram.sizes);
+        int64(t, format!("{e}.ngram_heads_offsets"), ngram.offsets);
+        for s in 0..x.ngram_shards {
+            quantized(
+                t,
+                &format!("{e}.ngram_embedding.shard_{s}"),
+                &[],
+                ngram.rows_per_shard,
+                d / x.ngram_heads(),
+                4,
+                x.ngram_group_size,
+            );
+        }
+    }
+}
+
+/// A Flash-Next hyper-connection `module` (reference-system.md A.3): `hc_norm` `[S*H]`
+/// (folded, 1), the input mixer's `input_mix_weight_down` `[rank, S*H]` and
+/// `input_mix_weight_up` `[S*H, rank]` at 4 bits, and with `inject` (a layer's own, not
+/// the final mixer) the bf16 `block_inject_weight` `[S, S*H]`.
+fn hyper_connection(
+    t: &mut Vec<TensorSpec>,
+    module: &str,
+    x: &FlashNextShape,
+    hidden: usize,
+    group: usize,
+    inject: bool,
+) {
+    let (width, rank) = (x.hc_count * hidden, x.hc_lowrank);
+    vector(
+        t,
+        format!("{module}.hc_norm.weight"),
+        vec![width],
+        Fill::Const(1.0),
+    );
+    quantized(
+        t,
+        &format!("{module}.input_mix_weight_down"),
+        &[],
+        rank,
+        width,
+        4,
+        group,
+    );
+    quantized(
+        t,
+        &format!("{module}.input_mix_weight_up"),
+        &[],
+        width,
+        rank,
+        4,
+        group,
+    );
+    if inject {
+        dense(
+            t,
+            format!("{module}.block_inject_weight.weight"),
+            x.hc_count,
+            width,
+        );
+    }
+}
+
+/// A PLE layer's n-gram table geometry and int64 hashing buffers, as transformers'
+/// `Qwen4ExpTextNGramEmbedding` computes them for the first (here: only) PLE layer
+/// (reference-system.md A.6, ../shared/spec/models.md §5.2). At the released shape:
+/// head sizes 20,000,003 ... 20,000,171, 320,001,446 rows padded to 320,001,536, 128
+/// shards of 2,500,012 rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NgramGeometry {
+    /// `layer_multipliers` `[ngram_size]`: odd, below `i64::MAX / vocab`, so a token id
+    /// times one never overflows.
+    pub multipliers: Vec<i64>,
+    /// `ngram_heads_vocab_sizes` `[heads]`: head `h` has the `(h+1)`-th prime at or above
+    /// `ngram_vocab_size_base` as its row count.
+    pub sizes: Vec<i64>,
+    /// `ngram_heads_offsets` `[heads]`: head `h`'s first global row (running sum of sizes).
+    pub offsets: Vec<i64>,
+    /// Rows of each shard: the rows of all heads, padded up to a multiple of
+    /// `make_ngram_vocab_size_divisible_by`, over `split_ngram_parts` shards (rounded up).
+    pub rows_per_shard: usize,
+}
+
+impl NgramGeometry {
+    fn new(x: &FlashNextShape, vocab: usize) -> Self {
+        let sizes: Vec<i64> = (x.ngram_vocab_base..)
+            .filter(|&n| is_prime(n))
+            .take(x.ngram_heads())
+            .map(|n| n as i64)
+            .collect();
+        let offsets: Vec<i64> = sizes
+            .iter()
+            .scan(0, |next, &size| {
+                let first = *next;
+                *next += size;
+                Some(first)
+            })
+            .collect();
+        let total = sizes.iter().sum::<i64>() as u64;
+        let padded = total.div_ceil(x.ngram_divisible_by) * x.ngram_divisible_by;
+        // transformers `_build_layer_multipliers`, PLE layer index 0: seed + 10007 * 0.
+        let half = (i64::MAX as u64 / vocab as u64 / 2).max(1);
+        let multipliers = (1..=x.ngram_size as u64)
+            .map(|i| {
+                let z = splitmix64(x.seed.wrapping_add(SPLITMIX_GAMMA.wrapping_mul(i)));
+                (2 * (z % half) + 1) as i64
+            })
+            .collect();
+        NgramGeometry {
+            multipliers,
+            sizes,
+            offsets,
+            rows_per_shard: padded.div_ceil(x.ngram_shards as u64) as usize,
+        }
+    }
+}
+
+const SPLITMIX_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output for state `x` (the state advanced by the golden gamma first).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(SPLITMIX_GAMMA);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Trial division (the n-gram bases are at most tens of millions).
+fn is_prime(n: u64) -> bool {
+    if n < 4 {
+        return n >= 2;
+    }
+    if n.is_multiple_of(2) || n.is_multiple_of(3) {
+        return false;
+    }
+    let mut d = 5;
+    while d * d <= n {
+        if n.is_multiple_of(d) || n.is_multiple_of(d + 2) {
+            return false;
+        }
+        d += 6;
+    }
+    true
 }
 
 /// A safetensors file written tensor by tensor: the header (names, dtypes, shapes and
@@ -624,7 +1224,8 @@ fn fill_bf16(buf: &mut [u8], mut value: impl FnMut() -> f32) {
 
 /// Writes a `layers`-layer checkpoint of `preset` into `dir` (created if needed):
 /// config.json, `model-0000i-of-0000n.safetensors` (embeddings and head first, then one
-/// per layer), `model.safetensors.index.json`, and a byte-level tokenizer built in code
+/// per layer; Qwen3.8-Flash-Next's layer 1 also holds the n-gram table, 32 GB at the
+/// released shape), `model.safetensors.index.json`, and a byte-level tokenizer built in code
 /// (`tokenizer.json`, `tokenizer_config.json` with a ChatML template). Files are written
 /// under temporary names and renamed, the index last, so an interrupted run leaves no
 /// checkpoint that opens. Shows a progress bar when `progress` is set. The checkpoint
@@ -643,6 +1244,10 @@ pub fn write_checkpoint(dir: &Path, preset: &Preset, layers: usize, progress: bo
 /// [`write_checkpoint`] with a chosen routing model: `Some` writes it as
 /// [`ROUTING_FILE`] (the engine then routes by it), `None` removes any such file left by an
 /// earlier run, so the checkpoint's random router routes.
+///
+/// Errors: [`Preset::check`]'s (too few layers, an inconsistent preset) before anything
+/// is written; a non-empty `dir` that holds no synthetic checkpoint; any write error,
+/// with its path.
 pub fn write_checkpoint_with(
     dir: &Path,
     preset: &Preset,
@@ -650,6 +1255,7 @@ pub fn write_checkpoint_with(
     progress: bool,
     routing: Option<&RoutingParams>,
 ) -> Result<()> {
+    preset.check(layers)?;
     let marker = dir.join(".slotstream-synth");
     if let Ok(mut entries) = std::fs::read_dir(dir) {
         if entries.next().is_some() && !marker.exists() {
@@ -709,21 +1315,28 @@ pub fn write_checkpoint_with(
             .map_err(|e| Error::io(&path, e))?;
         for t in &tensors {
             weight_map.insert(t.name.clone(), json!(file));
-            let fill = t.fill;
-            w.tensor(t.bytes(), |b| match fill {
+            let mut at = 0;
+            w.tensor(t.bytes(), |b| match &t.fill {
                 Fill::Packed => filler.fill(b),
-                Fill::Scales { inputs, bits } => {
+                &Fill::Scales { inputs, bits } => {
                     // Centred uniform q on [0, 2^bits) has std ~ 2^bits / sqrt(12).
                     let s = 12f32.sqrt() / ((1u32 << bits) as f32 * (inputs as f32).sqrt());
                     fill_bf16(b, || s);
                 }
-                Fill::Biases { inputs, bits } => {
+                &Fill::Biases { inputs, bits } => {
                     let s = 12f32.sqrt() / ((1u32 << bits) as f32 * (inputs as f32).sqrt());
                     let bias = -s * ((1u32 << bits) - 1) as f32 / 2.0;
                     fill_bf16(b, || bias);
                 }
-                Fill::Const(v) => fill_bf16(b, || v),
-                Fill::Uniform(a) => fill_bf16(b, || a * filler.unit()),
+                &Fill::Const(v) => fill_bf16(b, || v),
+                &Fill::Uniform(a) => fill_bf16(b, || a * filler.unit()),
+                Fill::Int64(values) => {
+                    for (i, byte) in b.iter_mut().enumerate() {
+                        let k = at + i;
+                        *byte = values[k / 8].to_le_bytes()[k % 8];
+                    }
+                    at += b.len();
+                }
             })
             .map_err(|e| Error::io(&path, e))?;
             if let Some(bar) = &bar {
@@ -737,7 +1350,7 @@ pub fn write_checkpoint_with(
         bar.finish_and_clear();
     }
     write_json(dir, "config.json", &preset.config(layers))?;
-    write_tokenizer(dir, preset.vocab)?;
+    write_tokenizer(dir, preset.special_tokens())?;
     match routing {
         Some(params) => params.write(dir)?,
         None => {
@@ -769,8 +1382,8 @@ fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
 }
 
 /// A byte-level BPE with no merges: 256 byte tokens, then `<|endoftext|>`,
-/// `<|im_start|>` and `<|im_end|>` at the top of the model's vocabulary.
-fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
+/// `<|im_start|>` and `<|im_end|>` at the ids `special` gives.
+fn write_tokenizer(dir: &Path, [eot, start, end]: [usize; 3]) -> Result<()> {
     // GPT-2's byte-to-unicode table, as the ByteLevel pre-tokenizer expects.
     let mut bytes: Vec<u32> = (b'!' as u32..=b'~' as u32)
         .chain(0xA1..=0xAC)
@@ -793,7 +1406,6 @@ fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
         model_vocab.insert(ch, json!(*b));
     }
     let special = |id: usize, s: &str| json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
-    let (eot, start, end) = (vocab - 3, vocab - 2, vocab - 1);
     let tokenizer = json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [special(eot, "<|endoftext|>"), special(start, "<|im_start|>"), special(end, "<|im_end|>")],
@@ -819,4 +1431,162 @@ fn write_tokenizer(dir: &Path, vocab: usize) -> Result<()> {
         "generation_config.json",
         &json!({"eos_token_id": [end, eot]}),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{LayerKind, ModelConfig};
+
+    fn shapes(tensors: &[TensorSpec]) -> Vec<(String, &'static str, Vec<usize>)> {
+        tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+            .collect()
+    }
+
+    /// The released n-gram table (reference-system.md A.6, models.md §5.2): primes after
+    /// 20,000,000, 128 shards of 2,500,012 rows, 32,000,153,600 bytes.
+    #[test]
+    fn flash_next_ngram_table_has_the_released_geometry() {
+        let g = QWEN38_FLASH_NEXT.ngram_geometry().unwrap();
+        assert_eq!(g.sizes.len(), 16);
+        assert_eq!((g.sizes[0], g.sizes[15]), (20_000_003, 20_000_171));
+        assert_eq!((g.offsets[1], g.offsets[15]), (20_000_003, 300_001_275));
+        assert_eq!(g.sizes.iter().sum::<i64>(), 320_001_446);
+        assert_eq!(g.rows_per_shard, 2_500_012);
+        // Odd, and small enough that no token id times one overflows.
+        let limit = i64::MAX / 248_320;
+        assert!(g.multipliers.iter().all(|&m| m % 2 == 1 && m < limit));
+        let table: u64 = QWEN38_FLASH_NEXT
+            .layer_tensors(1)
+            .iter()
+            .filter(|t| t.name.contains(".ngram_embedding.shard_"))
+            .map(TensorSpec::bytes)
+            .sum();
+        assert_eq!(table, 32_000_153_600);
+    }
+
+    /// The released byte budget (A.7, A.8): 24,576 records of 2,764,800 bytes, 4-bit
+    /// embeddings and head of 357,580,800 bytes each.
+    #[test]
+    fn flash_next_sizes_match_the_release() {
+        let p = QWEN38_FLASH_NEXT;
+        let experts: u64 = (0..48)
+            .flat_map(|l| p.layer_tensors(l))
+            .filter(|t| t.name.contains(".switch_mlp."))
+            .map(|t| t.bytes())
+            .sum();
+        assert_eq!(experts, 24_576 * 2_764_800);
+        for t in p.head_tensors().chunks(3).take(2) {
+            assert_eq!(t.iter().map(TensorSpec::bytes).sum::<u64>(), 357_580_800);
+        }
+        assert_eq!(p.checkpoint_bytes(48), 102_871_883_800);
+    }
+
+    /// An attention layer (l % 4 == 3) holds QSA attention with its bf16 indexer and
+    /// no gated DeltaNet (reference-system.md A.5).
+    #[test]
+    fn flash_next_attention_layer_has_the_released_tensors() {
+        let p = "language_model.model.layers.3.self_attn";
+        let q = |m: &str, out: usize, inp: usize| {
+            [
+                (format!("{p}.{m}.weight"), "U32", vec![out, inp / 8]),
+                (format!("{p}.{m}.scales"), "BF16", vec![out, inp / 64]),
+                (format!("{p}.{m}.biases"), "BF16", vec![out, inp / 64]),
+            ]
+        };
+        let mut want: Vec<(String, &str, Vec<usize>)> = [
+            q("q_proj", 12_288, 2560),
+            q("k_proj", 512, 2560),
+            q("v_proj", 512, 2560),
+            q("o_proj", 2560, 6144),
+        ]
+        .concat();
+        for (m, shape) in [
+            ("q_norm", vec![256]),
+            ("k_norm", vec![256]),
+            ("indexer.index_qk_proj", vec![640, 2560]),
+            ("indexer.q_layernorm", vec![128]),
+            ("indexer.k_layernorm", vec![128]),
+        ] {
+            want.push((format!("{p}.{m}.weight"), "BF16", shape));
+        }
+        let got: Vec<_> = shapes(&QWEN38_FLASH_NEXT.layer_tensors(3))
+            .into_iter()
+            .filter(|(n, _, _)| n.contains(".self_attn.") || n.contains(".linear_attn."))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    /// The config parses as the released model: 48 layers of `[lin, lin, lin, full]`, the
+    /// Flash-Next fields, and 128 group-32 overrides; with `--layers 2`, two linear layers.
+    #[test]
+    fn flash_next_config_reads_back_as_the_release() {
+        let path = std::path::Path::new("config.json");
+        let v = QWEN38_FLASH_NEXT.config(48);
+        let cfg = ModelConfig::from_json(&v, path).unwrap();
+        assert_eq!(cfg.family, Family::Qwen4Exp);
+        assert_eq!(
+            (
+                cfg.hidden_size,
+                cfg.vocab_size,
+                cfg.num_experts,
+                cfg.rotary_dim
+            ),
+            (2560, 248_320, 512, 64)
+        );
+        assert_eq!(cfg.layer_kinds.len(), 48);
+        assert!(cfg
+            .layer_kinds
+            .iter()
+            .enumerate()
+            .all(|(l, &k)| (k == LayerKind::FullAttention) == (l % 4 == 3)));
+        let x = cfg.flash_next.unwrap();
+        assert_eq!(x.ple.unwrap().split_parts, 128);
+        assert_eq!(x.indexer.unwrap().budget, 2048);
+        assert_eq!(v["quantization"].as_object().unwrap().len(), 3 + 128);
+        assert_eq!(
+            v["text_config"]["rope_parameters"]["mrope_section"],
+            json!([11, 11, 10])
+        );
+        assert!(v["text_config"].get("seed").is_none());
+        let two = ModelConfig::from_json(&QWEN38_FLASH_NEXT.config(2), path).unwrap();
+        assert_eq!(two.layer_kinds, [LayerKind::LinearAttention; 2]);
+    }
+
+    /// `--ngram-rows` shrinks the table and its hashing buffers follow; bad values, presets
+    /// without a table and too few layers are refused with named errors.
+    #[test]
+    fn ngram_rows_and_layers_are_checked() {
+        let small = QWEN38_FLASH_NEXT.with_ngram_rows(1).unwrap();
+        let g = small.ngram_geometry().unwrap();
+        // The first 16 primes (sum 381), padded to 384 rows over 128 shards.
+        assert_eq!((g.sizes[0], g.sizes[15], g.rows_per_shard), (2, 53, 3));
+        assert!(small.check(2).is_ok());
+        for (result, needle) in [
+            (
+                QWEN38_FLASH_NEXT.with_ngram_rows(0).map(|_| ()),
+                "between 1",
+            ),
+            (
+                QWEN38_FLASH_NEXT.with_ngram_rows(20_000_001).map(|_| ()),
+                "20000000",
+            ),
+            (DEMO.with_ngram_rows(10).map(|_| ()), "no n-gram table"),
+            (QWEN38_FLASH_NEXT.check(1), "at least 2 layers"),
+            (
+                Preset {
+                    flash_next: None,
+                    ..QWEN38_FLASH_NEXT
+                }
+                .check(2),
+                "qwen4_exp",
+            ),
+        ] {
+            let e = result.unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+        assert_eq!((QWEN38_FLASH_NEXT.min_layers(), DEMO.min_layers()), (2, 1));
+    }
 }

@@ -1,23 +1,26 @@
 //! `slotstream synth` at the real presets' shapes and `slotstream bench`'s report: every
 //! field present, and the counts consistent with each other.
 
+mod common;
+
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde_json::Value;
+use slotstream::backend::cpu::CpuBackend;
 use slotstream::bench::{active_bytes_per_token, run, BenchOptions, Budget};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::experts::SourceOptions;
-use slotstream::synth::{write_checkpoint, DEMO, FLASH_NEXT_EXPERTS, QWEN35_35B, QWEN3_NEXT_80B};
+use slotstream::config::{Family, LayerKind, QuantSpec};
+use slotstream::experts::{MappedExperts, SourceOptions};
+use slotstream::model::{Logits, Model, NormConvention};
+use slotstream::synth::{write_checkpoint, DEMO, QWEN35_35B, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
 
-/// A two-layer synth of each full preset validates, and keeps the preset's per-layer
-/// shapes: expert records of the released size, router and projections as configured.
+/// A two-layer synth of each Qwen3-Next and Qwen3.5 preset validates, and keeps the
+/// preset's per-layer shapes: expert records of the released size, router and projections
+/// as configured. (Qwen3.8-Flash-Next has its own test below.)
 #[test]
 fn two_layer_synths_keep_the_presets_shapes() {
-    for (preset, record_bytes) in [
-        (QWEN3_NEXT_80B, 1_769_472),
-        (QWEN35_35B, 1_769_472),
-        (FLASH_NEXT_EXPERTS, 2_764_800),
-    ] {
+    for (preset, record_bytes) in [(QWEN3_NEXT_80B, 1_769_472), (QWEN35_35B, 1_769_472)] {
         let dir = tempfile::tempdir().unwrap();
         write_checkpoint(dir.path(), &preset, 2, false).unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
@@ -65,6 +68,218 @@ fn two_layer_synths_keep_the_presets_shapes() {
             slotstream::model::Model::load(&ckpt, &slotstream::backend::cpu::CpuBackend)
                 .unwrap_or_else(|e| panic!("{}: {e}", preset.name));
         }
+    }
+}
+
+/// n-gram rows per head of the Flash-Next test checkpoint (a 1.7 MB table instead of the
+/// released 32 GB one; 132 rows per shard).
+const NGRAM_ROWS: u64 = 1000;
+
+/// The released shape of a Qwen3.8-Flash-Next tensor, by its name below
+/// `language_model.model.layers.{L}.` or `language_model.` (reference-system.md A.3 hyper
+/// connections, A.4 gated DeltaNet, A.6 PLE and n-gram table, A.7 MoE, A.8 embeddings);
+/// n-gram shards have `shard_rows` rows (2,500,012 released).
+fn released_shape(name: &str, shard_rows: usize) -> Vec<usize> {
+    let rest = name.strip_prefix("language_model.").unwrap();
+    let rest = match rest.strip_prefix("model.layers.") {
+        Some(r) => r.split_once('.').unwrap().1,
+        None => rest,
+    };
+    let (module, part) = rest.rsplit_once('.').unwrap();
+    // A 4-bit group-64 linear `[out, in]`: U32 `[out, in / 8]`, bf16 `[out, in / 64]`.
+    let q = |out: usize, inp: usize| match part {
+        "weight" => vec![out, inp / 8],
+        _ => vec![out, inp / 64],
+    };
+    let module = module
+        .trim_start_matches("attn_hyper_connection.")
+        .trim_start_matches("mlp_hyper_connection.")
+        .trim_start_matches("model.hyper_connection_mixer.");
+    if module.starts_with("ple.ple_embedding.ngram_embedding.shard_") {
+        // 160-wide rows at 4 bits, group 32: 20 words, 5 scales.
+        return match part {
+            "weight" => vec![shard_rows, 20],
+            _ => vec![shard_rows, 5],
+        };
+    }
+    match module {
+        "model.embed_tokens" | "lm_head" => q(248_320, 2560),
+        "hc_norm" | "ple.norm_key" | "ple.norm_query" | "ple.norm_conv" => vec![10_240],
+        "input_mix_weight_down" => q(320, 10_240),
+        "input_mix_weight_up" => q(10_240, 320),
+        "block_inject_weight" => vec![4, 10_240],
+        "linear_attn.in_proj_qkv" | "ple.key_proj" => q(10_240, 2560),
+        "linear_attn.in_proj_z" => q(6144, 2560),
+        "linear_attn.in_proj_a" | "linear_attn.in_proj_b" => vec![48, 2560],
+        "linear_attn.conv1d" | "ple.conv1d" => vec![10_240, 4, 1],
+        // A_log and dt_bias.
+        "linear_attn" => vec![48],
+        "linear_attn.norm" => vec![128],
+        "linear_attn.out_proj" => q(2560, 6144),
+        "ple.value_proj" => q(2560, 2560),
+        "ple.ple_embedding" => match part {
+            "layer_multipliers" => vec![3],
+            // Head sizes and offsets.
+            _ => vec![16],
+        },
+        "mlp.gate" => vec![512, 2560],
+        "mlp.shared_expert_gate" => vec![1, 2560],
+        "mlp.shared_expert.gate_proj" | "mlp.shared_expert.up_proj" => q(640, 2560),
+        "mlp.shared_expert.down_proj" => q(2560, 640),
+        "mlp.switch_mlp.gate_proj" | "mlp.switch_mlp.up_proj" => [vec![512], q(640, 2560)].concat(),
+        "mlp.switch_mlp.down_proj" => [vec![512], q(2560, 640)].concat(),
+        other => panic!("{name}: no released shape for `{other}`"),
+    }
+}
+
+/// A two-layer synth of qwen3.8-flash-next (with a small n-gram table) holds exactly the
+/// tensors of the released MLX conversion's first two layers: the names and dtypes of the
+/// transformers-made fixture (tools/make_qwen4_exp_fixture.py; its 4 n-gram shards are
+/// 128 here), at the released shapes. It validates, has records of 2,764,800 bytes, loads
+/// on the CPU backend (folded norms detected) and gives finite logits for tokens that
+/// include an EOS (the n-gram hash's segment reset).
+#[test]
+fn two_layer_flash_next_synth_has_the_released_layout_and_runs() {
+    let preset = QWEN38_FLASH_NEXT.with_ngram_rows(NGRAM_ROWS).unwrap();
+    let shard_rows = preset.ngram_geometry().unwrap().rows_per_shard;
+    assert_eq!(shard_rows, 132);
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &preset, 2, false).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let got: BTreeMap<String, (safetensors::Dtype, Vec<usize>)> = ckpt
+        .tensors()
+        .map(|t| (t.name.clone(), (t.dtype, t.shape.clone())))
+        .collect();
+
+    let fixture = Checkpoint::open(&common::fixture_dir(common::QWEN4_EXP)).unwrap();
+    let ple = "language_model.model.layers.1.ple.ple_embedding.ngram_embedding.shard_";
+    let mut want = BTreeMap::new();
+    for t in fixture.tensors() {
+        let layer = t
+            .name
+            .strip_prefix("language_model.model.layers.")
+            .map(|r| r.split('.').next().unwrap().parse::<usize>().unwrap());
+        if layer.is_some_and(|l| l >= 2) {
+            continue;
+        }
+        let names = match t.name.strip_prefix(ple) {
+            Some(r) => {
+                let part = r.split_once('.').unwrap().1;
+                (0..128).map(|s| format!("{ple}{s}.{part}")).collect()
+            }
+            None => vec![t.name.clone()],
+        };
+        for name in names {
+            let shape = released_shape(&name, shard_rows);
+            want.insert(name, (t.dtype, shape));
+        }
+    }
+    // Embeddings, head and mixer 13; two gated-DeltaNet layers of 51; the PLE block's 13
+    // and its 128 shards.
+    assert_eq!(
+        want.len(),
+        13 + 2 * 51 + 13 + 3 * 128,
+        "the fixture's tensors"
+    );
+    for (name, w) in &want {
+        assert_eq!(got.get(name), Some(w), "{name}");
+    }
+    let extra: Vec<&String> = got.keys().filter(|n| !want.contains_key(*n)).collect();
+    assert!(extra.is_empty(), "not in the release: {extra:?}");
+
+    let cfg = &ckpt.config;
+    assert_eq!(cfg.family, Family::Qwen4Exp);
+    assert_eq!(cfg.layer_kinds, [LayerKind::LinearAttention; 2]);
+    assert_eq!(cfg.eos_token_ids, [248_044]);
+    let x = cfg.flash_next.as_ref().unwrap();
+    assert_eq!((x.hc_count, x.hc_lowrank), (4, 320));
+    let p = x.ple.as_ref().unwrap();
+    assert_eq!(
+        (p.layers.clone(), p.heads(), p.head_dim(), p.split_parts),
+        (vec![1], 16, 160, 128)
+    );
+    assert_eq!(x.indexer.as_ref().unwrap().block_top_k(), 512);
+    assert_eq!(
+        cfg.quantization.for_module(&format!("{ple}127")),
+        Some(Some(QuantSpec {
+            bits: 4,
+            group_size: 32
+        }))
+    );
+    // The hashing buffers are the preset's.
+    let ngram = preset.ngram_geometry().unwrap();
+    let ints = |name: &str| -> Vec<i64> {
+        let t = ckpt
+            .tensor(&format!(
+                "language_model.model.layers.1.ple.ple_embedding.{name}"
+            ))
+            .unwrap();
+        ckpt.bytes(t)
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    assert_eq!(ints("layer_multipliers"), ngram.multipliers);
+    assert_eq!(ints("ngram_heads_vocab_sizes"), ngram.sizes);
+    assert_eq!(ints("ngram_heads_offsets"), ngram.offsets);
+
+    let index = ExpertIndex::build(&ckpt).unwrap();
+    assert_eq!(index.layout.record_bytes, 2_764_800);
+    assert_eq!(index.records(), 2 * 512);
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    assert_eq!(model.norms, Some(NormConvention::Folded));
+    let experts = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+    let mut state = model.new_state(&CpuBackend);
+    let ids = [9707, 11, 248_044, 1879, 42];
+    let logits = model
+        .forward(&CpuBackend, &mut state, &ids, &experts, Logits::All)
+        .unwrap();
+    assert_eq!(logits.len(), ids.len() * 248_320);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    // One more token, decoded after the prefill.
+    let next = model
+        .forward(&CpuBackend, &mut state, &[100], &experts, Logits::Last)
+        .unwrap();
+    assert!(next.len() == 248_320 && next.iter().all(|v| v.is_finite()));
+}
+
+/// `synth` checks its flags before writing anything, each error naming its flag.
+#[test]
+fn synth_rejects_bad_flash_next_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m");
+    let flash = "qwen3.8-flash-next";
+    for (args, needle) in [
+        (
+            &["--preset", flash, "--ngram-rows", "0"][..],
+            "--ngram-rows 0",
+        ),
+        (
+            &["--preset", flash, "--ngram-rows", "20000001"],
+            "--ngram-rows",
+        ),
+        (
+            &["--preset", flash, "--layers", "1"],
+            "--layers must be at least 2",
+        ),
+        (
+            &["--preset", "demo", "--ngram-rows", "10"],
+            "no n-gram table",
+        ),
+    ] {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+            .arg("synth")
+            .args(args)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "{args:?}: {err}"
+        );
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
     }
 }
 

@@ -1,6 +1,8 @@
 //! Qwen3.8-Flash-Next specifics against transformers 5.24 (the fixture's oracle): the
-//! n-gram hash on sequences with EOS (the fixture's and one at the released geometry), and
-//! the two conventions for zero-centered norms giving the same model.
+//! n-gram hash on sequences with EOS (the fixture's and one at the released geometry), the
+//! QSA key selections, the n-gram rows read through the pool and counted, the two
+//! conventions for zero-centered norms giving the same model, and synthetic Flash-Next
+//! checkpoints (`slotstream synth`): their hashing buffers and a run through every block.
 
 mod common;
 
@@ -9,9 +11,13 @@ use std::collections::HashMap;
 use common::*;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
+use slotstream::config::{Family, LayerKind};
 use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model, NormConvention};
 use slotstream::ngram::ngram_row_ids;
+use slotstream::synth::{
+    write_checkpoint_with, FlashNextShape, Preset, FLASH_NEXT_SHAPE, QWEN38_FLASH_NEXT,
+};
 
 fn reference_json() -> serde_json::Value {
     let path = fixture_dir(QWEN4_EXP).join("reference.json");
@@ -308,5 +314,80 @@ fn qsa_selections_equal_transformers() {
         for (q, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "position {q} (first piece {})", pieces[0]);
         }
+    }
+}
+
+/// The synthetic Flash-Next checkpoint's hashing buffers are the ones transformers
+/// computes at the released geometry (the fixture's `ngram_real`), so its n-gram ids are
+/// the released model's.
+#[test]
+fn synth_ngram_buffers_equal_transformers() {
+    let real = &reference_json()["ngram_real"];
+    let g = QWEN38_FLASH_NEXT.ngram_geometry().unwrap();
+    assert_eq!(g.multipliers, ints::<i64>(&real["layer_multipliers"]));
+    assert_eq!(g.sizes, ints::<i64>(&real["ngram_heads_vocab_sizes"]));
+    assert_eq!(g.offsets, ints::<i64>(&real["ngram_heads_offsets"]));
+    assert_eq!(
+        g.rows_per_shard as u64,
+        real["rows_per_shard"].as_u64().unwrap()
+    );
+}
+
+/// A 4-layer Flash-Next synth at toy sizes has every block, QSA attention included (a
+/// 2-layer synth at the released sizes has none): it loads, and 24 tokens with an EOS
+/// among them (past the indexer's 16-token budget, so it selects blocks) give finite
+/// logits, prefilled at once or decoded one at a time.
+#[test]
+fn four_layer_flash_next_synth_runs_past_the_indexer_budget() {
+    const TINY: Preset = Preset {
+        name: "tiny-flash-next",
+        family: Family::Qwen4Exp,
+        hidden: 512,
+        layers: 4,
+        vocab: 512,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        linear_key_heads: 2,
+        linear_value_heads: 4,
+        linear_head_dim: 32,
+        experts: 16,
+        top_k: 4,
+        intermediate: 64,
+        group_size: 64,
+        rope_theta: 1e7,
+        flash_next: Some(FlashNextShape {
+            hc_lowrank: 64,
+            indexer_head_dim: 32,
+            indexer_budget: 16,
+            ngram_vocab_base: 1000,
+            ngram_shards: 4,
+            eos: 509,
+            ..FLASH_NEXT_SHAPE
+        }),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint_with(dir.path(), &TINY, 4, false, None).unwrap();
+    let ckpt = std::sync::Arc::new(Checkpoint::open(dir.path()).unwrap());
+    assert_eq!(ckpt.config.layer_kinds[3], LayerKind::FullAttention);
+    assert!(ckpt.contains("language_model.model.layers.3.self_attn.indexer.index_qk_proj.weight"));
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    assert_eq!(model.norms, Some(NormConvention::Folded));
+    let experts = MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
+    let ids: Vec<u32> = (0..24)
+        .map(|i| if i == 9 { 509 } else { 40 + 7 * i })
+        .collect();
+    let mut state = model.new_state(&CpuBackend);
+    let all = model
+        .forward(&CpuBackend, &mut state, &ids, &experts, Logits::All)
+        .unwrap();
+    assert_eq!(all.len(), 24 * 512);
+    assert!(all.iter().all(|v| v.is_finite()));
+    let mut state = model.new_state(&CpuBackend);
+    for &id in &ids {
+        let last = model
+            .forward(&CpuBackend, &mut state, &[id], &experts, Logits::Last)
+            .unwrap();
+        assert!(last.len() == 512 && last.iter().all(|v| v.is_finite()));
     }
 }

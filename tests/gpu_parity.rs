@@ -233,6 +233,7 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
         intermediate: 64,
         group_size: 64,
         rope_theta: 1e7,
+        flash_next: None,
     };
     let g = gpu();
     let rt = tokio::runtime::Builder::new_multi_thread()

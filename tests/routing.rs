@@ -35,6 +35,7 @@ const TINY: Preset = Preset {
     intermediate: 64,
     group_size: 64,
     rope_theta: 1e7,
+    flash_next: None,
 };
 
 fn runtime() -> tokio::runtime::Runtime {
