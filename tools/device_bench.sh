@@ -3,7 +3,7 @@
 # a prebuilt release binary. Here:
 #   cargo build --release && mkdir -p .devbin && cp target/release/slotstream .devbin/ && strip .devbin/slotstream
 # There (with the Vulkan loader packages in .gl/, see the device README):
-#   tools/device_bench.sh synth PRESET LAYERS         # writes /tmp/bench-PRESET-LAYERS
+#   tools/device_bench.sh synth PRESET LAYERS [FLAGS]  # writes /tmp/bench-PRESET-LAYERS (FLAGS go to synth)
 #   tools/device_bench.sh run PRESET LAYERS BUDGETS [TOKENS] [WARMUP] [LOOKAHEAD] [PROMPT_LEN]
 # Results (table, JSON, machine) go to $OUT (or ./bench-out).
 set -euo pipefail
@@ -14,7 +14,8 @@ mkdir -p "$out"
 case $what in
   synth)
     df -h /tmp | tail -1
-    /usr/bin/time -v .devbin/slotstream synth --preset "$preset" --layers "$layers" --out "$dir" 2>&1 \
+    rm -rf /tmp/bench-*  # one checkpoint at a time: the disk holds about 64 GB
+    /usr/bin/time -v .devbin/slotstream synth --preset "$preset" --layers "$layers" --out "$dir" "${@:4}" 2>&1 \
       | grep -E "wrote|Elapsed|Maximum resident" | tee "$out/synth-$preset-$layers.txt"
     df -h /tmp | tail -1
     ;;
@@ -47,6 +48,12 @@ for x in r["rows"]:
           f"{'-' if lim is None else f'{lim:.1f}'} ({x['limit_kind']}) | {'-' if lim is None else f'{x['decode_tps']/lim:.2f}'} | "
           f"{x['hit_rate']:.3f} | {x['mb_read_per_token']:.1f} | {100*x['wait_share']:.1f}% | {x['prefetches_used']}/{x['prefetches_wasted']} | "
           f"{x['preload_seconds']:.1f} | {(x['peak_rss'] or 0)/2**30:.1f} |")
+for x in r["rows"]:
+    n = x.get("ngram")
+    if n:
+        looks = n["row_hits"] + n["row_misses"]
+        print(f"n-gram, {x['budget']} lookahead {'on' if x['lookahead'] else 'off'}: {looks} row lookups, "
+              f"hit rate {n['row_hits']/max(looks,1):.3f}, {n['row_misses']} rows read, {n['bytes_read']/1e3/max(x['decode_tokens'],1):.1f} KB/token")
 EOF
     ;;
   *)
