@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use wgpu::util::DeviceExt;
 
+use super::profile::Profiler;
 use crate::error::{Error, Result};
 
 /// How a kernel uses one storage binding.
@@ -249,6 +250,8 @@ struct Recording {
     /// Staged [`Bind::Data`] bytes, in [`Gpu::data`]'s layout.
     data: Vec<u8>,
     dispatches: usize,
+    /// Timestamps per dispatch (`SLOTSTREAM_GPU_PROFILE`).
+    profiler: Option<Profiler>,
 }
 
 impl Recording {
@@ -482,9 +485,23 @@ impl Gpu {
             .map_err(|e| Error::Gpu(format!("no GPU adapter found ({e}); install a Vulkan or Metal driver (on Linux without a GPU: Mesa's lavapipe, package mesa-vulkan-drivers)")))?,
         };
         let limits = adapter.limits();
+        let profile = std::env::var("SLOTSTREAM_GPU_PROFILE").is_ok_and(|v| v != "0");
+        let profile = profile && {
+            let ok = adapter.features().contains(Profiler::features());
+            if !ok {
+                tracing::warn!(
+                    "SLOTSTREAM_GPU_PROFILE: the adapter has no timestamps inside passes"
+                );
+            }
+            ok
+        };
         let desc = wgpu::DeviceDescriptor {
             label: Some("slotstream"),
-            required_features: wgpu::Features::empty(),
+            required_features: if profile {
+                Profiler::features()
+            } else {
+                wgpu::Features::empty()
+            },
             required_limits: limits.clone(),
             ..Default::default()
         };
@@ -534,7 +551,8 @@ impl Gpu {
             } else {
                 SPIN_US
             });
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, "GPU opened");
+        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
+        let profiler = profile.then(|| Profiler::new(&device, &queue));
         Ok(Gpu {
             device,
             queue,
@@ -544,7 +562,10 @@ impl Gpu {
             dummy,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
-            recording: Mutex::default(),
+            recording: Mutex::new(Recording {
+                profiler,
+                ..Default::default()
+            }),
             uniforms,
             uniform_stride,
             data,
@@ -611,6 +632,12 @@ impl Gpu {
     /// tests can spread a small pool over several arenas as a large one is on a GPU.
     pub fn limit_arenas(&self, bytes: u64) {
         self.arena_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// GPU time per kernel since the last call, most first (kernel, dispatches,
+    /// nanoseconds); `None` unless profiling (`SLOTSTREAM_GPU_PROFILE=1`).
+    pub fn profile(&self) -> Option<Vec<(&'static str, u64, u64)>> {
+        self.recording().profiler.as_mut().map(Profiler::take)
     }
 
     /// Cached bind groups that bind `buf` (each keeps it alive).
@@ -725,7 +752,8 @@ impl Gpu {
     fn submit(&self, rec: &mut Recording) {
         let start = std::time::Instant::now();
         rec.pass = None;
-        if let Some(enc) = rec.encoder.take() {
+        if let Some(mut enc) = rec.encoder.take() {
+            let profiled = rec.profiler.as_ref().is_some_and(|p| p.resolve(&mut enc));
             // Queued before this submission's commands and after the previous
             // submissions' (wgpu orders the writes after their reads of the buffers).
             if !rec.uniforms.is_empty() {
@@ -739,6 +767,11 @@ impl Gpu {
             rec.dispatches = 0;
             self.queue.submit([enc.finish()]);
             Self::count(&self.counters.submits);
+            if let (true, Some(p)) = (profiled, rec.profiler.as_mut()) {
+                if let Err(e) = p.collect(&self.device) {
+                    tracing::warn!(error = %e, "GPU profile: timestamps not read");
+                }
+            }
         }
         Self::add_ns(&self.counters.submit_ns, start);
     }
@@ -792,6 +825,7 @@ impl Gpu {
         let mut rec = self.recording();
         if rec.uniforms.len() + self.uniform_stride > UNIFORM_RING as usize
             || (ring && rec.data.len() + staged > DATA_RING as usize)
+            || rec.profiler.as_ref().is_some_and(Profiler::full)
         {
             self.submit(&mut rec);
         }
@@ -882,10 +916,17 @@ impl Gpu {
             });
             rec.pass = Some(pass.forget_lifetime());
         }
-        let pass = rec.pass.as_mut().expect("a compute pass is open");
+        let recording = &mut *rec;
+        let pass = recording.pass.as_mut().expect("a compute pass is open");
+        if let Some(p) = recording.profiler.as_mut() {
+            p.before(pass, k.entry);
+        }
         pass.set_pipeline(&pipeline.0);
         pass.set_bind_group(0, &bind, &[offset as u32]);
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        if let Some(p) = &recording.profiler {
+            p.after(pass);
+        }
         Self::count(&self.counters.dispatches);
         rec.dispatches += 1;
         Self::add_ns(&self.counters.record_ns, start);

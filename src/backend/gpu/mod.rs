@@ -18,6 +18,7 @@ mod gated_delta;
 mod host_memory;
 mod hyper;
 mod norm;
+mod profile;
 mod quant;
 mod router;
 
@@ -199,6 +200,19 @@ impl GpuBackend {
             write_mb = d.write_bytes as f64 / 1e6,
             "GPU work since the last download"
         );
+        if let Some(kernels) = self.gpu.profile() {
+            let total: u64 = kernels.iter().map(|k| k.2).sum();
+            let top: Vec<String> = kernels
+                .iter()
+                .take(12)
+                .map(|(k, n, ns)| format!("{k} {n}x {:.3} ms", *ns as f64 / 1e6))
+                .collect();
+            tracing::debug!(
+                gpu_ms = total as f64 / 1e6,
+                kernels = %top.join(", "),
+                "GPU time by kernel since the last download"
+            );
+        }
     }
 
     /// The placement an adapter type calls for: unified on integrated and CPU adapters
