@@ -210,6 +210,7 @@ pub struct Gpu {
     poison_source: Mutex<Option<wgpu::Buffer>>,
     /// Dispatches recorded before a submission is forced.
     submit_every: usize,
+    submitter: Submitter,
     counters: Counters,
     /// Most bytes of one slot arena (0: only the device's limits), see [`Gpu::limit_arenas`].
     arena_bytes: AtomicU64,
@@ -237,6 +238,97 @@ pub const SUBMIT_EVERY: usize = 64;
 const BIND_GROUP_CACHE: usize = 8192;
 /// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
 const POOL_FREE_BYTES: u64 = 1 << 30;
+
+/// One recording to submit: its encoder and the contents of the uniform and data rings
+/// its dispatches read.
+struct Batch {
+    encoder: wgpu::CommandEncoder,
+    uniforms: Vec<u8>,
+    data: Vec<u8>,
+}
+
+impl Batch {
+    /// Uploads the rings and submits the encoder. The uploads are queued before this
+    /// submission's commands and after the previous submissions' (wgpu orders the writes
+    /// after their reads of the rings).
+    fn submit(self, queue: &wgpu::Queue, uniforms: &wgpu::Buffer, data: &wgpu::Buffer) {
+        if !self.uniforms.is_empty() {
+            queue.write_buffer(uniforms, 0, &self.uniforms);
+        }
+        if !self.data.is_empty() {
+            queue.write_buffer(data, 0, &self.data);
+        }
+        queue.submit([self.encoder.finish()]);
+    }
+}
+
+/// Submits recordings on a thread of its own, in the order they were handed over: wgpu
+/// encodes a recorded pass into device commands when its encoder is finished, which
+/// takes a few microseconds per dispatch, and this lets that work on one batch overlap
+/// the recording of the next.
+struct Submitter {
+    jobs: Mutex<Option<std::sync::mpsc::Sender<Batch>>>,
+    /// Batches handed over and not yet submitted.
+    queued: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Submitter {
+    fn start(queue: wgpu::Queue, uniforms: wgpu::Buffer, data: wgpu::Buffer) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<Batch>();
+        let queued = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
+        let count = queued.clone();
+        let worker = std::thread::Builder::new()
+            .name("gpu-submit".into())
+            .spawn(move || {
+                for batch in rx {
+                    batch.submit(&queue, &uniforms, &data);
+                    let mut n = count.0.lock().unwrap_or_else(|p| p.into_inner());
+                    *n -= 1;
+                    count.1.notify_all();
+                }
+            })
+            .ok();
+        Submitter {
+            jobs: Mutex::new(worker.is_some().then_some(tx)),
+            queued,
+            worker: Mutex::new(worker),
+        }
+    }
+
+    /// Hands `batch` to the worker (submits it here if there is none).
+    fn send(&self, batch: Batch) {
+        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = jobs.as_ref() {
+            *self.queued.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            if let Err(std::sync::mpsc::SendError(batch)) = tx.send(batch) {
+                // The worker is gone (it panicked): nothing will take this one.
+                *self.queued.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+                drop(batch);
+                tracing::error!("the GPU submission thread stopped; a batch was dropped");
+            }
+        }
+    }
+
+    /// Waits until every batch handed over is submitted.
+    fn drain(&self) {
+        let (lock, cvar) = &*self.queued;
+        let mut n = lock.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 {
+            n = cvar.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl Drop for Submitter {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker once it has submitted what it holds.
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(w) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+}
 
 /// What has been recorded and not yet submitted.
 #[derive(Default)]
@@ -553,6 +645,7 @@ impl Gpu {
             });
         tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
+        let submitter = Submitter::start(queue.clone(), uniforms.clone(), data.clone());
         Ok(Gpu {
             device,
             queue,
@@ -573,6 +666,7 @@ impl Gpu {
             pool: Arc::default(),
             poison_source: Mutex::default(),
             submit_every,
+            submitter,
             counters: Counters::default(),
             arena_bytes: AtomicU64::new(0),
             spin: std::time::Duration::from_micros(spin_us),
@@ -601,6 +695,7 @@ impl Gpu {
     /// Errors: a lost device.
     pub fn wait(&self) -> Result<()> {
         let start = std::time::Instant::now();
+        self.submitter.drain();
         Self::count(&self.counters.waits);
         let lost = |e: wgpu::PollError| Error::Gpu(format!("waiting for the device: {e}"));
         let mut done = false;
@@ -748,30 +843,42 @@ impl Gpu {
         self.recording.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Uploads the recorded uniform blocks and data and submits the encoder.
-    fn submit(&self, rec: &mut Recording) {
+    /// Hands the recorded encoder, with its uniform blocks and data, to the submitter
+    /// (which uploads them and submits it, in order); with `sync`, returns only once it
+    /// and everything before it are submitted. A profiled recording is submitted here and
+    /// its timestamps read.
+    fn submit(&self, rec: &mut Recording, sync: bool) {
         let start = std::time::Instant::now();
         rec.pass = None;
         if let Some(mut enc) = rec.encoder.take() {
-            let profiled = rec.profiler.as_ref().is_some_and(|p| p.resolve(&mut enc));
-            // Queued before this submission's commands and after the previous
-            // submissions' (wgpu orders the writes after their reads of the buffers).
-            if !rec.uniforms.is_empty() {
-                self.queue.write_buffer(&self.uniforms, 0, &rec.uniforms);
-                rec.uniforms.clear();
-            }
-            if !rec.data.is_empty() {
-                self.queue.write_buffer(&self.data, 0, &rec.data);
-                rec.data.clear();
-            }
             rec.dispatches = 0;
-            self.queue.submit([enc.finish()]);
             Self::count(&self.counters.submits);
-            if let (true, Some(p)) = (profiled, rec.profiler.as_mut()) {
-                if let Err(e) = p.collect(&self.device) {
-                    tracing::warn!(error = %e, "GPU profile: timestamps not read");
+            let batch = Batch {
+                uniforms: std::mem::take(&mut rec.uniforms),
+                data: std::mem::take(&mut rec.data),
+                encoder: enc,
+            };
+            match rec.profiler.as_mut() {
+                None => self.submitter.send(batch),
+                Some(p) => {
+                    enc = batch.encoder;
+                    let profiled = p.resolve(&mut enc);
+                    self.submitter.drain();
+                    Batch {
+                        encoder: enc,
+                        ..batch
+                    }
+                    .submit(&self.queue, &self.uniforms, &self.data);
+                    if profiled {
+                        if let Err(e) = p.collect(&self.device) {
+                            tracing::warn!(error = %e, "GPU profile: timestamps not read");
+                        }
+                    }
                 }
             }
+        }
+        if sync {
+            self.submitter.drain();
         }
         Self::add_ns(&self.counters.submit_ns, start);
     }
@@ -827,7 +934,7 @@ impl Gpu {
             || (ring && rec.data.len() + staged > DATA_RING as usize)
             || rec.profiler.as_ref().is_some_and(Profiler::full)
         {
-            self.submit(&mut rec);
+            self.submit(&mut rec, false);
         }
         // Staged data goes into the ring when all of it fits; it is written at the
         // submission that also carries this dispatch (both are recorded under one lock),
@@ -931,7 +1038,7 @@ impl Gpu {
         rec.dispatches += 1;
         Self::add_ns(&self.counters.record_ns, start);
         if self.submit_every > 0 && rec.dispatches >= self.submit_every {
-            self.submit(&mut rec);
+            self.submit(&mut rec, false);
         }
     }
 
@@ -959,10 +1066,10 @@ impl Gpu {
             .clear_buffer(dst, 0, Some(len.next_multiple_of(4)));
     }
 
-    /// Submits everything recorded so far.
+    /// Submits everything recorded so far (returns once it is submitted).
     pub fn flush(&self) {
         let mut rec = self.recording();
-        self.submit(&mut rec);
+        self.submit(&mut rec, true);
     }
 
     /// Submits everything recorded and waits until the device has finished it (for
