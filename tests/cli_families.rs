@@ -1,6 +1,7 @@
-//! `slotstream score`, `plan` and `pack` end to end on every fixture family (Qwen3-Next
-//! and Qwen3.5-MoE): scores and logits against mlx-lm's, the plan's resident weights
-//! against the checkpoint's tensors, and a pack the engine then reads from.
+//! `slotstream score`, `plan`, `pack` and `bench` end to end on every fixture family
+//! (Qwen3-Next, Qwen3.5-MoE, Qwen3.8-Flash-Next): scores and logits against the oracle's,
+//! the plan's resident weights against the checkpoint's tensors, a pack the engine then
+//! reads from, and bench's counts (n-gram rows for Flash-Next).
 
 mod common;
 
@@ -188,5 +189,58 @@ fn pack_cli_then_generate_reads_the_pack() {
         let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
         assert_eq!(ids, want, "{name}: generated through the pack");
         assert_eq!(v["pool"]["pack_fallbacks"].as_u64(), Some(0), "{name}");
+    }
+}
+
+/// `bench` runs on every fixture family, and reports the n-gram table's rows for the one
+/// that has it (Flash-Next) and none for the others.
+#[test]
+fn bench_cli_runs_on_every_family() {
+    for name in FIXTURES {
+        let dir = fixture_dir(name);
+        let (stdout, _) = ok(&[
+            "bench",
+            "--model",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--budgets",
+            "50%",
+            "--lookahead",
+            "on",
+            "--tokens",
+            "6",
+            "--warmup",
+            "2",
+            "--prompt-len",
+            "8",
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let row = &v["rows"][0];
+        assert_eq!(row["decode_tokens"], 3, "{name}: {row}");
+        assert!(row["decode_tps"].as_f64().unwrap() > 0.0, "{name}");
+        assert_eq!(
+            row["hits"].as_u64().unwrap() + row["misses"].as_u64().unwrap(),
+            row["lookups"].as_u64().unwrap(),
+            "{name}"
+        );
+        let heads = Checkpoint::open(&dir)
+            .unwrap()
+            .config
+            .flash_next
+            .and_then(|f| f.ple)
+            .map(|p| p.heads() as u64);
+        match heads {
+            Some(heads) => {
+                let n = &row["ngram"];
+                assert_eq!(
+                    n["row_hits"].as_u64().unwrap() + n["row_misses"].as_u64().unwrap(),
+                    3 * heads,
+                    "{name}: {n}"
+                );
+            }
+            None => assert!(row["ngram"].is_null(), "{name}: {row}"),
+        }
     }
 }
