@@ -8,7 +8,8 @@
 //!
 //! Each row prefills a prompt of random ids, then decodes greedily (end-of-sequence ids
 //! ignored, so every row decodes the same number of tokens). Decode figures cover the
-//! tokens after a warm-up (default 32), while the pool fills.
+//! tokens after a warm-up (default 32), while the pool fills. Each row starts with a new
+//! pool and, for Flash-Next, an empty n-gram row cache.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -247,6 +248,9 @@ pub fn run<B: Backend>(
                 tracing::info!(seconds = preload_seconds, "every record loaded");
             }
             pool.reset_stats();
+            for table in &tables {
+                table.clear_cache()?;
+            }
             let generate_options = GenerateOptions {
                 max_tokens: options.tokens,
                 sampling: Default::default(),

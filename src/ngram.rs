@@ -315,6 +315,15 @@ impl NgramTable {
         Ok(out)
     }
 
+    /// Empties the row cache (a benchmark row starts cold, as its pool does).
+    /// Errors: a poisoned cache lock.
+    pub fn clear_cache(&self) -> Result<()> {
+        let mut cache = self.cache()?;
+        cache.rows.clear();
+        cache.order.clear();
+        Ok(())
+    }
+
     /// The row cache and read counters so far.
     pub fn counts(&self) -> NgramCounts {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
