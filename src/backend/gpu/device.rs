@@ -320,13 +320,23 @@ impl Submitter {
     }
 }
 
-impl Drop for Submitter {
-    fn drop(&mut self) {
+impl Submitter {
+    /// Submits what was handed over, then ends the worker and waits for it, so that its
+    /// handles on the queue and the rings are gone before the device is.
+    fn shutdown(&self) {
         // Closing the channel ends the worker once it has submitted what it holds.
         self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(w) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = w.join();
         }
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Before any field is dropped: no submission may still run on the worker while the
+        // device, the queue and the buffers go.
+        self.submitter.shutdown();
     }
 }
 
