@@ -12,7 +12,9 @@
 //!   (it is padded to 16 bytes, not to the struct).
 //! - Dispatches are recorded into one compute pass of one pending command encoder, which is
 //!   submitted at the next read-back ([`Gpu::flush`]) or every [`SUBMIT_EVERY`] dispatches
-//!   (so the device starts on a long step while the host still records it). Their uniform
+//!   (so the device starts on a long step while the host still records it). Encoders are
+//!   finished and submitted in order on a thread of their own (`SLOTSTREAM_GPU_SUBMIT_THREAD=0`
+//!   submits on the caller's), as wgpu encodes a pass's commands only then. Their uniform
 //!   blocks go into one ring buffer at aligned offsets, bound through a dynamic offset, and
 //!   small per-dispatch storage data ([`Bind::Data`]: route tables, ids, RoPE angles) into a
 //!   second ring; both are uploaded at submission.
@@ -267,60 +269,95 @@ impl Batch {
 /// takes a few microseconds per dispatch, and this lets that work on one batch overlap
 /// the recording of the next.
 struct Submitter {
+    queue: wgpu::Queue,
+    uniforms: wgpu::Buffer,
+    data: wgpu::Buffer,
+    /// The worker's channel; `None` once shut down, or when submitting on the caller's
+    /// thread (`SLOTSTREAM_GPU_SUBMIT_THREAD=0`, or no thread could be started).
     jobs: Mutex<Option<std::sync::mpsc::Sender<Batch>>>,
-    /// Batches handed over and not yet submitted.
-    queued: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    state: Arc<(Mutex<Handed>, std::sync::Condvar)>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
+/// What the worker has not finished, and how its last submission failed.
+#[derive(Default)]
+struct Handed {
+    pending: usize,
+    /// A submission that panicked (a wgpu validation error), for [`Gpu::wait`] to report.
+    failure: Option<String>,
+}
+
 impl Submitter {
-    fn start(queue: wgpu::Queue, uniforms: wgpu::Buffer, data: wgpu::Buffer) -> Self {
+    fn start(queue: wgpu::Queue, uniforms: wgpu::Buffer, data: wgpu::Buffer, thread: bool) -> Self {
+        let state = Arc::new((Mutex::new(Handed::default()), std::sync::Condvar::new()));
         let (tx, rx) = std::sync::mpsc::channel::<Batch>();
-        let queued = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
-        let count = queued.clone();
-        let worker = std::thread::Builder::new()
-            .name("gpu-submit".into())
-            .spawn(move || {
-                for batch in rx {
-                    batch.submit(&queue, &uniforms, &data);
-                    let mut n = count.0.lock().unwrap_or_else(|p| p.into_inner());
-                    *n -= 1;
-                    count.1.notify_all();
-                }
-            })
-            .ok();
+        let worker = thread.then(|| {
+            let (queue, uniforms, data, state) =
+                (queue.clone(), uniforms.clone(), data.clone(), state.clone());
+            std::thread::Builder::new()
+                .name("gpu-submit".into())
+                .spawn(move || {
+                    for batch in rx {
+                        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            batch.submit(&queue, &uniforms, &data)
+                        }));
+                        let mut handed = state.0.lock().unwrap_or_else(|p| p.into_inner());
+                        handed.pending -= 1;
+                        if let Err(e) = done {
+                            let what = e
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                                .unwrap_or_else(|| "a submission panicked".into());
+                            handed.failure.get_or_insert(what);
+                        }
+                        state.1.notify_all();
+                    }
+                })
+                .ok()
+        });
+        let worker = worker.flatten();
         Submitter {
+            queue,
+            uniforms,
+            data,
             jobs: Mutex::new(worker.is_some().then_some(tx)),
-            queued,
+            state,
             worker: Mutex::new(worker),
         }
     }
 
-    /// Hands `batch` to the worker (submits it here if there is none).
+    fn handed(&self) -> MutexGuard<'_, Handed> {
+        self.state.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands `batch` to the worker, or submits it here when there is none.
     fn send(&self, batch: Batch) {
         let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = jobs.as_ref() {
-            *self.queued.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-            if let Err(std::sync::mpsc::SendError(batch)) = tx.send(batch) {
-                // The worker is gone (it panicked): nothing will take this one.
-                *self.queued.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-                drop(batch);
-                tracing::error!("the GPU submission thread stopped; a batch was dropped");
-            }
+        let Some(tx) = jobs.as_ref() else {
+            return batch.submit(&self.queue, &self.uniforms, &self.data);
+        };
+        self.handed().pending += 1;
+        if let Err(std::sync::mpsc::SendError(batch)) = tx.send(batch) {
+            // The worker is gone: submit here.
+            self.handed().pending -= 1;
+            batch.submit(&self.queue, &self.uniforms, &self.data);
         }
     }
 
     /// Waits until every batch handed over is submitted.
     fn drain(&self) {
-        let (lock, cvar) = &*self.queued;
-        let mut n = lock.lock().unwrap_or_else(|p| p.into_inner());
-        while *n > 0 {
-            n = cvar.wait(n).unwrap_or_else(|p| p.into_inner());
+        let mut handed = self.handed();
+        while handed.pending > 0 {
+            handed = self.state.1.wait(handed).unwrap_or_else(|p| p.into_inner());
         }
     }
-}
 
-impl Submitter {
+    /// How a submission on the worker failed since the last call, if one did.
+    fn failure(&self) -> Option<String> {
+        self.handed().failure.take()
+    }
+
     /// Submits what was handed over, then ends the worker and waits for it, so that its
     /// handles on the queue and the rings are gone before the device is.
     fn shutdown(&self) {
@@ -655,7 +692,8 @@ impl Gpu {
             });
         tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
-        let submitter = Submitter::start(queue.clone(), uniforms.clone(), data.clone());
+        let thread = std::env::var("SLOTSTREAM_GPU_SUBMIT_THREAD").map_or(true, |v| v != "0");
+        let submitter = Submitter::start(queue.clone(), uniforms.clone(), data.clone(), thread);
         Ok(Gpu {
             device,
             queue,
@@ -702,10 +740,13 @@ impl Gpu {
 
     /// Waits until the device has finished every submission (and run the callbacks of
     /// the finished work): polls for up to the spin time, then blocks.
-    /// Errors: a lost device.
+    /// Errors: a lost device, or a submission that failed on the submission thread.
     pub fn wait(&self) -> Result<()> {
         let start = std::time::Instant::now();
         self.submitter.drain();
+        if let Some(e) = self.submitter.failure() {
+            return Err(Error::Gpu(format!("submitting recorded work: {e}")));
+        }
         Self::count(&self.counters.waits);
         let lost = |e: wgpu::PollError| Error::Gpu(format!("waiting for the device: {e}"));
         let mut done = false;
