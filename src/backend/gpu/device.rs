@@ -12,9 +12,7 @@
 //!   (it is padded to 16 bytes, not to the struct).
 //! - Dispatches are recorded into one compute pass of one pending command encoder, which is
 //!   submitted at the next read-back ([`Gpu::flush`]) or every [`SUBMIT_EVERY`] dispatches
-//!   (so the device starts on a long step while the host still records it). Encoders are
-//!   finished and submitted in order on a thread of their own (`SLOTSTREAM_GPU_SUBMIT_THREAD=0`
-//!   submits on the caller's), as wgpu encodes a pass's commands only then. Their uniform
+//!   (so the device starts on a long step while the host still records it). Their uniform
 //!   blocks go into one ring buffer at aligned offsets, bound through a dynamic offset, and
 //!   small per-dispatch storage data ([`Bind::Data`]: route tables, ids, RoPE angles) into a
 //!   second ring; both are uploaded at submission.
@@ -212,7 +210,6 @@ pub struct Gpu {
     poison_source: Mutex<Option<wgpu::Buffer>>,
     /// Dispatches recorded before a submission is forced.
     submit_every: usize,
-    submitter: Submitter,
     counters: Counters,
     /// Most bytes of one slot arena (0: only the device's limits), see [`Gpu::limit_arenas`].
     arena_bytes: AtomicU64,
@@ -240,142 +237,6 @@ pub const SUBMIT_EVERY: usize = 64;
 const BIND_GROUP_CACHE: usize = 8192;
 /// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
 const POOL_FREE_BYTES: u64 = 1 << 30;
-
-/// One recording to submit: its encoder and the contents of the uniform and data rings
-/// its dispatches read.
-struct Batch {
-    encoder: wgpu::CommandEncoder,
-    uniforms: Vec<u8>,
-    data: Vec<u8>,
-}
-
-impl Batch {
-    /// Uploads the rings and submits the encoder. The uploads are queued before this
-    /// submission's commands and after the previous submissions' (wgpu orders the writes
-    /// after their reads of the rings).
-    fn submit(self, queue: &wgpu::Queue, uniforms: &wgpu::Buffer, data: &wgpu::Buffer) {
-        if !self.uniforms.is_empty() {
-            queue.write_buffer(uniforms, 0, &self.uniforms);
-        }
-        if !self.data.is_empty() {
-            queue.write_buffer(data, 0, &self.data);
-        }
-        queue.submit([self.encoder.finish()]);
-    }
-}
-
-/// Submits recordings on a thread of its own, in the order they were handed over: wgpu
-/// encodes a recorded pass into device commands when its encoder is finished, which
-/// takes a few microseconds per dispatch, and this lets that work on one batch overlap
-/// the recording of the next.
-struct Submitter {
-    queue: wgpu::Queue,
-    uniforms: wgpu::Buffer,
-    data: wgpu::Buffer,
-    /// The worker's channel; `None` once shut down, or when submitting on the caller's
-    /// thread (`SLOTSTREAM_GPU_SUBMIT_THREAD=0`, or no thread could be started).
-    jobs: Mutex<Option<std::sync::mpsc::Sender<Batch>>>,
-    state: Arc<(Mutex<Handed>, std::sync::Condvar)>,
-    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-/// What the worker has not finished, and how its last submission failed.
-#[derive(Default)]
-struct Handed {
-    pending: usize,
-    /// A submission that panicked (a wgpu validation error), for [`Gpu::wait`] to report.
-    failure: Option<String>,
-}
-
-impl Submitter {
-    fn start(queue: wgpu::Queue, uniforms: wgpu::Buffer, data: wgpu::Buffer, thread: bool) -> Self {
-        let state = Arc::new((Mutex::new(Handed::default()), std::sync::Condvar::new()));
-        let (tx, rx) = std::sync::mpsc::channel::<Batch>();
-        let worker = thread.then(|| {
-            let (queue, uniforms, data, state) =
-                (queue.clone(), uniforms.clone(), data.clone(), state.clone());
-            std::thread::Builder::new()
-                .name("gpu-submit".into())
-                .spawn(move || {
-                    for batch in rx {
-                        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            batch.submit(&queue, &uniforms, &data)
-                        }));
-                        let mut handed = state.0.lock().unwrap_or_else(|p| p.into_inner());
-                        handed.pending -= 1;
-                        if let Err(e) = done {
-                            let what = e
-                                .downcast_ref::<String>()
-                                .cloned()
-                                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                                .unwrap_or_else(|| "a submission panicked".into());
-                            handed.failure.get_or_insert(what);
-                        }
-                        state.1.notify_all();
-                    }
-                })
-                .ok()
-        });
-        let worker = worker.flatten();
-        Submitter {
-            queue,
-            uniforms,
-            data,
-            jobs: Mutex::new(worker.is_some().then_some(tx)),
-            state,
-            worker: Mutex::new(worker),
-        }
-    }
-
-    fn handed(&self) -> MutexGuard<'_, Handed> {
-        self.state.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Hands `batch` to the worker, or submits it here when there is none.
-    fn send(&self, batch: Batch) {
-        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(tx) = jobs.as_ref() else {
-            return batch.submit(&self.queue, &self.uniforms, &self.data);
-        };
-        self.handed().pending += 1;
-        if let Err(std::sync::mpsc::SendError(batch)) = tx.send(batch) {
-            // The worker is gone: submit here.
-            self.handed().pending -= 1;
-            batch.submit(&self.queue, &self.uniforms, &self.data);
-        }
-    }
-
-    /// Waits until every batch handed over is submitted.
-    fn drain(&self) {
-        let mut handed = self.handed();
-        while handed.pending > 0 {
-            handed = self.state.1.wait(handed).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// How a submission on the worker failed since the last call, if one did.
-    fn failure(&self) -> Option<String> {
-        self.handed().failure.take()
-    }
-
-    /// Submits what was handed over, then ends the worker and waits for it, so that its
-    /// handles on the queue and the rings are gone before the device is.
-    fn shutdown(&self) {
-        // Closing the channel ends the worker once it has submitted what it holds.
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(w) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = w.join();
-        }
-    }
-}
-
-impl Drop for Gpu {
-    fn drop(&mut self) {
-        // Before any field is dropped: no submission may still run on the worker while the
-        // device, the queue and the buffers go.
-        self.submitter.shutdown();
-    }
-}
 
 /// What has been recorded and not yet submitted.
 #[derive(Default)]
@@ -692,8 +553,6 @@ impl Gpu {
             });
         tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
-        let thread = std::env::var("SLOTSTREAM_GPU_SUBMIT_THREAD").map_or(true, |v| v != "0");
-        let submitter = Submitter::start(queue.clone(), uniforms.clone(), data.clone(), thread);
         Ok(Gpu {
             device,
             queue,
@@ -714,7 +573,6 @@ impl Gpu {
             pool: Arc::default(),
             poison_source: Mutex::default(),
             submit_every,
-            submitter,
             counters: Counters::default(),
             arena_bytes: AtomicU64::new(0),
             spin: std::time::Duration::from_micros(spin_us),
@@ -740,13 +598,9 @@ impl Gpu {
 
     /// Waits until the device has finished every submission (and run the callbacks of
     /// the finished work): polls for up to the spin time, then blocks.
-    /// Errors: a lost device, or a submission that failed on the submission thread.
+    /// Errors: a lost device.
     pub fn wait(&self) -> Result<()> {
         let start = std::time::Instant::now();
-        self.submitter.drain();
-        if let Some(e) = self.submitter.failure() {
-            return Err(Error::Gpu(format!("submitting recorded work: {e}")));
-        }
         Self::count(&self.counters.waits);
         let lost = |e: wgpu::PollError| Error::Gpu(format!("waiting for the device: {e}"));
         let mut done = false;
@@ -894,42 +748,30 @@ impl Gpu {
         self.recording.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Hands the recorded encoder, with its uniform blocks and data, to the submitter
-    /// (which uploads them and submits it, in order); with `sync`, returns only once it
-    /// and everything before it are submitted. A profiled recording is submitted here and
-    /// its timestamps read.
-    fn submit(&self, rec: &mut Recording, sync: bool) {
+    /// Uploads the recorded uniform blocks and data and submits the encoder.
+    fn submit(&self, rec: &mut Recording) {
         let start = std::time::Instant::now();
         rec.pass = None;
         if let Some(mut enc) = rec.encoder.take() {
+            let profiled = rec.profiler.as_ref().is_some_and(|p| p.resolve(&mut enc));
+            // Queued before this submission's commands and after the previous
+            // submissions' (wgpu orders the writes after their reads of the buffers).
+            if !rec.uniforms.is_empty() {
+                self.queue.write_buffer(&self.uniforms, 0, &rec.uniforms);
+                rec.uniforms.clear();
+            }
+            if !rec.data.is_empty() {
+                self.queue.write_buffer(&self.data, 0, &rec.data);
+                rec.data.clear();
+            }
             rec.dispatches = 0;
+            self.queue.submit([enc.finish()]);
             Self::count(&self.counters.submits);
-            let batch = Batch {
-                uniforms: std::mem::take(&mut rec.uniforms),
-                data: std::mem::take(&mut rec.data),
-                encoder: enc,
-            };
-            match rec.profiler.as_mut() {
-                None => self.submitter.send(batch),
-                Some(p) => {
-                    enc = batch.encoder;
-                    let profiled = p.resolve(&mut enc);
-                    self.submitter.drain();
-                    Batch {
-                        encoder: enc,
-                        ..batch
-                    }
-                    .submit(&self.queue, &self.uniforms, &self.data);
-                    if profiled {
-                        if let Err(e) = p.collect(&self.device) {
-                            tracing::warn!(error = %e, "GPU profile: timestamps not read");
-                        }
-                    }
+            if let (true, Some(p)) = (profiled, rec.profiler.as_mut()) {
+                if let Err(e) = p.collect(&self.device) {
+                    tracing::warn!(error = %e, "GPU profile: timestamps not read");
                 }
             }
-        }
-        if sync {
-            self.submitter.drain();
         }
         Self::add_ns(&self.counters.submit_ns, start);
     }
@@ -985,7 +827,7 @@ impl Gpu {
             || (ring && rec.data.len() + staged > DATA_RING as usize)
             || rec.profiler.as_ref().is_some_and(Profiler::full)
         {
-            self.submit(&mut rec, false);
+            self.submit(&mut rec);
         }
         // Staged data goes into the ring when all of it fits; it is written at the
         // submission that also carries this dispatch (both are recorded under one lock),
@@ -1089,7 +931,7 @@ impl Gpu {
         rec.dispatches += 1;
         Self::add_ns(&self.counters.record_ns, start);
         if self.submit_every > 0 && rec.dispatches >= self.submit_every {
-            self.submit(&mut rec, false);
+            self.submit(&mut rec);
         }
     }
 
@@ -1117,10 +959,10 @@ impl Gpu {
             .clear_buffer(dst, 0, Some(len.next_multiple_of(4)));
     }
 
-    /// Submits everything recorded so far (returns once it is submitted).
+    /// Submits everything recorded so far.
     pub fn flush(&self) {
         let mut rec = self.recording();
-        self.submit(&mut rec, true);
+        self.submit(&mut rec);
     }
 
     /// Submits everything recorded and waits until the device has finished it (for
