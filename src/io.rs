@@ -286,8 +286,11 @@ pub fn read_exact_at(file: &dyn ReadAt, buf: &mut [u8], offset: u64) -> Result<(
 /// packed words, scales or biases): `len` bytes at `offset` of `file`.
 #[derive(Clone)]
 pub struct RangeRead {
+    /// The open file (a checkpoint shard).
     pub file: Arc<dyn ReadAt>,
+    /// Byte offset in the file.
     pub offset: u64,
+    /// Bytes to read.
     pub len: usize,
 }
 

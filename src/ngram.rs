@@ -294,6 +294,13 @@ impl NgramTable {
             Ordering::Relaxed,
         );
         let bytes = source.read_ranges(reads)?;
+        if bytes.len() != 3 * missing.len() {
+            return Err(Error::Internal(format!(
+                "n-gram rows: {} reads answered for {} rows",
+                bytes.len(),
+                missing.len()
+            )));
+        }
         let mut cache = self.cache()?;
         for (&id, parts) in missing.iter().zip(bytes.chunks_exact(3)) {
             let row = self.dequantize(&parts[0], &parts[1], &parts[2]);

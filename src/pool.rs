@@ -127,6 +127,9 @@ pub struct PoolStats {
     pub sweep_bytes: u64,
     /// Bytes read to admit a prompt's hottest experts at the end of its prefill.
     pub admitted_bytes: u64,
+    /// Small reads made for the model besides expert records (n-gram table rows: packed
+    /// words, scales and biases), through the same reader.
+    pub range_reads: u64,
     pub per_layer: Vec<LayerCounts>,
     #[serde(skip)]
     in_flight_samples: u64,
@@ -955,16 +958,24 @@ impl SlotPool {
         Ok(())
     }
 
-    /// Reads `reads` outside the slots (the n-gram table's rows), all at once on the
-    /// blocking pool, each holding one of the demand reads' queue-depth permits, so they
-    /// share the reader's bound with expert misses. Returns their bytes in order.
-    /// Errors: the first failed read, naming its file and offset.
+    /// Reads `reads` outside the slots (the n-gram table's rows) on the blocking pool,
+    /// each holding one of the demand reads' queue-depth permits, so they share the
+    /// reader's bound with expert misses; at most half the queue depth of them at once, so
+    /// a long prompt's rows do not hold every permit ahead of the first layers' misses.
+    /// Returns their bytes in order. Errors: the first failed read, naming its file and
+    /// offset.
     pub async fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
         let demand = self.reader.semaphore();
+        let share = Arc::new(Semaphore::new((self.reader.queue_depth() / 2).max(1)));
         let runtime = self.runtime.clone();
+        self.lock().stats.range_reads += reads.len() as u64;
         futures::future::try_join_all(reads.into_iter().map(|read| {
-            let (demand, runtime) = (demand.clone(), runtime.clone());
+            let (demand, share, runtime) = (demand.clone(), share.clone(), runtime.clone());
             async move {
+                let _share = share
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| Error::Pool("the reader is closed".into()))?;
                 let _permit = demand
                     .acquire_owned()
                     .await

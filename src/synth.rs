@@ -68,6 +68,7 @@ pub struct FlashNextShape {
     pub hc_lowrank: usize,
     /// Query heads of the QSA indexer (`indexer_n_heads`); it has one key head.
     pub indexer_heads: usize,
+    /// Width of an indexer query or key head (`indexer_head_dim`).
     pub indexer_head_dim: usize,
     /// Keys a query sees before the indexer selects (`indexer_budget`), in tokens.
     pub indexer_budget: usize,
@@ -80,6 +81,8 @@ pub struct FlashNextShape {
     pub ple_conv_kernel: usize,
     /// Largest hashed n-gram (`ngram_size`): orders 2 to this one are hashed.
     pub ngram_size: usize,
+    /// Hashed heads per n-gram order (`heads_per_ngram`): `(ngram_size - 1) * this` rows
+    /// per token.
     pub heads_per_ngram: usize,
     /// `ngram_vocab_size_base`: head `h` of the table has the `(h+1)`-th prime at or
     /// above it as its row count (about this many rows per head).

@@ -196,7 +196,7 @@ fn ngram_rows_are_read_through_the_pool_and_counted() {
         runtime.handle().clone(),
     )
     .unwrap();
-    let pooled = PoolExperts::new(pool);
+    let pooled = PoolExperts::new(pool.clone());
     let lookups = (ids.len() * table.heads()) as u64;
     let distinct = {
         let mut rows = table.row_ids(&[], &ids);
@@ -223,6 +223,8 @@ fn ngram_rows_are_read_through_the_pool_and_counted() {
         );
         assert_eq!(n.row_misses, distinct, "pass {pass}: each row read once");
         assert_eq!(n.bytes_read, distinct * row_bytes, "pass {pass}");
+        // The reads went through the pool's reader: three per row read.
+        assert_eq!(pool.stats().range_reads, 3 * distinct, "pass {pass}");
     }
 }
 

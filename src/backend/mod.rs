@@ -129,6 +129,10 @@ impl KeyMask {
     /// A mask of the last `rows` queries over `keys` positions that keeps every causal
     /// key (query `r` sits at position `keys - rows + r`).
     pub fn causal(rows: usize, keys: usize) -> Self {
+        assert!(
+            rows <= keys,
+            "a causal mask of {rows} queries over {keys} keys"
+        );
         let mut m = KeyMask::new(rows, keys);
         for r in 0..rows {
             for k in 0..=keys - rows + r {

@@ -199,6 +199,9 @@ pub(super) fn attention(
     // The softmax reads the mask's words as f32 bit patterns; without a mask it reads
     // nothing, and a 4-byte buffer fills the binding (scratch may not: it is bound
     // read-write in the same dispatch).
+    // A mask read by one chunk travels in the data ring; one read by several is uploaded
+    // once and bound to each (uncached: it is this call's alone).
+    let mask_buf;
     let mask_bind = match mask {
         Some(m) => {
             assert_eq!(
@@ -206,7 +209,13 @@ pub(super) fn attention(
                 (total, t_len * m.words_per_row()),
                 "attention: mask shape"
             );
-            Bind::Data(bytemuck::cast_slice(&m.bits))
+            let bits = bytemuck::cast_slice(&m.bits);
+            if chunk >= t_len {
+                Bind::Data(bits)
+            } else {
+                mask_buf = b.gpu.buffer_with(bits);
+                Bind::Once(&mask_buf)
+            }
         }
         None => Bind::Buffer(&b.gpu.dummy),
     };

@@ -327,13 +327,16 @@ struct Counters {
 /// A snapshot of [`Gpu`]'s counters since it was opened, for profiles.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GpuCounters {
+    /// Compute dispatches recorded.
     pub dispatches: u64,
+    /// Command encoders submitted.
     pub submits: u64,
     /// Waits for the device (read-backs and syncs).
     pub waits: u64,
     /// wgpu buffers created (kernel outputs the pool could not serve, uploads, read-back
     /// staging).
     pub buffers_created: u64,
+    /// Bind groups created (the cache missed).
     pub bind_groups_created: u64,
     /// Nanoseconds spent waiting for the device.
     pub wait_ns: u64,
@@ -817,7 +820,11 @@ impl Gpu {
         let staged: usize = binds
             .iter()
             .map(|b| match b {
-                Bind::Data(d) => d.len().next_multiple_of(self.data_align),
+                Bind::Data(d) => d
+                    .len()
+                    .next_multiple_of(4)
+                    .max(4)
+                    .next_multiple_of(self.data_align),
                 Bind::Buffer(_) | Bind::Once(_) => 0,
             })
             .sum();

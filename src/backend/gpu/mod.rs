@@ -55,12 +55,12 @@ pub enum GpuWeight {
         /// (the packed words start at 0).
         s_off: u32,
         b_off: u32,
-        data: wgpu::Buffer,
+        data: DeviceBuffer,
     },
     Dense {
         rows: usize,
         cols: usize,
-        data: wgpu::Buffer,
+        data: DeviceBuffer,
     },
 }
 
@@ -269,9 +269,11 @@ impl GpuBackend {
             // Recorded work may still read the old mirror (and a unified one's host pages).
             self.gpu.sync()?;
         }
-        *guard = Some(mirror);
-        // Cached bind groups would keep the old arenas alive.
+        let old = guard.replace(mirror);
+        // Cached bind groups would keep the old arenas alive; they go before the old
+        // mirror, whose pool may own the host memory its arenas import.
         self.gpu.forget_bind_groups();
+        drop(old);
         Ok(())
     }
 
@@ -322,6 +324,14 @@ impl GpuBackend {
             rows,
             cols,
         }
+    }
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        // Before the mirror (and the pool whose memory it may import) goes: a tensor that
+        // outlives the backend keeps the bind-group cache alive.
+        self.gpu.forget_bind_groups();
     }
 }
 

@@ -31,6 +31,8 @@ impl Profiler {
         wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
     }
 
+    /// A profiler for `device` (which must have [`Profiler::features`]); `queue` gives the
+    /// timestamp period.
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Self {
         let queries = device.create_query_set(&wgpu::QuerySetDescriptor {
             label: Some("profile"),
@@ -90,7 +92,9 @@ impl Profiler {
     /// Reads the submitted recording's timestamps (after the device finished it) into
     /// the totals. Errors: the read-back mapping failed.
     pub fn collect(&mut self, device: &wgpu::Device) -> Result<(), String> {
-        let n = self.pending.len() + 1;
+        // Taken first, so that a failed read-back leaves the next recording clean.
+        let kernels = std::mem::take(&mut self.pending);
+        let n = kernels.len() + 1;
         let slice = self.readback.slice(..n as u64 * 8);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -108,7 +112,7 @@ impl Profiler {
         let ticks: Vec<u64> =
             bytemuck::pod_collect_to_vec(&slice.get_mapped_range().map_err(|e| e.to_string())?);
         self.readback.unmap();
-        for (kernel, pair) in self.pending.drain(..).zip(ticks.windows(2)) {
+        for (kernel, pair) in kernels.into_iter().zip(ticks.windows(2)) {
             let ns = (pair[1].saturating_sub(pair[0]) as f64 * self.period) as u64;
             let entry = self.totals.entry(kernel).or_default();
             entry.0 += 1;

@@ -169,13 +169,15 @@ pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight
                 scale_dtype: code,
                 s_off: (s_start / elem_bytes(code)) as u32,
                 b_off: (b_start / elem_bytes(code)) as u32,
-                data: b.gpu.buffer_with(&bytes),
+                data: b.gpu.plain(b.gpu.buffer_with(&bytes)),
             })
         }
         LinearWeight::Dense(d) => Ok(GpuWeight::Dense {
             rows: d.rows,
             cols: d.cols,
-            data: b.gpu.buffer_with(bytemuck::cast_slice(&d.data)),
+            data: b
+                .gpu
+                .plain(b.gpu.buffer_with(bytemuck::cast_slice(&d.data))),
         }),
     }
 }
@@ -297,9 +299,11 @@ pub(super) fn mirror_places(b: &GpuBackend, records: &[ExpertRecord<'_>]) -> Opt
             let _ = b.gpu.sync();
         }
         tracing::debug!(slots = tag.slots, "device mirror of the slot pool");
-        *guard = Some(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
-        // Cached bind groups would keep the old arenas alive.
+        let old = guard.replace(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
+        // Cached bind groups would keep the old arenas alive; they go before the old
+        // mirror, whose pool may own the host memory its arenas import.
         b.gpu.forget_bind_groups();
+        drop(old);
     }
     let m = guard.as_mut()?;
     let mut written = 0;
@@ -498,7 +502,7 @@ pub(super) fn moe_experts(
     let weights = bytemuck::cast_slice(&routing.weights);
     let binds = [
         Bind::Buffer(&y.buf),
-        arena(0),
+        Bind::Buffer(&b.gpu.dummy),
         Bind::Data(weights),
         Bind::Buffer(&out.buf),
     ];
