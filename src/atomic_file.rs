@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
+/// Name prefix of the temporary files ([`AtomicFile::create`]); a writer that owns its
+/// directory (`synth`) removes ones an interrupted run left.
+pub const TEMP_PREFIX: &str = ".slotstream-tmp-";
+
 /// A file being written; [`AtomicFile::commit`] puts it in place.
 pub struct AtomicFile {
     tmp: tempfile::NamedTempFile,
@@ -39,7 +43,7 @@ impl AtomicFile {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
         let tmp = tempfile::Builder::new()
-            .prefix(".slotstream-")
+            .prefix(TEMP_PREFIX)
             .tempfile_in(dir)
             .map_err(|e| Error::io(dir, e))?;
         Ok(AtomicFile { tmp, dest, mode })

@@ -29,7 +29,7 @@ use crate::io::{AlignedBuf, ALIGN};
 use crate::model::Model;
 use crate::ngram::{self, NgramCounts};
 use crate::pack::PACK_FILE;
-use crate::plan::{human, parse_size, peak_rss, resident_tensors};
+use crate::plan::{human, parse_size, peak_rss, resident_tensors, Plan};
 use crate::pool::{floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
 
 /// One pool size to measure.
@@ -59,9 +59,9 @@ impl std::str::FromStr for Budget {
                     "`{p}`: a share of the records must be in (0, 100]%"
                 )),
             },
-            size => parse_size(size)
-                .map(Budget::Bytes)
-                .map_err(|e| e.to_string()),
+            size => parse_size(size).map(Budget::Bytes).map_err(|e| {
+                format!("{e}; a budget is `floor`, `all`, a share such as `30%`, or a size")
+            }),
         }
     }
 }
@@ -186,6 +186,30 @@ pub fn run<B: Backend>(
         .collect();
     let active = active_bytes_per_token(ckpt, &index);
     let tables = model.ngram_tables();
+    // Every budget is checked before the first row runs, so a refused one does not cost
+    // the rows measured before it.
+    let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
+    for budget in &options.budgets {
+        match pool_size(budget, &index) {
+            PoolSize::Slots(n) if n < floor => {
+                return Err(Error::InvalidInput(format!(
+                    "budget {budget}: {n} slots is below the floor of {floor} slots \
+                     (one layer's experts plus the reads in flight); try `floor` or a larger share"
+                )))
+            }
+            PoolSize::Budget(bytes) => {
+                Plan::new(
+                    ckpt,
+                    &index,
+                    bytes,
+                    options.source.context,
+                    options.source.queue_depth,
+                )
+                .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
+            }
+            _ => {}
+        }
+    }
     let mut rows = Vec::new();
     for budget in &options.budgets {
         for &lookahead in &options.lookahead {
@@ -196,16 +220,7 @@ pub fn run<B: Backend>(
             tracing::info!(%budget, lookahead, "bench row");
             let mut source = options.source.clone();
             source.lookahead = lookahead;
-            source.pool = Some(match budget {
-                Budget::Floor => {
-                    PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP))
-                }
-                Budget::All => PoolSize::Slots(records),
-                Budget::Percent(p) => {
-                    PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1))
-                }
-                Budget::Bytes(b) => PoolSize::Budget(*b),
-            });
+            source.pool = Some(pool_size(budget, &index));
             reset_peak_rss();
             let opened = open_source(
                 backend,
@@ -349,6 +364,19 @@ pub fn run<B: Backend>(
     })
 }
 
+/// The pool a budget asks for.
+fn pool_size(budget: &Budget, index: &ExpertIndex) -> PoolSize {
+    let records = index.records();
+    match budget {
+        Budget::Floor => PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP)),
+        Budget::All => PoolSize::Slots(records),
+        Budget::Percent(p) => {
+            PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1))
+        }
+        Budget::Bytes(b) => PoolSize::Budget(*b),
+    }
+}
+
 impl BenchReport {
     /// The rows as a Markdown table, with the limits in a header line.
     pub fn table(&self) -> String {
@@ -394,12 +422,15 @@ impl BenchReport {
                 r.peak_rss.map_or("-".into(), human)
             );
         }
+        if self.rows.iter().any(|r| r.ngram.is_some()) {
+            s += "\n";
+        }
         for r in &self.rows {
             if let Some(n) = r.ngram {
                 let lookups = (n.row_hits + n.row_misses).max(1);
                 s += &format!(
-                    "\nn-gram table, budget {} (lookahead {}): {} row lookups while decoding, \
-                     hit rate {:.3}, {} rows read ({:.1} KB per token)",
+                    "n-gram table, budget {} (lookahead {}): {} row lookups while decoding, \
+                     hit rate {:.3}, {} rows read ({:.1} KB per token)\n",
                     r.budget,
                     if r.lookahead { "on" } else { "off" },
                     n.row_hits + n.row_misses,

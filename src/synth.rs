@@ -1272,6 +1272,17 @@ pub fn write_checkpoint_with(
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     std::fs::write(&marker, preset.name).map_err(|e| Error::io(&marker, e))?;
+    // Temporary files of an interrupted run (this directory is synth's: it has the marker).
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        let stale = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(crate::atomic_file::TEMP_PREFIX));
+        if stale {
+            std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+        }
+    }
     // Overwriting: drop the old index first, so a checkpoint half-rewritten by an
     // interrupted run does not open.
     // A pack of the old checkpoint would only be refused later (its identity differs):

@@ -389,3 +389,55 @@ fn bench_report_has_every_field_and_consistent_counts() {
         assert!(row.get(field).is_some(), "{field}: {row}");
     }
 }
+
+/// A budget below the pool's floor is refused before any row runs, so the rows before it
+/// are not measured and then thrown away.
+#[test]
+fn a_budget_below_the_floor_is_refused_before_any_row_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &DEMO, 2, false).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let options = BenchOptions {
+        budgets: vec![Budget::All, Budget::Percent(1.0)],
+        lookahead: vec![true],
+        prompt_len: 8,
+        tokens: 6,
+        warmup: 2,
+        source: SourceOptions::default(),
+        seed: rand::random(),
+    };
+    let mut steps = Vec::new();
+    let err = run(
+        &slotstream::backend::cpu::CpuBackend,
+        &ckpt,
+        &options,
+        &runtime,
+        |s| steps.push(s.to_string()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("budget 1%") && err.contains("below the floor"),
+        "{err}"
+    );
+    assert!(
+        !steps.iter().any(|s| s.starts_with("budget")),
+        "a row ran: {steps:?}"
+    );
+}
+
+/// Writing a synthetic checkpoint again over an interrupted run removes the temporary file
+/// that run left behind (and nothing else of the directory's).
+#[test]
+fn synth_again_removes_an_interrupted_runs_temporary_file() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), &DEMO, 2, false).unwrap();
+    let stale = dir
+        .path()
+        .join(format!("{}x7Qk2p", slotstream::atomic_file::TEMP_PREFIX));
+    std::fs::write(&stale, vec![0u8; 4096]).unwrap();
+    write_checkpoint(dir.path(), &DEMO, 2, false).unwrap();
+    assert!(!stale.exists(), "the stale temporary file is still there");
+    Checkpoint::open(dir.path()).unwrap();
+}
