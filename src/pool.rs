@@ -647,7 +647,18 @@ impl SlotPool {
         let n = inner.slots.len();
         let free = |s: &Slot| s.pins == 0 && s.state != State::Loading;
         let mut victim = None;
-        if n < 2 * self.floor {
+        if n >= self.index.records() {
+            // A pool of every record: each record gets a slot of its own, in layer order,
+            // so that a layer's records lie together (in one or two GPU arenas, which
+            // whole-layer routing on the device dispatches over), whatever order they
+            // were first asked for in.
+            victim = self
+                .index
+                .moe_position(key.0 as usize)
+                .map(|pos| pos * self.index.num_experts + key.1 as usize)
+                .filter(|&i| i < n && free(&inner.slots[i]));
+        }
+        if victim.is_none() && n < 2 * self.floor {
             // Near the floor, evicting another layer's expert would likely evict one the
             // next layers need; the same layer's cold experts are the cheaper loss.
             victim = (0..n).map(|i| (inner.hand + i) % n).find(|&i| {

@@ -1278,3 +1278,24 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
 }
 
 const FIXTURES_FOR_SWEEP: &str = "qwen3-next-f32-sharded";
+
+/// A pool of every record gives each record a slot of its own in layer order, whatever
+/// order the records are first asked for in (so a layer's records lie together for
+/// whole-layer routing on a GPU), and still returns the right bytes.
+#[test]
+fn a_pool_of_every_record_keeps_layers_together() {
+    use rand::seq::SliceRandom;
+    let fx = fixture(BF16);
+    let rt = runtime();
+    let index = &fx.index;
+    let pool = pool_with(&fx.ckpt, index, IoMode::Buffered, index.records(), &rt);
+    let mut keys = all_keys(index);
+    keys.shuffle(&mut rand::rng());
+    for (layer, expert) in keys {
+        let held = rt.block_on(pool.ensure(layer, &[expert])).unwrap();
+        let pos = index.moe_position(layer).unwrap();
+        assert_eq!(held[0].slot(), pos * index.num_experts + expert as usize);
+        assert!(held[0][..] == fx.records[&(layer as u32, expert)][..]);
+    }
+    assert_eq!(pool.stats().misses, index.records() as u64);
+}
