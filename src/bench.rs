@@ -30,7 +30,7 @@ use crate::model::Model;
 use crate::ngram::{self, NgramCounts};
 use crate::pack::PACK_FILE;
 use crate::plan::{human, parse_size, peak_rss, resident_tensors, Plan};
-use crate::pool::{floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
+use crate::pool::{check_floor, floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
 
 /// One pool size to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -188,14 +188,14 @@ pub fn run<B: Backend>(
     let tables = model.ngram_tables();
     // Every budget is checked before the first row runs, so a refused one does not cost
     // the rows measured before it.
-    let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
     for budget in &options.budgets {
         match pool_size(budget, &index) {
-            PoolSize::Slots(n) if n < floor => {
-                return Err(Error::InvalidInput(format!(
-                    "budget {budget}: {n} slots is below the floor of {floor} slots \
-                     (one layer's experts plus the reads in flight); try `floor` or a larger share"
-                )))
+            PoolSize::Slots(n) => {
+                check_floor(n, index.num_experts, DEFAULT_SPECULATIVE_CAP).map_err(|e| {
+                    Error::InvalidInput(format!(
+                        "budget {budget}: {e}; try `floor` or a larger share"
+                    ))
+                })?;
             }
             PoolSize::Budget(bytes) => {
                 Plan::new(

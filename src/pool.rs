@@ -268,6 +268,18 @@ pub fn floor_slots(num_experts: usize, speculative_cap: usize) -> usize {
     num_experts + speculative_cap
 }
 
+/// Checks that a pool of `slots` is not below [`floor_slots`].
+/// Errors: [`Error::Pool`] giving the floor and its terms.
+pub fn check_floor(slots: usize, num_experts: usize, speculative_cap: usize) -> Result<()> {
+    let floor = floor_slots(num_experts, speculative_cap);
+    if slots < floor {
+        return Err(Error::Pool(format!(
+            "{slots} slots is below the floor of {floor} ({num_experts} experts of one layer + {speculative_cap} speculative reads in flight)"
+        )));
+    }
+    Ok(())
+}
+
 /// Slot size for records of `record_bytes`: rounded up to the direct-I/O alignment so
 /// every slot starts aligned.
 pub fn slot_stride(record_bytes: usize) -> usize {
@@ -297,12 +309,7 @@ impl SlotPool {
             );
             options.slots = index.records().max(floor);
         }
-        if options.slots < floor {
-            return Err(Error::Pool(format!(
-                "{} slots is below the floor of {floor} ({} experts of one layer + {} speculative reads in flight)",
-                options.slots, index.num_experts, options.speculative_cap
-            )));
-        }
+        check_floor(options.slots, index.num_experts, options.speculative_cap)?;
         let stride = slot_stride(index.layout.record_bytes);
         let bytes = stride.checked_mul(options.slots).ok_or_else(|| {
             Error::Pool(format!(

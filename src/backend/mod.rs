@@ -467,7 +467,7 @@ pub trait Backend: Send + Sync {
 }
 
 /// Routes in a [`Backend::router_top_k_device`] tensor (ids then weights).
-fn routing_routes<B: Backend + ?Sized>(b: &B, routing: &B::Tensor) -> usize {
+pub(crate) fn routing_routes<B: Backend + ?Sized>(b: &B, routing: &B::Tensor) -> usize {
     let (rows, cols) = b.shape(routing);
     rows * cols / 2
 }

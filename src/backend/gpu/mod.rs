@@ -572,7 +572,7 @@ impl Backend for GpuBackend {
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
     ) -> Result<GpuTensor> {
-        super::check_routed_ids(ids, routing.rows * routing.cols / 2, layer.len())?;
+        super::check_routed_ids(ids, super::routing_routes(self, routing), layer.len())?;
         if let Some(out) = quant::moe_experts_resident(self, x, routing, k, ids, layer, layout) {
             return Ok(out);
         }
