@@ -24,30 +24,24 @@ use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
 use crate::backend::{
     distinct_ids, rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing,
 };
-use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::checkpoint::{Checkpoint, ExpertIndex, LinearWeight};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
 use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
-/// The gated DeltaNet's input projections, as the checkpoint stores them.
-enum InProj<B: Backend> {
-    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, interleaved per key-head group and
-    /// taken apart by [`Columns`].
-    Fused { qkvz: B::Weight, ba: B::Weight },
-    /// Qwen3.5: `in_proj_qkv` gives the conv input `[q | k | v]` as is; z, b and a have
-    /// projections of their own.
-    Split {
-        qkv: B::Weight,
-        z: B::Weight,
-        b: B::Weight,
-        a: B::Weight,
-    },
-}
-
+/// A gated DeltaNet layer. Its input projections are regrouped at load: Qwen3-Next's
+/// `in_proj_qkvz` and `in_proj_ba` interleave q, k, v, z (and b, a) per key-head group, and
+/// Qwen3.5 / Flash-Next have separate `in_proj_b` and `in_proj_a`; here every family has
+/// the same three, so a step runs three matmuls and gathers no columns.
 struct DeltaNet<B: Backend> {
-    in_proj: InProj<B>,
+    /// `[2 Hk Dk + Hv Dv, hidden]`: the conv input `[q_all | k_all | v_all]`.
+    qkv: B::Weight,
+    /// `[Hv Dv, hidden]`: the output gate's input.
+    z: B::Weight,
+    /// `[2 Hv, hidden]`: `[b_all | a_all]`.
+    ba: B::Weight,
     /// `[conv_dim, kernel]`.
     conv: B::Tensor,
     a_log: B::Tensor,
@@ -57,7 +51,11 @@ struct DeltaNet<B: Backend> {
 }
 
 struct Attention<B: Backend> {
+    /// The queries' rows of `q_proj` (`[H hd, hidden]`); the checkpoint interleaves each
+    /// head's queries with its output gates.
     q_proj: B::Weight,
+    /// The output gates' rows of `q_proj`, `[H hd, hidden]`.
+    gate_proj: B::Weight,
     k_proj: B::Weight,
     v_proj: B::Weight,
     o_proj: B::Weight,
@@ -170,9 +168,11 @@ enum Mixer<B: Backend> {
     Attention(Attention<B>),
 }
 
+/// A SwiGLU MLP (the shared expert, or a dense layer's MLP).
 struct DenseMlp<B: Backend> {
-    gate: B::Weight,
-    up: B::Weight,
+    /// `gate_proj` and `up_proj` stacked at load, `[2 I, hidden]`, for
+    /// [`Backend::matmul_swiglu`].
+    gate_up: B::Weight,
     down: B::Weight,
 }
 
@@ -195,23 +195,8 @@ struct Layer<B: Backend> {
     mlp: Mlp<B>,
 }
 
-/// Column selections that reorder fused projections (built once per model; the first
-/// four serve [`InProj::Fused`] only).
+/// Column selections of Flash-Next (built once per model).
 struct Columns<B: Backend> {
-    /// `in_proj_qkvz` output -> `[q_all | k_all | v_all]`, the conv input.
-    mixed_qkv: B::Index,
-    /// `in_proj_qkvz` output -> `z_all`.
-    z: B::Index,
-    /// `in_proj_ba` output -> `b_all` and `a_all`.
-    b: B::Index,
-    a: B::Index,
-    /// Conv output -> q, k, v.
-    conv_q: B::Index,
-    conv_k: B::Index,
-    conv_v: B::Index,
-    /// `q_proj` output -> per-head queries and output gates.
-    attn_q: B::Index,
-    attn_gate: B::Index,
     /// Flash-Next: the embedding -> `hc_count` copies side by side.
     tile: Option<B::Index>,
     /// Flash-Next: `index_qk_proj` output -> the indexer's queries and its key.
@@ -356,6 +341,44 @@ fn range(start: usize, len: usize) -> impl Iterator<Item = u32> {
     (start as u32)..(start + len) as u32
 }
 
+/// Qwen3-Next's fused DeltaNet projections regrouped (../shared/spec/models.md §2.4
+/// step 1): the rows of `in_proj_qkvz` that give `[q_all | k_all | v_all]` and `z_all`,
+/// and those of `in_proj_ba` that give `[b_all | a_all]`.
+struct FusedRows {
+    qkv: Vec<usize>,
+    z: Vec<usize>,
+    ba: Vec<usize>,
+}
+
+impl FusedRows {
+    fn new(cfg: &ModelConfig) -> Self {
+        let (nk, dk, dv) = (
+            cfg.linear_num_key_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        );
+        let r = cfg.linear_num_value_heads / nk;
+        // Each key-head group of in_proj_qkvz holds [q(dk) | k(dk) | v(r*dv) | z(r*dv)],
+        // and each of in_proj_ba [b(r) | a(r)].
+        let width = 2 * dk + 2 * r * dv;
+        let per_group = |width: usize, off: usize, len: usize| -> Vec<usize> {
+            (0..nk)
+                .flat_map(|g| g * width + off..g * width + off + len)
+                .collect()
+        };
+        let mut qkv = per_group(width, 0, dk);
+        qkv.extend(per_group(width, dk, dk));
+        qkv.extend(per_group(width, 2 * dk, r * dv));
+        let mut ba = per_group(2 * r, 0, r);
+        ba.extend(per_group(2 * r, r, r));
+        FusedRows {
+            qkv,
+            z: per_group(width, 2 * dk + r * dv, r * dv),
+            ba,
+        }
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// Loads every non-expert weight onto `backend` and indexes the expert records.
     /// Errors: any missing or mis-shaped tensor, named.
@@ -432,24 +455,32 @@ impl<B: Backend> Model<B> {
                     let (c, k) = (cfg.conv_dim(), cfg.linear_conv_kernel_dim);
                     let conv =
                         ckpt.floats(&format!("{p}.linear_attn.conv1d.weight"), &[c, k, 1])?;
-                    let in_proj = match cfg.family.delta_net_projections() {
-                        DeltaNetProjections::Fused => InProj::Fused {
-                            qkvz: linear(
-                                &format!("{p}.linear_attn.in_proj_qkvz"),
-                                2 * kd + 2 * vd,
-                                d,
-                            )?,
-                            ba: linear(&format!("{p}.linear_attn.in_proj_ba"), 2 * nv, d)?,
-                        },
-                        DeltaNetProjections::Split => InProj::Split {
-                            qkv: linear(&format!("{p}.linear_attn.in_proj_qkv"), c, d)?,
-                            z: linear(&format!("{p}.linear_attn.in_proj_z"), vd, d)?,
-                            b: linear(&format!("{p}.linear_attn.in_proj_b"), nv, d)?,
-                            a: linear(&format!("{p}.linear_attn.in_proj_a"), nv, d)?,
-                        },
+                    let name = |m: &str| format!("{p}.linear_attn.{m}");
+                    let (qkv, z, ba) = match cfg.family.delta_net_projections() {
+                        DeltaNetProjections::Fused => {
+                            let qkvz = ckpt.linear(&name("in_proj_qkvz"), 2 * kd + 2 * vd, d)?;
+                            let ba = ckpt.linear(&name("in_proj_ba"), 2 * nv, d)?;
+                            let rows = FusedRows::new(&cfg);
+                            (
+                                qkvz.select_rows(&rows.qkv),
+                                qkvz.select_rows(&rows.z),
+                                ba.select_rows(&rows.ba),
+                            )
+                        }
+                        DeltaNetProjections::Split => {
+                            let b = ckpt.linear(&name("in_proj_b"), nv, d)?;
+                            let a = ckpt.linear(&name("in_proj_a"), nv, d)?;
+                            (
+                                ckpt.linear(&name("in_proj_qkv"), c, d)?,
+                                ckpt.linear(&name("in_proj_z"), vd, d)?,
+                                LinearWeight::stack_rows(&name("in_proj_a"), &[b, a])?,
+                            )
+                        }
                     };
                     Mixer::DeltaNet(DeltaNet {
-                        in_proj,
+                        qkv: backend.upload_weight(qkv)?,
+                        z: backend.upload_weight(z)?,
+                        ba: backend.upload_weight(ba)?,
                         conv: backend.upload(&conv, c, k),
                         a_log: vector(&format!("{p}.linear_attn.A_log"), nv)?,
                         dt_bias: vector(&format!("{p}.linear_attn.dt_bias"), nv)?,
@@ -488,8 +519,16 @@ impl<B: Backend> Model<B> {
                         }),
                         None => None,
                     };
+                    // Each head's rows are [queries (hd) | output gate (hd)].
+                    let q_proj = ckpt.linear(&format!("{p}.self_attn.q_proj"), 2 * h * hd, d)?;
+                    let half = |off: usize| -> Vec<usize> {
+                        (0..h)
+                            .flat_map(|i| i * 2 * hd + off..i * 2 * hd + off + hd)
+                            .collect()
+                    };
                     Mixer::Attention(Attention {
-                        q_proj: linear(&format!("{p}.self_attn.q_proj"), 2 * h * hd, d)?,
+                        q_proj: backend.upload_weight(q_proj.select_rows(&half(0)))?,
+                        gate_proj: backend.upload_weight(q_proj.select_rows(&half(hd)))?,
                         k_proj: linear(&format!("{p}.self_attn.k_proj"), kvh * hd, d)?,
                         v_proj: linear(&format!("{p}.self_attn.v_proj"), kvh * hd, d)?,
                         o_proj: linear(&format!("{p}.self_attn.o_proj"), d, h * hd)?,
@@ -500,9 +539,11 @@ impl<B: Backend> Model<B> {
                 }
             };
             let dense = |prefix: &str, width: usize| -> Result<DenseMlp<B>> {
+                let gate = ckpt.linear(&format!("{prefix}.gate_proj"), width, d)?;
+                let up = ckpt.linear(&format!("{prefix}.up_proj"), width, d)?;
+                let gate_up = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), &[gate, up])?;
                 Ok(DenseMlp {
-                    gate: linear(&format!("{prefix}.gate_proj"), width, d)?,
-                    up: linear(&format!("{prefix}.up_proj"), width, d)?,
+                    gate_up: backend.upload_weight(gate_up)?,
                     down: linear(&format!("{prefix}.down_proj"), d, width)?,
                 })
             };
@@ -602,33 +643,8 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// The column selections of ../shared/spec/models.md §2.4 step 1 and §2.5.
+    /// Flash-Next's column selections.
     fn columns(cfg: &ModelConfig, backend: &B) -> Columns<B> {
-        let (nk, dk, dv) = (
-            cfg.linear_num_key_heads,
-            cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim,
-        );
-        let r = cfg.linear_num_value_heads / nk;
-        // Each key-head group of in_proj_qkvz holds [q(dk) | k(dk) | v(r*dv) | z(r*dv)].
-        let width = 2 * dk + 2 * r * dv;
-        let per_group = |off: usize, len: usize| -> Vec<u32> {
-            (0..nk).flat_map(|g| range(g * width + off, len)).collect()
-        };
-        let mut mixed = per_group(0, dk);
-        mixed.extend(per_group(dk, dk));
-        mixed.extend(per_group(2 * dk, r * dv));
-        let z = per_group(2 * dk + r * dv, r * dv);
-        // Each group of in_proj_ba holds [b(r) | a(r)].
-        let b: Vec<u32> = (0..nk).flat_map(|g| range(g * 2 * r, r)).collect();
-        let a: Vec<u32> = (0..nk).flat_map(|g| range(g * 2 * r + r, r)).collect();
-        let kd = cfg.linear_key_dim();
-        let (h, hd) = (cfg.num_attention_heads, cfg.head_dim);
-        let attn_q: Vec<u32> = (0..h).flat_map(|i| range(i * 2 * hd, hd)).collect();
-        let attn_gate: Vec<u32> = (0..h).flat_map(|i| range(i * 2 * hd + hd, hd)).collect();
-        let conv_q: Vec<u32> = range(0, kd).collect();
-        let conv_k: Vec<u32> = range(kd, kd).collect();
-        let conv_v: Vec<u32> = range(2 * kd, cfg.linear_value_dim()).collect();
         let flash = cfg.flash_next.as_ref();
         let tile = flash.map(|x| {
             let idx: Vec<u32> = (0..x.hc_count)
@@ -643,15 +659,6 @@ impl<B: Backend> Model<B> {
             backend.upload_index(&range(ix.heads * ix.head_dim, ix.head_dim).collect::<Vec<_>>())
         });
         Columns {
-            mixed_qkv: backend.upload_index(&mixed),
-            z: backend.upload_index(&z),
-            b: backend.upload_index(&b),
-            a: backend.upload_index(&a),
-            conv_q: backend.upload_index(&conv_q),
-            conv_k: backend.upload_index(&conv_k),
-            conv_v: backend.upload_index(&conv_v),
-            attn_q: backend.upload_index(&attn_q),
-            attn_gate: backend.upload_index(&attn_gate),
             tile,
             index_q,
             index_k,
@@ -799,6 +806,8 @@ impl<B: Backend> Model<B> {
                 Some(tile) => backend.gather_columns(&embedded, tile),
                 None => embedded,
             };
+            // The next block's input when the residual add before it also normed it.
+            let mut normed: Option<B::Tensor> = None;
             for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
                 if let (Some(ple), Some(job)) = (&layer.ple, rows[i].take()) {
                     let e = job
@@ -813,7 +822,10 @@ impl<B: Backend> Model<B> {
                     };
                     h = self.ple(backend, ple, &h, &e, conv);
                 }
-                let (x, inject) = self.block_input(backend, &layer.residual, Block::Mixer, &h);
+                let (x, inject) = match normed.take() {
+                    Some(x) => (x, None),
+                    None => self.block_input(backend, &layer.residual, Block::Mixer, &h),
+                };
                 let r = match (&layer.mixer, &mut *st) {
                     (
                         Mixer::DeltaNet(w),
@@ -826,7 +838,8 @@ impl<B: Backend> Model<B> {
                     }
                     _ => unreachable!("state layout follows the model's layer kinds"),
                 };
-                h = Self::residual_add(backend, &h, &r, inject.as_ref());
+                let post = pre_norm(&layer.residual, Block::Mlp);
+                (h, normed) = self.residual_add(backend, &h, &r, inject.as_ref(), post);
                 // A long chunk reads its experts outside the pool: guesses would only churn it.
                 if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
                     let tokens = Tokens {
@@ -836,7 +849,10 @@ impl<B: Backend> Model<B> {
                     };
                     self.lookahead(backend, i + 2, &h, experts, tokens)?;
                 }
-                let (x, inject) = self.block_input(backend, &layer.residual, Block::Mlp, &h);
+                let (x, inject) = match normed.take() {
+                    Some(x) => (x, None),
+                    None => self.block_input(backend, &layer.residual, Block::Mlp, &h),
+                };
                 let m = match &layer.mlp {
                     Mlp::Moe(w) => {
                         let tokens = Tokens {
@@ -848,7 +864,9 @@ impl<B: Backend> Model<B> {
                     }
                     Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
                 };
-                h = Self::residual_add(backend, &h, &m, inject.as_ref());
+                let next = self.layers.get(i + 1).filter(|l| l.ple.is_none());
+                let input = next.and_then(|l| pre_norm(&l.residual, Block::Mixer));
+                (h, normed) = self.residual_add(backend, &h, &m, inject.as_ref(), input);
             }
             Ok(h)
         })?;
@@ -894,26 +912,34 @@ impl<B: Backend> Model<B> {
     ) -> (B::Tensor, Option<B::Tensor>) {
         let cfg = &self.config;
         match (residual, block) {
-            (Residual::PreNorm { input, .. }, Block::Mixer)
-            | (Residual::PreNorm { post: input, .. }, Block::Mlp) => (
-                backend.rms_norm(h, Some(input), cfg.hidden_size, cfg.rms_norm_eps, 1.0),
-                None,
-            ),
+            (Residual::PreNorm { .. }, _) => {
+                let w = pre_norm(residual, block);
+                let x = backend.rms_norm(h, w, cfg.hidden_size, cfg.rms_norm_eps, 1.0);
+                (x, None)
+            }
             (Residual::Hyper { attn: hc, .. }, Block::Mixer)
             | (Residual::Hyper { mlp: hc, .. }, Block::Mlp) => self.hyper(backend, hc, h),
         }
     }
 
-    /// `h + y`, or with hyper-connections `h + y * 2 sigmoid(inject / S)` per stream.
+    /// `h + y`, or with hyper-connections `h + y * 2 sigmoid(inject / S)` per stream; with
+    /// `next`, the next block's pre-norm weight, also that block's input `rms_norm(h + y)`
+    /// from the same pass.
     fn residual_add(
+        &self,
         backend: &B,
         h: &B::Tensor,
         y: &B::Tensor,
         inject: Option<&B::Tensor>,
-    ) -> B::Tensor {
-        match inject {
-            Some(inject) => backend.hyper_inject(h, y, inject),
-            None => backend.add(h, y),
+        next: Option<&B::Tensor>,
+    ) -> (B::Tensor, Option<B::Tensor>) {
+        match (inject, next) {
+            (Some(inject), _) => (backend.hyper_inject(h, y, inject), None),
+            (None, Some(w)) => {
+                let (sum, normed) = backend.add_rms_norm(h, y, w, self.config.rms_norm_eps);
+                (sum, Some(normed))
+            }
+            (None, None) => (backend.add(h, y), None),
         }
     }
 
@@ -970,53 +996,17 @@ impl<B: Backend> Model<B> {
         recurrent: &mut B::Tensor,
     ) -> B::Tensor {
         let cfg = &self.config;
-        let c = &self.columns;
-        let (mixed, z, b, a) = match &w.in_proj {
-            InProj::Fused { qkvz, ba } => {
-                let qkvz = backend.matmul(x, qkvz);
-                let ba = backend.matmul(x, ba);
-                (
-                    backend.gather_columns(&qkvz, &c.mixed_qkv),
-                    backend.gather_columns(&qkvz, &c.z),
-                    backend.gather_columns(&ba, &c.b),
-                    backend.gather_columns(&ba, &c.a),
-                )
-            }
-            InProj::Split { qkv, z, b, a } => (
-                backend.matmul(x, qkv),
-                backend.matmul(x, z),
-                backend.matmul(x, b),
-                backend.matmul(x, a),
-            ),
-        };
-        let conv = backend.causal_conv1d_silu(&mixed, &w.conv, conv_state, 1);
-        let dk = cfg.linear_key_head_dim;
-        // mlx-lm normalize_qk: rms_norm with eps 1e-6/dk equals an L2 norm with eps 1e-6 on
-        // sum(x^2); q is then scaled by 1/sqrt(dk) (so 1/dk on the rms-normalized value).
-        let inv_scale = (dk as f64).powf(-0.5);
-        let eps = (1e-6 * inv_scale * inv_scale) as f32;
-        let q = backend.rms_norm(
-            &backend.gather_columns(&conv, &c.conv_q),
-            None,
-            dk,
-            eps,
-            (inv_scale * inv_scale) as f32,
-        );
-        let k = backend.rms_norm(
-            &backend.gather_columns(&conv, &c.conv_k),
-            None,
-            dk,
-            eps,
-            inv_scale as f32,
-        );
-        let v = backend.gather_columns(&conv, &c.conv_v);
+        let qkv = backend.matmul(x, &w.qkv);
+        let z = backend.matmul(x, &w.z);
+        let ba = backend.matmul(x, &w.ba);
+        let conv = backend.causal_conv1d_silu(&qkv, &w.conv, conv_state, 1);
         let dims = DeltaDims {
             key_heads: cfg.linear_num_key_heads,
             value_heads: cfg.linear_num_value_heads,
-            key_dim: dk,
+            key_dim: cfg.linear_key_head_dim,
             value_dim: cfg.linear_value_head_dim,
         };
-        let y = backend.gated_delta(&q, &k, &v, &a, &b, &w.a_log, &w.dt_bias, recurrent, dims);
+        let y = backend.gated_delta(&conv, &ba, &w.a_log, &w.dt_bias, recurrent, dims);
         let o = backend.rms_norm_gated(
             &y,
             &z,
@@ -1038,9 +1028,8 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let hd = cfg.head_dim;
-        let qg = backend.matmul(x, &w.q_proj);
-        let q = backend.gather_columns(&qg, &self.columns.attn_q);
-        let gate = backend.gather_columns(&qg, &self.columns.attn_gate);
+        let q = backend.matmul(x, &w.q_proj);
+        let gate = backend.matmul(x, &w.gate_proj);
         let k = backend.matmul(x, &w.k_proj);
         let v = backend.matmul(x, &w.v_proj);
         let q = backend.rms_norm(&q, Some(&w.q_norm), hd, cfg.rms_norm_eps, 1.0);
@@ -1169,8 +1158,7 @@ impl<B: Backend> Model<B> {
     }
 
     fn dense_mlp(backend: &B, w: &DenseMlp<B>, x: &B::Tensor) -> B::Tensor {
-        let h = backend.swiglu(&backend.matmul(x, &w.gate), &backend.matmul(x, &w.up));
-        backend.matmul(&h, &w.down)
+        backend.matmul(&backend.matmul_swiglu(x, &w.gate_up), &w.down)
     }
 
     /// Lookahead: layer `target`'s router on the current hidden state guesses the experts
@@ -1309,6 +1297,16 @@ impl<B: Backend> Model<B> {
         let shared = Self::dense_mlp(backend, &w.shared, x);
         let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
         backend.add(routed, &shared)
+    }
+}
+
+/// The norm weight of `block`'s input when the layer is pre-norm (`None` with
+/// hyper-connections).
+fn pre_norm<B: Backend>(residual: &Residual<B>, block: Block) -> Option<&B::Tensor> {
+    match (residual, block) {
+        (Residual::PreNorm { input, .. }, Block::Mixer) => Some(input),
+        (Residual::PreNorm { post, .. }, Block::Mlp) => Some(post),
+        (Residual::Hyper { .. }, _) => None,
     }
 }
 

@@ -154,6 +154,45 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// The fused residual add and norm against the CPU backend's add, then rms_norm.
+#[test]
+fn add_rms_norm_matches_cpu() {
+    let (cpu, gpu) = (CpuBackend, gpu());
+    for &t in TS {
+        for cols in [1usize, 129, 2048, 4099] {
+            let (h, y, w) = (
+                random(t * cols, -4.0, 4.0),
+                random(t * cols, -4.0, 4.0),
+                random(cols, 0.5, 1.5),
+            );
+            let (ch, cy, cw) = (
+                cpu.upload(&h, t, cols),
+                cpu.upload(&y, t, cols),
+                cpu.upload(&w, 1, cols),
+            );
+            let sum = cpu.add(&ch, &cy);
+            let normed = cpu.rms_norm(&sum, Some(&cw), cols, 1e-6, 1.0);
+            let (gsum, gnormed) = gpu.add_rms_norm(
+                &gpu.upload(&h, t, cols),
+                &gpu.upload(&y, t, cols),
+                &gpu.upload(&w, 1, cols),
+                1e-6,
+            );
+            let what = format!("add_rms_norm [{t}, {cols}]");
+            check(
+                &format!("{what} sum"),
+                &gpu.download(&gsum).unwrap(),
+                &sum.data,
+            );
+            check(
+                &format!("{what} norm"),
+                &gpu.download(&gnormed).unwrap(),
+                &normed.data,
+            );
+        }
+    }
+}
+
 /// More than 65,535 workgroups of norm groups.
 #[test]
 fn rms_norm_over_a_2d_grid() {

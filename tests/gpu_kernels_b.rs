@@ -15,17 +15,6 @@ use slotstream::backend::{AttnDims, Backend, DeltaDims, KeyMask};
 
 const TOL: f64 = 1e-5;
 
-/// Random rows scaled so that each group of `width` columns has unit L2 norm (the model
-/// normalizes q and k of the delta rule).
-fn unit_groups(rows: usize, groups: usize, width: usize) -> Vec<f32> {
-    let mut x = random(rows * groups * width, -1.0, 1.0);
-    for g in x.chunks_exact_mut(width) {
-        let norm = g.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-6);
-        g.iter_mut().for_each(|v| *v /= norm);
-    }
-    x
-}
-
 /// Both backends' copies of the same values.
 struct Pair {
     cpu: CpuTensor,
@@ -73,15 +62,21 @@ struct DeltaCase {
     a_range: f32,
 }
 
-fn delta_inputs(g: &GpuBackend, c: &DeltaCase, t: usize) -> [Pair; 5] {
+/// The conv output `[T, 2 Hk Dk + Hv Dv]` (q and k at random scales per row, which the
+/// kernel normalizes away) and `[b | a]` `[T, 2 Hv]`.
+fn delta_inputs(g: &GpuBackend, c: &DeltaCase, t: usize) -> [Pair; 2] {
     let (hk, hv, dk, dv) = (c.key_heads, c.value_heads, c.dk, c.dv);
-    [
-        pair(g, &unit_groups(t, hk, dk), t, hk * dk),
-        pair(g, &unit_groups(t, hk, dk), t, hk * dk),
-        pair(g, &random(t * hv * dv, -1.0, 1.0), t, hv * dv),
-        pair(g, &random(t * hv, -c.a_range, c.a_range), t, hv),
-        pair(g, &random(t * hv, -4.0, 4.0), t, hv),
-    ]
+    let width = 2 * hk * dk + hv * dv;
+    let mut qkv = random(t * width, -1.0, 1.0);
+    for (row, scale) in qkv.chunks_exact_mut(width).zip(random(t, 0.01, 30.0)) {
+        row[..2 * hk * dk].iter_mut().for_each(|v| *v *= scale);
+    }
+    let mut ba = random(t * 2 * hv, -4.0, 4.0);
+    for row in ba.chunks_exact_mut(2 * hv) {
+        let a = random(hv, -c.a_range, c.a_range);
+        row[hv..].copy_from_slice(&a);
+    }
+    [pair(g, &qkv, t, width), pair(g, &ba, t, 2 * hv)]
 }
 
 fn run_delta_case(c: &DeltaCase) {
@@ -100,24 +95,18 @@ fn run_delta_case(c: &DeltaCase) {
     let mut gpu_state = g.upload(&init, hv, dv * dk);
     // A single token, a prefill, and a further call continuing from the updated state.
     for (step, t) in [1usize, 37, 5, 1].into_iter().enumerate() {
-        let [q, k, v, a, b] = delta_inputs(&g, c, t);
+        let [qkv, ba] = delta_inputs(&g, c, t);
         let want = CpuBackend.gated_delta(
-            &q.cpu,
-            &k.cpu,
-            &v.cpu,
-            &a.cpu,
-            &b.cpu,
+            &qkv.cpu,
+            &ba.cpu,
             &a_log.cpu,
             &dt_bias.cpu,
             &mut cpu_state,
             dims,
         );
         let got = g.gated_delta(
-            &q.gpu,
-            &k.gpu,
-            &v.gpu,
-            &a.gpu,
-            &b.gpu,
+            &qkv.gpu,
+            &ba.gpu,
             &a_log.gpu,
             &dt_bias.gpu,
             &mut gpu_state,

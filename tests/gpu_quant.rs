@@ -234,3 +234,51 @@ fn routed_experts_match_cpu() {
         }
     }
 }
+
+/// The fused gate/up SwiGLU of a stacked `[Wg; Wu]` against the CPU backend's matmul and
+/// SwiGLU: alike-quantized halves (the fused kernels, vec4 and scalar) and a mixed stack
+/// (dequantized to a dense weight at load).
+#[test]
+fn matmul_swiglu_matches_cpu() {
+    let g = common::gpu();
+    let cpu = CpuBackend;
+    for (bits, group, dtype) in [
+        (4, 64, Dtype::BF16),
+        (8, 32, Dtype::F32),
+        (4, 32, Dtype::F16),
+    ] {
+        let spec = QuantSpec {
+            bits,
+            group_size: group,
+        };
+        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5)] {
+            let gate = random_quantized(inter, cols, spec, dtype);
+            let other = QuantSpec {
+                bits: 12 - bits,
+                group_size: 64,
+            };
+            let mixed_up = random_quantized(inter, cols, other, Dtype::BF16);
+            let up = random_quantized(inter, cols, spec, dtype);
+            for (what, parts) in [
+                ("alike", [gate.clone(), up]),
+                ("mixed", [gate.clone(), mixed_up]),
+            ] {
+                let w = LinearWeight::stack_rows("gate_up", &parts).unwrap();
+                let x = random(t * cols);
+                let want = cpu
+                    .download(&cpu.matmul_swiglu(&cpu.upload(&x, t, cols), &w))
+                    .unwrap();
+                let gw = g.upload_weight(w).unwrap();
+                let got = g
+                    .download(&g.matmul_swiglu(&g.upload(&x, t, cols), &gw))
+                    .unwrap();
+                check(
+                    &format!("{what} {bits}-bit g{group} {dtype:?} {inter}x{cols} T={t}"),
+                    &got,
+                    &want,
+                    1e-5,
+                );
+            }
+        }
+    }
+}

@@ -10,6 +10,7 @@ struct Params {
     // Columns of a row: for mul_sigmoid's [T, 1] gate, and gather_columns' input width.
     cols: u32,
     // mul_sigmoid: 1 if the gate is [T, 1] (broadcast over the row). gather_columns: output width m.
+    // swiglu: 1 if gate and up are the halves of each row of a ([T, 2 cols]; b unused).
     extra: u32,
 }
 
@@ -47,12 +48,17 @@ fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     out[i] = a[i] + bf(i);
 }
 
-// out = silu(a) * b  (a = gate, b = up)
+// out = silu(a) * b  (a = gate, b = up), or with p.extra == 1 silu(a[t, c]) * a[t, cols + c]
 @compute @workgroup_size(256)
 fn swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
           @builtin(local_invocation_id) lid: vec3<u32>) {
     let i = index(wid, nwg, lid);
     if (i >= p.n) {
+        return;
+    }
+    if (p.extra == 1u) {
+        let g = (i / p.cols) * 2u * p.cols + i % p.cols;
+        out[i] = silu(a[g]) * a[g + p.cols];
         return;
     }
     out[i] = silu(a[i]) * bf(i);

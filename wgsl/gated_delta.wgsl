@@ -1,4 +1,4 @@
-// gated_delta kernels (see src/backend/gpu/gated_delta.rs).
+// The gated_delta kernel (see src/backend/gpu/gated_delta.rs).
 //
 // The gated delta rule, recurrent form, as the CPU backend computes it: per token t and
 // value head h (key head kh = h / group), for every row i of the head's state S
@@ -7,22 +7,23 @@
 //   y[t,h,i] = dot(S_i, q_t)
 // with g = exp(-exp(a_log[h]) * softplus(a[t,h] + dt_bias[h])), beta = sigmoid(b[t,h]).
 //
-// Two entry points:
-// - `delta_gates`: one invocation per (t, h) computes (g, beta) into `gates` [T, Hv, 2].
-// - `gated_delta`: one workgroup of 32 x 8 invocations per (value head, block of 8 state
-//   rows). The 32 lanes of a row split its Dk columns (lane, lane + 32, ...; up to 8 each,
-//   so Dk <= 256) and keep them in registers for the whole call; the loop over tokens runs
-//   inside the kernel, so prefill and decode share it. The two dot products per token are
-//   reduced over the lanes through workgroup memory (two barriers per token).
+// One entry point, `gated_delta`: one workgroup of 32 x 8 invocations per (value head,
+// block of 8 state rows). The 32 lanes of a row split its Dk columns (lane, lane + 32, ...;
+// up to 8 each, so Dk <= 256) and keep them in registers for the whole call; the loop over
+// tokens runs inside the kernel, so prefill and decode share it. Per token, the lanes'
+// partial dot(S_i, k) and the squared norms of q and k are reduced through workgroup
+// memory, then dot(S_i, q): two barriers per token. q and k are normalized on the fly
+// (x * rsqrt(mean(x^2) + eps) * scale, as the CPU backend's rms_norm), and (g, beta) are
+// computed by every workgroup for its own head, so the conv output and the [b | a]
+// projection feed the kernel as they are.
 //
-// Bindings are shared by both entry points (one declaration per binding):
-//            delta_gates      gated_delta
-//   1 read   a [T, Hv]        q [T, Hk*Dk]
-//   2 read   b [T, Hv]        k [T, Hk*Dk]
-//   3 read   a_log [Hv]       v [T, Hv*Dv]
-//   4 read   dt_bias [Hv]     gates [T, Hv, 2]
-//   5 rw     gates (out)      state [Hv, Dv*Dk] (updated in place)
-//   6 rw     -                y [T, Hv*Dv] (out)
+// Bindings:
+//   1 read   qkv [T, 2*Hk*Dk + Hv*Dv]: [q | k | v], the conv output
+//   2 read   ba [T, 2*Hv]: [b | a]
+//   3 read   a_log [Hv]
+//   4 read   dt_bias [Hv]
+//   5 rw     state [Hv, Dv*Dk] (updated in place)
+//   6 rw     y [T, Hv*Dv] (out)
 
 struct Params {
     t_len: u32,
@@ -35,15 +36,20 @@ struct Params {
     // ceil(dv / ROWS): workgroups per value head
     row_blocks: u32,
     _pad: u32,
+    // q/k normalization: x * rsqrt(mean(x^2) + eps) * scale
+    eps: f32,
+    q_scale: f32,
+    k_scale: f32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> in1: array<f32>;
-@group(0) @binding(2) var<storage, read> in2: array<f32>;
-@group(0) @binding(3) var<storage, read> in3: array<f32>;
-@group(0) @binding(4) var<storage, read> in4: array<f32>;
-@group(0) @binding(5) var<storage, read_write> rw5: array<f32>;
-@group(0) @binding(6) var<storage, read_write> rw6: array<f32>;
+@group(0) @binding(1) var<storage, read> qkv: array<f32>;
+@group(0) @binding(2) var<storage, read> ba: array<f32>;
+@group(0) @binding(3) var<storage, read> a_log: array<f32>;
+@group(0) @binding(4) var<storage, read> dt_bias: array<f32>;
+@group(0) @binding(5) var<storage, read_write> state: array<f32>;
+@group(0) @binding(6) var<storage, read_write> y: array<f32>;
 
 const LANES: u32 = 32u;
 const ROWS: u32 = 8u;
@@ -77,22 +83,9 @@ fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-// gates[t, h] = (g, beta); one invocation per (t, h), 256 per workgroup, 2-D grid.
-@compute @workgroup_size(256)
-fn delta_gates(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_id) lid: vec3<u32>) {
-    let n = (wid.x + wid.y * nwg.x) * 256u + lid.x;
-    if (n >= p.t_len * p.value_heads) {
-        return;
-    }
-    let h = n % p.value_heads;
-    let decay_rate = exp(in3[h]);
-    let g = exp(-decay_rate * softplus(in1[n] + in4[h]));
-    rw5[2u * n] = g;
-    rw5[2u * n + 1u] = sigmoid(in2[n]);
-}
-
 var<workgroup> red_sk: array<f32, 256>;
+var<workgroup> red_kk: array<f32, 256>;
+var<workgroup> red_qq: array<f32, 256>;
 var<workgroup> red_y: array<f32, 256>;
 
 @compute @workgroup_size(32, 8)
@@ -109,70 +102,85 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let live = i < p.dv;
     let kh = h / p.group;
     let qk_cols = p.key_heads * p.dk;
-    let v_cols = p.value_heads * p.dv;
+    let width = 2u * qk_cols + p.value_heads * p.dv;
     let srow = (h * p.dv + i) * p.dk;
     let slot = lid.y * LANES;
+    let decay_rate = exp(a_log[h]);
+    let dt = dt_bias[h];
+    let inv_dk = 1.0 / f32(p.dk);
 
     var s: array<f32, 8>;
     for (var e = 0u; e < MAXE; e++) {
         let j = lane + e * LANES;
         s[e] = 0.0;
         if (live && j < p.dk) {
-            s[e] = rw5[srow + j];
+            s[e] = state[srow + j];
         }
     }
 
     for (var t = 0u; t < p.t_len; t++) {
-        let gi = 2u * (t * p.value_heads + h);
-        let g = in4[gi];
-        let beta = in4[gi + 1u];
-        let kb = t * qk_cols + kh * p.dk;
+        let gi = t * 2u * p.value_heads + h;
+        let g = exp(-decay_rate * softplus(ba[gi + p.value_heads] + dt));
+        let beta = sigmoid(ba[gi]);
+        let qb = t * width + kh * p.dk;
+        let kb = qb + qk_cols;
 
-        // S_i *= g; partial dot(S_i, k_t)
+        // S_i *= g; partial dot(S_i, k_t) on the raw k, and the squared norms of q and k
         var kt: array<f32, 8>;
+        var qt: array<f32, 8>;
         var part = 0.0;
+        var kk = 0.0;
+        var qq = 0.0;
         for (var e = 0u; e < MAXE; e++) {
             let j = lane + e * LANES;
             kt[e] = 0.0;
+            qt[e] = 0.0;
             if (j < p.dk) {
-                kt[e] = in2[kb + j];
+                kt[e] = qkv[kb + j];
+                qt[e] = qkv[qb + j];
             }
             s[e] = s[e] * g;
             part += s[e] * kt[e];
+            kk += kt[e] * kt[e];
+            qq += qt[e] * qt[e];
         }
         red_sk[slot + lane] = part;
+        red_kk[slot + lane] = kk;
+        red_qq[slot + lane] = qq;
         workgroupBarrier();
         var sk = 0.0;
+        var ksum = 0.0;
+        var qsum = 0.0;
         for (var l = 0u; l < LANES; l++) {
             sk += red_sk[slot + l];
+            ksum += red_kk[slot + l];
+            qsum += red_qq[slot + l];
         }
+        let rk = inverseSqrt(ksum * inv_dk + p.eps) * p.k_scale;
+        let rq = inverseSqrt(qsum * inv_dk + p.eps) * p.q_scale;
 
         var vi = 0.0;
         if (live) {
-            vi = in3[t * v_cols + h * p.dv + i];
+            vi = qkv[t * width + 2u * qk_cols + h * p.dv + i];
         }
-        let delta = (vi - sk) * beta;
+        let delta = (vi - sk * rk) * beta;
 
-        // S_i += delta k_t; partial dot(S_i, q_t)
+        // S_i += delta k_t; partial dot(S_i, q_t) on the raw q
         var part_y = 0.0;
         for (var e = 0u; e < MAXE; e++) {
-            let j = lane + e * LANES;
-            var qj = 0.0;
-            if (j < p.dk) {
-                qj = in1[kb + j];
-            }
-            s[e] += kt[e] * delta;
-            part_y += s[e] * qj;
+            s[e] += kt[e] * rk * delta;
+            part_y += s[e] * qt[e];
         }
         red_y[slot + lane] = part_y;
-        // Also orders this token's reads of red_sk before the next token's writes.
+        // Also orders this token's reads of red_sk, red_kk and red_qq before the next
+        // token's writes.
         workgroupBarrier();
         if (live && lane == 0u) {
             var yi = 0.0;
             for (var l = 0u; l < LANES; l++) {
                 yi += red_y[slot + l];
             }
-            rw6[t * v_cols + h * p.dv + i] = yi;
+            y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
         // The next token's writes of red_y come after its first barrier, which every
         // invocation reaches only after these reads.
@@ -181,7 +189,7 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     for (var e = 0u; e < MAXE; e++) {
         let j = lane + e * LANES;
         if (live && j < p.dk) {
-            rw5[srow + j] = s[e];
+            state[srow + j] = s[e];
         }
     }
 }

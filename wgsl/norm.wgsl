@@ -8,6 +8,7 @@
 //
 // rms_norm:       out = scale * (w[e] * (x * inv)),        inv = 1 / sqrt(sum(x^2) / group + eps)
 // rms_norm_gated: out = act(gate) * (w[e] * (x * inv))     (Qwen3NextRMSNormGated; act = silu or sigmoid)
+// add_rms_norm:   sum = x + y; out = rms_norm(sum)          (a residual add and the next block's norm)
 // where e = (flat index) % wlen: wlen = group repeats one weight per group, wlen = row
 // width gives every column its own weight (Flash-Next's group norms over the streams).
 
@@ -33,8 +34,10 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
-// rms_norm_gated only.
+// rms_norm_gated: the gate; add_rms_norm: y.
 @group(0) @binding(4) var<storage, read> gate: array<f32>;
+// add_rms_norm only: x + y.
+@group(0) @binding(5) var<storage, read_write> sum: array<f32>;
 
 var<workgroup> partial: array<f32, 256>;
 
@@ -58,6 +61,12 @@ fn group_inv(g: u32, l: u32, lane: u32) -> f32 {
             ss += v * v;
         }
     }
+    return segment_inv(ss, l, lane);
+}
+
+// `inv` from each invocation's partial sum of squares `ss`, reduced over its segment.
+// Must be called in workgroup-uniform control flow.
+fn segment_inv(ss: f32, l: u32, lane: u32) -> f32 {
     partial[l] = ss;
     workgroupBarrier();
     for (var stride = p.tpg / 2u; stride > 0u; stride /= 2u) {
@@ -113,5 +122,31 @@ fn rms_norm_gated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
             a = silu(z);
         }
         out[base + i] = a * (weight(base + i) * (x[base + i] * inv));
+    }
+}
+
+@compute @workgroup_size(256)
+fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                @builtin(local_invocation_id) lid: vec3<u32>) {
+    let l = lid.x;
+    let lane = l % p.tpg;
+    let g = (wid.x + wid.y * nwg.x) * p.gpw + l / p.tpg;
+    var ss = 0.0;
+    if (g < p.groups) {
+        let base = g * p.group;
+        for (var i = lane; i < p.group; i += p.tpg) {
+            let v = x[base + i] + gate[base + i];
+            sum[base + i] = v;
+            ss += v * v;
+        }
+    }
+    let inv = segment_inv(ss, l, lane);
+    if (g >= p.groups) {
+        return;
+    }
+    let base = g * p.group;
+    for (var i = lane; i < p.group; i += p.tpg) {
+        let v = x[base + i] + gate[base + i];
+        out[base + i] = p.scale * (weight(base + i) * (v * inv));
     }
 }

@@ -28,6 +28,17 @@ struct Params {
     k: u32,           // experts per token (combine)
     tokens: u32,
     arena: u32,       // routed 2, 3: the arena bound at binding 2
+    // qmatmul_swiglu, qmatmul4_swiglu: the up projection's words, scales and biases, bits
+    // and group size, like w_off, s_off, b_off, bits and group_size for the gate's;
+    // out = silu(gate) * up.
+    w_off2: u32,
+    s_off2: u32,
+    b_off2: u32,
+    bits2: u32,
+    group_size2: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -102,8 +113,55 @@ fn route_of(z: u32) -> vec3<u32> {
     return vec3<u32>(0u, z, 1u);
 }
 
+// This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
+// (w_off, s_off, b_off) from the record base, quantized at `bits` in groups of `gs`; per
+// group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
+fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
+    let per_word = 32u / bits;
+    let words_per_row = p.cols / per_word;
+    let groups = p.cols / gs;
+    let mask = (1u << bits) - 1u;
+    let w0 = base + offs.x + row * words_per_row;
+    let sbase = base * elems_per_word() + offs.y + row * groups;
+    let bbase = base * elems_per_word() + offs.z + row * groups;
+    let x0 = t * p.cols;
+    var acc = 0.0;
+    for (var wi = lane; wi < words_per_row; wi += LANES) {
+        let word = w[w0 + wi];
+        let c0 = wi * per_word;
+        let g = c0 / gs;
+        var qx = 0.0;
+        var sx = 0.0;
+        for (var j = 0u; j < per_word; j++) {
+            let xv = act[x0 + c0 + j];
+            qx += f32((word >> (j * bits)) & mask) * xv;
+            sx += xv;
+        }
+        acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
+    }
+    return acc;
+}
+
+fn sigmoid(v: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-v));
+}
+
+// Sums of a pair of values over the LANES lanes of one row, like row_sum.
+var<workgroup> partial2: array<vec2<f32>, 256>;
+fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
+    partial2[li] = acc;
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            partial2[li] += partial2[li + s];
+        }
+        workgroupBarrier();
+    }
+    return partial2[li];
+}
+
 // y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS rows per workgroup, LANES lanes per
-// row; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
+// row.
 @compute @workgroup_size(256)
 fn qmatmul(@builtin(local_invocation_index) li: u32,
            @builtin(workgroup_id) wid: vec3<u32>,
@@ -113,36 +171,39 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     let lane = li % LANES;
     let row = block * ROWS + li / LANES;
     let r = route_of(z);
-    let base = r.x;
-    let t = r.y;
-    let computed = r.z == 1u;
+    let computed = r.z == 1u && row < p.rows;
     var acc = 0.0;
-    if (row < p.rows && computed) {
-        let per_word = 32u / p.bits;
-        let words_per_row = p.cols / per_word;
-        let groups = p.cols / p.group_size;
-        let mask = (1u << p.bits) - 1u;
-        let w0 = base + p.w_off + row * words_per_row;
-        let sbase = base * elems_per_word() + p.s_off + row * groups;
-        let bbase = base * elems_per_word() + p.b_off + row * groups;
-        let x0 = t * p.cols;
-        for (var wi = lane; wi < words_per_row; wi += LANES) {
-            let word = w[w0 + wi];
-            let c0 = wi * per_word;
-            let g = c0 / p.group_size;
-            var qx = 0.0;
-            var sx = 0.0;
-            for (var j = 0u; j < per_word; j++) {
-                let xv = act[x0 + c0 + j];
-                qx += f32((word >> (j * p.bits)) & mask) * xv;
-                sx += xv;
-            }
-            acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
-        }
+    if (computed) {
+        acc = lane_dot(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, row, r.y, lane);
     }
     let total = row_sum(li, lane, acc);
-    if (lane == 0u && row < p.rows && computed) {
+    if (lane == 0u && computed) {
         out[z * p.rows + row] = total;
+    }
+}
+
+// A SwiGLU MLP's first half: out[z, row] = silu(gate[row] . x) * (up[row] . x), the gate
+// at (w_off, s_off, b_off) and the up projection at (w_off2, s_off2, b_off2).
+@compute @workgroup_size(256)
+fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
+                  @builtin(workgroup_id) wid: vec3<u32>,
+                  @builtin(num_workgroups) nwg: vec3<u32>) {
+    let block = wid.x + wid.y * nwg.x;
+    let z = wid.z;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
+    let r = route_of(z);
+    let computed = r.z == 1u && row < p.rows;
+    var acc = vec2<f32>(0.0);
+    if (computed) {
+        acc = vec2<f32>(
+            lane_dot(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, row, r.y, lane),
+            lane_dot(r.x, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, row, r.y, lane),
+        );
+    }
+    let total = row_sum2(li, lane, acc);
+    if (lane == 0u && computed) {
+        out[z * p.rows + row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 
@@ -167,6 +228,35 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
+// lane_dot over the vec4 views, at 4 bits.
+fn lane_dot4(base: u32, offs: vec3<u32>, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
+    let vecs_per_row = p.cols / 32u;
+    let groups = p.cols / gs;
+    let v0 = (base + offs.x) / 4u + row * vecs_per_row;
+    let sbase = base * elems_per_word() + offs.y + row * groups;
+    let bbase = base * elems_per_word() + offs.z + row * groups;
+    let x0 = t * p.cols / 4u;
+    var acc = 0.0;
+    for (var vi = lane; vi < vecs_per_row; vi += LANES) {
+        let q = w4[v0 + vi];
+        let g = vi * 32u / gs;
+        let xb = x0 + vi * 8u;
+        var qx = 0.0;
+        var sx = 0.0;
+        for (var k = 0u; k < 4u; k++) {
+            let word = q[k];
+            let xa = act4[xb + 2u * k];
+            let xc = act4[xb + 2u * k + 1u];
+            let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+            let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+            qx += dot(lo, xa) + dot(hi, xc);
+            sx += dot(xa + xc, vec4<f32>(1.0));
+        }
+        acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
+    }
+    return acc;
+}
+
 @compute @workgroup_size(256)
 fn qmatmul4(@builtin(local_invocation_index) li: u32,
             @builtin(workgroup_id) wid: vec3<u32>,
@@ -176,38 +266,38 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     let lane = li % LANES;
     let row = block * ROWS + li / LANES;
     let r = route_of(z);
-    let base = r.x;
-    let t = r.y;
-    let computed = r.z == 1u;
+    let computed = r.z == 1u && row < p.rows;
     var acc = 0.0;
-    if (row < p.rows && computed) {
-        let vecs_per_row = p.cols / 32u;
-        let groups = p.cols / p.group_size;
-        let v0 = (base + p.w_off) / 4u + row * vecs_per_row;
-        let sbase = base * elems_per_word() + p.s_off + row * groups;
-        let bbase = base * elems_per_word() + p.b_off + row * groups;
-        let x0 = t * p.cols / 4u;
-        for (var vi = lane; vi < vecs_per_row; vi += LANES) {
-            let q = w4[v0 + vi];
-            let g = vi * 32u / p.group_size;
-            let xb = x0 + vi * 8u;
-            var qx = 0.0;
-            var sx = 0.0;
-            for (var k = 0u; k < 4u; k++) {
-                let word = q[k];
-                let xa = act4[xb + 2u * k];
-                let xc = act4[xb + 2u * k + 1u];
-                let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
-                let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
-                qx += dot(lo, xa) + dot(hi, xc);
-                sx += dot(xa + xc, vec4<f32>(1.0));
-            }
-            acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
-        }
+    if (computed) {
+        acc = lane_dot4(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, row, r.y, lane);
     }
     let total = row_sum(li, lane, acc);
-    if (lane == 0u && row < p.rows && computed) {
+    if (lane == 0u && computed) {
         out[z * p.rows + row] = total;
+    }
+}
+
+// qmatmul_swiglu over the vec4 views (both projections under qmatmul4's conditions).
+@compute @workgroup_size(256)
+fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
+                   @builtin(workgroup_id) wid: vec3<u32>,
+                   @builtin(num_workgroups) nwg: vec3<u32>) {
+    let block = wid.x + wid.y * nwg.x;
+    let z = wid.z;
+    let lane = li % LANES;
+    let row = block * ROWS + li / LANES;
+    let r = route_of(z);
+    let computed = r.z == 1u && row < p.rows;
+    var acc = vec2<f32>(0.0);
+    if (computed) {
+        acc = vec2<f32>(
+            lane_dot4(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, row, r.y, lane),
+            lane_dot4(r.x, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.group_size2, row, r.y, lane),
+        );
+    }
+    let total = row_sum2(li, lane, acc);
+    if (lane == 0u && computed) {
+        out[z * p.rows + row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 

@@ -344,11 +344,8 @@ impl Backend for CpuBackend {
 
     fn gated_delta(
         &self,
-        q: &CpuTensor,
-        k: &CpuTensor,
-        v: &CpuTensor,
-        a: &CpuTensor,
-        b: &CpuTensor,
+        qkv: &CpuTensor,
+        ba: &CpuTensor,
         a_log: &CpuTensor,
         dt_bias: &CpuTensor,
         state: &mut CpuTensor,
@@ -360,7 +357,19 @@ impl Backend for CpuBackend {
             key_dim: dk,
             value_dim: dv,
         } = dims;
-        let t_len = q.rows;
+        let t_len = qkv.rows;
+        let kd = key_heads * dk;
+        let columns = |from: usize, len: usize| {
+            let data = (0..t_len)
+                .flat_map(|t| &qkv.row(t)[from..from + len])
+                .copied()
+                .collect();
+            CpuTensor::new(t_len, len, data)
+        };
+        let (eps, q_scale, k_scale) = dims.qk_norm();
+        let q = self.rms_norm(&columns(0, kd), None, dk, eps, q_scale);
+        let k = self.rms_norm(&columns(kd, kd), None, dk, eps, k_scale);
+        let v = columns(2 * kd, value_heads * dv);
         let group = value_heads / key_heads;
         let per_head: Vec<Vec<f32>> = state
             .data
@@ -371,9 +380,9 @@ impl Backend for CpuBackend {
                 let mut y = vec![0.0f32; t_len * dv];
                 let decay_rate = a_log.data[h].exp();
                 for t in 0..t_len {
-                    let g = (-decay_rate * softplus(a.data[t * value_heads + h] + dt_bias.data[h]))
-                        .exp();
-                    let beta = sigmoid(b.data[t * value_heads + h]);
+                    let (b, a) = (ba.row(t)[h], ba.row(t)[value_heads + h]);
+                    let g = (-decay_rate * softplus(a + dt_bias.data[h])).exp();
+                    let beta = sigmoid(b);
                     let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
                     let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
                     let vt = &v.row(t)[h * dv..(h + 1) * dv];
@@ -588,6 +597,20 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
         gate.map2(up, |g, u| silu(g) * u)
+    }
+
+    fn matmul_swiglu(&self, x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
+        let y = self.matmul(x, w);
+        let inter = y.cols / 2;
+        let data = y
+            .data
+            .chunks_exact(y.cols)
+            .flat_map(|row| {
+                let (gate, up) = row.split_at(inter);
+                gate.iter().zip(up).map(|(&g, &u)| silu(g) * u)
+            })
+            .collect();
+        CpuTensor::new(x.rows, inter, data)
     }
 
     fn add(&self, a: &CpuTensor, b: &CpuTensor) -> CpuTensor {

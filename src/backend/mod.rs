@@ -96,6 +96,19 @@ pub struct DeltaDims {
     pub value_dim: usize,
 }
 
+impl DeltaDims {
+    /// `(eps, q scale, k scale)` of [`Backend::gated_delta`]'s q/k normalization for key
+    /// width `Dk`: `x * rsqrt(mean(x^2) + eps) * scale`, as mlx-lm `qwen3_next.py` does.
+    pub fn qk_norm(&self) -> (f32, f32, f32) {
+        let inv_scale = (self.key_dim as f64).powf(-0.5);
+        (
+            (1e-6 * inv_scale * inv_scale) as f32,
+            (inv_scale * inv_scale) as f32,
+            inv_scale as f32,
+        )
+    }
+}
+
 /// Head geometry of a full-attention layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnDims {
@@ -354,16 +367,17 @@ pub trait Backend: Send + Sync {
     /// The gated delta rule, recurrent form (mlx-lm `gated_delta.py`, `gated_delta_ops`):
     /// per token and value head `h` (key head `h / (Hv/Hk)`):
     /// `S = g S; S += k (beta (v - S k))^T; y = S q` with `g = exp(-exp(A_log) softplus(a + dt_bias))`,
-    /// `beta = sigmoid(b)`. q, k `[T, Hk*Dk]` (already normalized), v `[T, Hv*Dv]`,
-    /// a, b `[T, Hv]`, state `[Hv, Dv*Dk]` (row = value dim). Returns y `[T, Hv*Dv]`.
-    #[allow(clippy::too_many_arguments)]
+    /// `beta = sigmoid(b)`.
+    ///
+    /// `qkv` `[T, 2 Hk Dk + Hv Dv]` is the short conv's output `[q | k | v]`; q and k are
+    /// normalized here per key head as mlx-lm's `qwen3_next.py` does: `rms_norm` without
+    /// weight at eps `1e-6 / Dk`, then q scaled by `1 / Dk` and k by `1 / sqrt(Dk)` (an L2
+    /// norm at eps 1e-6 on `sum(x^2)`, q times `1 / sqrt(Dk)`). `ba` `[T, 2 Hv]` is
+    /// `[b | a]`, state `[Hv, Dv*Dk]` (row = value dim). Returns y `[T, Hv*Dv]`.
     fn gated_delta(
         &self,
-        q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        a: &Self::Tensor,
-        b: &Self::Tensor,
+        qkv: &Self::Tensor,
+        ba: &Self::Tensor,
         a_log: &Self::Tensor,
         dt_bias: &Self::Tensor,
         state: &mut Self::Tensor,
@@ -401,8 +415,26 @@ pub trait Backend: Send + Sync {
     fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
     /// `silu(gate) * up`.
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// A SwiGLU MLP's first half, `silu(x Wg^T) * (x Wu^T)`, from `w = [Wg; Wu]`
+    /// `[2 I, in]` (gate and up projections stacked at load, so a backend can compute both
+    /// in one pass): `[T, in] -> [T, I]`.
+    fn matmul_swiglu(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
     /// `a + b`.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
+    /// `(h + y, rms_norm(h + y, w))` with the norm over whole rows: a residual add and the
+    /// next block's input norm, which a backend may do in one pass.
+    fn add_rms_norm(
+        &self,
+        h: &Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> (Self::Tensor, Self::Tensor) {
+        let sum = self.add(h, y);
+        let cols = self.shape(&sum).1;
+        let normed = self.rms_norm(&sum, Some(w), cols, eps, 1.0);
+        (sum, normed)
+    }
     /// Softmax over each row of router logits `[T, E]` in f32, the `k` largest
     /// probabilities, renormalized to sum 1 if `renormalize`. This is the one read-back of
     /// a layer: the ids decide which records the pool must hold.

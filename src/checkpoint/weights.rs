@@ -4,6 +4,7 @@
 use safetensors::Dtype;
 
 use super::{expect_shape, Checkpoint};
+use crate::backend::{dequantize_row, Floats, QuantView};
 use crate::config::QuantSpec;
 use crate::error::{Error, Result};
 
@@ -66,6 +67,111 @@ impl LinearWeight {
         match self {
             LinearWeight::Quantized(q) => (q.rows, q.cols),
             LinearWeight::Dense(d) => (d.rows, d.cols),
+        }
+    }
+
+    /// The weight whose output `i` is this one's output `rows[i]`: how a fused
+    /// projection's interleaved outputs are regrouped once at load, instead of gathering
+    /// columns of its output at every step. Quantization groups run along a row, so a
+    /// quantized row moves with its packed words, scales and biases.
+    /// Panics if a row is out of range (callers index rows they have validated).
+    pub fn select_rows(&self, rows: &[usize]) -> LinearWeight {
+        fn pick<T: Copy>(data: &[T], width: usize, rows: &[usize]) -> Vec<T> {
+            rows.iter()
+                .flat_map(|&r| &data[r * width..(r + 1) * width])
+                .copied()
+                .collect()
+        }
+        match self {
+            LinearWeight::Quantized(q) => {
+                let scale_row = q.scales.len() / q.rows.max(1);
+                LinearWeight::Quantized(QuantizedMatrix {
+                    rows: rows.len(),
+                    packed: pick(&q.packed, q.cols / q.spec.per_word(), rows),
+                    scales: pick(&q.scales, scale_row, rows),
+                    biases: pick(&q.biases, scale_row, rows),
+                    ..q.clone()
+                })
+            }
+            LinearWeight::Dense(d) => LinearWeight::Dense(DenseMatrix {
+                rows: rows.len(),
+                cols: d.cols,
+                data: pick(&d.data, d.cols, rows),
+            }),
+        }
+    }
+
+    /// `[parts[0]; parts[1]; ...]`: one weight whose output is the parts' outputs side by
+    /// side, so one matmul replaces several. Parts quantized alike stay quantized;
+    /// otherwise every part is dequantized to f32 (a dense part among quantized ones).
+    /// Errors: parts with different input widths, named by `name`.
+    pub fn stack_rows(name: &str, parts: &[LinearWeight]) -> Result<LinearWeight> {
+        let cols = parts.first().map_or(0, |p| p.shape().1);
+        if let Some(p) = parts.iter().find(|p| p.shape().1 != cols) {
+            return Err(Error::bad_tensor(
+                name,
+                format!("input width {} differs from {cols}", p.shape().1),
+            ));
+        }
+        let quantized: Vec<&QuantizedMatrix> = parts
+            .iter()
+            .filter_map(|p| match p {
+                LinearWeight::Quantized(q) => Some(q),
+                LinearWeight::Dense(_) => None,
+            })
+            .collect();
+        let rows = parts.iter().map(|p| p.shape().0).sum();
+        if let [first, ..] = quantized[..] {
+            if quantized.len() == parts.len()
+                && quantized
+                    .iter()
+                    .all(|q| q.spec == first.spec && q.scale_dtype == first.scale_dtype)
+            {
+                return Ok(LinearWeight::Quantized(QuantizedMatrix {
+                    rows,
+                    packed: quantized.iter().flat_map(|q| q.packed.clone()).collect(),
+                    scales: quantized.iter().flat_map(|q| q.scales.clone()).collect(),
+                    biases: quantized.iter().flat_map(|q| q.biases.clone()).collect(),
+                    ..first.clone()
+                }));
+            }
+        }
+        Ok(LinearWeight::Dense(DenseMatrix {
+            rows,
+            cols,
+            data: parts.iter().flat_map(|p| p.to_dense().data).collect(),
+        }))
+    }
+
+    /// The weight dequantized to f32 (a copy for a dense one).
+    pub fn to_dense(&self) -> DenseMatrix {
+        match self {
+            LinearWeight::Dense(d) => d.clone(),
+            LinearWeight::Quantized(q) => {
+                let view = QuantView {
+                    spec: q.spec,
+                    rows: q.rows,
+                    cols: q.cols,
+                    packed: bytemuck::cast_slice(&q.packed),
+                    scales: Floats {
+                        dtype: q.scale_dtype,
+                        bytes: &q.scales,
+                    },
+                    biases: Floats {
+                        dtype: q.scale_dtype,
+                        bytes: &q.biases,
+                    },
+                };
+                let mut data = vec![0.0; q.rows * q.cols];
+                for (r, row) in data.chunks_exact_mut(q.cols.max(1)).enumerate() {
+                    dequantize_row(&view, r, row);
+                }
+                DenseMatrix {
+                    rows: q.rows,
+                    cols: q.cols,
+                    data,
+                }
+            }
         }
     }
 }
@@ -166,5 +272,87 @@ impl Checkpoint {
             (s.dtype, self.bytes(s)),
             (b.dtype, self.bytes(b)),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    fn quantized(rows: usize, cols: usize, bits: u32, dtype: Dtype) -> LinearWeight {
+        let mut rng = rand::rng();
+        let spec = QuantSpec {
+            bits,
+            group_size: 32,
+        };
+        let groups = rows * cols / 32;
+        let floats = |rng: &mut rand::rngs::ThreadRng, lo: f32, hi: f32| -> Vec<u8> {
+            (0..groups)
+                .flat_map(|_| {
+                    let v = rng.random_range(lo..hi);
+                    match dtype {
+                        Dtype::F32 => v.to_le_bytes().to_vec(),
+                        _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                    }
+                })
+                .collect()
+        };
+        LinearWeight::Quantized(QuantizedMatrix {
+            spec,
+            rows,
+            cols,
+            packed: (0..rows * cols / spec.per_word())
+                .map(|_| rng.random())
+                .collect(),
+            scale_dtype: dtype,
+            scales: floats(&mut rng, 0.01, 0.1),
+            biases: floats(&mut rng, -0.5, 0.5),
+        })
+    }
+
+    fn rows_of(d: &DenseMatrix, rows: &[usize]) -> Vec<f32> {
+        rows.iter()
+            .flat_map(|&r| d.data[r * d.cols..(r + 1) * d.cols].to_vec())
+            .collect()
+    }
+
+    #[test]
+    fn selected_rows_dequantize_to_the_same_rows() {
+        let mut rng = rand::rng();
+        for w in [
+            quantized(40, 64, 4, Dtype::BF16),
+            quantized(40, 64, 8, Dtype::F32),
+        ] {
+            let rows: Vec<usize> = (0..25).map(|_| rng.random_range(0..40)).collect();
+            let picked = w.select_rows(&rows);
+            assert!(matches!(picked, LinearWeight::Quantized(_)));
+            assert_eq!(picked.shape(), (25, 64));
+            assert_eq!(picked.to_dense().data, rows_of(&w.to_dense(), &rows));
+        }
+    }
+
+    #[test]
+    fn stacked_rows_are_the_parts_in_order() {
+        let (a, b) = (
+            quantized(6, 64, 4, Dtype::BF16),
+            quantized(10, 64, 4, Dtype::BF16),
+        );
+        let want: Vec<f32> = [a.to_dense().data, b.to_dense().data].concat();
+        let same = LinearWeight::stack_rows("ab", &[a.clone(), b.clone()]).unwrap();
+        assert!(matches!(same, LinearWeight::Quantized(_)));
+        assert_eq!(same.shape(), (16, 64));
+        assert_eq!(same.to_dense().data, want);
+        // Mixed quantization, or a dense part: dequantized.
+        let c = quantized(3, 64, 8, Dtype::F32);
+        let d = LinearWeight::Dense(c.to_dense());
+        let mixed = LinearWeight::stack_rows("abcd", &[a.clone(), b, c.clone(), d]).unwrap();
+        assert!(matches!(mixed, LinearWeight::Dense(_)));
+        let c = c.to_dense().data;
+        assert_eq!(mixed.to_dense().data, [want, c.clone(), c].concat());
+        // Different input widths: an error naming the weight.
+        let narrow = quantized(2, 32, 4, Dtype::BF16);
+        let err = LinearWeight::stack_rows("in_proj_a", &[a, narrow]).unwrap_err();
+        assert!(err.to_string().contains("in_proj_a"), "{err}");
     }
 }

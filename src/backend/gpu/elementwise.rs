@@ -63,6 +63,13 @@ pub(super) fn swiglu(b: &GpuBackend, gate: &GpuTensor, up: &GpuTensor) -> GpuTen
     run(b, &SWIGLU, [gate, up], gate.rows, gate.cols, gate.cols, 0)
 }
 
+/// `silu(gate) * up` for `x = [gate | up]` `[T, 2 C]`: `[T, C]`.
+pub(super) fn swiglu_halves(b: &GpuBackend, x: &GpuTensor) -> GpuTensor {
+    assert_eq!(x.cols % 2, 0, "swiglu: odd width {}", x.cols);
+    let c = x.cols / 2;
+    run(b, &SWIGLU, [x, x], x.rows, c, c, 1)
+}
+
 /// `x * sigmoid(gate)`, `gate` `[T, cols]` or `[T, 1]` (broadcast over the row).
 pub(super) fn mul_sigmoid(b: &GpuBackend, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
     let broadcast = if gate.cols == x.cols {

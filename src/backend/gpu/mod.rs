@@ -478,17 +478,14 @@ impl Backend for GpuBackend {
 
     fn gated_delta(
         &self,
-        q: &GpuTensor,
-        k: &GpuTensor,
-        v: &GpuTensor,
-        a: &GpuTensor,
-        b: &GpuTensor,
+        qkv: &GpuTensor,
+        ba: &GpuTensor,
         a_log: &GpuTensor,
         dt_bias: &GpuTensor,
         state: &mut GpuTensor,
         dims: DeltaDims,
     ) -> GpuTensor {
-        gated_delta::gated_delta(self, q, k, v, a, b, a_log, dt_bias, state, dims)
+        gated_delta::gated_delta(self, qkv, ba, a_log, dt_bias, state, dims)
     }
 
     fn rope(
@@ -538,6 +535,20 @@ impl Backend for GpuBackend {
 
     fn add(&self, a: &GpuTensor, b: &GpuTensor) -> GpuTensor {
         elementwise::add(self, a, b)
+    }
+
+    fn matmul_swiglu(&self, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
+        quant::matmul_swiglu(self, x, w)
+    }
+
+    fn add_rms_norm(
+        &self,
+        h: &GpuTensor,
+        y: &GpuTensor,
+        w: &GpuTensor,
+        eps: f32,
+    ) -> (GpuTensor, GpuTensor) {
+        norm::add_rms_norm(self, h, y, w, eps)
     }
 
     fn router_top_k(&self, logits: &GpuTensor, k: usize, renormalize: bool) -> Result<Routing> {

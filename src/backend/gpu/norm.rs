@@ -23,6 +23,18 @@ const RMS_NORM_GATED: Kernel = Kernel::new(
     &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
 );
 
+const ADD_RMS_NORM: Kernel = Kernel::new(
+    "norm.wgsl",
+    "add_rms_norm",
+    &[
+        Access::Read,
+        Access::Read,
+        Access::ReadWrite,
+        Access::Read,
+        Access::ReadWrite,
+    ],
+);
+
 /// Uniform parameters and workgroup grid for `x` in groups of `group` values.
 fn layout(
     x: &GpuTensor,
@@ -109,4 +121,24 @@ pub(super) fn rms_norm_gated(
         groups,
     );
     out
+}
+
+/// `(x + y, w * (x + y) / sqrt(mean((x + y)^2) + eps))` over whole rows, in one dispatch.
+pub(super) fn add_rms_norm(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    y: &GpuTensor,
+    w: &GpuTensor,
+    eps: f32,
+) -> (GpuTensor, GpuTensor) {
+    assert_eq!((y.rows, y.cols), (x.rows, x.cols), "add_rms_norm: shapes");
+    let (params, groups) = layout(x, Some(w), x.cols, eps, 1.0, GateActivation::Silu);
+    let (sum, out) = (b.empty(x.rows, x.cols), b.empty(x.rows, x.cols));
+    b.gpu.dispatch(
+        &ADD_RMS_NORM,
+        &params,
+        &[&x.buf, &w.buf, &out.buf, &y.buf, &sum.buf],
+        groups,
+    );
+    (sum, out)
 }

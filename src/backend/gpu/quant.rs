@@ -21,6 +21,8 @@ const fn kernel(entry: &'static str) -> Kernel {
 }
 const QMATMUL: Kernel = kernel("qmatmul");
 const QMATMUL4: Kernel = kernel("qmatmul4");
+const QMATMUL_SWIGLU: Kernel = kernel("qmatmul_swiglu");
+const QMATMUL4_SWIGLU: Kernel = kernel("qmatmul4_swiglu");
 const DENSE: Kernel = kernel("matmul_dense");
 const EMBED: Kernel = kernel("embed");
 const COMBINE: Kernel = kernel("moe_combine");
@@ -58,6 +60,13 @@ struct Params {
     routed: u32,
     k: u32,
     tokens: u32,
+    /// The SwiGLU entries' up projection, like `w_off`, `s_off`, `b_off`, `bits` and
+    /// `group_size`.
+    w_off2: u32,
+    s_off2: u32,
+    b_off2: u32,
+    bits2: u32,
+    group_size2: u32,
 }
 
 impl Params {
@@ -65,11 +74,30 @@ impl Params {
     /// alignment conditions hold (record bases are 16-byte aligned: slot strides and
     /// piece offsets are multiples of 16).
     fn qmatmul_kernel(&self) -> &'static Kernel {
-        if self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0
-        {
+        if self.vec4() {
             &QMATMUL4
         } else {
             &QMATMUL
+        }
+    }
+
+    fn vec4(&self) -> bool {
+        self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0
+    }
+
+    /// The fused `silu(gate) * up` entry: 16-byte loads when both projections meet
+    /// qmatmul4's conditions.
+    fn swiglu_kernel(&self) -> &'static Kernel {
+        let up = Params {
+            bits: self.bits2,
+            group_size: self.group_size2,
+            w_off: self.w_off2,
+            ..*self
+        };
+        if self.vec4() && up.vec4() {
+            &QMATMUL4_SWIGLU
+        } else {
+            &QMATMUL_SWIGLU
         }
     }
 
@@ -94,7 +122,7 @@ impl Params {
         }
     }
 
-    fn words(&self) -> [u32; 12] {
+    fn words(&self) -> [u32; 20] {
         [
             self.rows,
             self.cols,
@@ -108,6 +136,14 @@ impl Params {
             self.k,
             self.tokens,
             self.arena,
+            self.w_off2,
+            self.s_off2,
+            self.b_off2,
+            self.bits2,
+            self.group_size2,
+            0,
+            0,
+            0,
         ]
     }
 
@@ -133,6 +169,43 @@ impl Params {
             ..Default::default()
         }
     }
+
+    /// The gate projection's parameters with the up projection's, for the fused SwiGLU
+    /// entries.
+    fn routed_gate_up(layout: &RecordLayout, routes: usize, routed: u32) -> Self {
+        let up = Self::routed(layout, Projection::Up, routes, routed);
+        Params {
+            w_off2: up.w_off,
+            s_off2: up.s_off,
+            b_off2: up.b_off,
+            bits2: up.bits,
+            group_size2: up.group_size,
+            ..Self::routed(layout, Projection::Gate, routes, routed)
+        }
+    }
+}
+
+/// `silu(x W_gate^T) * (x W_up^T)` of the routed records that `binds[2]`'s route table
+/// names (`routed` as in `wgsl/quant.wgsl`) in `arena` into `out` `[routes, inter]`, in one
+/// dispatch.
+fn routed_swiglu(
+    b: &GpuBackend,
+    layout: &RecordLayout,
+    [x, arena, table]: [Bind<'_>; 3],
+    (arena_id, routed): (usize, u32),
+    out: &GpuTensor,
+) {
+    let params = Params {
+        arena: arena_id as u32,
+        ..Params::routed_gate_up(layout, out.rows, routed)
+    };
+    let binds = [x, arena, table, Bind::Buffer(&out.buf)];
+    b.gpu.dispatch_with(
+        params.swiglu_kernel(),
+        &params.words(),
+        &binds,
+        row_groups(layout.intermediate, out.rows),
+    );
 }
 
 /// Bytes of mirror copies queued before they are submitted and waited for, which bounds
@@ -180,6 +253,45 @@ pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight
                 .plain(b.gpu.buffer_with(bytemuck::cast_slice(&d.data))),
         }),
     }
+}
+
+/// [`crate::backend::Backend::matmul_swiglu`]: a quantized `[Wg; Wu]` in one fused
+/// dispatch, a dense one as a matmul and an elementwise SwiGLU over the halves.
+pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
+    let GpuWeight::Quantized {
+        spec,
+        rows,
+        cols,
+        scale_dtype,
+        s_off,
+        b_off,
+        data,
+    } = w
+    else {
+        return super::elementwise::swiglu_halves(b, &matmul(b, x, w));
+    };
+    assert_eq!(x.cols, *cols, "matmul_swiglu input width");
+    assert_eq!(rows % 2, 0, "matmul_swiglu: odd row count {rows}");
+    let inter = rows / 2;
+    // The up projection's rows start `inter` rows into each part.
+    let words = inter * cols / spec.per_word();
+    let groups = (inter * cols / spec.group_size) as u32;
+    let params = Params {
+        w_off2: words as u32,
+        s_off2: s_off + groups,
+        b_off2: b_off + groups,
+        bits2: spec.bits,
+        group_size2: spec.group_size as u32,
+        ..Params::resident(*spec, inter, *cols, *scale_dtype, *s_off, *b_off)
+    };
+    let out = b.empty(x.rows, inter);
+    b.gpu.dispatch(
+        params.swiglu_kernel(),
+        &params.words(),
+        &[&x.buf, data, &b.gpu.dummy, &out.buf],
+        row_groups(inter, x.rows),
+    );
+    out
 }
 
 /// Dispatch count for `rows` output rows: workgroups of `ROWS` rows on a 2-D grid, z = `z`.
@@ -415,8 +527,6 @@ pub(super) fn moe_experts(
             .extend([base, (r / routing.top_k) as u32]);
         per_arena[arena].1.push(r);
     }
-    let gate = b.empty(routes, inter);
-    let up = b.empty(routes, inter);
     let y = b.empty(routes, d);
     let arena_runs: Vec<(usize, Vec<u32>, Vec<usize>)> = per_arena
         .into_iter()
@@ -439,33 +549,23 @@ pub(super) fn moe_experts(
         }
     };
     let single = arena_runs.len() == 1 && arena_runs[0].2.iter().enumerate().all(|(i, &r)| i == r);
+    let h = b.empty(routes, inter);
     for (a, table, order) in &arena_runs {
-        let n = order.len();
-        for (proj, full) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
-            let params = proj_params(proj, n);
-            let target = if single {
-                full.clone()
-            } else {
-                b.empty(n, inter)
-            };
-            let binds = [
-                Bind::Buffer(&x.buf),
-                arena(*a),
-                Bind::Data(bytemuck::cast_slice(table)),
-                Bind::Buffer(&target.buf),
-            ];
-            b.gpu.dispatch_with(
-                params.qmatmul_kernel(),
-                &params.words(),
-                &binds,
-                row_groups(inter, n),
-            );
-            if !single {
-                scatter(&target, full, order);
-            }
+        let binds = [
+            Bind::Buffer(&x.buf),
+            arena(*a),
+            Bind::Data(bytemuck::cast_slice(table)),
+        ];
+        let target = if single {
+            h.clone()
+        } else {
+            b.empty(order.len(), inter)
+        };
+        routed_swiglu(b, layout, binds, (*a, 1), &target);
+        if !single {
+            scatter(&target, &h, order);
         }
     }
-    let h = super::elementwise::swiglu(b, &gate, &up);
     for (a, _, order) in &arena_runs {
         let n = order.len();
         // The down projection's input row is the route itself, not the token.
@@ -543,25 +643,17 @@ pub(super) fn moe_experts_resident(
         }
         None => super::router::moe_routes(b, Bind::Buffer(&routing.buf), routes, k, &table),
     };
-    let (d, inter) = (layout.hidden, layout.intermediate);
-    let gate = b.empty(routes, inter);
-    let up = b.empty(routes, inter);
+    let d = layout.hidden;
+    // Each arena's dispatch writes only the rows of the routes whose records it holds.
+    let h = b.empty(routes, layout.intermediate);
     for &a in &used {
-        for (proj, out) in [(Projection::Gate, &gate), (Projection::Up, &up)] {
-            let params = Params {
-                arena: a as u32,
-                ..Params::routed(layout, proj, routes, 2)
-            };
-            let binds = [&*x.buf, &arenas[a], &*route_table.buf, &*out.buf];
-            b.gpu.dispatch(
-                params.qmatmul_kernel(),
-                &params.words(),
-                &binds,
-                row_groups(inter, routes),
-            );
-        }
+        let binds = [
+            Bind::Buffer(&x.buf),
+            Bind::Buffer(&arenas[a]),
+            Bind::Buffer(&route_table.buf),
+        ];
+        routed_swiglu(b, layout, binds, (a, 2), &h);
     }
-    let h = super::elementwise::swiglu(b, &gate, &up);
     let y = b.empty(routes, d);
     for &a in &used {
         let params = Params {
