@@ -1059,7 +1059,7 @@ impl<B: Backend> Model<B> {
             _ => None,
         };
         let o = backend.attention(&q, &k, &v, kv, dims, mask.as_ref());
-        Ok(backend.matmul(&backend.mul_sigmoid(&o, &gate), &w.o_proj))
+        Ok(backend.matmul(&backend.mul_sigmoid(&o, &gate, None), &w.o_proj))
     }
 
     /// The QSA indexer's key selection for the `T` queries of `x` at positions
@@ -1295,8 +1295,7 @@ impl<B: Backend> Model<B> {
     /// `routed` plus the shared expert's SwiGLU MLP of `x`, scaled by its sigmoid gate.
     fn add_shared_expert(backend: &B, w: &Moe<B>, x: &B::Tensor, routed: &B::Tensor) -> B::Tensor {
         let shared = Self::dense_mlp(backend, &w.shared, x);
-        let shared = backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate));
-        backend.add(routed, &shared)
+        backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate), Some(routed))
     }
 }
 

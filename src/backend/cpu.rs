@@ -499,19 +499,27 @@ impl Backend for CpuBackend {
         CpuTensor::new(q.rows, q_heads * hd, out.concat())
     }
 
-    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
-        if gate.cols == x.cols {
-            return x.map2(gate, |a, g| a * sigmoid(g));
-        }
-        assert_eq!(
-            (gate.rows, gate.cols),
-            (x.rows, 1),
-            "gate must be [T, cols] or [T, 1]"
-        );
-        let mut data = x.data.clone();
-        for (row, &g) in data.chunks_exact_mut(x.cols).zip(&gate.data) {
-            let s = sigmoid(g);
-            row.iter_mut().for_each(|v| *v *= s);
+    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor, base: Option<&CpuTensor>) -> CpuTensor {
+        let mut data = if gate.cols == x.cols {
+            x.map2(gate, |a, g| a * sigmoid(g)).data
+        } else {
+            assert_eq!(
+                (gate.rows, gate.cols),
+                (x.rows, 1),
+                "gate must be [T, cols] or [T, 1]"
+            );
+            let mut data = x.data.clone();
+            for (row, &g) in data.chunks_exact_mut(x.cols).zip(&gate.data) {
+                let s = sigmoid(g);
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+            data
+        };
+        if let Some(base) = base {
+            assert_eq!((base.rows, base.cols), (x.rows, x.cols), "mul_sigmoid base");
+            data.iter_mut()
+                .zip(&base.data)
+                .for_each(|(v, b)| *v = b + *v);
         }
         CpuTensor::new(x.rows, x.cols, data)
     }

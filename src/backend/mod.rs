@@ -411,8 +411,14 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
         mask: Option<&KeyMask>,
     ) -> Self::Tensor;
-    /// `x * sigmoid(gate)`; `gate` is `[T, cols]` or `[T, 1]` (broadcast over the row).
-    fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
+    /// `base + x * sigmoid(gate)` (`x * sigmoid(gate)` without a base); `gate` is
+    /// `[T, cols]` or `[T, 1]` (broadcast over the row), `base` `[T, cols]`.
+    fn mul_sigmoid(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        base: Option<&Self::Tensor>,
+    ) -> Self::Tensor;
     /// `silu(gate) * up`.
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
     /// A SwiGLU MLP's first half, `silu(x Wg^T) * (x Wu^T)`, from `w = [Wg; Wu]`

@@ -17,7 +17,11 @@ const fn kernel(entry: &'static str) -> Kernel {
 
 const ADD: Kernel = kernel("add");
 const SWIGLU: Kernel = kernel("swiglu");
-const MUL_SIGMOID: Kernel = kernel("mul_sigmoid");
+const MUL_SIGMOID: Kernel = Kernel::new(
+    "elementwise.wgsl",
+    "mul_sigmoid",
+    &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
+);
 const GATHER_COLUMNS: Kernel = kernel("gather_columns");
 
 /// Dispatches `k` over the `rows * cols` elements of a new output: `[rows, cols]`.
@@ -70,8 +74,14 @@ pub(super) fn swiglu_halves(b: &GpuBackend, x: &GpuTensor) -> GpuTensor {
     run(b, &SWIGLU, [x, x], x.rows, c, c, 1)
 }
 
-/// `x * sigmoid(gate)`, `gate` `[T, cols]` or `[T, 1]` (broadcast over the row).
-pub(super) fn mul_sigmoid(b: &GpuBackend, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
+/// `base + x * sigmoid(gate)` (`base` optional), `gate` `[T, cols]` or `[T, 1]`
+/// (broadcast over the row).
+pub(super) fn mul_sigmoid(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    gate: &GpuTensor,
+    base: Option<&GpuTensor>,
+) -> GpuTensor {
     let broadcast = if gate.cols == x.cols {
         assert_eq!(gate.rows, x.rows, "mul_sigmoid: elementwise shapes");
         0
@@ -83,15 +93,26 @@ pub(super) fn mul_sigmoid(b: &GpuBackend, x: &GpuTensor, gate: &GpuTensor) -> Gp
         );
         1
     };
-    run(
-        b,
+    if let Some(base) = base {
+        same_shape("mul_sigmoid", x, base);
+    }
+    let n = x.rows * x.cols;
+    let n32 = u32::try_from(n).expect("elementwise: tensor too large for u32 indexing");
+    let out = b.empty(x.rows, x.cols);
+    let [gx, gy] = grid(n.div_ceil(WG) as u32);
+    // Without a base the shader never reads binding 4; x stands in for it.
+    let base_buf = base.map_or(&x.buf, |t| &t.buf);
+    b.gpu.dispatch(
         &MUL_SIGMOID,
-        [x, gate],
-        x.rows,
-        x.cols,
-        x.cols,
-        broadcast,
-    )
+        &[
+            n32,
+            x.cols as u32,
+            broadcast | (u32::from(base.is_some()) << 1),
+        ],
+        &[&x.buf, &gate.buf, &out.buf, base_buf],
+        [gx, gy, 1],
+    );
+    out
 }
 
 /// `out[:, j] = x[:, idx[j]]`; `idx` is a `[1, m]` list of u32 column indices, each

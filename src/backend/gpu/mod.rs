@@ -525,8 +525,8 @@ impl Backend for GpuBackend {
         attention::attention(self, q, k, v, cache, dims, mask)
     }
 
-    fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
-        elementwise::mul_sigmoid(self, x, gate)
+    fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor, base: Option<&GpuTensor>) -> GpuTensor {
+        elementwise::mul_sigmoid(self, x, gate, base)
     }
 
     fn swiglu(&self, gate: &GpuTensor, up: &GpuTensor) -> GpuTensor {
