@@ -67,8 +67,11 @@ struct Attention<B: Backend> {
 
 /// The QSA indexer of one attention layer (transformers `Qwen4ExpTextQSAIndexer`).
 struct Indexer<B: Backend> {
-    /// `index_qk_proj` `[(heads + 1) * head_dim, hidden]`: the queries, then the key.
-    qk: B::Weight,
+    /// The query rows of `index_qk_proj` (`[(heads + 1) * head_dim, hidden]`: the queries,
+    /// then the key), `[heads * head_dim, hidden]`.
+    q: B::Weight,
+    /// Its key rows, `[head_dim, hidden]`.
+    k: B::Weight,
     /// `q_layernorm` `[head_dim]`, `1 + w`.
     q_norm: B::Tensor,
     /// `k_layernorm`, `1 + w`, on the host where the blocks are pooled and scored.
@@ -170,10 +173,17 @@ enum Mixer<B: Backend> {
 
 /// A SwiGLU MLP (the shared expert, or a dense layer's MLP).
 struct DenseMlp<B: Backend> {
-    /// `gate_proj` and `up_proj` stacked at load, `[2 I, hidden]`, for
-    /// [`Backend::matmul_swiglu`].
-    gate_up: B::Weight,
+    gate_up: GateUp<B>,
     down: B::Weight,
+}
+
+/// A SwiGLU MLP's gate and up projections.
+enum GateUp<B: Backend> {
+    /// Stacked at load, `[2 I, hidden]`, for [`Backend::matmul_swiglu`]'s one pass.
+    Stacked(B::Weight),
+    /// Quantized differently (a mixed-precision conversion): two matmuls, kept as stored
+    /// rather than widened to f32 to be stacked.
+    Separate { gate: B::Weight, up: B::Weight },
 }
 
 struct Moe<B: Backend> {
@@ -195,15 +205,6 @@ struct Layer<B: Backend> {
     mlp: Mlp<B>,
 }
 
-/// Column selections of Flash-Next (built once per model).
-struct Columns<B: Backend> {
-    /// Flash-Next: the embedding -> `hc_count` copies side by side.
-    tile: Option<B::Index>,
-    /// Flash-Next: `index_qk_proj` output -> the indexer's queries and its key.
-    index_q: Option<B::Index>,
-    index_k: Option<B::Index>,
-}
-
 /// A loaded model: resident weights on backend `B` and the index of its expert records.
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
@@ -217,7 +218,9 @@ pub struct Model<B: Backend> {
     lm_head: Option<B::Weight>,
     head: Head<B>,
     layers: Vec<Layer<B>>,
-    columns: Columns<B>,
+    /// Flash-Next: the columns that copy the embedding into its `hc_count` residual
+    /// streams side by side.
+    tile: Option<B::Index>,
 }
 
 /// Recurrent and attention state of one layer for one sequence.
@@ -335,10 +338,6 @@ pub enum Logits {
     All,
     /// `[1, vocab]` for the last position, for generation.
     Last,
-}
-
-fn range(start: usize, len: usize) -> impl Iterator<Item = u32> {
-    (start as u32)..(start + len) as u32
 }
 
 /// Qwen3-Next's fused DeltaNet projections regrouped (../shared/spec/models.md §2.4
@@ -468,12 +467,15 @@ impl<B: Backend> Model<B> {
                             )
                         }
                         DeltaNetProjections::Split => {
+                            let qkv = ckpt.linear(&name("in_proj_qkv"), c, d)?;
+                            let z = ckpt.linear(&name("in_proj_z"), vd, d)?;
                             let b = ckpt.linear(&name("in_proj_b"), nv, d)?;
                             let a = ckpt.linear(&name("in_proj_a"), nv, d)?;
+                            // Small enough to dequantize if the two differ.
                             (
-                                ckpt.linear(&name("in_proj_qkv"), c, d)?,
-                                ckpt.linear(&name("in_proj_z"), vd, d)?,
-                                LinearWeight::stack_rows(&name("in_proj_a"), &[b, a])?,
+                                qkv,
+                                z,
+                                LinearWeight::stack_rows(&name("in_proj_a"), vec![b, a])?,
                             )
                         }
                     };
@@ -498,25 +500,32 @@ impl<B: Backend> Model<B> {
                         cfg.head_dim,
                     );
                     let indexer = match indexer_cfg {
-                        Some(ix) => Some(Indexer {
-                            qk: linear(
+                        Some(ix) => {
+                            let qk = ckpt.linear(
                                 &format!("{p}.self_attn.indexer.index_qk_proj"),
                                 (ix.heads + 1) * ix.head_dim,
                                 d,
-                            )?,
-                            q_norm: centered_vector(
-                                &format!("{p}.self_attn.indexer.q_layernorm.weight"),
-                                ix.head_dim,
-                            )?,
-                            k_norm: CpuBackend.upload(
-                                &centered(
-                                    &format!("{p}.self_attn.indexer.k_layernorm.weight"),
+                            )?;
+                            let queries = ix.heads * ix.head_dim;
+                            let rows = |from: usize, n: usize| (from..from + n).collect::<Vec<_>>();
+                            Some(Indexer {
+                                q: backend.upload_weight(qk.select_rows(&rows(0, queries)))?,
+                                k: backend
+                                    .upload_weight(qk.select_rows(&rows(queries, ix.head_dim)))?,
+                                q_norm: centered_vector(
+                                    &format!("{p}.self_attn.indexer.q_layernorm.weight"),
                                     ix.head_dim,
                                 )?,
-                                1,
-                                ix.head_dim,
-                            ),
-                        }),
+                                k_norm: CpuBackend.upload(
+                                    &centered(
+                                        &format!("{p}.self_attn.indexer.k_layernorm.weight"),
+                                        ix.head_dim,
+                                    )?,
+                                    1,
+                                    ix.head_dim,
+                                ),
+                            })
+                        }
                         None => None,
                     };
                     // Each head's rows are [queries (hd) | output gate (hd)].
@@ -541,9 +550,19 @@ impl<B: Backend> Model<B> {
             let dense = |prefix: &str, width: usize| -> Result<DenseMlp<B>> {
                 let gate = ckpt.linear(&format!("{prefix}.gate_proj"), width, d)?;
                 let up = ckpt.linear(&format!("{prefix}.up_proj"), width, d)?;
-                let gate_up = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), &[gate, up])?;
+                let parts = vec![gate, up];
+                let gate_up = if LinearWeight::stack_losslessly(&parts) {
+                    let stacked = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), parts)?;
+                    GateUp::Stacked(backend.upload_weight(stacked)?)
+                } else {
+                    let [gate, up]: [LinearWeight; 2] = parts.try_into().expect("two parts");
+                    GateUp::Separate {
+                        gate: backend.upload_weight(gate)?,
+                        up: backend.upload_weight(up)?,
+                    }
+                };
                 Ok(DenseMlp {
-                    gate_up: backend.upload_weight(gate_up)?,
+                    gate_up,
                     down: linear(&format!("{prefix}.down_proj"), d, width)?,
                 })
             };
@@ -611,7 +630,12 @@ impl<B: Backend> Model<B> {
             ));
         }
         let experts = ExpertIndex::build(ckpt)?;
-        let columns = Self::columns(&cfg, backend);
+        let tile = cfg.flash_next.as_ref().map(|x| {
+            let idx: Vec<u32> = (0..x.hc_count)
+                .flat_map(|_| 0..cfg.hidden_size as u32)
+                .collect();
+            backend.upload_index(&idx)
+        });
         let routing = if cfg.moe_layers().is_empty() {
             None
         } else {
@@ -639,30 +663,8 @@ impl<B: Backend> Model<B> {
             lm_head,
             head,
             layers,
-            columns,
-        })
-    }
-
-    /// Flash-Next's column selections.
-    fn columns(cfg: &ModelConfig, backend: &B) -> Columns<B> {
-        let flash = cfg.flash_next.as_ref();
-        let tile = flash.map(|x| {
-            let idx: Vec<u32> = (0..x.hc_count)
-                .flat_map(|_| range(0, cfg.hidden_size))
-                .collect();
-            backend.upload_index(&idx)
-        });
-        let indexer = flash.and_then(|x| x.indexer.as_ref());
-        let index_q = indexer
-            .map(|ix| backend.upload_index(&range(0, ix.heads * ix.head_dim).collect::<Vec<_>>()));
-        let index_k = indexer.map(|ix| {
-            backend.upload_index(&range(ix.heads * ix.head_dim, ix.head_dim).collect::<Vec<_>>())
-        });
-        Columns {
             tile,
-            index_q,
-            index_k,
-        }
+        })
     }
 
     /// The PLE layers' n-gram tables (for their counters: [`crate::ngram::total`]).
@@ -802,7 +804,7 @@ impl<B: Backend> Model<B> {
                 })
                 .collect();
             let embedded = backend.embed(&self.embed, ids)?;
-            let mut h = match &self.columns.tile {
+            let mut h = match &self.tile {
                 Some(tile) => backend.gather_columns(&embedded, tile),
                 None => embedded,
             };
@@ -1081,11 +1083,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<Option<KeyMask>> {
         let cfg = &self.config;
         let (d, ratio, top_k) = (icfg.head_dim, icfg.compress_ratio, icfg.block_top_k());
-        let (Some(cq), Some(ck)) = (&self.columns.index_q, &self.columns.index_k) else {
-            return Ok(None);
-        };
-        let qk = backend.matmul(x, &ix.qk);
-        keys.pending.push(backend.gather_columns(&qk, ck));
+        keys.pending.push(backend.matmul(x, &ix.k));
         let (t, _) = backend.shape(x);
         let total = past + t;
         if total / ratio <= top_k {
@@ -1121,7 +1119,7 @@ impl<B: Backend> Model<B> {
             keys.pooled.extend(normed.data);
         }
         let q = backend.rms_norm(
-            &backend.gather_columns(&qk, cq),
+            &backend.matmul(x, &ix.q),
             Some(&ix.q_norm),
             d,
             cfg.rms_norm_eps,
@@ -1158,7 +1156,13 @@ impl<B: Backend> Model<B> {
     }
 
     fn dense_mlp(backend: &B, w: &DenseMlp<B>, x: &B::Tensor) -> B::Tensor {
-        backend.matmul(&backend.matmul_swiglu(x, &w.gate_up), &w.down)
+        let h = match &w.gate_up {
+            GateUp::Stacked(gate_up) => backend.matmul_swiglu(x, gate_up),
+            GateUp::Separate { gate, up } => {
+                backend.swiglu(&backend.matmul(x, gate), &backend.matmul(x, up))
+            }
+        };
+        backend.matmul(&h, &w.down)
     }
 
     /// Lookahead: layer `target`'s router on the current hidden state guesses the experts

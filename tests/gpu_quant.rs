@@ -235,9 +235,10 @@ fn routed_experts_match_cpu() {
     }
 }
 
-/// The fused gate/up SwiGLU of a stacked `[Wg; Wu]` against the CPU backend's matmul and
-/// SwiGLU: alike-quantized halves (the fused kernels, vec4 and scalar) and a mixed stack
-/// (dequantized to a dense weight at load).
+/// The fused gate/up SwiGLU of a stacked `[Wg; Wu]` against the CPU backend's SwiGLU of
+/// the two matmuls apart: alike-quantized halves (the fused kernels, vec4 and scalar) and a
+/// mixed stack (dequantized by `stack_rows` to a dense weight: matmul, then SwiGLU over the
+/// halves). On the CPU the stacked weight gives the unstacked result bit for bit.
 #[test]
 fn matmul_swiglu_matches_cpu() {
     let g = common::gpu();
@@ -251,23 +252,24 @@ fn matmul_swiglu_matches_cpu() {
             bits,
             group_size: group,
         };
+        let other = QuantSpec {
+            bits: 12 - bits,
+            group_size: 64,
+        };
         for (inter, cols, t) in [(96, 256, 1), (300, 512, 5)] {
             let gate = random_quantized(inter, cols, spec, dtype);
-            let other = QuantSpec {
-                bits: 12 - bits,
-                group_size: 64,
-            };
-            let mixed_up = random_quantized(inter, cols, other, Dtype::BF16);
-            let up = random_quantized(inter, cols, spec, dtype);
-            for (what, parts) in [
-                ("alike", [gate.clone(), up]),
-                ("mixed", [gate.clone(), mixed_up]),
+            for (what, up) in [
+                ("alike", random_quantized(inter, cols, spec, dtype)),
+                ("mixed", random_quantized(inter, cols, other, Dtype::BF16)),
             ] {
-                let w = LinearWeight::stack_rows("gate_up", &parts).unwrap();
                 let x = random(t * cols);
-                let want = cpu
-                    .download(&cpu.matmul_swiglu(&cpu.upload(&x, t, cols), &w))
-                    .unwrap();
+                let cx = cpu.upload(&x, t, cols);
+                let apart = cpu.swiglu(&cpu.matmul(&cx, &gate), &cpu.matmul(&cx, &up));
+                let w = LinearWeight::stack_rows("gate_up", vec![gate.clone(), up]).unwrap();
+                let want = cpu.download(&cpu.matmul_swiglu(&cx, &w)).unwrap();
+                if what == "alike" {
+                    assert_eq!(want, apart.data, "stacked and apart differ on the CPU");
+                }
                 let gw = g.upload_weight(w).unwrap();
                 let got = g
                     .download(&g.matmul_swiglu(&g.upload(&x, t, cols), &gw))
@@ -279,6 +281,106 @@ fn matmul_swiglu_matches_cpu() {
                     1e-5,
                 );
             }
+        }
+    }
+}
+
+/// Routed experts whose gate and up projections differ in bits and group size (a
+/// mixed-precision conversion), so the fused kernels' second spec is exercised, against
+/// the CPU backend.
+#[test]
+fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
+    use slotstream::checkpoint::{PieceKind, Projection, RecordLayout};
+    let g = common::gpu();
+    let cpu = CpuBackend;
+    let mut rng = rand::rng();
+    let (hidden, inter) = (256usize, 192usize);
+    for (gate, up, down, dtype) in [
+        ((4, 64), (8, 64), (4, 64), Dtype::BF16),
+        ((4, 64), (4, 32), (4, 64), Dtype::BF16),
+        ((8, 64), (4, 64), (4, 64), Dtype::BF16),
+        ((8, 32), (4, 128), (8, 64), Dtype::F16),
+        ((4, 32), (4, 128), (4, 64), Dtype::F32),
+    ] {
+        let specs = [gate, up, down].map(|(bits, group_size)| QuantSpec { bits, group_size });
+        let shape = |p: Projection| {
+            if p == Projection::Down {
+                (hidden, inter)
+            } else {
+                (inter, hidden)
+            }
+        };
+        let scale_bytes = if dtype == Dtype::F32 { 4 } else { 2 };
+        let (mut offsets, mut lens, mut at) = ([0usize; 9], [0usize; 9], 0);
+        for p in Projection::ALL {
+            let ((r, c), s) = (shape(p), specs[p.index()]);
+            for k in PieceKind::ALL {
+                let i = RecordLayout::piece(p, k);
+                lens[i] = match k {
+                    PieceKind::Weight => r * c / s.per_word() * 4,
+                    _ => r * c / s.group_size * scale_bytes,
+                };
+                offsets[i] = at;
+                at = (at + lens[i]).next_multiple_of(16);
+            }
+        }
+        let layout = RecordLayout {
+            offsets,
+            lens,
+            record_bytes: at,
+            specs,
+            scale_dtype: dtype,
+            hidden,
+            intermediate: inter,
+        };
+        let records: Vec<Vec<u8>> = (0..3)
+            .map(|_| {
+                let mut bytes = vec![0u8; at];
+                for p in Projection::ALL {
+                    let (r, c) = shape(p);
+                    let LinearWeight::Quantized(q) =
+                        random_quantized(r, c, specs[p.index()], dtype)
+                    else {
+                        unreachable!("random_quantized is quantized")
+                    };
+                    let parts: [&[u8]; 3] = [bytemuck::cast_slice(&q.packed), &q.scales, &q.biases];
+                    for (k, part) in PieceKind::ALL.into_iter().zip(parts) {
+                        let i = RecordLayout::piece(p, k);
+                        bytes[offsets[i]..offsets[i] + lens[i]].copy_from_slice(part);
+                    }
+                }
+                bytes
+            })
+            .collect();
+        for t in [1usize, 3] {
+            let k = 2;
+            let ids: Vec<u32> = (0..t * k).map(|_| rng.random_range(0..3)).collect();
+            let routing = Routing {
+                top_k: k,
+                weights: (0..t * k).map(|_| rng.random_range(0.1f32..1.0)).collect(),
+                ids,
+            };
+            let held: Vec<ExpertRecord<'_>> = routing
+                .ids
+                .iter()
+                .map(|&id| ExpertRecord {
+                    bytes: &records[id as usize],
+                    slot: None,
+                })
+                .collect();
+            let x = random(t * hidden);
+            let want = cpu
+                .download(&cpu.moe_experts(&cpu.upload(&x, t, hidden), &routing, &held, &layout))
+                .unwrap();
+            let got = g
+                .download(&g.moe_experts(&g.upload(&x, t, hidden), &routing, &held, &layout))
+                .unwrap();
+            check(
+                &format!("gate {gate:?} up {up:?} down {down:?} {dtype:?} T={t}"),
+                &got,
+                &want,
+                1e-5,
+            );
         }
     }
 }

@@ -7,7 +7,8 @@
 struct Params {
     // Number of output elements.
     n: u32,
-    // Columns of a row: for mul_sigmoid's [T, 1] gate, and gather_columns' input width.
+    // Columns of a row: for mul_sigmoid's [T, 1] gate, gather_columns' input width, and
+    // the half width of swiglu's [T, 2 cols] input.
     cols: u32,
     // mul_sigmoid: bit 0 set if the gate is [T, 1] (broadcast over the row), bit 1 set to
     // add `base`. gather_columns: output width m.

@@ -107,7 +107,6 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let slot = lid.y * LANES;
     let decay_rate = exp(a_log[h]);
     let dt = dt_bias[h];
-    let inv_dk = 1.0 / f32(p.dk);
 
     var s: array<f32, 8>;
     for (var e = 0u; e < MAXE; e++) {
@@ -156,8 +155,9 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             ksum += red_kk[slot + l];
             qsum += red_qq[slot + l];
         }
-        let rk = inverseSqrt(ksum * inv_dk + p.eps) * p.k_scale;
-        let rq = inverseSqrt(qsum * inv_dk + p.eps) * p.q_scale;
+        // As norm.wgsl (and the CPU backend) compute it: inverseSqrt may be less precise.
+        let rk = 1.0 / sqrt(ksum / f32(p.dk) + p.eps) * p.k_scale;
+        let rq = 1.0 / sqrt(qsum / f32(p.dk) + p.eps) * p.q_scale;
 
         var vi = 0.0;
         if (live) {

@@ -113,6 +113,25 @@ fn route_of(z: u32) -> vec3<u32> {
     return vec3<u32>(0u, z, 1u);
 }
 
+// What one invocation of a qmatmul entry computes: output row `row` of route (or token)
+// `z`, as lane `lane` of the row, from the record at word `base` with input row `t`;
+// `computed` is 0 for a row past the end or a route this dispatch leaves to another.
+struct Job {
+    z: u32,
+    lane: u32,
+    row: u32,
+    base: u32,
+    t: u32,
+    computed: u32,
+}
+
+fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> Job {
+    let row = (wid.x + wid.y * nwg.x) * ROWS + li / LANES;
+    let r = route_of(wid.z);
+    let computed = select(0u, 1u, r.z == 1u && row < p.rows);
+    return Job(wid.z, li % LANES, row, r.x, r.y, computed);
+}
+
 // This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
 // (w_off, s_off, b_off) from the record base, quantized at `bits` in groups of `gs`; per
 // group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
@@ -166,19 +185,14 @@ fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
 fn qmatmul(@builtin(local_invocation_index) li: u32,
            @builtin(workgroup_id) wid: vec3<u32>,
            @builtin(num_workgroups) nwg: vec3<u32>) {
-    let block = wid.x + wid.y * nwg.x;
-    let z = wid.z;
-    let lane = li % LANES;
-    let row = block * ROWS + li / LANES;
-    let r = route_of(z);
-    let computed = r.z == 1u && row < p.rows;
+    let j = job(li, wid, nwg);
     var acc = 0.0;
-    if (computed) {
-        acc = lane_dot(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, row, r.y, lane);
+    if (j.computed == 1u) {
+        acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
-    let total = row_sum(li, lane, acc);
-    if (lane == 0u && computed) {
-        out[z * p.rows + row] = total;
+    let total = row_sum(li, j.lane, acc);
+    if (j.lane == 0u && j.computed == 1u) {
+        out[j.z * p.rows + j.row] = total;
     }
 }
 
@@ -188,22 +202,17 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
 fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
                   @builtin(workgroup_id) wid: vec3<u32>,
                   @builtin(num_workgroups) nwg: vec3<u32>) {
-    let block = wid.x + wid.y * nwg.x;
-    let z = wid.z;
-    let lane = li % LANES;
-    let row = block * ROWS + li / LANES;
-    let r = route_of(z);
-    let computed = r.z == 1u && row < p.rows;
+    let j = job(li, wid, nwg);
     var acc = vec2<f32>(0.0);
-    if (computed) {
+    if (j.computed == 1u) {
         acc = vec2<f32>(
-            lane_dot(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, row, r.y, lane),
-            lane_dot(r.x, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, row, r.y, lane),
+            lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
+            lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
         );
     }
-    let total = row_sum2(li, lane, acc);
-    if (lane == 0u && computed) {
-        out[z * p.rows + row] = total.x * sigmoid(total.x) * total.y;
+    let total = row_sum2(li, j.lane, acc);
+    if (j.lane == 0u && j.computed == 1u) {
+        out[j.z * p.rows + j.row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 
@@ -261,19 +270,14 @@ fn lane_dot4(base: u32, offs: vec3<u32>, gs: u32, row: u32, t: u32, lane: u32) -
 fn qmatmul4(@builtin(local_invocation_index) li: u32,
             @builtin(workgroup_id) wid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
-    let block = wid.x + wid.y * nwg.x;
-    let z = wid.z;
-    let lane = li % LANES;
-    let row = block * ROWS + li / LANES;
-    let r = route_of(z);
-    let computed = r.z == 1u && row < p.rows;
+    let j = job(li, wid, nwg);
     var acc = 0.0;
-    if (computed) {
-        acc = lane_dot4(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, row, r.y, lane);
+    if (j.computed == 1u) {
+        acc = lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, j.row, j.t, j.lane);
     }
-    let total = row_sum(li, lane, acc);
-    if (lane == 0u && computed) {
-        out[z * p.rows + row] = total;
+    let total = row_sum(li, j.lane, acc);
+    if (j.lane == 0u && j.computed == 1u) {
+        out[j.z * p.rows + j.row] = total;
     }
 }
 
@@ -282,22 +286,17 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
 fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
                    @builtin(workgroup_id) wid: vec3<u32>,
                    @builtin(num_workgroups) nwg: vec3<u32>) {
-    let block = wid.x + wid.y * nwg.x;
-    let z = wid.z;
-    let lane = li % LANES;
-    let row = block * ROWS + li / LANES;
-    let r = route_of(z);
-    let computed = r.z == 1u && row < p.rows;
+    let j = job(li, wid, nwg);
     var acc = vec2<f32>(0.0);
-    if (computed) {
+    if (j.computed == 1u) {
         acc = vec2<f32>(
-            lane_dot4(r.x, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, row, r.y, lane),
-            lane_dot4(r.x, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.group_size2, row, r.y, lane),
+            lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, j.row, j.t, j.lane),
+            lane_dot4(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.group_size2, j.row, j.t, j.lane),
         );
     }
-    let total = row_sum2(li, lane, acc);
-    if (lane == 0u && computed) {
-        out[z * p.rows + row] = total.x * sigmoid(total.x) * total.y;
+    let total = row_sum2(li, j.lane, acc);
+    if (j.lane == 0u && j.computed == 1u) {
+        out[j.z * p.rows + j.row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 
@@ -306,19 +305,17 @@ fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
 fn matmul_dense(@builtin(local_invocation_index) li: u32,
                 @builtin(workgroup_id) wid: vec3<u32>,
                 @builtin(num_workgroups) nwg: vec3<u32>) {
-    let block = wid.x + wid.y * nwg.x;
-    let t = wid.z;
-    let lane = li % LANES;
-    let row = block * ROWS + li / LANES;
+    // Not routed (p.routed = 0): the token is z.
+    let j = job(li, wid, nwg);
     var acc = 0.0;
-    if (row < p.rows) {
-        for (var c = lane; c < p.cols; c += LANES) {
-            acc += bitcast<f32>(w[row * p.cols + c]) * act[t * p.cols + c];
+    if (j.computed == 1u) {
+        for (var c = j.lane; c < p.cols; c += LANES) {
+            acc += bitcast<f32>(w[j.row * p.cols + c]) * act[j.t * p.cols + c];
         }
     }
-    let total = row_sum(li, lane, acc);
-    if (lane == 0u && row < p.rows) {
-        out[t * p.rows + row] = total;
+    let total = row_sum(li, j.lane, acc);
+    if (j.lane == 0u && j.computed == 1u) {
+        out[j.z * p.rows + j.row] = total;
     }
 }
 

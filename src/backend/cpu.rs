@@ -359,6 +359,12 @@ impl Backend for CpuBackend {
         } = dims;
         let t_len = qkv.rows;
         let kd = key_heads * dk;
+        assert_eq!(qkv.cols, 2 * kd + value_heads * dv, "gated_delta qkv shape");
+        assert_eq!(
+            (ba.rows, ba.cols),
+            (t_len, 2 * value_heads),
+            "gated_delta ba shape"
+        );
         let columns = |from: usize, len: usize| {
             let data = (0..t_len)
                 .flat_map(|t| &qkv.row(t)[from..from + len])
@@ -609,6 +615,7 @@ impl Backend for CpuBackend {
 
     fn matmul_swiglu(&self, x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
         let y = self.matmul(x, w);
+        assert_eq!(y.cols % 2, 0, "matmul_swiglu: odd row count {}", y.cols);
         let inter = y.cols / 2;
         let data = y
             .data

@@ -86,11 +86,13 @@ impl LinearWeight {
             LinearWeight::Quantized(q) => {
                 let scale_row = q.scales.len() / q.rows.max(1);
                 LinearWeight::Quantized(QuantizedMatrix {
+                    spec: q.spec,
                     rows: rows.len(),
+                    cols: q.cols,
                     packed: pick(&q.packed, q.cols / q.spec.per_word(), rows),
+                    scale_dtype: q.scale_dtype,
                     scales: pick(&q.scales, scale_row, rows),
                     biases: pick(&q.biases, scale_row, rows),
-                    ..q.clone()
                 })
             }
             LinearWeight::Dense(d) => LinearWeight::Dense(DenseMatrix {
@@ -101,11 +103,26 @@ impl LinearWeight {
         }
     }
 
+    /// Whether [`LinearWeight::stack_rows`] keeps `parts` as they are: all dense, or all
+    /// quantized with the same bits, group size and scale dtype.
+    pub fn stack_losslessly(parts: &[LinearWeight]) -> bool {
+        match parts {
+            [] => true,
+            [LinearWeight::Dense(_), rest @ ..] => {
+                rest.iter().all(|p| matches!(p, LinearWeight::Dense(_)))
+            }
+            [LinearWeight::Quantized(first), rest @ ..] => rest.iter().all(|p| {
+                matches!(p, LinearWeight::Quantized(q)
+                    if q.spec == first.spec && q.scale_dtype == first.scale_dtype)
+            }),
+        }
+    }
+
     /// `[parts[0]; parts[1]; ...]`: one weight whose output is the parts' outputs side by
     /// side, so one matmul replaces several. Parts quantized alike stay quantized;
-    /// otherwise every part is dequantized to f32 (a dense part among quantized ones).
+    /// otherwise every part is dequantized to f32 (see [`LinearWeight::stack_losslessly`]).
     /// Errors: parts with different input widths, named by `name`.
-    pub fn stack_rows(name: &str, parts: &[LinearWeight]) -> Result<LinearWeight> {
+    pub fn stack_rows(name: &str, parts: Vec<LinearWeight>) -> Result<LinearWeight> {
         let cols = parts.first().map_or(0, |p| p.shape().1);
         if let Some(p) = parts.iter().find(|p| p.shape().1 != cols) {
             return Err(Error::bad_tensor(
@@ -113,34 +130,28 @@ impl LinearWeight {
                 format!("input width {} differs from {cols}", p.shape().1),
             ));
         }
-        let quantized: Vec<&QuantizedMatrix> = parts
-            .iter()
-            .filter_map(|p| match p {
-                LinearWeight::Quantized(q) => Some(q),
-                LinearWeight::Dense(_) => None,
-            })
-            .collect();
         let rows = parts.iter().map(|p| p.shape().0).sum();
-        if let [first, ..] = quantized[..] {
-            if quantized.len() == parts.len()
-                && quantized
-                    .iter()
-                    .all(|q| q.spec == first.spec && q.scale_dtype == first.scale_dtype)
-            {
-                return Ok(LinearWeight::Quantized(QuantizedMatrix {
-                    rows,
-                    packed: quantized.iter().flat_map(|q| q.packed.clone()).collect(),
-                    scales: quantized.iter().flat_map(|q| q.scales.clone()).collect(),
-                    biases: quantized.iter().flat_map(|q| q.biases.clone()).collect(),
-                    ..first.clone()
-                }));
+        let quantized = Self::stack_losslessly(&parts)
+            && matches!(parts.first(), Some(LinearWeight::Quantized(_)));
+        if !quantized {
+            let mut data = Vec::with_capacity(rows * cols);
+            for p in &parts {
+                data.extend(p.to_dense().data);
             }
+            return Ok(LinearWeight::Dense(DenseMatrix { rows, cols, data }));
         }
-        Ok(LinearWeight::Dense(DenseMatrix {
-            rows,
-            cols,
-            data: parts.iter().flat_map(|p| p.to_dense().data).collect(),
-        }))
+        let mut parts = parts.into_iter().filter_map(|p| match p {
+            LinearWeight::Quantized(q) => Some(q),
+            LinearWeight::Dense(_) => None,
+        });
+        let mut stacked = parts.next().expect("a quantized first part");
+        for q in parts {
+            stacked.rows += q.rows;
+            stacked.packed.extend(q.packed);
+            stacked.scales.extend(q.scales);
+            stacked.biases.extend(q.biases);
+        }
+        Ok(LinearWeight::Quantized(stacked))
     }
 
     /// The weight dequantized to f32 (a copy for a dense one).
@@ -339,20 +350,23 @@ mod tests {
             quantized(10, 64, 4, Dtype::BF16),
         );
         let want: Vec<f32> = [a.to_dense().data, b.to_dense().data].concat();
-        let same = LinearWeight::stack_rows("ab", &[a.clone(), b.clone()]).unwrap();
+        assert!(LinearWeight::stack_losslessly(&[a.clone(), b.clone()]));
+        let same = LinearWeight::stack_rows("ab", vec![a.clone(), b.clone()]).unwrap();
         assert!(matches!(same, LinearWeight::Quantized(_)));
         assert_eq!(same.shape(), (16, 64));
         assert_eq!(same.to_dense().data, want);
         // Mixed quantization, or a dense part: dequantized.
         let c = quantized(3, 64, 8, Dtype::F32);
         let d = LinearWeight::Dense(c.to_dense());
-        let mixed = LinearWeight::stack_rows("abcd", &[a.clone(), b, c.clone(), d]).unwrap();
+        let parts = vec![a.clone(), b, c.clone(), d];
+        assert!(!LinearWeight::stack_losslessly(&parts));
+        let mixed = LinearWeight::stack_rows("abcd", parts).unwrap();
         assert!(matches!(mixed, LinearWeight::Dense(_)));
         let c = c.to_dense().data;
         assert_eq!(mixed.to_dense().data, [want, c.clone(), c].concat());
         // Different input widths: an error naming the weight.
         let narrow = quantized(2, 32, 4, Dtype::BF16);
-        let err = LinearWeight::stack_rows("in_proj_a", &[a, narrow]).unwrap_err();
+        let err = LinearWeight::stack_rows("in_proj_a", vec![a, narrow]).unwrap_err();
         assert!(err.to_string().contains("in_proj_a"), "{err}");
     }
 }

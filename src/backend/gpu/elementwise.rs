@@ -24,11 +24,14 @@ const MUL_SIGMOID: Kernel = Kernel::new(
 );
 const GATHER_COLUMNS: Kernel = kernel("gather_columns");
 
-/// Dispatches `k` over the `rows * cols` elements of a new output: `[rows, cols]`.
+/// Dispatches `k` over the `rows * cols` elements of a new output: `[rows, cols]`, bound
+/// after `inputs` (and before `after`, for a kernel with a binding after its output).
+#[allow(clippy::too_many_arguments)]
 fn run(
     b: &GpuBackend,
     k: &Kernel,
     inputs: [&GpuTensor; 2],
+    after: Option<&GpuTensor>,
     rows: usize,
     cols: usize,
     cols_param: usize,
@@ -38,12 +41,10 @@ fn run(
     let n32 = u32::try_from(n).expect("elementwise: tensor too large for u32 indexing");
     let out = b.empty(rows, cols);
     let [gx, gy] = grid(n.div_ceil(WG) as u32);
-    b.gpu.dispatch(
-        k,
-        &[n32, cols_param as u32, extra],
-        &[&inputs[0].buf, &inputs[1].buf, &out.buf],
-        [gx, gy, 1],
-    );
+    let mut binds: Vec<&wgpu::Buffer> = vec![&inputs[0].buf, &inputs[1].buf, &out.buf];
+    binds.extend(after.map(|t| -> &wgpu::Buffer { &t.buf }));
+    b.gpu
+        .dispatch(k, &[n32, cols_param as u32, extra], &binds, [gx, gy, 1]);
     out
 }
 
@@ -58,20 +59,29 @@ fn same_shape(op: &str, a: &GpuTensor, c: &GpuTensor) {
 /// `a + c`.
 pub(super) fn add(b: &GpuBackend, a: &GpuTensor, c: &GpuTensor) -> GpuTensor {
     same_shape("add", a, c);
-    run(b, &ADD, [a, c], a.rows, a.cols, a.cols, 0)
+    run(b, &ADD, [a, c], None, a.rows, a.cols, a.cols, 0)
 }
 
 /// `silu(gate) * up`.
 pub(super) fn swiglu(b: &GpuBackend, gate: &GpuTensor, up: &GpuTensor) -> GpuTensor {
     same_shape("swiglu", gate, up);
-    run(b, &SWIGLU, [gate, up], gate.rows, gate.cols, gate.cols, 0)
+    run(
+        b,
+        &SWIGLU,
+        [gate, up],
+        None,
+        gate.rows,
+        gate.cols,
+        gate.cols,
+        0,
+    )
 }
 
 /// `silu(gate) * up` for `x = [gate | up]` `[T, 2 C]`: `[T, C]`.
 pub(super) fn swiglu_halves(b: &GpuBackend, x: &GpuTensor) -> GpuTensor {
     assert_eq!(x.cols % 2, 0, "swiglu: odd width {}", x.cols);
     let c = x.cols / 2;
-    run(b, &SWIGLU, [x, x], x.rows, c, c, 1)
+    run(b, &SWIGLU, [x, x], None, x.rows, c, c, 1)
 }
 
 /// `base + x * sigmoid(gate)` (`base` optional), `gate` `[T, cols]` or `[T, 1]`
@@ -96,28 +106,31 @@ pub(super) fn mul_sigmoid(
     if let Some(base) = base {
         same_shape("mul_sigmoid", x, base);
     }
-    let n = x.rows * x.cols;
-    let n32 = u32::try_from(n).expect("elementwise: tensor too large for u32 indexing");
-    let out = b.empty(x.rows, x.cols);
-    let [gx, gy] = grid(n.div_ceil(WG) as u32);
     // Without a base the shader never reads binding 4; x stands in for it.
-    let base_buf = base.map_or(&x.buf, |t| &t.buf);
-    b.gpu.dispatch(
+    run(
+        b,
         &MUL_SIGMOID,
-        &[
-            n32,
-            x.cols as u32,
-            broadcast | (u32::from(base.is_some()) << 1),
-        ],
-        &[&x.buf, &gate.buf, &out.buf, base_buf],
-        [gx, gy, 1],
-    );
-    out
+        [x, gate],
+        Some(base.unwrap_or(x)),
+        x.rows,
+        x.cols,
+        x.cols,
+        broadcast | (u32::from(base.is_some()) << 1),
+    )
 }
 
 /// `out[:, j] = x[:, idx[j]]`; `idx` is a `[1, m]` list of u32 column indices, each
 /// below `x.cols` (not checked on the device: the indices never come back to the host).
 pub(super) fn gather_columns(b: &GpuBackend, x: &GpuTensor, idx: &GpuTensor) -> GpuTensor {
     let m = idx.rows * idx.cols;
-    run(b, &GATHER_COLUMNS, [x, idx], x.rows, m, x.cols, m as u32)
+    run(
+        b,
+        &GATHER_COLUMNS,
+        [x, idx],
+        None,
+        x.rows,
+        m,
+        x.cols,
+        m as u32,
+    )
 }

@@ -81,6 +81,8 @@ impl Params {
         }
     }
 
+    /// Whether qmatmul4's 16-byte loads apply: 4 bits, whole 32-column runs within a group,
+    /// packed words 16-byte aligned.
     fn vec4(&self) -> bool {
         self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0
     }
