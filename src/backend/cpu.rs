@@ -523,9 +523,7 @@ impl Backend for CpuBackend {
         };
         if let Some(base) = base {
             assert_eq!((base.rows, base.cols), (x.rows, x.cols), "mul_sigmoid base");
-            data.iter_mut()
-                .zip(&base.data)
-                .for_each(|(v, b)| *v = b + *v);
+            data.iter_mut().zip(&base.data).for_each(|(v, b)| *v += b);
         }
         CpuTensor::new(x.rows, x.cols, data)
     }
