@@ -447,7 +447,10 @@ impl ModelConfig {
         }
         let num_hidden_layers = f.usize("num_hidden_layers")?;
         let interval_kinds = |f: &Fields<'_>| -> Result<Vec<LayerKind>> {
-            let interval = f.usize_or("full_attention_interval", Some(4))?.max(1);
+            let interval = f.usize_or("full_attention_interval", Some(4))?;
+            if interval == 0 {
+                return Err(f.err("full_attention_interval", "must be at least 1"));
+            }
             Ok((0..num_hidden_layers)
                 .map(|i| {
                     if (i + 1) % interval == 0 {

@@ -88,7 +88,7 @@ struct PlanArgs {
     #[arg(long)]
     model: PathBuf,
     /// Total memory for the run, e.g. 8GiB.
-    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    #[arg(long, value_parser = slotstream::plan::parse_size, allow_hyphen_values = true)]
     memory_budget: u64,
     /// Context to reserve KV cache for, in tokens.
     #[arg(long, default_value_t = 4096)]
@@ -286,7 +286,7 @@ struct StreamArgs {
     experts_per_layer: Option<usize>,
     /// Plan the run within this much memory (e.g. 8GiB); the pool gets what the other
     /// terms leave (see `slotstream plan`).
-    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    #[arg(long, value_parser = slotstream::plan::parse_size, allow_hyphen_values = true)]
     memory_budget: Option<u64>,
     #[command(flatten)]
     io: IoArgs,
@@ -383,19 +383,19 @@ struct ScoreArgs {
 #[derive(Args, Clone, Debug)]
 struct SamplingArgs {
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the k most probable tokens (0: off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus sampling mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Drop tokens less probable than this fraction of the most probable (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// Penalty on the logits of the last 20 tokens (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     /// Seed of the sampler's random stream.
     #[arg(long, default_value_t = 0)]
@@ -747,10 +747,17 @@ fn generate_on<B: Backend>(
         println!();
     }
     if args.stream.stats {
+        // With --max-tokens 0 nothing runs, not even the prefill.
+        let prefill = if stats.prefill_seconds > 0.0 {
+            format!(
+                "prefill {} tokens at {:.1} tok/s",
+                stats.prompt_tokens, stats.prefill_tps
+            )
+        } else {
+            format!("prefill of {} tokens not run", stats.prompt_tokens)
+        };
         eprintln!(
-            "prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s ({}), peak RSS {}",
-            stats.prompt_tokens,
-            stats.prefill_tps,
+            "{prefill}, decode {} tokens at {:.1} tok/s ({}), peak RSS {}",
             stats.generated_tokens,
             stats.decode_tps,
             stats.finish_reason,
@@ -1119,7 +1126,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let model_id = match &args.model_name {
         Some(n) => n.clone(),
         None => std::fs::canonicalize(&args.model)
-            .with_context(|| format!("opening model {}", args.model.display()))?
+            .map_err(|_| anyhow::anyhow!("{}: model directory not found", args.model.display()))?
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     };

@@ -390,8 +390,14 @@ impl<B: Backend> Model<B> {
         let vector = |name: &str, len: usize| -> Result<B::Tensor> {
             Ok(backend.upload(&ckpt.floats(name, &[len])?, 1, len))
         };
+        // A weight the backend cannot hold (past a GPU's binding limit) is named.
+        let upload = |name: &str, w: LinearWeight| -> Result<B::Weight> {
+            backend
+                .upload_weight(w)
+                .map_err(|e| Error::bad_tensor(name, e.to_string()))
+        };
         let linear = |name: &str, out: usize, inp: usize| -> Result<B::Weight> {
-            backend.upload_weight(ckpt.linear(name, out, inp)?)
+            upload(name, ckpt.linear(name, out, inp)?)
         };
         let norms = match &cfg.flash_next {
             Some(_) => Some(norm_convention(ckpt)?),
@@ -455,34 +461,39 @@ impl<B: Backend> Model<B> {
                     let conv =
                         ckpt.floats(&format!("{p}.linear_attn.conv1d.weight"), &[c, k, 1])?;
                     let name = |m: &str| format!("{p}.linear_attn.{m}");
-                    let (qkv, z, ba) = match cfg.family.delta_net_projections() {
-                        DeltaNetProjections::Fused => {
-                            let qkvz = ckpt.linear(&name("in_proj_qkvz"), 2 * kd + 2 * vd, d)?;
-                            let ba = ckpt.linear(&name("in_proj_ba"), 2 * nv, d)?;
-                            let rows = FusedRows::new(&cfg);
-                            (
-                                qkvz.select_rows(&rows.qkv),
-                                qkvz.select_rows(&rows.z),
-                                ba.select_rows(&rows.ba),
-                            )
-                        }
-                        DeltaNetProjections::Split => {
-                            let qkv = ckpt.linear(&name("in_proj_qkv"), c, d)?;
-                            let z = ckpt.linear(&name("in_proj_z"), vd, d)?;
-                            let b = ckpt.linear(&name("in_proj_b"), nv, d)?;
-                            let a = ckpt.linear(&name("in_proj_a"), nv, d)?;
-                            // Small enough to dequantize if the two differ.
-                            (
-                                qkv,
-                                z,
-                                LinearWeight::stack_rows(&name("in_proj_a"), vec![b, a])?,
-                            )
-                        }
-                    };
+                    // The regrouped weights, and the modules they come from (for errors).
+                    let (qkv, z, ba, [qkv_name, z_name, ba_name]) =
+                        match cfg.family.delta_net_projections() {
+                            DeltaNetProjections::Fused => {
+                                let qkvz =
+                                    ckpt.linear(&name("in_proj_qkvz"), 2 * kd + 2 * vd, d)?;
+                                let ba = ckpt.linear(&name("in_proj_ba"), 2 * nv, d)?;
+                                let rows = FusedRows::new(&cfg);
+                                (
+                                    qkvz.select_rows(&rows.qkv),
+                                    qkvz.select_rows(&rows.z),
+                                    ba.select_rows(&rows.ba),
+                                    ["in_proj_qkvz", "in_proj_qkvz", "in_proj_ba"],
+                                )
+                            }
+                            DeltaNetProjections::Split => {
+                                let qkv = ckpt.linear(&name("in_proj_qkv"), c, d)?;
+                                let z = ckpt.linear(&name("in_proj_z"), vd, d)?;
+                                let b = ckpt.linear(&name("in_proj_b"), nv, d)?;
+                                let a = ckpt.linear(&name("in_proj_a"), nv, d)?;
+                                // Small enough to dequantize if the two differ.
+                                (
+                                    qkv,
+                                    z,
+                                    LinearWeight::stack_rows(&name("in_proj_a"), vec![b, a])?,
+                                    ["in_proj_qkv", "in_proj_z", "in_proj_b"],
+                                )
+                            }
+                        };
                     Mixer::DeltaNet(DeltaNet {
-                        qkv: backend.upload_weight(qkv)?,
-                        z: backend.upload_weight(z)?,
-                        ba: backend.upload_weight(ba)?,
+                        qkv: upload(&name(qkv_name), qkv)?,
+                        z: upload(&name(z_name), z)?,
+                        ba: upload(&name(ba_name), ba)?,
                         conv: backend.upload(&conv, c, k),
                         a_log: vector(&format!("{p}.linear_attn.A_log"), nv)?,
                         dt_bias: vector(&format!("{p}.linear_attn.dt_bias"), nv)?,
@@ -501,17 +512,13 @@ impl<B: Backend> Model<B> {
                     );
                     let indexer = match indexer_cfg {
                         Some(ix) => {
-                            let qk = ckpt.linear(
-                                &format!("{p}.self_attn.indexer.index_qk_proj"),
-                                (ix.heads + 1) * ix.head_dim,
-                                d,
-                            )?;
+                            let module = format!("{p}.self_attn.indexer.index_qk_proj");
+                            let qk = ckpt.linear(&module, (ix.heads + 1) * ix.head_dim, d)?;
                             let queries = ix.heads * ix.head_dim;
                             let rows = |from: usize, n: usize| (from..from + n).collect::<Vec<_>>();
                             Some(Indexer {
-                                q: backend.upload_weight(qk.select_rows(&rows(0, queries)))?,
-                                k: backend
-                                    .upload_weight(qk.select_rows(&rows(queries, ix.head_dim)))?,
+                                q: upload(&module, qk.select_rows(&rows(0, queries)))?,
+                                k: upload(&module, qk.select_rows(&rows(queries, ix.head_dim)))?,
                                 q_norm: centered_vector(
                                     &format!("{p}.self_attn.indexer.q_layernorm.weight"),
                                     ix.head_dim,
@@ -529,15 +536,16 @@ impl<B: Backend> Model<B> {
                         None => None,
                     };
                     // Each head's rows are [queries (hd) | output gate (hd)].
-                    let q_proj = ckpt.linear(&format!("{p}.self_attn.q_proj"), 2 * h * hd, d)?;
+                    let q_name = format!("{p}.self_attn.q_proj");
+                    let q_proj = ckpt.linear(&q_name, 2 * h * hd, d)?;
                     let half = |off: usize| -> Vec<usize> {
                         (0..h)
                             .flat_map(|i| i * 2 * hd + off..i * 2 * hd + off + hd)
                             .collect()
                     };
                     Mixer::Attention(Attention {
-                        q_proj: backend.upload_weight(q_proj.select_rows(&half(0)))?,
-                        gate_proj: backend.upload_weight(q_proj.select_rows(&half(hd)))?,
+                        q_proj: upload(&q_name, q_proj.select_rows(&half(0)))?,
+                        gate_proj: upload(&q_name, q_proj.select_rows(&half(hd)))?,
                         k_proj: linear(&format!("{p}.self_attn.k_proj"), kvh * hd, d)?,
                         v_proj: linear(&format!("{p}.self_attn.v_proj"), kvh * hd, d)?,
                         o_proj: linear(&format!("{p}.self_attn.o_proj"), d, h * hd)?,
@@ -553,12 +561,12 @@ impl<B: Backend> Model<B> {
                 let parts = vec![gate, up];
                 let gate_up = if LinearWeight::stack_losslessly(&parts) {
                     let stacked = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), parts)?;
-                    GateUp::Stacked(backend.upload_weight(stacked)?)
+                    GateUp::Stacked(upload(&format!("{prefix}.gate_proj"), stacked)?)
                 } else {
                     let [gate, up]: [LinearWeight; 2] = parts.try_into().expect("two parts");
                     GateUp::Separate {
-                        gate: backend.upload_weight(gate)?,
-                        up: backend.upload_weight(up)?,
+                        gate: upload(&format!("{prefix}.gate_proj"), gate)?,
+                        up: upload(&format!("{prefix}.up_proj"), up)?,
                     }
                 };
                 Ok(DenseMlp {

@@ -657,6 +657,17 @@ fn malformed_config_is_named() {
     assert!(msg.contains("config.json"), "{msg}");
 }
 
+#[test]
+fn zero_full_attention_interval_is_named() {
+    let tmp = copy_fixture(SHARDED);
+    edit_json(&tmp.path().join("config.json"), |v| {
+        v["full_attention_interval"] = json!(0)
+    });
+    let msg = open_err(tmp.path()).to_string();
+    assert!(msg.contains("config.json"), "{msg}");
+    assert!(msg.contains("full_attention_interval"), "{msg}");
+}
+
 // ---------------------------------------------------------------------------------------
 // 7. model.safetensors.index.json
 // ---------------------------------------------------------------------------------------

@@ -110,6 +110,10 @@ fn bad_input_gives_clear_errors() {
             "no/such/model",
         ),
         (
+            &["serve", "--model", "/no/such/model"],
+            "/no/such/model: model directory not found",
+        ),
+        (
             &["generate", "--model", dir, "--prompt-ids", "1,x"],
             "not a token id",
         ),
@@ -188,6 +192,33 @@ fn bad_input_gives_clear_errors() {
                 "hi",
                 "--memory-budget",
                 "lots",
+            ],
+            "not a size",
+        ),
+        // Negative values reach the checks instead of being taken for flags.
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--temperature",
+                "-1",
+                "--device",
+                "cpu",
+            ],
+            "temperature must be",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--memory-budget",
+                "-5GiB",
             ],
             "not a size",
         ),
