@@ -517,7 +517,10 @@ impl ModelConfig {
                     false,
                     num_attention_heads,
                     f.usize_list("mlp_only_layers")?,
-                    f.usize_or("decoder_sparse_step", Some(1))?.max(1),
+                    match f.usize_or("decoder_sparse_step", Some(1))? {
+                        0 => return Err(f.err("decoder_sparse_step", "must be at least 1")),
+                        step => step,
+                    },
                 ),
                 Family::Qwen35Moe => (true, 8, Vec::new(), 1),
                 Family::Qwen4Exp => (true, 2, Vec::new(), 1),

@@ -79,12 +79,15 @@ pub fn generate<B: Backend, E: ExpertSource>(
     // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
     // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
     let mut logits = Vec::new();
+    let mut done = 0;
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
+        done += chunk.len();
         if options.cancelled() {
             experts.end_prefill(false);
             stats.finish_reason = "stopped".into();
             stats.prefill_seconds = start.elapsed().as_secs_f64();
+            stats.prefill_tps = rate(done, stats.prefill_seconds);
             return Ok((out, stats));
         }
     }

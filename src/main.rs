@@ -88,7 +88,7 @@ struct PlanArgs {
     #[arg(long)]
     model: PathBuf,
     /// Total memory for the run, e.g. 8GiB.
-    #[arg(long, value_parser = slotstream::plan::parse_size, allow_hyphen_values = true)]
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
     memory_budget: u64,
     /// Context to reserve KV cache for, in tokens.
     #[arg(long, default_value_t = 4096)]
@@ -286,7 +286,7 @@ struct StreamArgs {
     experts_per_layer: Option<usize>,
     /// Plan the run within this much memory (e.g. 8GiB); the pool gets what the other
     /// terms leave (see `slotstream plan`).
-    #[arg(long, value_parser = slotstream::plan::parse_size, allow_hyphen_values = true)]
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
     memory_budget: Option<u64>,
     #[command(flatten)]
     io: IoArgs,
@@ -386,7 +386,7 @@ struct SamplingArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the k most probable tokens (0: off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     top_k: usize,
     /// Nucleus sampling mass (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
@@ -763,7 +763,9 @@ fn generate_on<B: Backend>(
             stats.finish_reason,
             slotstream::plan::peak_rss().map_or("unknown".into(), slotstream::plan::human)
         );
-        if let Some(p) = &pool_stats {
+        if let Some(p) = pool_stats.as_ref().filter(|p| p.hits + p.misses == 0) {
+            eprintln!("pool: no expert lookups ({} slots)", p.slots);
+        } else if let Some(p) = &pool_stats {
             let read = p.demand_bytes + p.speculative_bytes;
             let wait_share = if stats.decode_seconds > 0.0 {
                 p.decode_wait_seconds / stats.decode_seconds
@@ -1125,8 +1127,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     }
     let model_id = match &args.model_name {
         Some(n) => n.clone(),
+        // A missing or unreadable directory is reported by the loader below.
         None => std::fs::canonicalize(&args.model)
-            .map_err(|_| anyhow::anyhow!("{}: model directory not found", args.model.display()))?
+            .unwrap_or_else(|_| args.model.clone())
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     };

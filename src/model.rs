@@ -392,9 +392,10 @@ impl<B: Backend> Model<B> {
         };
         // A weight the backend cannot hold (past a GPU's binding limit) is named.
         let upload = |name: &str, w: LinearWeight| -> Result<B::Weight> {
-            backend
-                .upload_weight(w)
-                .map_err(|e| Error::bad_tensor(name, e.to_string()))
+            backend.upload_weight(w).map_err(|e| match e {
+                Error::Gpu(m) => Error::Gpu(format!("`{name}`: {m}")),
+                other => other,
+            })
         };
         let linear = |name: &str, out: usize, inp: usize| -> Result<B::Weight> {
             upload(name, ckpt.linear(name, out, inp)?)
@@ -558,12 +559,11 @@ impl<B: Backend> Model<B> {
             let dense = |prefix: &str, width: usize| -> Result<DenseMlp<B>> {
                 let gate = ckpt.linear(&format!("{prefix}.gate_proj"), width, d)?;
                 let up = ckpt.linear(&format!("{prefix}.up_proj"), width, d)?;
-                let parts = vec![gate, up];
-                let gate_up = if LinearWeight::stack_losslessly(&parts) {
-                    let stacked = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), parts)?;
+                let gate_up = if LinearWeight::stack_losslessly(&[&gate, &up]) {
+                    let stacked =
+                        LinearWeight::stack_rows(&format!("{prefix}.up_proj"), vec![gate, up])?;
                     GateUp::Stacked(upload(&format!("{prefix}.gate_proj"), stacked)?)
                 } else {
-                    let [gate, up]: [LinearWeight; 2] = parts.try_into().expect("two parts");
                     GateUp::Separate {
                         gate: upload(&format!("{prefix}.gate_proj"), gate)?,
                         up: upload(&format!("{prefix}.up_proj"), up)?,

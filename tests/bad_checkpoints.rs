@@ -445,6 +445,74 @@ fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
     );
 }
 
+/// A mixed-precision conversion: every shared expert's `up_proj` rewritten from 4-bit to
+/// 8-bit with the same values (`q8 = 17 q4`, `scale8 = scale4 / 17`, f32 scales), its gate
+/// left at 4 bits, so gate and up cannot be stacked into one quantized weight. The model
+/// loads and gives the logits of the untouched checkpoint.
+#[test]
+fn shared_expert_with_gate_and_up_quantized_differently_loads() {
+    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
+    let logits = |dir: &Path| {
+        let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
+        let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
+        let experts = slotstream::experts::MappedExperts::new(
+            ckpt.clone(),
+            std::sync::Arc::new(model.experts.clone()),
+        );
+        slotstream::score::score(&model, &CpuBackend, &experts, &ids)
+            .unwrap()
+            .logits
+    };
+    let want = logits(&copy_fixture(SHARDED).path().to_path_buf());
+    let tmp = copy_fixture(SHARDED);
+    let layers = read_json(&tmp.path().join("config.json"))["num_hidden_layers"]
+        .as_u64()
+        .unwrap();
+    for layer in 0..layers {
+        let module = format!("model.layers.{layer}.mlp.shared_expert.up_proj");
+        let shard = tmp
+            .path()
+            .join(shard_of(tmp.path(), &format!("{module}.weight")));
+        rewrite_shard(&shard, |ts| {
+            for t in ts.iter_mut() {
+                if t.name == format!("{module}.weight") {
+                    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&t.data);
+                    let q4 = words
+                        .iter()
+                        .flat_map(|w| (0..8).map(move |j| (w >> (4 * j)) & 15));
+                    let q8: Vec<u32> = q4.map(|q| 17 * q).collect();
+                    let packed: Vec<u32> = q8
+                        .chunks(4)
+                        .map(|c| c.iter().enumerate().fold(0, |w, (j, q)| w | (q << (8 * j))))
+                        .collect();
+                    t.shape[1] *= 2;
+                    t.data = bytemuck::cast_slice(&packed).to_vec();
+                } else if t.name == format!("{module}.scales") {
+                    assert_eq!(t.dtype, Dtype::F32, "the fixture's scales are f32");
+                    let scales: Vec<f32> = bytemuck::pod_collect_to_vec(&t.data);
+                    let scaled: Vec<f32> = scales.iter().map(|s| s / 17.0).collect();
+                    t.data = bytemuck::cast_slice(&scaled).to_vec();
+                }
+            }
+        });
+        edit_json(&tmp.path().join("config.json"), |v| {
+            let group = v["quantization"]["group_size"].clone();
+            v["quantization"][&module] = json!({"group_size": group, "bits": 8});
+        });
+    }
+    let got = logits(tmp.path());
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(&want) {
+        num += (*g as f64 - *w as f64).powi(2);
+        den += (*w as f64).powi(2);
+    }
+    let err = (num / den).sqrt();
+    assert!(
+        err < 1e-5,
+        "logits differ from the untouched checkpoint's by {err:e}"
+    );
+}
+
 #[test]
 fn missing_expert_piece() {
     let tmp = copy_fixture(SHARDED);
@@ -655,6 +723,16 @@ fn malformed_config_is_named() {
     .unwrap();
     let msg = open_err(tmp.path()).to_string();
     assert!(msg.contains("config.json"), "{msg}");
+}
+
+#[test]
+fn zero_decoder_sparse_step_is_named() {
+    let tmp = copy_fixture(SHARDED);
+    edit_json(&tmp.path().join("config.json"), |v| {
+        v["decoder_sparse_step"] = json!(0)
+    });
+    let msg = open_err(tmp.path()).to_string();
+    assert!(msg.contains("decoder_sparse_step"), "{msg}");
 }
 
 #[test]

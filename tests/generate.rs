@@ -111,7 +111,7 @@ fn bad_input_gives_clear_errors() {
         ),
         (
             &["serve", "--model", "/no/such/model"],
-            "/no/such/model: model directory not found",
+            "loading model /no/such/model: /no/such/model: model directory not found",
         ),
         (
             &["generate", "--model", dir, "--prompt-ids", "1,x"],
@@ -212,15 +212,23 @@ fn bad_input_gives_clear_errors() {
         ),
         (
             &[
+                "generate", "--model", dir, "--prompt", "hi", "--top-k", "-1",
+            ],
+            "invalid value '-1' for '--top-k",
+        ),
+        // A flag where a value belongs is a missing value, not a value.
+        (
+            &[
                 "generate",
                 "--model",
                 dir,
                 "--prompt",
                 "hi",
                 "--memory-budget",
-                "-5GiB",
+                "--pool-slots",
+                "3",
             ],
-            "not a size",
+            "a value is required for '--memory-budget",
         ),
     ];
     for (args, needle) in cases {
@@ -230,6 +238,35 @@ fn bad_input_gives_clear_errors() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+/// `--max-tokens 0` runs nothing, not even the prefill, and the stats lines say so
+/// instead of printing rates and a hit rate of nothing.
+#[test]
+fn zero_max_tokens_reports_that_nothing_ran() {
+    let dir = fixture_dir(FIXTURES[0]);
+    let out = slotstream()
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "0",
+            "--stats",
+            "--device",
+            "cpu",
+            "--pool-slots",
+            "30",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("prefill of 3 tokens not run"), "{err}");
+    assert!(err.contains("decode 0 tokens"), "{err}");
+    assert!(err.contains("pool: no expert lookups"), "{err}");
 }
 
 #[test]

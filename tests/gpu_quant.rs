@@ -237,8 +237,9 @@ fn routed_experts_match_cpu() {
 
 /// The fused gate/up SwiGLU of a stacked `[Wg; Wu]` against the CPU backend's SwiGLU of
 /// the two matmuls apart: alike-quantized halves (the fused kernels, vec4 and scalar) and a
-/// mixed stack (dequantized by `stack_rows` to a dense weight: matmul, then SwiGLU over the
-/// halves). On the CPU the stacked weight gives the unstacked result bit for bit.
+/// dense stack (here a mixed pair that `stack_rows` dequantizes; an unquantized
+/// checkpoint's MLP stacks the same way): a matmul, then SwiGLU over the halves. On the CPU
+/// the stacked weight gives the unstacked result bit for bit.
 #[test]
 fn matmul_swiglu_matches_cpu() {
     let g = common::gpu();
@@ -260,7 +261,7 @@ fn matmul_swiglu_matches_cpu() {
             let gate = random_quantized(inter, cols, spec, dtype);
             for (what, up) in [
                 ("alike", random_quantized(inter, cols, spec, dtype)),
-                ("mixed", random_quantized(inter, cols, other, Dtype::BF16)),
+                ("dense", random_quantized(inter, cols, other, Dtype::BF16)),
             ] {
                 let x = random(t * cols);
                 let cx = cpu.upload(&x, t, cols);
@@ -383,4 +384,39 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
             );
         }
     }
+}
+
+/// A weight past the adapter's storage binding limit, quantized or dense, is refused at
+/// upload with the limit in the message (and the model names the tensor), instead of a
+/// validation panic at its first dispatch. Built just past this adapter's own limit (the
+/// zeroed host memory is not touched before the check).
+#[test]
+fn weights_past_the_binding_limit_are_refused() {
+    let g = common::gpu();
+    let limit = g.gpu.limits.max_storage_buffer_binding_size as usize;
+    let cols = 64;
+    let rows = limit / (4 * cols) + 1;
+    let dense = LinearWeight::Dense(DenseMatrix {
+        rows,
+        cols,
+        data: vec![0.0; rows * cols],
+    });
+    let err = g.upload_weight(dense).unwrap_err().to_string();
+    assert!(err.contains("storage binding limit"), "{err}");
+    // 4-bit: 8 values a word, so about 8x the rows for the same bytes.
+    let rows = limit * 2 / cols + 1;
+    let quantized = LinearWeight::Quantized(QuantizedMatrix {
+        spec: QuantSpec {
+            bits: 4,
+            group_size: 64,
+        },
+        rows,
+        cols,
+        packed: vec![0; rows * cols / 8],
+        scale_dtype: Dtype::BF16,
+        scales: vec![0; rows * 2],
+        biases: vec![0; rows * 2],
+    });
+    let err = g.upload_weight(quantized).unwrap_err().to_string();
+    assert!(err.contains("storage binding limit"), "{err}");
 }

@@ -105,7 +105,7 @@ impl LinearWeight {
 
     /// Whether [`LinearWeight::stack_rows`] keeps `parts` as they are: all dense, or all
     /// quantized with the same bits, group size and scale dtype.
-    pub fn stack_losslessly(parts: &[LinearWeight]) -> bool {
+    pub fn stack_losslessly(parts: &[&LinearWeight]) -> bool {
         match parts {
             [] => true,
             [LinearWeight::Dense(_), rest @ ..] => {
@@ -131,21 +131,27 @@ impl LinearWeight {
             ));
         }
         let rows = parts.iter().map(|p| p.shape().0).sum();
-        let quantized = Self::stack_losslessly(&parts)
+        let refs: Vec<&LinearWeight> = parts.iter().collect();
+        let quantized = Self::stack_losslessly(&refs)
             && matches!(parts.first(), Some(LinearWeight::Quantized(_)));
+        let mut parts = parts.into_iter();
         if !quantized {
             let mut data = Vec::with_capacity(rows * cols);
-            for p in &parts {
-                data.extend(p.to_dense().data);
+            for p in parts {
+                match p {
+                    LinearWeight::Dense(d) => data.extend(d.data),
+                    q => data.extend(q.to_dense().data),
+                }
             }
             return Ok(LinearWeight::Dense(DenseMatrix { rows, cols, data }));
         }
-        let mut parts = parts.into_iter().filter_map(|p| match p {
-            LinearWeight::Quantized(q) => Some(q),
-            LinearWeight::Dense(_) => None,
-        });
-        let mut stacked = parts.next().expect("a quantized first part");
-        for q in parts {
+        let Some(LinearWeight::Quantized(mut stacked)) = parts.next() else {
+            unreachable!("checked: the first part is quantized")
+        };
+        for p in parts {
+            let LinearWeight::Quantized(q) = p else {
+                unreachable!("checked: every part is quantized alike")
+            };
             stacked.rows += q.rows;
             stacked.packed.extend(q.packed);
             stacked.scales.extend(q.scales);
@@ -350,7 +356,7 @@ mod tests {
             quantized(10, 64, 4, Dtype::BF16),
         );
         let want: Vec<f32> = [a.to_dense().data, b.to_dense().data].concat();
-        assert!(LinearWeight::stack_losslessly(&[a.clone(), b.clone()]));
+        assert!(LinearWeight::stack_losslessly(&[&a, &b]));
         let same = LinearWeight::stack_rows("ab", vec![a.clone(), b.clone()]).unwrap();
         assert!(matches!(same, LinearWeight::Quantized(_)));
         assert_eq!(same.shape(), (16, 64));
@@ -358,8 +364,8 @@ mod tests {
         // Mixed quantization, or a dense part: dequantized.
         let c = quantized(3, 64, 8, Dtype::F32);
         let d = LinearWeight::Dense(c.to_dense());
+        assert!(!LinearWeight::stack_losslessly(&[&a, &b, &c, &d]));
         let parts = vec![a.clone(), b, c.clone(), d];
-        assert!(!LinearWeight::stack_losslessly(&parts));
         let mixed = LinearWeight::stack_rows("abcd", parts).unwrap();
         assert!(matches!(mixed, LinearWeight::Dense(_)));
         let c = c.to_dense().data;

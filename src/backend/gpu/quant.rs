@@ -247,13 +247,22 @@ pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight
                 data: b.gpu.plain(b.gpu.buffer_with(&bytes)),
             })
         }
-        LinearWeight::Dense(d) => Ok(GpuWeight::Dense {
-            rows: d.rows,
-            cols: d.cols,
-            data: b
-                .gpu
-                .plain(b.gpu.buffer_with(bytemuck::cast_slice(&d.data))),
-        }),
+        LinearWeight::Dense(d) => {
+            let bytes = (d.data.len() * 4) as u64;
+            if bytes > max {
+                return Err(Error::Gpu(format!(
+                    "a {}x{} f32 weight needs {bytes} bytes, above the adapter's storage binding limit of {max}",
+                    d.rows, d.cols
+                )));
+            }
+            Ok(GpuWeight::Dense {
+                rows: d.rows,
+                cols: d.cols,
+                data: b
+                    .gpu
+                    .plain(b.gpu.buffer_with(bytemuck::cast_slice(&d.data))),
+            })
+        }
     }
 }
 
