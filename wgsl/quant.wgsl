@@ -36,9 +36,11 @@ struct Params {
     b_off2: u32,
     bits2: u32,
     group_size2: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    // qmatmul entries: outputs per output row of `out` (0: p.rows) and the first of
+    // them this dispatch writes (a weight split into row ranges, one binding each).
+    out_cols: u32,
+    out_first: u32,
+    _pad: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -111,6 +113,10 @@ fn route_of(z: u32) -> vec3<u32> {
         return vec3<u32>(aux[e + 1u], row, select(0u, 1u, aux[e] == p.arena));
     }
     return vec3<u32>(0u, z, 1u);
+}
+
+fn out_cols() -> u32 {
+    return select(p.out_cols, p.rows, p.out_cols == 0u);
 }
 
 // What one invocation of a qmatmul entry computes: output row `row` of route (or token)
@@ -192,7 +198,7 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     }
     let total = row_sum(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * p.rows + j.row] = total;
+        out[j.z * out_cols() + p.out_first + j.row] = total;
     }
 }
 
@@ -212,7 +218,7 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
     }
     let total = row_sum2(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * p.rows + j.row] = total.x * sigmoid(total.x) * total.y;
+        out[j.z * out_cols() + p.out_first + j.row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 
@@ -277,7 +283,7 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     }
     let total = row_sum(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * p.rows + j.row] = total;
+        out[j.z * out_cols() + p.out_first + j.row] = total;
     }
 }
 
@@ -296,7 +302,7 @@ fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
     }
     let total = row_sum2(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * p.rows + j.row] = total.x * sigmoid(total.x) * total.y;
+        out[j.z * out_cols() + p.out_first + j.row] = total.x * sigmoid(total.x) * total.y;
     }
 }
 
@@ -315,15 +321,19 @@ fn matmul_dense(@builtin(local_invocation_index) li: u32,
     }
     let total = row_sum(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * p.rows + j.row] = total;
+        out[j.z * out_cols() + p.out_first + j.row] = total;
     }
 }
 
 // out[t, c] = dequantized row aux[t] of the table (p.cols wide); one workgroup per token.
+// A token whose row is 0xFFFFFFFF is left alone (it lies in another part of a split table).
 @compute @workgroup_size(256)
 fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = wid.z;
     let row = aux[t];
+    if (row == 0xFFFFFFFFu) {
+        return;
+    }
     let per_word = 32u / p.bits;
     let words_per_row = p.cols / per_word;
     let groups = p.cols / p.group_size;

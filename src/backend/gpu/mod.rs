@@ -62,6 +62,25 @@ pub enum GpuWeight {
         cols: usize,
         data: DeviceBuffer,
     },
+    /// A weight past the adapter's storage binding limit (a real model's embedding or
+    /// lm_head on lavapipe's 128 MiB), split into row ranges of one binding each:
+    /// `(first row, part)`, in row order.
+    Rows(Vec<(usize, GpuWeight)>),
+}
+
+impl GpuWeight {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            GpuWeight::Quantized { rows, cols, .. } | GpuWeight::Dense { rows, cols, .. } => {
+                (*rows, *cols)
+            }
+            GpuWeight::Rows(parts) => {
+                let cols = parts.first().map_or(0, |(_, p)| p.shape().1);
+                (parts.iter().map(|(_, p)| p.shape().0).sum(), cols)
+            }
+        }
+    }
 }
 
 /// Keys and values of one attention layer: `[capacity, kv_dim]` buffers that grow by

@@ -67,6 +67,10 @@ struct Params {
     b_off2: u32,
     bits2: u32,
     group_size2: u32,
+    /// Output width when a dispatch writes a column range of a wider output (0: `rows`),
+    /// and the first column it writes: a weight split into row ranges.
+    out_cols: u32,
+    out_first: u32,
 }
 
 impl Params {
@@ -143,8 +147,8 @@ impl Params {
             self.b_off2,
             self.bits2,
             self.group_size2,
-            0,
-            0,
+            self.out_cols,
+            self.out_first,
             0,
         ]
     }
@@ -218,6 +222,42 @@ const MIRROR_WRITE_BATCH: usize = 256 << 20;
 /// boundary, the whole padded to 16 bytes), as the kernels read them.
 pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight> {
     let max = b.gpu.limits.max_storage_buffer_binding_size as u64;
+    let (rows, cols) = w.shape();
+    // Bytes per row as laid out below, and the padding a part may add.
+    let row_bytes = match &w {
+        LinearWeight::Quantized(q) => {
+            (q.packed.len() * 4 + q.scales.len() + q.biases.len()) as u64 / rows.max(1) as u64
+        }
+        LinearWeight::Dense(_) => cols as u64 * 4,
+    };
+    const PADDING: u64 = 32;
+    if row_bytes * rows as u64 + PADDING > max {
+        let per = (max.saturating_sub(PADDING) / row_bytes.max(1)) as usize;
+        if per == 0 {
+            return Err(Error::Gpu(format!(
+                "one row of a {rows}x{cols} weight needs {row_bytes} bytes, above the adapter's storage binding limit of {max}"
+            )));
+        }
+        let parts = (0..rows)
+            .step_by(per)
+            .map(|first| {
+                let range: Vec<usize> = (first..(first + per).min(rows)).collect();
+                Ok((first, upload_part(b, w.select_rows(&range), max)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        tracing::debug!(
+            rows,
+            cols,
+            parts = parts.len(),
+            "weight split into row ranges"
+        );
+        return Ok(GpuWeight::Rows(parts));
+    }
+    upload_part(b, w, max)
+}
+
+/// One binding's worth of [`upload_weight`].
+fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
     match w {
         LinearWeight::Quantized(q) => {
             let code = dtype_code(q.scale_dtype);
@@ -312,27 +352,31 @@ fn row_groups(rows: usize, z: usize) -> [u32; 3] {
 }
 
 pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<GpuTensor> {
-    let (rows, cols) = match table {
-        GpuWeight::Quantized { rows, cols, .. } | GpuWeight::Dense { rows, cols, .. } => {
-            (*rows, *cols)
-        }
-    };
+    let (rows, cols) = table.shape();
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
         return Err(Error::InvalidInput(format!(
             "token id {bad} is out of range for a vocabulary of {rows}"
         )));
     }
     let out = b.empty(ids.len(), cols);
+    embed_into(b, table, ids, &out);
+    Ok(out)
+}
+
+/// Row `ids[t]` of `table` into row `t` of `out`, for every `t` whose id is not [`SKIP`].
+fn embed_into(b: &GpuBackend, table: &GpuWeight, ids: &[u32], out: &GpuTensor) {
+    let cols = out.cols;
     match table {
         GpuWeight::Quantized {
             spec,
+            rows,
             scale_dtype,
             s_off,
             b_off,
             data,
             ..
         } => {
-            let params = Params::resident(*spec, rows, cols, *scale_dtype, *s_off, *b_off);
+            let params = Params::resident(*spec, *rows, cols, *scale_dtype, *s_off, *b_off);
             let ids = bytemuck::cast_slice(ids);
             let binds = [
                 Bind::Buffer(&b.gpu.dummy),
@@ -348,7 +392,7 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
             );
         }
         GpuWeight::Dense { data, .. } => {
-            for (t, &id) in ids.iter().enumerate() {
+            for (t, &id) in ids.iter().enumerate().filter(|(_, &id)| id != SKIP) {
                 b.gpu.copy(
                     data,
                     (id as usize * cols * 4) as u64,
@@ -358,12 +402,47 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
                 );
             }
         }
+        GpuWeight::Rows(parts) => {
+            for (first, part) in parts {
+                let range = *first as u32..(*first + part.shape().0) as u32;
+                let local: Vec<u32> = ids
+                    .iter()
+                    .map(|&id| {
+                        if range.contains(&id) {
+                            id - range.start
+                        } else {
+                            SKIP
+                        }
+                    })
+                    .collect();
+                if local.iter().any(|&id| id != SKIP) {
+                    embed_into(b, part, &local, out);
+                }
+            }
+        }
     }
-    Ok(out)
 }
 
+/// An embedding id that the part of a split table at hand does not hold
+/// (`0xFFFFFFFF` in `wgsl/quant.wgsl`'s `embed`).
+const SKIP: u32 = u32::MAX;
+
 pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
+    let (rows, cols) = w.shape();
+    assert_eq!(x.cols, cols, "matmul input width");
+    let out = b.empty(x.rows, rows);
+    matmul_into(b, x, w, &out, 0);
+    out
+}
+
+/// `x W^T` into columns `first ..` of `out`.
+fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, first: usize) {
     let dummy = &b.gpu.dummy;
+    let placed = |params: Params| Params {
+        out_cols: out.cols as u32,
+        out_first: first as u32,
+        ..params
+    };
     match w {
         GpuWeight::Quantized {
             spec,
@@ -374,32 +453,38 @@ pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor 
             b_off,
             data,
         } => {
-            assert_eq!(x.cols, *cols, "matmul input width");
-            let out = b.empty(x.rows, *rows);
-            let params = Params::resident(*spec, *rows, *cols, *scale_dtype, *s_off, *b_off);
+            let params = placed(Params::resident(
+                *spec,
+                *rows,
+                *cols,
+                *scale_dtype,
+                *s_off,
+                *b_off,
+            ));
             b.gpu.dispatch(
                 params.qmatmul_kernel(),
                 &params.words(),
                 &[&x.buf, data, dummy, &out.buf],
                 row_groups(*rows, x.rows),
             );
-            out
         }
         GpuWeight::Dense { rows, cols, data } => {
-            assert_eq!(x.cols, *cols, "matmul input width");
-            let out = b.empty(x.rows, *rows);
-            let params = Params {
+            let params = placed(Params {
                 rows: *rows as u32,
                 cols: *cols as u32,
                 ..Default::default()
-            };
+            });
             b.gpu.dispatch(
                 &DENSE,
                 &params.words(),
                 &[&x.buf, data, dummy, &out.buf],
                 row_groups(*rows, x.rows),
             );
-            out
+        }
+        GpuWeight::Rows(parts) => {
+            for (part_first, part) in parts {
+                matmul_into(b, x, part, out, first + part_first);
+            }
         }
     }
 }
