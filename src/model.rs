@@ -448,6 +448,8 @@ impl<B: Backend> Model<B> {
         };
         let ple_cfg = cfg.flash_next.as_ref().and_then(|x| x.ple.as_ref());
         let indexer_cfg = cfg.flash_next.as_ref().and_then(|x| x.indexer.as_ref());
+        // The same regrouping serves every DeltaNet layer.
+        let fused_rows = FusedRows::new(&cfg);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, kind) in cfg.layer_kinds.iter().enumerate() {
             let p = cfg.name(&format!("model.layers.{i}"));
@@ -469,11 +471,10 @@ impl<B: Backend> Model<B> {
                                 let qkvz =
                                     ckpt.linear(&name("in_proj_qkvz"), 2 * kd + 2 * vd, d)?;
                                 let ba = ckpt.linear(&name("in_proj_ba"), 2 * nv, d)?;
-                                let rows = FusedRows::new(&cfg);
                                 (
-                                    qkvz.select_rows(&rows.qkv),
-                                    qkvz.select_rows(&rows.z),
-                                    ba.select_rows(&rows.ba),
+                                    qkvz.select_rows(&fused_rows.qkv),
+                                    qkvz.select_rows(&fused_rows.z),
+                                    ba.select_rows(&fused_rows.ba),
                                     ["in_proj_qkvz", "in_proj_qkvz", "in_proj_ba"],
                                 )
                             }

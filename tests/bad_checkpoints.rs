@@ -27,6 +27,21 @@ const INDEX: &str = "model.safetensors.index.json";
 // Helpers
 // ---------------------------------------------------------------------------------------
 
+/// The CPU backend's teacher-forced logits of a fixed 24-token sequence on the checkpoint
+/// in `dir` (panics, naming the error, if it does not load).
+fn cpu_logits(dir: &Path) -> Vec<f32> {
+    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
+    let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
+    let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
+    let experts = slotstream::experts::MappedExperts::new(
+        ckpt.clone(),
+        std::sync::Arc::new(model.experts.clone()),
+    );
+    slotstream::score::score(&model, &CpuBackend, &experts, &ids)
+        .unwrap()
+        .logits
+}
+
 /// Copies fixture `name` into a fresh temporary directory.
 fn copy_fixture(name: &str) -> TempDir {
     let src = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -390,19 +405,7 @@ fn qwen35_config_with_qwen3_next_projection_names_the_missing_split_tensor() {
 /// Hugging Face's `model.language_model.` ones; both load, and give the same logits.
 #[test]
 fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
-    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
-    let logits = |dir: &Path| {
-        let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
-        let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
-        let experts = slotstream::experts::MappedExperts::new(
-            ckpt.clone(),
-            std::sync::Arc::new(model.experts.clone()),
-        );
-        slotstream::score::score(&model, &CpuBackend, &experts, &ids)
-            .unwrap()
-            .logits
-    };
-    let want = logits(&copy_fixture(QWEN35).path().to_path_buf());
+    let want = cpu_logits(copy_fixture(QWEN35).path());
     let respell: [(&str, fn(&str) -> String); 2] = [
         ("unprefixed", |n| {
             n.strip_prefix("language_model.").unwrap().to_string()
@@ -420,7 +423,7 @@ fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
             }
         });
         fs::remove_file(tmp.path().join(INDEX)).unwrap();
-        assert!(logits(tmp.path()) == want, "{what}: logits differ");
+        assert!(cpu_logits(tmp.path()) == want, "{what}: logits differ");
     }
     // Two spellings of one tensor are refused, naming both.
     let tmp = copy_fixture(QWEN35);
@@ -451,19 +454,7 @@ fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
 /// loads and gives the logits of the untouched checkpoint.
 #[test]
 fn shared_expert_with_gate_and_up_quantized_differently_loads() {
-    let ids: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
-    let logits = |dir: &Path| {
-        let ckpt = std::sync::Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
-        let model = Model::<CpuBackend>::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{e}"));
-        let experts = slotstream::experts::MappedExperts::new(
-            ckpt.clone(),
-            std::sync::Arc::new(model.experts.clone()),
-        );
-        slotstream::score::score(&model, &CpuBackend, &experts, &ids)
-            .unwrap()
-            .logits
-    };
-    let want = logits(&copy_fixture(SHARDED).path().to_path_buf());
+    let want = cpu_logits(copy_fixture(SHARDED).path());
     let tmp = copy_fixture(SHARDED);
     let layers = read_json(&tmp.path().join("config.json"))["num_hidden_layers"]
         .as_u64()
@@ -500,7 +491,7 @@ fn shared_expert_with_gate_and_up_quantized_differently_loads() {
             v["quantization"][&module] = json!({"group_size": group, "bits": 8});
         });
     }
-    let got = logits(tmp.path());
+    let got = cpu_logits(tmp.path());
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for (g, w) in got.iter().zip(&want) {
         num += (*g as f64 - *w as f64).powi(2);

@@ -63,20 +63,7 @@ enum Rows<'a> {
 impl<'a> Rows<'a> {
     fn of(w: &'a LinearWeight) -> Self {
         match w {
-            LinearWeight::Quantized(q) => Rows::Quant(QuantView {
-                spec: q.spec,
-                rows: q.rows,
-                cols: q.cols,
-                packed: bytemuck::cast_slice(&q.packed),
-                scales: Floats {
-                    dtype: q.scale_dtype,
-                    bytes: &q.scales,
-                },
-                biases: Floats {
-                    dtype: q.scale_dtype,
-                    bytes: &q.biases,
-                },
-            }),
+            LinearWeight::Quantized(q) => Rows::Quant(q.view()),
             LinearWeight::Dense(d) => Rows::Dense {
                 data: &d.data,
                 cols: d.cols,

@@ -46,6 +46,26 @@ pub struct QuantizedMatrix {
     pub biases: Vec<u8>,
 }
 
+impl QuantizedMatrix {
+    /// The matrix as the CPU dequantizer reads it.
+    pub fn view(&self) -> QuantView<'_> {
+        QuantView {
+            spec: self.spec,
+            rows: self.rows,
+            cols: self.cols,
+            packed: bytemuck::cast_slice(&self.packed),
+            scales: Floats {
+                dtype: self.scale_dtype,
+                bytes: &self.scales,
+            },
+            biases: Floats {
+                dtype: self.scale_dtype,
+                bytes: &self.biases,
+            },
+        }
+    }
+}
+
 /// A dense matrix `[rows, cols]` widened to f32.
 #[derive(Clone, Debug)]
 pub struct DenseMatrix {
@@ -165,20 +185,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(d) => d.clone(),
             LinearWeight::Quantized(q) => {
-                let view = QuantView {
-                    spec: q.spec,
-                    rows: q.rows,
-                    cols: q.cols,
-                    packed: bytemuck::cast_slice(&q.packed),
-                    scales: Floats {
-                        dtype: q.scale_dtype,
-                        bytes: &q.scales,
-                    },
-                    biases: Floats {
-                        dtype: q.scale_dtype,
-                        bytes: &q.biases,
-                    },
-                };
+                let view = q.view();
                 let mut data = vec![0.0; q.rows * q.cols];
                 for (r, row) in data.chunks_exact_mut(q.cols.max(1)).enumerate() {
                     dequantize_row(&view, r, row);

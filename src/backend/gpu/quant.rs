@@ -8,10 +8,9 @@
 use safetensors::Dtype;
 
 use super::device::{grid, Access, Bind, Kernel};
-use super::{GpuBackend, GpuTensor, GpuWeight, Mirror};
+use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::Routing;
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
-use crate::config::QuantSpec;
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 
@@ -107,25 +106,32 @@ impl Params {
         }
     }
 
-    /// Parameters of a resident quantized weight (packed words at 0 in its buffer).
-    fn resident(
-        spec: QuantSpec,
-        rows: usize,
-        cols: usize,
-        scale_dtype: u32,
-        s_off: u32,
-        b_off: u32,
-    ) -> Self {
-        Params {
-            rows: rows as u32,
-            cols: cols as u32,
-            bits: spec.bits,
-            group_size: spec.group_size as u32,
+    /// Parameters of a resident quantized weight (packed words at 0 in its buffer), and
+    /// the buffer; `None` for a dense or split weight.
+    fn resident(w: &GpuWeight) -> Option<(Self, &DeviceBuffer)> {
+        let GpuWeight::Quantized {
+            spec,
+            rows,
+            cols,
             scale_dtype,
             s_off,
             b_off,
+            data,
+        } = w
+        else {
+            return None;
+        };
+        let params = Params {
+            rows: *rows as u32,
+            cols: *cols as u32,
+            bits: spec.bits,
+            group_size: spec.group_size as u32,
+            scale_dtype: *scale_dtype,
+            s_off: *s_off,
+            b_off: *b_off,
             ..Default::default()
-        }
+        };
+        Some((params, data))
     }
 
     fn words(&self) -> [u32; 20] {
@@ -309,31 +315,24 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
 /// [`crate::backend::Backend::matmul_swiglu`]: a quantized `[Wg; Wu]` in one fused
 /// dispatch, a dense one as a matmul and an elementwise SwiGLU over the halves.
 pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
-    let GpuWeight::Quantized {
-        spec,
-        rows,
-        cols,
-        scale_dtype,
-        s_off,
-        b_off,
-        data,
-    } = w
-    else {
+    let Some((whole, data)) = Params::resident(w) else {
         return super::elementwise::swiglu_halves(b, &matmul(b, x, w));
     };
-    assert_eq!(x.cols, *cols, "matmul_swiglu input width");
+    let (rows, cols) = (whole.rows as usize, whole.cols as usize);
+    assert_eq!(x.cols, cols, "matmul_swiglu input width");
     assert_eq!(rows % 2, 0, "matmul_swiglu: odd row count {rows}");
     let inter = rows / 2;
     // The up projection's rows start `inter` rows into each part.
-    let words = inter * cols / spec.per_word();
-    let groups = (inter * cols / spec.group_size) as u32;
+    let words = inter * cols / (32 / whole.bits as usize);
+    let groups = (inter * cols / whole.group_size as usize) as u32;
     let params = Params {
+        rows: inter as u32,
         w_off2: words as u32,
-        s_off2: s_off + groups,
-        b_off2: b_off + groups,
-        bits2: spec.bits,
-        group_size2: spec.group_size as u32,
-        ..Params::resident(*spec, inter, *cols, *scale_dtype, *s_off, *b_off)
+        s_off2: whole.s_off + groups,
+        b_off2: whole.b_off + groups,
+        bits2: whole.bits,
+        group_size2: whole.group_size,
+        ..whole
     };
     let out = b.empty(x.rows, inter);
     b.gpu.dispatch(
@@ -367,16 +366,8 @@ pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<Gp
 fn embed_into(b: &GpuBackend, table: &GpuWeight, ids: &[u32], out: &GpuTensor) {
     let cols = out.cols;
     match table {
-        GpuWeight::Quantized {
-            spec,
-            rows,
-            scale_dtype,
-            s_off,
-            b_off,
-            data,
-            ..
-        } => {
-            let params = Params::resident(*spec, *rows, cols, *scale_dtype, *s_off, *b_off);
+        GpuWeight::Quantized { .. } => {
+            let (params, data) = Params::resident(table).expect("a quantized weight");
             let ids = bytemuck::cast_slice(ids);
             let binds = [
                 Bind::Buffer(&b.gpu.dummy),
@@ -444,23 +435,9 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         ..params
     };
     match w {
-        GpuWeight::Quantized {
-            spec,
-            rows,
-            cols,
-            scale_dtype,
-            s_off,
-            b_off,
-            data,
-        } => {
-            let params = placed(Params::resident(
-                *spec,
-                *rows,
-                *cols,
-                *scale_dtype,
-                *s_off,
-                *b_off,
-            ));
+        GpuWeight::Quantized { rows, .. } => {
+            let (params, data) = Params::resident(w).expect("a quantized weight");
+            let params = placed(params);
             b.gpu.dispatch(
                 params.qmatmul_kernel(),
                 &params.words(),
