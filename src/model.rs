@@ -29,7 +29,7 @@ use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
-use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
+use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
 
 /// A gated DeltaNet layer. Its input projections are regrouped at load: Qwen3-Next's
 /// `in_proj_qkvz` and `in_proj_ba` interleave q, k, v, z (and b, a) per key-head group, and
@@ -301,13 +301,11 @@ pub const PREFILL_CHUNK: usize = 256;
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
 pub const SWEEP_MIN_TOKENS: usize = 32;
 
-/// The tokens of a chunk as the MoE blocks see them: ids, where the chunk starts in its
-/// sequence, and the sequence's synthetic routing state (when the model has a routing
-/// model).
+/// The tokens of a chunk as the MoE blocks see them: ids, and their synthetic routing
+/// (when the model has a routing model).
 struct Tokens<'a> {
     ids: &'a [u32],
-    start: u64,
-    routing: Option<&'a mut RoutingState>,
+    routes: Option<&'a mut StepRoutes>,
 }
 
 /// What a forward step holds until its final read-back has waited for the device.
@@ -794,7 +792,7 @@ impl<B: Backend> Model<B> {
         let start = state.tokens.len() as u64;
         let history = &state.tokens;
         let layer_states = &mut state.layers;
-        let mut routing_state = state.routing.as_mut();
+        let routing_state = state.routing.as_mut();
         let mut hold = StepHold::<B, E> {
             in_use: Vec::new(),
             layers: Vec::new(),
@@ -812,6 +810,18 @@ impl<B: Backend> Model<B> {
                         .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
                 })
                 .collect();
+            let mut routes = match (&self.routing, routing_state) {
+                (Some(model), Some(st)) => Some(StepRoutes::spawn(
+                    scope,
+                    model,
+                    st,
+                    cfg.moe_layers(),
+                    self.layers.len(),
+                    start,
+                    ids,
+                )),
+                _ => None,
+            };
             let embedded = backend.embed(&self.embed, ids)?;
             let mut h = match &self.tile {
                 Some(tile) => backend.gather_columns(&embedded, tile),
@@ -855,8 +865,7 @@ impl<B: Backend> Model<B> {
                 if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
                     let tokens = Tokens {
                         ids,
-                        start,
-                        routing: routing_state.as_deref_mut(),
+                        routes: routes.as_mut(),
                     };
                     self.lookahead(backend, i + 2, &h, experts, tokens)?;
                 }
@@ -868,8 +877,7 @@ impl<B: Backend> Model<B> {
                     Mlp::Moe(w) => {
                         let tokens = Tokens {
                             ids,
-                            start,
-                            routing: routing_state.as_deref_mut(),
+                            routes: routes.as_mut(),
                         };
                         self.moe(backend, w, i, &x, tokens, experts, &mut hold)?
                     }
@@ -1195,11 +1203,8 @@ impl<B: Backend> Model<B> {
         else {
             return Ok(());
         };
-        if let (Some(model), Some(state)) = (&self.routing, tokens.routing) {
-            experts.prefetch(
-                target,
-                &model.forecast(state, target, tokens.start, tokens.ids)?,
-            );
+        if let Some(routes) = tokens.routes {
+            experts.prefetch(target, &routes.forecast(target)?);
             return Ok(());
         }
         let cfg = &self.config;
@@ -1292,17 +1297,10 @@ impl<B: Backend> Model<B> {
         Ok(Self::add_shared_expert(backend, w, x, &routed))
     }
 
-    /// The synthetic routing model's expert ids `[T, k]` for `tokens` at `layer`, one
-    /// position at a time in order (its state is per position); `None` without one.
+    /// The synthetic routing model's expert ids `[T, k]` for `tokens` at `layer`; `None`
+    /// without one.
     fn routing_model_ids(&self, layer: usize, tokens: Tokens<'_>) -> Result<Option<Vec<u32>>> {
-        let (Some(model), Some(state)) = (&self.routing, tokens.routing) else {
-            return Ok(None);
-        };
-        let mut ids = Vec::with_capacity(tokens.ids.len() * self.config.num_experts_per_tok);
-        for (t, &token) in tokens.ids.iter().enumerate() {
-            ids.extend_from_slice(&model.route(state, layer, tokens.start + t as u64, token)?);
-        }
-        Ok(Some(ids))
+        tokens.routes.map(|r| r.ids(layer)).transpose()
     }
 
     /// `routed` plus the shared expert's SwiGLU MLP of `x`, scaled by its sigmoid gate.

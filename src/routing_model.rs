@@ -46,7 +46,7 @@
 //! # Lookahead forecast
 //!
 //! The engine guesses layer `L+2`'s experts on layer `L`'s hidden state. With this model a
-//! guess from the random router would be worthless, so [`RoutingModel::forecast`] stands in
+//! guess from the random router would be worthless, so a forecast ([`RoutingModel::route_chunk`]) stands in
 //! for it: it computes the selection layer `L+2` will make and keeps each of its ids with
 //! probability `forecast_accuracy`, replacing the others with popularity draws from the
 //! rest of the active set. That accuracy is an assumption, not a measurement (the
@@ -264,6 +264,15 @@ pub struct RoutingState {
     context: Vec<Vec<f32>>,
 }
 
+/// One layer's routing of a chunk of tokens ([`RoutingModel::route_chunk`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkRouting {
+    /// Expert ids `[T, top_k]`, row-major, each token's best first.
+    pub ids: Vec<u32>,
+    /// The lookahead forecast of those selections: distinct ids, ascending.
+    pub forecast: Vec<u32>,
+}
+
 /// Hash streams: which draw a hash feeds (keeps draws of one step independent).
 const STREAM_LAYER: u64 = 1;
 const STREAM_INIT: u64 = 2;
@@ -448,12 +457,7 @@ impl RoutingModel {
         position: u64,
         token: u32,
     ) -> crate::Result<Vec<u32>> {
-        let m = self.layer(layer)?;
-        let context = state.context.get_mut(layer).ok_or_else(|| {
-            crate::Error::InvalidInput(format!(
-                "routing state has no layer {layer} (made by another model)"
-            ))
-        })?;
+        let (m, context) = self.layer_state(state, layer)?;
         Ok(self
             .step(m, layer, context, position, token)
             .into_iter()
@@ -461,49 +465,63 @@ impl RoutingModel {
             .collect())
     }
 
-    /// The lookahead forecast for `layer` of the tokens `tokens` at positions `start..`:
-    /// per token, the ids the layer will route to (computed on a copy of the state: the
-    /// state is not changed), each kept with probability `forecast_accuracy` and otherwise
-    /// replaced by a popularity draw among the active experts outside that token's true
-    /// selection. Returns the distinct ids of all tokens, ascending. Errors: `layer` beyond
-    /// the model's layers.
-    pub fn forecast(
+    /// Routes the tokens `tokens` at positions `start..` through `layer` (advancing
+    /// `state` as [`RoutingModel::route`] token by token would) and returns their ids with
+    /// the lookahead forecast of the same selections: per token, each true id is kept with
+    /// probability `forecast_accuracy` and otherwise replaced by a popularity draw among
+    /// the active experts outside that token's selection. The forecast is what a lookahead
+    /// guessed before the layer ran; it is computed here, from the same steps, so that a
+    /// step's routing can be computed ahead in one pass (see `model::SyntheticRoutes`).
+    /// Errors: `layer` beyond the model's layers.
+    pub fn route_chunk(
         &self,
-        state: &RoutingState,
+        state: &mut RoutingState,
         layer: usize,
         start: u64,
         tokens: &[u32],
-    ) -> crate::Result<Vec<u32>> {
-        let m = self.layer(layer)?;
-        let mut context = state.context.get(layer).cloned().unwrap_or_default();
-        if context.len() != m.experts.len() {
-            return Err(crate::Error::InvalidInput(format!(
-                "routing state has no layer {layer} (made by another model)"
-            )));
-        }
-        let mut out = Vec::new();
+    ) -> crate::Result<ChunkRouting> {
+        let (m, context) = self.layer_state(state, layer)?;
+        let mut ids = Vec::with_capacity(tokens.len() * self.top_k);
+        let mut forecast = Vec::new();
         for (i, &token) in tokens.iter().enumerate() {
             let position = start + i as u64;
-            let truth = self.step(m, layer, &mut context, position, token);
+            let truth = self.step(m, layer, context, position, token);
             let key = hash(&[self.params.seed, layer as u64, position, token as u64]);
             let mut taken = vec![false; m.experts.len()];
             for &r in &truth {
                 taken[r] = true;
             }
             for (j, &r) in truth.iter().enumerate() {
+                ids.push(m.experts[r]);
                 if uniform(hash(&[key, STREAM_KEEP, j as u64])) < self.params.forecast_accuracy {
-                    out.push(m.experts[r]);
+                    forecast.push(m.experts[r]);
                 } else if let Some(d) =
                     popularity_draw(m, &taken, hash(&[key, STREAM_DRAW, j as u64]))
                 {
                     taken[d] = true;
-                    out.push(m.experts[d]);
+                    forecast.push(m.experts[d]);
                 }
             }
         }
-        out.sort_unstable();
-        out.dedup();
-        Ok(out)
+        forecast.sort_unstable();
+        forecast.dedup();
+        Ok(ChunkRouting { ids, forecast })
+    }
+
+    /// `layer`'s tables and its context in `state`. Errors: `layer` beyond the model's
+    /// layers, or a state made by another model.
+    fn layer_state<'s>(
+        &self,
+        state: &'s mut RoutingState,
+        layer: usize,
+    ) -> crate::Result<(&LayerModel, &'s mut [f32])> {
+        let m = self.layer(layer)?;
+        match state.context.get_mut(layer) {
+            Some(c) if c.len() == m.experts.len() => Ok((m, c)),
+            _ => Err(crate::Error::InvalidInput(format!(
+                "routing state has no layer {layer} (made by another model)"
+            ))),
+        }
     }
 
     /// `steps` decode steps of a fresh sequence through `layers` (the MoE layers, in
@@ -524,6 +542,72 @@ impl RoutingModel {
             }
         }
         Ok(out)
+    }
+}
+
+/// One chunk's synthetic routing for every MoE layer, computed ahead on a helper thread
+/// ([`StepRoutes::spawn`]) while the forward pass records the layers: the model's steps
+/// cost the host tens of microseconds a layer, which would otherwise sit between a layer's
+/// dispatches (a real model's router runs on the device). The forward pass takes each
+/// layer's forecast (for its lookahead) and ids (for its MoE block) as it gets there.
+pub struct StepRoutes {
+    rx: std::sync::mpsc::Receiver<(usize, crate::Result<ChunkRouting>)>,
+    /// Layers received so far, by layer index.
+    ready: Vec<Option<ChunkRouting>>,
+}
+
+impl StepRoutes {
+    /// Starts routing `tokens` (positions `start..`) through `layers`, in order, on a
+    /// thread of `scope`, advancing `state`; `num_layers` bounds the layer indices.
+    pub fn spawn<'scope, 'env>(
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        model: &'env RoutingModel,
+        state: &'env mut RoutingState,
+        layers: Vec<usize>,
+        num_layers: usize,
+        start: u64,
+        tokens: &'env [u32],
+    ) -> StepRoutes {
+        let (tx, rx) = std::sync::mpsc::channel();
+        scope.spawn(move || {
+            for layer in layers {
+                let routed = model.route_chunk(state, layer, start, tokens);
+                let failed = routed.is_err();
+                // A closed channel: the forward pass stopped early (its own error).
+                if tx.send((layer, routed)).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        StepRoutes {
+            rx,
+            ready: vec![None; num_layers],
+        }
+    }
+
+    /// `layer`'s routing, waiting for the helper to get there. Errors: the routing
+    /// model's, or `layer` not among the spawned layers.
+    fn layer(&mut self, layer: usize) -> crate::Result<&mut ChunkRouting> {
+        let missing =
+            || crate::Error::Internal(format!("synthetic routing: layer {layer} was not routed"));
+        if layer >= self.ready.len() {
+            return Err(missing());
+        }
+        while self.ready[layer].is_none() {
+            let (l, routed) = self.rx.recv().map_err(|_| missing())?;
+            self.ready[l] = Some(routed?);
+        }
+        self.ready[layer].as_mut().ok_or_else(missing)
+    }
+
+    /// `layer`'s lookahead forecast (taken: a second call gets none).
+    pub fn forecast(&mut self, layer: usize) -> crate::Result<Vec<u32>> {
+        Ok(std::mem::take(&mut self.layer(layer)?.forecast))
+    }
+
+    /// `layer`'s expert ids `[T, top_k]` (taken: a second call gets none).
+    pub fn ids(&mut self, layer: usize) -> crate::Result<Vec<u32>> {
+        Ok(std::mem::take(&mut self.layer(layer)?.ids))
     }
 }
 
@@ -691,22 +775,34 @@ mod tests {
     }
 
     #[test]
-    fn token_by_token_equals_one_pass_and_forecast_leaves_state_alone() {
+    fn token_by_token_equals_one_pass() {
         let seed: u64 = rand::random();
         let m = model(seed);
         let tokens = [5u32, 9, 9, 100, 7];
-        let mut s1 = m.new_state();
-        let before = s1.clone();
-        let forecast = m.forecast(&s1, 3, 0, &tokens).unwrap();
-        assert_eq!(s1, before, "seed {seed}: forecast changed the state");
-        assert!(!forecast.is_empty() && forecast.len() <= 50);
-        let mut s2 = m.new_state();
+        let (mut s1, mut s2) = (m.new_state(), m.new_state());
+        let chunk = m.route_chunk(&mut s1, 3, 0, &tokens).unwrap();
+        assert!(!chunk.forecast.is_empty() && chunk.forecast.len() <= 50);
+        assert!(
+            chunk.forecast.windows(2).all(|w| w[0] < w[1]),
+            "seed {seed}"
+        );
+        let mut ids = Vec::new();
         for (t, &tok) in tokens.iter().enumerate() {
-            let a = m.route(&mut s1, 3, t as u64, tok).unwrap();
-            let b = m.route(&mut s2, 3, t as u64, tok).unwrap();
-            assert_eq!(a, b, "seed {seed}");
+            ids.extend(m.route(&mut s2, 3, t as u64, tok).unwrap());
         }
+        assert_eq!(chunk.ids, ids, "seed {seed}");
+        assert_eq!(s1, s2, "seed {seed}");
+        // The same positions split in two chunks route and forecast the same.
+        let mut s3 = m.new_state();
+        let a = m.route_chunk(&mut s3, 3, 0, &tokens[..2]).unwrap();
+        let b = m.route_chunk(&mut s3, 3, 2, &tokens[2..]).unwrap();
+        assert_eq!([a.ids, b.ids].concat(), chunk.ids, "seed {seed}");
+        let mut both = [a.forecast, b.forecast].concat();
+        both.sort_unstable();
+        both.dedup();
+        assert_eq!(both, chunk.forecast, "seed {seed}");
         assert!(m.route(&mut s1, 48, 0, 0).is_err());
+        assert!(m.route_chunk(&mut s1, 48, 0, &tokens).is_err());
     }
 
     #[test]
@@ -719,10 +815,13 @@ mod tests {
         let mut state = m.new_state();
         let (mut right, mut total) = (0usize, 0usize);
         for t in 0..400u64 {
-            let guess = m.forecast(&state, 2, t, &[t as u32]).unwrap();
-            let truth = m.route(&mut state, 2, t, t as u32).unwrap();
-            right += guess.iter().filter(|g| truth.contains(g)).count();
-            total += truth.len();
+            let chunk = m.route_chunk(&mut state, 2, t, &[t as u32]).unwrap();
+            right += chunk
+                .forecast
+                .iter()
+                .filter(|g| chunk.ids.contains(g))
+                .count();
+            total += chunk.ids.len();
         }
         let acc = right as f64 / total as f64;
         assert!((acc - 0.7).abs() < 0.04, "seed {seed}: accuracy {acc}");

@@ -3,6 +3,8 @@
 //! `repetition_context` tokens, log-softmax, then top-p, min-p and top-k filters in that
 //! order, then a draw from `softmax(logprobs / temperature)`; temperature 0 is argmax.
 
+use std::borrow::Cow;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -81,10 +83,10 @@ impl Sampler {
 
     /// The next token given `logits` (one row, `[vocab]`) and the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let logprobs = self.filtered_logprobs(logits, history);
         if self.options.temperature == 0.0 {
-            return argmax(&logprobs);
+            return greedy(&self.penalized(logits, history));
         }
+        let logprobs = self.filtered_logprobs(logits, history);
         let t = self.options.temperature;
         // Shift by the maximum before dividing, so a tiny temperature sends the others to
         // -inf instead of overflowing the largest to +inf (which would make NaNs).
@@ -101,28 +103,36 @@ impl Sampler {
         probs.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
     }
 
+    /// The logits after the repetition penalty over the last `repetition_context` tokens
+    /// of `history` (borrowed when there is none).
+    fn penalized<'l>(&self, logits: &'l [f32], history: &[u32]) -> Cow<'l, [f32]> {
+        let o = &self.options;
+        if o.repetition_penalty == 1.0 {
+            return Cow::Borrowed(logits);
+        }
+        let mut logits = logits.to_vec();
+        let start = history.len().saturating_sub(o.repetition_context);
+        // Once per distinct token, as mlx-lm's gather/scatter does.
+        let mut recent = history[start..].to_vec();
+        recent.sort_unstable();
+        recent.dedup();
+        for id in recent {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l = if *l < 0.0 {
+                    *l * o.repetition_penalty
+                } else {
+                    *l / o.repetition_penalty
+                };
+            }
+        }
+        Cow::Owned(logits)
+    }
+
     /// Log-probabilities after the penalty and the filters (filtered entries are -inf).
     /// This is the distribution a temperature-1 draw samples from.
     pub fn filtered_logprobs(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
         let o = &self.options;
-        let mut logits = logits.to_vec();
-        if o.repetition_penalty != 1.0 {
-            let start = history.len().saturating_sub(o.repetition_context);
-            // Once per distinct token, as mlx-lm's gather/scatter does.
-            let mut recent = history[start..].to_vec();
-            recent.sort_unstable();
-            recent.dedup();
-            for id in recent {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l < 0.0 {
-                        *l * o.repetition_penalty
-                    } else {
-                        *l / o.repetition_penalty
-                    };
-                }
-            }
-        }
-        let mut lp = log_softmax(&logits);
+        let mut lp = log_softmax(&self.penalized(logits, history));
         if o.temperature == 0.0 {
             return lp;
         }
@@ -182,6 +192,21 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// `argmax(log_softmax(x))`, mlx-lm's greedy pick (ties to the lowest id), without the
+/// softmax over the whole vocabulary. `x - lse` rounds monotonically, so the pick is `x`'s
+/// own argmax unless a lower id's logit is close enough to the maximum for the rounding to
+/// tie them (`x_max - lse` lies in `[-ln n, 0]`, where an f32 ulp is at most 2^-19; 1e-5
+/// leaves room), or a logit is not finite; then the log-softmax decides.
+fn greedy(x: &[f32]) -> u32 {
+    let best = argmax(x) as usize;
+    let top = x.get(best).copied().unwrap_or(0.0);
+    let near = x[..best].iter().any(|&v| top - v <= 1e-5);
+    if near || !x.iter().all(|v| v.is_finite()) {
+        return argmax(&log_softmax(x));
+    }
+    best as u32
+}
+
 fn log_softmax(x: &[f32]) -> Vec<f32> {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + x.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
@@ -235,6 +260,37 @@ mod tests {
     fn greedy_is_argmax() {
         let mut s = Sampler::new(SamplingOptions::default()).unwrap();
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[]), 1);
+    }
+
+    /// The shortcut picks what argmax over the log-softmax picks (mlx-lm's greedy), on
+    /// fresh random logits with near-ties planted below and above the maximum, a NaN, and
+    /// large magnitudes where `x - lse` rounds coarsely.
+    #[test]
+    fn greedy_matches_the_log_softmax_argmax() {
+        let seed: u64 = rand::random();
+        let mut rng = StdRng::seed_from_u64(seed);
+        for case in 0..400 {
+            let n = rng.random_range(2..5000);
+            let scale = [1.0f32, 30.0, 3e4][case % 3];
+            let mut x: Vec<f32> = (0..n)
+                .map(|_| rng.random_range(-1.0..1.0) * scale)
+                .collect();
+            let best = argmax(&x) as usize;
+            if case % 4 != 0 {
+                // A near-tie: the maximum less a few ulps (or exactly it), at a random id.
+                let j = rng.random_range(0..n);
+                let ulps = rng.random_range(0..4u32);
+                x[j] = f32::from_bits(x[best].to_bits().saturating_sub(ulps)).min(x[best]);
+            }
+            if case % 50 == 7 {
+                x[rng.random_range(0..n)] = f32::NAN;
+            }
+            assert_eq!(
+                greedy(&x),
+                argmax(&log_softmax(&x)),
+                "seed {seed}, case {case}"
+            );
+        }
     }
 
     #[test]
