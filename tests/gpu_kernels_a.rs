@@ -362,6 +362,8 @@ fn router_top_k_matches_cpu() {
             (128, &[8, 10][..]),
             (512, &[1, 10, 16][..]),
             (513, &[16][..]),
+            // Past the 1,024 probabilities the kernel keeps in shared memory.
+            (1100, &[10][..]),
         ] {
             // Gaps of 0.01 keep probability ratios >= 1.01, far above rounding.
             let logits = distinct_logits(t, e, 0.01 + 4.0 / e as f32);

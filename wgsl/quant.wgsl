@@ -4,16 +4,19 @@
 // same u32 buffer as the packed words, at element offsets of that dtype.
 //
 // Every entry point shares these bindings (unused ones are bound to a dummy buffer):
-//   1: act  - f32 activations (x for matmuls, y for the expert combine)
-//   2: w    - u32 weights: packed words, scales and biases (or a slot arena)
-//   3: aux  - u32 side data: route table, token ids, or routing weights (f32 bits)
+//   1: act   - f32 activations (x for matmuls, y for the expert combine)
+//   2: w     - u32 weights: packed words, scales and biases (or a slot arena)
+//   3: aux   - u32 side data: route table, routed expert ids, token ids, or routing
+//              weights (f32 bits)
+//   4: out   - f32 output
+//   5: table - the qmatmul entries, routed = 2 and 3: (arena, record base) per expert
 //
-// Routed matmuls read each route's record base and input row from `aux`: either a table
-// built on the host, (base, token) per route and all of them computed (routed = 1), or
-// one resolved on the device by `moe_routes` (router.wgsl), (arena, base, token, 0) per
-// route, of which a dispatch computes only the routes whose records lie in the arena it
-// binds (`p.arena`), the input row being the token (routed = 2) or the route (3).
-//   4: out  - f32 output
+// Routed matmuls find each route's record base and input row either in a table built on
+// the host, (base, token) per route in `aux`, all of them computed (routed = 1), or from
+// the routed expert ids themselves (`aux`: a routing left on the device, or ids from the
+// host) through the layer's expert table; then a dispatch computes only the routes whose
+// records lie in the arena it binds (`p.arena`), the input row being the route's token
+// (routed = 2) or the route (3).
 
 struct Params {
     rows: u32,        // output features
@@ -25,7 +28,7 @@ struct Params {
     s_off: u32,       // scales start (elements of scale_dtype), relative to the record base
     b_off: u32,       // biases start (elements of scale_dtype), relative to the record base
     routed: u32,      // 0: z is the token; 1, 2, 3: z is a route of the table in aux (above)
-    k: u32,           // experts per token (combine)
+    k: u32,           // experts per token (combine; routed = 2: a route's token is z / k)
     tokens: u32,
     arena: u32,       // routed 2, 3: the arena bound at binding 2
     // qmatmul_swiglu, qmatmul4_swiglu: the up projection's words, scales and biases, bits
@@ -40,7 +43,16 @@ struct Params {
     // them this dispatch writes (a weight split into row ranges, one binding each).
     out_cols: u32,
     out_first: u32,
-    _pad: u32,
+    // qmatmul entries: invocations per output row (a power of two, 16 to 256; 0: 16), so
+    // a matrix of few rows still keeps the device busy. A workgroup computes 256 / lanes
+    // rows.
+    lanes: u32,
+    // routed = 2, 3: experts in the table (ids beyond it are clamped to the last; the
+    // host checks the ids when it reads them back).
+    experts: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -48,17 +60,21 @@ struct Params {
 @group(0) @binding(2) var<storage, read> w: array<u32>;
 @group(0) @binding(3) var<storage, read> aux: array<u32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> table: array<u32>;
 
-const LANES: u32 = 16u;
-const ROWS: u32 = 16u;
+const WG: u32 = 256u;
 var<workgroup> partial: array<f32, 256>;
 
-// Sum of `acc` over the LANES lanes of one row (meaningful in lane 0). Every invocation
-// of the workgroup must call it (it has barriers).
+fn lanes() -> u32 {
+    return select(p.lanes, 16u, p.lanes == 0u);
+}
+
+// Sum of `acc` over the lanes of one row (meaningful in lane 0). Every invocation of the
+// workgroup must call it (it has barriers).
 fn row_sum(li: u32, lane: u32, acc: f32) -> f32 {
     partial[li] = acc;
     workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+    for (var s = lanes() / 2u; s > 0u; s >>= 1u) {
         if (lane < s) {
             partial[li] += partial[li + s];
         }
@@ -108,9 +124,9 @@ fn route_of(z: u32) -> vec3<u32> {
         return vec3<u32>(aux[z * 2u], aux[z * 2u + 1u], 1u);
     }
     if (p.routed >= 2u) {
-        let e = z * 4u;
-        let row = select(aux[e + 2u], z, p.routed == 3u);
-        return vec3<u32>(aux[e + 1u], row, select(0u, 1u, aux[e] == p.arena));
+        let e = min(aux[z], p.experts - 1u) * 2u;
+        let row = select(z / p.k, z, p.routed == 3u);
+        return vec3<u32>(table[e + 1u], row, select(0u, 1u, table[e] == p.arena));
     }
     return vec3<u32>(0u, z, 1u);
 }
@@ -132,10 +148,11 @@ struct Job {
 }
 
 fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> Job {
-    let row = (wid.x + wid.y * nwg.x) * ROWS + li / LANES;
+    let n = lanes();
+    let row = (wid.x + wid.y * nwg.x) * (WG / n) + li / n;
     let r = route_of(wid.z);
     let computed = select(0u, 1u, r.z == 1u && row < p.rows);
-    return Job(wid.z, li % LANES, row, r.x, r.y, computed);
+    return Job(wid.z, li % n, row, r.x, r.y, computed);
 }
 
 // This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
@@ -151,7 +168,7 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, la
     let bbase = base * elems_per_word() + offs.z + row * groups;
     let x0 = t * p.cols;
     var acc = 0.0;
-    for (var wi = lane; wi < words_per_row; wi += LANES) {
+    for (var wi = lane; wi < words_per_row; wi += lanes()) {
         let word = w[w0 + wi];
         let c0 = wi * per_word;
         let g = c0 / gs;
@@ -171,12 +188,12 @@ fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
 
-// Sums of a pair of values over the LANES lanes of one row, like row_sum.
+// Sums of a pair of values over the lanes of one row, like row_sum.
 var<workgroup> partial2: array<vec2<f32>, 256>;
 fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
     partial2[li] = acc;
     workgroupBarrier();
-    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+    for (var s = lanes() / 2u; s > 0u; s >>= 1u) {
         if (lane < s) {
             partial2[li] += partial2[li + s];
         }
@@ -185,8 +202,7 @@ fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
     return partial2[li];
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS rows per workgroup, LANES lanes per
-// row.
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup.
 @compute @workgroup_size(256)
 fn qmatmul(@builtin(local_invocation_index) li: u32,
            @builtin(workgroup_id) wid: vec3<u32>,
@@ -222,11 +238,12 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
     }
 }
 
-// The 4-bit case of qmatmul with 16-byte loads: each lane takes 4 packed words (32
-// columns, within one quantization group since groups are multiples of 32) and their 32
-// activations as 8 vec4s, unrolled. These views alias bindings 1 and 2; WGSL allows it
-// because no entry point uses both a view and its scalar twin. Callers guarantee
-// cols % 32 == 0, group_size % 32 == 0 and 16-byte aligned record bases and w_off.
+// The 4-bit and 8-bit cases of qmatmul with 16-byte loads: each lane takes 4 packed words
+// (32 columns at 4 bits, 16 at 8, within one quantization group since groups are multiples
+// of that) and their activations as vec4s, unrolled. These views alias bindings 1 and 2;
+// WGSL allows it because no entry point uses both a view and its scalar twin. Callers
+// guarantee cols and group_size are multiples of 128 / bits, and 16-byte aligned record
+// bases and w_off.
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
@@ -243,29 +260,41 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-// lane_dot over the vec4 views, at 4 bits.
-fn lane_dot4(base: u32, offs: vec3<u32>, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
-    let vecs_per_row = p.cols / 32u;
+// lane_dot over the vec4 views, at 4 or 8 bits.
+fn lane_dot4(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
+    // Columns per 16-byte vector of packed words.
+    let span = 128u / bits;
+    let vecs_per_row = p.cols / span;
     let groups = p.cols / gs;
     let v0 = (base + offs.x) / 4u + row * vecs_per_row;
     let sbase = base * elems_per_word() + offs.y + row * groups;
     let bbase = base * elems_per_word() + offs.z + row * groups;
     let x0 = t * p.cols / 4u;
     var acc = 0.0;
-    for (var vi = lane; vi < vecs_per_row; vi += LANES) {
+    for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
         let q = w4[v0 + vi];
-        let g = vi * 32u / gs;
-        let xb = x0 + vi * 8u;
+        let g = vi * span / gs;
+        let xb = x0 + vi * (span / 4u);
         var qx = 0.0;
         var sx = 0.0;
-        for (var k = 0u; k < 4u; k++) {
-            let word = q[k];
-            let xa = act4[xb + 2u * k];
-            let xc = act4[xb + 2u * k + 1u];
-            let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
-            let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
-            qx += dot(lo, xa) + dot(hi, xc);
-            sx += dot(xa + xc, vec4<f32>(1.0));
+        if (bits == 4u) {
+            for (var k = 0u; k < 4u; k++) {
+                let word = q[k];
+                let xa = act4[xb + 2u * k];
+                let xc = act4[xb + 2u * k + 1u];
+                let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+                let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+                qx += dot(lo, xa) + dot(hi, xc);
+                sx += dot(xa + xc, vec4<f32>(1.0));
+            }
+        } else {
+            for (var k = 0u; k < 4u; k++) {
+                let word = q[k];
+                let xa = act4[xb + k];
+                let v = vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
+                qx += dot(v, xa);
+                sx += dot(xa, vec4<f32>(1.0));
+            }
         }
         acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
     }
@@ -279,7 +308,7 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     let j = job(li, wid, nwg);
     var acc = 0.0;
     if (j.computed == 1u) {
-        acc = lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, j.row, j.t, j.lane);
+        acc = lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
     let total = row_sum(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
@@ -296,8 +325,8 @@ fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
     var acc = vec2<f32>(0.0);
     if (j.computed == 1u) {
         acc = vec2<f32>(
-            lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.group_size, j.row, j.t, j.lane),
-            lane_dot4(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.group_size2, j.row, j.t, j.lane),
+            lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
+            lane_dot4(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
         );
     }
     let total = row_sum2(li, j.lane, acc);
@@ -315,7 +344,7 @@ fn matmul_dense(@builtin(local_invocation_index) li: u32,
     let j = job(li, wid, nwg);
     var acc = 0.0;
     if (j.computed == 1u) {
-        for (var c = j.lane; c < p.cols; c += LANES) {
+        for (var c = j.lane; c < p.cols; c += lanes()) {
             acc += bitcast<f32>(w[j.row * p.cols + c]) * act[j.t * p.cols + c];
         }
     }

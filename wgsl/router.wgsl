@@ -4,13 +4,14 @@
 // max and sum of exp(logit - max) reduced in shared memory, probabilities
 // p_e = exp(l_e - max) / sum, then `k` rounds of an argmax over the experts that come
 // after the previous pick in the order (p descending, id ascending): the same order as
-// the CPU's sort, ties keeping the lower id first. Nothing is cached per expert, so any
-// number of experts works.
+// the CPU's sort, ties keeping the lower id first. The first CACHED probabilities are kept
+// in shared memory for the rounds (a round would otherwise reread and exponentiate every
+// logit: a chain of k global reads); experts beyond them are recomputed, so any number
+// of experts works.
 //
-// Output (u32 words): ids [T, k], then the weights [T, k] as f32 bits.
-//
-// `moe_routes` turns such ids into the route table of the routed-expert matmuls
-// (quant.wgsl, routed = 2 and 3) when the routing stays on the device.
+// Output (u32 words): ids [T, k], then the weights [T, k] as f32 bits. When the routing
+// stays on the device, the routed-expert matmuls read the ids from there (quant.wgsl,
+// routed = 2 and 3).
 
 struct Params {
     tokens: u32,
@@ -34,6 +35,8 @@ var<workgroup> red_p: array<f32, 256>;
 var<workgroup> red_id: array<u32, 256>;
 var<workgroup> picked_p: array<f32, 64>;
 var<workgroup> picked_id: array<u32, 64>;
+const CACHED: u32 = 1024u;
+var<workgroup> probs: array<f32, 1024>;
 
 // (pa, ia) comes before (pb, ib): higher probability first, then the lower id.
 fn before(pa: f32, ia: u32, pb: f32, ib: u32) -> bool {
@@ -81,6 +84,9 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         workgroupBarrier();
     }
     let sum = red_p[0];
+    for (var e = l; e < min(p.experts, CACHED); e += WG) {
+        probs[e] = exp(logits[base + e] - row_max) / sum;
+    }
     workgroupBarrier();
 
     // k rounds of argmax over the experts after the previous pick.
@@ -90,7 +96,12 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         var best_p = -1.0;
         var best_id = NONE;
         for (var e = l; e < p.experts; e += WG) {
-            let pe = exp(logits[base + e] - row_max) / sum;
+            var pe = 0.0;
+            if (e < CACHED) {
+                pe = probs[e];
+            } else {
+                pe = exp(logits[base + e] - row_max) / sum;
+            }
             let eligible = r == 0u || before(prev_p, prev_id, pe, e);
             if (eligible && (best_id == NONE || before(pe, e, best_p, best_id))) {
                 best_p = pe;
@@ -136,23 +147,4 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             out[weights + o + r] = bitcast<u32>(picked_p[r] / norm);
         }
     }
-}
-
-// moe_routes: per route r < tokens * k, (arena, base, token, 0) of expert ids[r] from the
-// layer's table of (arena, record base in u32 words) per expert. An id beyond the table is
-// clamped to the last expert (the host checks the ids when it reads them back).
-@group(0) @binding(1) var<storage, read> route_ids: array<u32>;
-@group(0) @binding(3) var<storage, read> expert_table: array<u32>;
-
-@compute @workgroup_size(64)
-fn moe_routes(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let r = gid.x + gid.y * nwg.x * 64u;
-    if (r >= p.tokens * p.k) {
-        return;
-    }
-    let e = min(route_ids[r], p.experts - 1u);
-    out[r * 4u] = expert_table[e * 2u];
-    out[r * 4u + 1u] = expert_table[e * 2u + 1u];
-    out[r * 4u + 2u] = r / p.k;
-    out[r * 4u + 3u] = 0u;
 }

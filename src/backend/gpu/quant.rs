@@ -14,19 +14,31 @@ use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
 
+/// act, w, aux, out (see `wgsl/quant.wgsl`).
 const BINDINGS: &[Access] = &[Access::Read, Access::Read, Access::Read, Access::ReadWrite];
-const fn kernel(entry: &'static str) -> Kernel {
-    Kernel::new("quant.wgsl", entry, BINDINGS)
+/// The matmul entries also bind the expert table.
+const MATMUL_BINDINGS: &[Access] = &[
+    Access::Read,
+    Access::Read,
+    Access::Read,
+    Access::ReadWrite,
+    Access::Read,
+];
+const fn matmul_kernel(entry: &'static str) -> Kernel {
+    Kernel::new("quant.wgsl", entry, MATMUL_BINDINGS)
 }
-const QMATMUL: Kernel = kernel("qmatmul");
-const QMATMUL4: Kernel = kernel("qmatmul4");
-const QMATMUL_SWIGLU: Kernel = kernel("qmatmul_swiglu");
-const QMATMUL4_SWIGLU: Kernel = kernel("qmatmul4_swiglu");
-const DENSE: Kernel = kernel("matmul_dense");
-const EMBED: Kernel = kernel("embed");
-const COMBINE: Kernel = kernel("moe_combine");
-/// Rows per qmatmul workgroup (`ROWS` in the shader).
-const ROWS: usize = 16;
+const QMATMUL: Kernel = matmul_kernel("qmatmul");
+const QMATMUL4: Kernel = matmul_kernel("qmatmul4");
+const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
+const QMATMUL4_SWIGLU: Kernel = matmul_kernel("qmatmul4_swiglu");
+const DENSE: Kernel = matmul_kernel("matmul_dense");
+const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
+const COMBINE: Kernel = Kernel::new("quant.wgsl", "moe_combine", BINDINGS);
+/// Invocations per qmatmul workgroup (`WG` in the shader).
+const WG: usize = 256;
+/// Invocations a qmatmul dispatch aims for: a decode step's matrices of few rows (a
+/// router's 512, a gate's 1) get more lanes per row rather than leave the GPU idle.
+const INVOCATIONS: usize = 1 << 17;
 
 fn dtype_code(d: Dtype) -> u32 {
     match d {
@@ -70,12 +82,16 @@ struct Params {
     /// and the first column it writes: a weight split into row ranges.
     out_cols: u32,
     out_first: u32,
+    /// Invocations per output row (set by [`Params::launch`]).
+    lanes: u32,
+    /// Experts in the expert table (routed = 2, 3).
+    experts: u32,
 }
 
 impl Params {
-    /// The qmatmul entry for these parameters: the 16-byte-load 4-bit one when its
-    /// alignment conditions hold (record bases are 16-byte aligned: slot strides and
-    /// piece offsets are multiples of 16).
+    /// The qmatmul entry for these parameters: the 16-byte-load one when its alignment
+    /// conditions hold (record bases are 16-byte aligned: slot strides and piece offsets
+    /// are multiples of 16).
     fn qmatmul_kernel(&self) -> &'static Kernel {
         if self.vec4() {
             &QMATMUL4
@@ -84,10 +100,35 @@ impl Params {
         }
     }
 
-    /// Whether qmatmul4's 16-byte loads apply: 4 bits, whole 32-column runs within a group,
-    /// packed words 16-byte aligned.
+    /// Whether qmatmul4's 16-byte loads apply: 4 or 8 bits, whole 16-byte runs of packed
+    /// words within a group (128 / bits columns), packed words 16-byte aligned.
     fn vec4(&self) -> bool {
-        self.bits == 4 && self.cols % 32 == 0 && self.group_size % 32 == 0 && self.w_off % 4 == 0
+        let span = 128 / self.bits.max(1);
+        matches!(self.bits, 4 | 8)
+            && self.cols % span == 0
+            && self.group_size % span == 0
+            && self.w_off % 4 == 0
+    }
+
+    /// The uniform words and workgroup grid of a dispatch of `kernel` (a qmatmul entry or
+    /// `matmul_dense`) over `z` tokens or routes. Lanes per row: 16, doubled while the
+    /// dispatch has fewer than [`INVOCATIONS`] invocations and a row has work for them
+    /// (a lane per 16-byte vector, packed word or dense column).
+    fn launch(mut self, kernel: &Kernel, z: usize) -> ([u32; 24], [u32; 3]) {
+        let (cols, bits) = (self.cols as usize, self.bits as usize);
+        let units = match kernel.entry {
+            "qmatmul4" | "qmatmul4_swiglu" => cols * bits / 128,
+            "matmul_dense" => cols,
+            _ => cols * bits / 32,
+        };
+        let rows = self.rows as usize;
+        let mut lanes = 16;
+        while lanes < WG && rows * z.max(1) * lanes < INVOCATIONS && lanes * 2 <= units {
+            lanes *= 2;
+        }
+        self.lanes = lanes as u32;
+        let [x, y] = grid(rows.div_ceil(WG / lanes) as u32);
+        (self.words(), [x, y, z as u32])
     }
 
     /// The fused `silu(gate) * up` entry: 16-byte loads when both projections meet
@@ -134,7 +175,7 @@ impl Params {
         Some((params, data))
     }
 
-    fn words(&self) -> [u32; 20] {
+    fn words(&self) -> [u32; 24] {
         [
             self.rows,
             self.cols,
@@ -155,6 +196,10 @@ impl Params {
             self.group_size2,
             self.out_cols,
             self.out_first,
+            self.lanes,
+            self.experts,
+            0,
+            0,
             0,
         ]
     }
@@ -197,27 +242,44 @@ impl Params {
     }
 }
 
-/// `silu(x W_gate^T) * (x W_up^T)` of the routed records that `binds[2]`'s route table
-/// names (`routed` as in `wgsl/quant.wgsl`) in `arena` into `out` `[routes, inter]`, in one
-/// dispatch.
+/// Which routes a routed dispatch computes: those whose records lie in `arena` (the
+/// arena it binds), found as `routed` says (`wgsl/quant.wgsl`), with `k` experts per
+/// token and `experts` in the layer's expert table (routed = 2, 3).
+#[derive(Clone, Copy)]
+struct Routes {
+    arena: usize,
+    routed: u32,
+    k: usize,
+    experts: usize,
+}
+
+impl Routes {
+    fn apply(self, params: Params) -> Params {
+        Params {
+            arena: self.arena as u32,
+            routed: self.routed,
+            k: self.k as u32,
+            experts: self.experts as u32,
+            ..params
+        }
+    }
+}
+
+/// `silu(x W_gate^T) * (x W_up^T)` of the routed records that `aux` names (a route table,
+/// or routed ids with the expert `table`; `routed` as in `wgsl/quant.wgsl`) in `arena`
+/// into `out` `[routes, inter]`, in one dispatch.
 fn routed_swiglu(
     b: &GpuBackend,
     layout: &RecordLayout,
-    [x, arena, table]: [Bind<'_>; 3],
-    (arena_id, routed): (usize, u32),
+    [x, arena, aux, table]: [Bind<'_>; 4],
+    which: Routes,
     out: &GpuTensor,
 ) {
-    let params = Params {
-        arena: arena_id as u32,
-        ..Params::routed_gate_up(layout, out.rows, routed)
-    };
-    let binds = [x, arena, table, Bind::Buffer(&out.buf)];
-    b.gpu.dispatch_with(
-        params.swiglu_kernel(),
-        &params.words(),
-        &binds,
-        row_groups(layout.intermediate, out.rows),
-    );
+    let params = which.apply(Params::routed_gate_up(layout, out.rows, which.routed));
+    let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
+    let kernel = params.swiglu_kernel();
+    let (words, groups) = params.launch(kernel, out.rows);
+    b.gpu.dispatch_with(kernel, &words, &binds, groups);
 }
 
 /// Bytes of mirror copies queued before they are submitted and waited for, which bounds
@@ -335,19 +397,16 @@ pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> Gpu
         ..whole
     };
     let out = b.empty(x.rows, inter);
+    let kernel = params.swiglu_kernel();
+    let (words, groups) = params.launch(kernel, x.rows);
+    let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
-        params.swiglu_kernel(),
-        &params.words(),
-        &[&x.buf, data, &b.gpu.dummy, &out.buf],
-        row_groups(inter, x.rows),
+        kernel,
+        &words,
+        &[&x.buf, data, dummy, &out.buf, dummy],
+        groups,
     );
     out
-}
-
-/// Dispatch count for `rows` output rows: workgroups of `ROWS` rows on a 2-D grid, z = `z`.
-fn row_groups(rows: usize, z: usize) -> [u32; 3] {
-    let [x, y] = grid(rows.div_ceil(ROWS) as u32);
-    [x, y, z as u32]
 }
 
 pub(super) fn embed(b: &GpuBackend, table: &GpuWeight, ids: &[u32]) -> Result<GpuTensor> {
@@ -435,14 +494,16 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         ..params
     };
     match w {
-        GpuWeight::Quantized { rows, .. } => {
+        GpuWeight::Quantized { .. } => {
             let (params, data) = Params::resident(w).expect("a quantized weight");
             let params = placed(params);
+            let kernel = params.qmatmul_kernel();
+            let (words, groups) = params.launch(kernel, x.rows);
             b.gpu.dispatch(
-                params.qmatmul_kernel(),
-                &params.words(),
-                &[&x.buf, data, dummy, &out.buf],
-                row_groups(*rows, x.rows),
+                kernel,
+                &words,
+                &[&x.buf, data, dummy, &out.buf, dummy],
+                groups,
             );
         }
         GpuWeight::Dense { rows, cols, data } => {
@@ -451,11 +512,12 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
                 cols: *cols as u32,
                 ..Default::default()
             });
+            let (words, groups) = params.launch(&DENSE, x.rows);
             b.gpu.dispatch(
                 &DENSE,
-                &params.words(),
-                &[&x.buf, data, dummy, &out.buf],
-                row_groups(*rows, x.rows),
+                &words,
+                &[&x.buf, data, dummy, &out.buf, dummy],
+                groups,
             );
         }
         GpuWeight::Rows(parts) => {
@@ -628,13 +690,20 @@ pub(super) fn moe_experts(
             Bind::Buffer(&x.buf),
             arena(*a),
             Bind::Data(bytemuck::cast_slice(table)),
+            Bind::Buffer(&b.gpu.dummy),
         ];
         let target = if single {
             h.clone()
         } else {
             b.empty(order.len(), inter)
         };
-        routed_swiglu(b, layout, binds, (*a, 1), &target);
+        let which = Routes {
+            arena: *a,
+            routed: 1,
+            k: routing.top_k,
+            experts: 0,
+        };
+        routed_swiglu(b, layout, binds, which, &target);
         if !single {
             scatter(&target, &h, order);
         }
@@ -653,13 +722,11 @@ pub(super) fn moe_experts(
             arena(*a),
             Bind::Data(bytemuck::cast_slice(&down_table)),
             Bind::Buffer(&target.buf),
+            Bind::Buffer(&b.gpu.dummy),
         ];
-        b.gpu.dispatch_with(
-            params.qmatmul_kernel(),
-            &params.words(),
-            &binds,
-            row_groups(d, n),
-        );
+        let kernel = params.qmatmul_kernel();
+        let (words, groups) = params.launch(kernel, n);
+        b.gpu.dispatch_with(kernel, &words, &binds, groups);
         if !single {
             scatter(&target, &y, order);
         }
@@ -686,11 +753,12 @@ pub(super) fn moe_experts(
 
 /// Routed experts with every record of the layer at hand (`layer[e]` is expert `e`'s) and
 /// the routing on the device (see [`crate::backend::Backend::moe_experts_resident`]):
-/// nothing is read back. `moe_routes` resolves each route's expert to its record's arena
-/// and base through the layer's table, uploaded with the dispatch; each projection then
-/// runs once per arena that holds records of the layer, computing only the routes whose
-/// records lie in it, so every output row is written by exactly one dispatch. `None`
-/// when the records do not all come from a pool (no mirror to read them from).
+/// nothing is read back. The matmuls read each route's expert id from the routing (or
+/// the ids given) and its record's arena and base from the layer's table, uploaded with
+/// the dispatch; each projection runs once per arena that holds records of the layer,
+/// computing only the routes whose records lie in it, so every output row is written by
+/// exactly one dispatch. `None` when the records do not all come from a pool (no mirror
+/// to read them from).
 pub(super) fn moe_experts_resident(
     b: &GpuBackend,
     x: &GpuTensor,
@@ -707,39 +775,41 @@ pub(super) fn moe_experts_resident(
         .iter()
         .flat_map(|&(arena, base)| [arena as u32, base])
         .collect();
+    let table = Bind::Data(bytemuck::cast_slice(&table));
     let mut used: Vec<usize> = places.iter().map(|p| p.0).collect();
     used.sort_unstable();
     used.dedup();
-    let route_table = match ids {
-        Some(ids) => {
-            super::router::moe_routes(b, Bind::Data(bytemuck::cast_slice(ids)), routes, k, &table)
-        }
-        None => super::router::moe_routes(b, Bind::Buffer(&routing.buf), routes, k, &table),
+    let ids = match ids {
+        Some(ids) => Bind::Data(bytemuck::cast_slice(ids)),
+        // The ids lead the routing tensor.
+        None => Bind::Buffer(&routing.buf),
     };
     let d = layout.hidden;
+    let which = |arena, routed| Routes {
+        arena,
+        routed,
+        k,
+        experts: layer.len(),
+    };
     // Each arena's dispatch writes only the rows of the routes whose records it holds.
     let h = b.empty(routes, layout.intermediate);
     for &a in &used {
-        let binds = [
-            Bind::Buffer(&x.buf),
-            Bind::Buffer(&arenas[a]),
-            Bind::Buffer(&route_table.buf),
-        ];
-        routed_swiglu(b, layout, binds, (a, 2), &h);
+        let binds = [Bind::Buffer(&x.buf), Bind::Buffer(&arenas[a]), ids, table];
+        routed_swiglu(b, layout, binds, which(a, 2), &h);
     }
     let y = b.empty(routes, d);
     for &a in &used {
-        let params = Params {
-            arena: a as u32,
-            ..Params::routed(layout, Projection::Down, routes, 3)
-        };
-        let binds = [&*h.buf, &arenas[a], &*route_table.buf, &*y.buf];
-        b.gpu.dispatch(
-            params.qmatmul_kernel(),
-            &params.words(),
-            &binds,
-            row_groups(d, routes),
-        );
+        let params = which(a, 3).apply(Params::routed(layout, Projection::Down, routes, 3));
+        let binds = [
+            Bind::Buffer(&h.buf),
+            Bind::Buffer(&arenas[a]),
+            ids,
+            Bind::Buffer(&y.buf),
+            table,
+        ];
+        let kernel = params.qmatmul_kernel();
+        let (words, groups) = params.launch(kernel, routes);
+        b.gpu.dispatch_with(kernel, &words, &binds, groups);
     }
     let out = b.empty(x.rows, d);
     let params = Params {

@@ -3,7 +3,7 @@
 //! One workgroup per token computes the softmax and picks the `k` largest probabilities
 //! on the device; ids and weights land in one small buffer that is read back in one go
 //! (the layer's one read-back).
-use super::device::{grid, Access, Bind, Kernel};
+use super::device::{grid, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::{Backend, Routing};
 use crate::error::{Error, Result};
@@ -15,11 +15,6 @@ const ROUTER_TOP_K: Kernel = Kernel::new(
     "router.wgsl",
     "router_top_k",
     &[Access::Read, Access::ReadWrite],
-);
-const MOE_ROUTES: Kernel = Kernel::new(
-    "router.wgsl",
-    "moe_routes",
-    &[Access::Read, Access::ReadWrite, Access::Read],
 );
 
 /// Softmax over each row of `logits` `[T, E]`, the `k` largest probabilities (highest
@@ -61,31 +56,4 @@ pub(super) fn router_top_k_device(
         );
     }
     Ok(out)
-}
-
-/// The route table of [`super::quant::moe_experts_resident`]: `(arena, base, token, 0)` per
-/// route of `ids` (a routing tensor's buffer, or ids from the host), from `table`, the
-/// layer's `(arena, base)` per expert.
-pub(super) fn moe_routes(
-    b: &GpuBackend,
-    ids: Bind<'_>,
-    routes: usize,
-    k: usize,
-    table: &[u32],
-) -> GpuTensor {
-    let experts = table.len() / 2;
-    let out = b.empty(routes, 4);
-    let [gx, gy] = grid(routes.div_ceil(64) as u32);
-    let binds = [
-        ids,
-        Bind::Buffer(&out.buf),
-        Bind::Data(bytemuck::cast_slice(table)),
-    ];
-    b.gpu.dispatch_with(
-        &MOE_ROUTES,
-        &[(routes / k) as u32, experts as u32, k as u32, 0],
-        &binds,
-        [gx, gy, 1],
-    );
-    out
 }
