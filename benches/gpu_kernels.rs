@@ -4,8 +4,14 @@
 //! same run. Bandwidths count bytes the kernel must read (weights, scales, biases; the
 //! activations are negligible); the copy counts bytes read plus bytes written.
 //!
+//! Then the kernels of a Qwen3-Next-80B decode step at their shapes, each as a chain of
+//! dependent dispatches (every call writes the buffer the previous one wrote, so the GPU
+//! runs them one after the other, as a decode step does), recorded whole and submitted
+//! once: device time per dispatch (the wait for the chain) and host time per dispatch
+//! (recording and encoding it), apart.
+//!
 //! Run: `cargo bench --bench gpu_kernels` (set `WGPU_ADAPTER_NAME` to pick an adapter).
-//! Prints a table and writes `target/gpu_kernels.md`.
+//! Prints the tables and writes them to `target/gpu_kernels.md`.
 
 use std::time::{Duration, Instant};
 
@@ -18,10 +24,10 @@ use slotstream::checkpoint::{LinearWeight, QuantizedMatrix, RecordLayout};
 use slotstream::config::QuantSpec;
 use slotstream::experts::ExpertRecord;
 
-fn quantized(rows: usize, cols: usize) -> QuantizedMatrix {
+fn quantized(rows: usize, cols: usize, bits: u32) -> QuantizedMatrix {
     let mut rng = rand::rng();
     let spec = QuantSpec {
-        bits: 4,
+        bits,
         group_size: 64,
     };
     let groups = rows * cols / 64;
@@ -30,7 +36,9 @@ fn quantized(rows: usize, cols: usize) -> QuantizedMatrix {
         spec,
         rows,
         cols,
-        packed: (0..rows * cols / 8).map(|_| rng.random()).collect(),
+        packed: (0..rows * cols * bits as usize / 32)
+            .map(|_| rng.random())
+            .collect(),
         scale_dtype: Dtype::BF16,
         scales: (0..groups).flat_map(|_| half(0.01)).collect(),
         biases: (0..groups).flat_map(|_| half(-0.05)).collect(),
@@ -57,7 +65,26 @@ fn time(g: &GpuBackend, budget: Duration, mut f: impl FnMut()) -> f64 {
     start.elapsed().as_secs_f64() / n as f64
 }
 
+/// Device and host microseconds per dispatch of a chain of `n` calls of `f` (each one
+/// dispatch), recorded whole and submitted once (the bench runs with
+/// `SLOTSTREAM_GPU_SUBMIT_EVERY=0`).
+fn chain(g: &GpuBackend, n: u32, mut f: impl FnMut()) -> (f64, f64) {
+    f();
+    g.gpu.sync().expect("sync");
+    let before = g.gpu.counters();
+    for _ in 0..n {
+        f();
+    }
+    g.gpu.sync().expect("sync");
+    let d = g.gpu.counters() - before;
+    assert_eq!(d.dispatches, n as u64, "one dispatch per call");
+    let us = |ns: u64| ns as f64 / 1e3 / n as f64;
+    (us(d.wait_ns), us(d.record_ns + d.submit_ns))
+}
+
 fn bench(c: &mut Criterion) {
+    // Chains are recorded whole, then submitted (see `chain`).
+    std::env::set_var("SLOTSTREAM_GPU_SUBMIT_EVERY", "0");
     let g = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter is required");
     let budget = Duration::from_secs(2);
     let mut rows = Vec::new();
@@ -77,7 +104,7 @@ fn bench(c: &mut Criterion) {
     ));
 
     // lm_head matvec.
-    let q = quantized(151_936, 2048);
+    let q = quantized(151_936, 2048, 4);
     let bytes = bytes_of(&q);
     let w = g.upload_weight(LinearWeight::Quantized(q)).expect("upload");
     let x = g.upload(&vec![0.5f32; 2048], 1, 2048);
@@ -160,11 +187,85 @@ fn bench(c: &mut Criterion) {
         gbps / copy_gbps
     ));
 
+    // A decode step's kernels at Qwen3-Next-80B shapes, as dependent chains.
+    let n = 200;
+    let mut decode = Vec::new();
+    let mut line = |name: &str, bytes: usize, (dev, host): (f64, f64)| {
+        decode.push(format!(
+            "| {name} | {dev:.2} | {host:.2} | {} |",
+            if bytes == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.0}", bytes as f64 / dev / 1e3)
+            }
+        ))
+    };
+    let h = g.upload(&vec![0.5f32; d], 1, d);
+    let norm_w = g.upload(&vec![1.0f32; d], 1, d);
+    line(
+        "add [1, 2048] (the floor)",
+        0,
+        chain(&g, n, || {
+            let _ = g.add(&h, &h);
+        }),
+    );
+    line(
+        "add_rms_norm [1, 2048]",
+        0,
+        chain(&g, n, || {
+            let _ = g.add_rms_norm(&h, &h, &norm_w, 1e-6);
+        }),
+    );
+    let logits = g.upload(
+        &(0..512).map(|i| (i % 97) as f32 * 0.01).collect::<Vec<_>>(),
+        1,
+        512,
+    );
+    line(
+        "router_top_k 10 of 512",
+        0,
+        chain(&g, n, || {
+            let _ = g.router_top_k_device(&logits, 10, true);
+        }),
+    );
+    for (name, rows_, cols, bits, swiglu) in [
+        ("DeltaNet qkv 8192x2048 4-bit", 8192, 2048, 4, false),
+        ("DeltaNet z 4096x2048 4-bit", 4096, 2048, 4, false),
+        ("DeltaNet out 2048x4096 4-bit", 2048, 4096, 4, false),
+        ("DeltaNet ba 64x2048 4-bit", 64, 2048, 4, false),
+        (
+            "shared expert gate+up 1024x2048 4-bit, SwiGLU",
+            1024,
+            2048,
+            4,
+            true,
+        ),
+        ("shared expert down 2048x512 4-bit", 2048, 512, 4, false),
+        ("router 512x2048 8-bit", 512, 2048, 8, false),
+        ("shared expert gate 1x2048 8-bit", 1, 2048, 8, false),
+    ] {
+        let q = quantized(rows_, cols, bits);
+        let bytes = bytes_of(&q);
+        let w = g.upload_weight(LinearWeight::Quantized(q)).expect("upload");
+        let x = g.upload(&vec![0.5f32; cols], 1, cols);
+        let timing = chain(&g, n, || {
+            let _ = if swiglu {
+                g.matmul_swiglu(&x, &w)
+            } else {
+                g.matmul(&x, &w)
+            };
+        });
+        line(name, bytes, timing);
+    }
+
     let table = format!(
-        "adapter: {} ({})\n\n| kernel | us per call | GB/s | of copy |\n|---|---:|---:|---:|\n{}\n",
+        "adapter: {} ({})\n\n| kernel | us per call | GB/s | of copy |\n|---|---:|---:|---:|\n{}\n\n\
+         Decode-step kernels, chains of {n} dependent dispatches:\n\n\
+         | kernel | device us per dispatch | host us per dispatch | GB/s |\n|---|---:|---:|---:|\n{}\n",
         g.gpu.adapter.name,
         g.gpu.adapter.backend,
-        rows.join("\n")
+        rows.join("\n"),
+        decode.join("\n")
     );
     println!("\n{table}");
     let _ = std::fs::write("target/gpu_kernels.md", &table);
