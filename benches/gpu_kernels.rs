@@ -177,7 +177,7 @@ fn bench(c: &mut Criterion) {
         .collect();
     let xe = g.upload(&vec![0.25f32; d], 1, d);
     let secs = time(&g, budget, || {
-        let _ = g.moe_experts(&xe, &routing, &refs, &layout);
+        let _ = g.moe_experts(&xe, &routing, &refs, &layout, None);
     });
     let gbps = (k * at) as f64 / secs / 1e9;
     rows.push(format!(

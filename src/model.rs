@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
 use crate::backend::{
     distinct_ids, rope_table, rotate_half, AttnDims, Backend, DeltaDims, KeyMask, Routing,
+    SharedExpert,
 };
 use crate::checkpoint::{Checkpoint, ExpertIndex, LinearWeight};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
@@ -1078,7 +1079,7 @@ impl<B: Backend> Model<B> {
             _ => None,
         };
         let o = backend.attention(&q, &k, &v, kv, dims, mask.as_ref());
-        Ok(backend.matmul(&backend.mul_sigmoid(&o, &gate, None), &w.o_proj))
+        Ok(backend.matmul(&backend.mul_sigmoid(&o, &gate), &w.o_proj))
     }
 
     /// The QSA indexer's key selection for the `T` queries of `x` at positions
@@ -1248,20 +1249,25 @@ impl<B: Backend> Model<B> {
         let model_ids = self.routing_model_ids(layer, tokens)?;
         if let Some(resident) = resident {
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
-            let routed = backend.moe_experts_resident(
+            let (shared, gate) = Self::shared_expert(backend, w, x);
+            let out = backend.moe_experts_resident(
                 x,
                 &routing,
                 k,
                 model_ids.as_deref(),
                 &resident.records(),
                 &self.experts.layout,
+                Some(SharedExpert {
+                    y: &shared,
+                    gate: &gate,
+                }),
             )?;
             match model_ids {
                 Some(ids) => experts.count_lookups(layer, &distinct_ids(ids)),
                 None => hold.routings.push((layer, routing)),
             }
             hold.layers.push(resident);
-            return Ok(Self::add_shared_expert(backend, w, x, &routed));
+            return Ok(out);
         }
         let mut routing = backend.router_top_k(&logits, k, cfg.norm_topk_prob)?;
         if let Some(ids) = model_ids {
@@ -1292,9 +1298,15 @@ impl<B: Backend> Model<B> {
                 }
             })
             .collect();
-        let routed = backend.moe_experts(x, &routing, &records, &self.experts.layout);
+        // After the routing read-back, so that the shared expert's work is not waited for.
+        let (shared, gate) = Self::shared_expert(backend, w, x);
+        let shared = SharedExpert {
+            y: &shared,
+            gate: &gate,
+        };
+        let out = backend.moe_experts(x, &routing, &records, &self.experts.layout, Some(shared));
         hold.in_use = held;
-        Ok(Self::add_shared_expert(backend, w, x, &routed))
+        Ok(out)
     }
 
     /// The synthetic routing model's expert ids `[T, k]` for `tokens` at `layer`; `None`
@@ -1303,10 +1315,13 @@ impl<B: Backend> Model<B> {
         tokens.routes.map(|r| r.ids(layer)).transpose()
     }
 
-    /// `routed` plus the shared expert's SwiGLU MLP of `x`, scaled by its sigmoid gate.
-    fn add_shared_expert(backend: &B, w: &Moe<B>, x: &B::Tensor, routed: &B::Tensor) -> B::Tensor {
-        let shared = Self::dense_mlp(backend, &w.shared, x);
-        backend.mul_sigmoid(&shared, &backend.matmul(x, &w.shared_gate), Some(routed))
+    /// The shared expert's SwiGLU MLP of `x` and its gate logit, which the routed experts'
+    /// combine adds in (see [`SharedExpert`]).
+    fn shared_expert(backend: &B, w: &Moe<B>, x: &B::Tensor) -> (B::Tensor, B::Tensor) {
+        (
+            Self::dense_mlp(backend, &w.shared, x),
+            backend.matmul(x, &w.shared_gate),
+        )
     }
 }
 

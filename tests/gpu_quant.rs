@@ -7,7 +7,7 @@ use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
 
-use slotstream::backend::{Backend, Routing};
+use slotstream::backend::{Backend, Routing, SharedExpert};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::experts::{ExpertRecord, ExpertSource};
@@ -225,12 +225,45 @@ fn routed_experts_match_cpu() {
             let d = layout.hidden;
             let x = random(t * d);
             let want = cpu
-                .download(&cpu.moe_experts(&cpu.upload(&x, t, d), &routing, &records, layout))
+                .download(&cpu.moe_experts(&cpu.upload(&x, t, d), &routing, &records, layout, None))
                 .unwrap();
             let got = g
-                .download(&g.moe_experts(&g.upload(&x, t, d), &routing, &records, layout))
+                .download(&g.moe_experts(&g.upload(&x, t, d), &routing, &records, layout, None))
                 .unwrap();
             check(&format!("{name} experts T={t}"), &got, &want, 1e-5);
+
+            // With the shared expert added in the combine: on the CPU, exactly the routed
+            // sum plus sigmoid(gate) * y; on the GPU, that within tolerance.
+            let (y, gate) = (random(t * d), random(t));
+            let (cy, cg) = (cpu.upload(&y, t, d), cpu.upload(&gate, t, 1));
+            let shared = SharedExpert { y: &cy, gate: &cg };
+            let with = cpu
+                .download(&cpu.moe_experts(
+                    &cpu.upload(&x, t, d),
+                    &routing,
+                    &records,
+                    layout,
+                    Some(shared),
+                ))
+                .unwrap();
+            let direct: Vec<f32> = want
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| r + y[i] * (1.0 / (1.0 + (-gate[i / d]).exp())))
+                .collect();
+            assert_eq!(with, direct, "{name} T={t}: CPU shared expert");
+            let (gy, gg) = (g.upload(&y, t, d), g.upload(&gate, t, 1));
+            let shared = SharedExpert { y: &gy, gate: &gg };
+            let got = g
+                .download(&g.moe_experts(
+                    &g.upload(&x, t, d),
+                    &routing,
+                    &records,
+                    layout,
+                    Some(shared),
+                ))
+                .unwrap();
+            check(&format!("{name} experts + shared T={t}"), &got, &with, 1e-5);
         }
     }
 }
@@ -371,10 +404,16 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
                 .collect();
             let x = random(t * hidden);
             let want = cpu
-                .download(&cpu.moe_experts(&cpu.upload(&x, t, hidden), &routing, &held, &layout))
+                .download(&cpu.moe_experts(
+                    &cpu.upload(&x, t, hidden),
+                    &routing,
+                    &held,
+                    &layout,
+                    None,
+                ))
                 .unwrap();
             let got = g
-                .download(&g.moe_experts(&g.upload(&x, t, hidden), &routing, &held, &layout))
+                .download(&g.moe_experts(&g.upload(&x, t, hidden), &routing, &held, &layout, None))
                 .unwrap();
             check(
                 &format!("gate {gate:?} up {up:?} down {down:?} {dtype:?} T={t}"),

@@ -10,8 +10,8 @@ struct Params {
     // Columns of a row: for mul_sigmoid's [T, 1] gate, gather_columns' input width, and
     // the half width of swiglu's [T, 2 cols] input.
     cols: u32,
-    // mul_sigmoid: bit 0 set if the gate is [T, 1] (broadcast over the row), bit 1 set to
-    // add `base`. gather_columns: output width m.
+    // mul_sigmoid: 1 if the gate is [T, 1] (broadcast over the row). gather_columns:
+    // output width m.
     // swiglu: 1 if gate and up are the halves of each row of a ([T, 2 cols]; b unused).
     extra: u32,
 }
@@ -22,8 +22,6 @@ struct Params {
 // column indices for gather_columns: one declaration per binding keeps every backend happy.
 @group(0) @binding(2) var<storage, read> b: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
-// mul_sigmoid only: the addend.
-@group(0) @binding(4) var<storage, read> base: array<f32>;
 
 fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
@@ -68,7 +66,7 @@ fn swiglu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: v
     out[i] = silu(a[i]) * bf(i);
 }
 
-// out = a * sigmoid(b) (+ base)  (a = x, b = gate of [T, cols], or [T, 1] when bit 0 of p.extra is set)
+// out = a * sigmoid(b)  (a = x, b = gate of [T, cols], or [T, 1] when p.extra == 1)
 @compute @workgroup_size(256)
 fn mul_sigmoid(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -77,16 +75,12 @@ fn mul_sigmoid(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         return;
     }
     var g: f32;
-    if ((p.extra & 1u) == 1u) {
+    if (p.extra == 1u) {
         g = bf(i / p.cols);
     } else {
         g = bf(i);
     }
-    var v = a[i] * sigmoid(g);
-    if ((p.extra & 2u) == 2u) {
-        v = base[i] + v;
-    }
-    out[i] = v;
+    out[i] = a[i] * sigmoid(g);
 }
 
 // Column gather: out[t, j] = a[t, b[j]] with a [T, p.cols], b the u32 indices, out [T, p.extra].

@@ -50,7 +50,9 @@ struct Params {
     // routed = 2, 3: experts in the table (ids beyond it are clamped to the last; the
     // host checks the ids when it reads them back).
     experts: u32,
-    _pad0: u32,
+    // moe_combine: 1 adds the shared expert (its output in `w`, its gate logit in `table`,
+    // both f32 bits).
+    add_shared: u32,
     _pad1: u32,
     _pad2: u32,
 };
@@ -376,7 +378,8 @@ fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: v
 }
 
 // out[t, d] = sum_j weight[t, j] * y[t * k + j, d], weights as f32 bits in aux from word
-// p.w_off.
+// p.w_off; with p.add_shared, plus sigmoid(gate[t]) * shared[t, d] (the shared expert, added
+// in this pass rather than by a mul_sigmoid of its own).
 @compute @workgroup_size(256)
 fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = gid.x + gid.y * nwg.x * 256u;
@@ -389,6 +392,9 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
     for (var j = 0u; j < p.k; j++) {
         let r = t * p.k + j;
         acc += bitcast<f32>(aux[p.w_off + r]) * act[r * p.rows + d];
+    }
+    if (p.add_shared == 1u) {
+        acc = acc + bitcast<f32>(w[i]) * sigmoid(bitcast<f32>(table[t]));
     }
     out[i] = acc;
 }

@@ -1,7 +1,9 @@
 //! The CPU backend: plain Rust in f32, parallel over output rows, heads and experts
 //! with rayon. It is the reference every other backend is tested against.
 
-use super::{dequantize_row, AttnDims, Backend, DeltaDims, Floats, KeyMask, QuantView, Routing};
+use super::{
+    dequantize_row, AttnDims, Backend, DeltaDims, Floats, KeyMask, QuantView, Routing, SharedExpert,
+};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::{Error, Result};
@@ -492,8 +494,8 @@ impl Backend for CpuBackend {
         CpuTensor::new(q.rows, q_heads * hd, out.concat())
     }
 
-    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor, base: Option<&CpuTensor>) -> CpuTensor {
-        let mut data = if gate.cols == x.cols {
+    fn mul_sigmoid(&self, x: &CpuTensor, gate: &CpuTensor) -> CpuTensor {
+        let data = if gate.cols == x.cols {
             x.map2(gate, |a, g| a * sigmoid(g)).data
         } else {
             assert_eq!(
@@ -508,10 +510,6 @@ impl Backend for CpuBackend {
             }
             data
         };
-        if let Some(base) = base {
-            assert_eq!((base.rows, base.cols), (x.rows, x.cols), "mul_sigmoid base");
-            data.iter_mut().zip(&base.data).for_each(|(v, b)| *v += b);
-        }
         CpuTensor::new(x.rows, x.cols, data)
     }
 
@@ -661,6 +659,7 @@ impl Backend for CpuBackend {
         routing: &Routing,
         records: &[ExpertRecord<'_>],
         layout: &RecordLayout,
+        shared: Option<SharedExpert<'_, CpuTensor>>,
     ) -> CpuTensor {
         assert_eq!(
             records.len(),
@@ -720,6 +719,16 @@ impl Backend for CpuBackend {
                     .zip(&ys[j * d..(j + 1) * d])
                     .for_each(|(o, &y)| *o += w * y);
             }
+        }
+        if let Some(s) = shared {
+            assert_eq!((s.y.rows, s.y.cols), (x.rows, d), "shared expert output");
+            assert_eq!(
+                (s.gate.rows, s.gate.cols),
+                (x.rows, 1),
+                "shared expert gate"
+            );
+            let gated = self.mul_sigmoid(s.y, s.gate);
+            out.iter_mut().zip(&gated.data).for_each(|(o, g)| *o += g);
         }
         CpuTensor::new(x.rows, d, out)
     }

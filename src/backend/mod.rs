@@ -411,14 +411,8 @@ pub trait Backend: Send + Sync {
         dims: AttnDims,
         mask: Option<&KeyMask>,
     ) -> Self::Tensor;
-    /// `base + x * sigmoid(gate)` (`x * sigmoid(gate)` without a base); `gate` is
-    /// `[T, cols]` or `[T, 1]` (broadcast over the row), `base` `[T, cols]`.
-    fn mul_sigmoid(
-        &self,
-        x: &Self::Tensor,
-        gate: &Self::Tensor,
-        base: Option<&Self::Tensor>,
-    ) -> Self::Tensor;
+    /// `x * sigmoid(gate)`; `gate` is `[T, cols]` or `[T, 1]` (broadcast over the row).
+    fn mul_sigmoid(&self, x: &Self::Tensor, gate: &Self::Tensor) -> Self::Tensor;
     /// `silu(gate) * up`.
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
     /// A SwiGLU MLP's first half, `silu(x Wg^T) * (x Wu^T)`, from `w = [Wg; Wu]`
@@ -446,13 +440,15 @@ pub trait Backend: Send + Sync {
     /// a layer: the ids decide which records the pool must hold.
     fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Result<Routing>;
     /// Routed SwiGLU experts: `out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`
-    /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`.
+    /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`,
+    /// plus the shared expert when given (added in the same pass, see [`SharedExpert`]).
     fn moe_experts(
         &self,
         x: &Self::Tensor,
         routing: &Routing,
         records: &[ExpertRecord<'_>],
         layout: &RecordLayout,
+        shared: Option<SharedExpert<'_, Self::Tensor>>,
     ) -> Self::Tensor;
 
     /// [`Backend::router_top_k`] whose result stays on the backend, for
@@ -477,6 +473,7 @@ pub trait Backend: Send + Sync {
     /// synthetic routing model's) or else from `routing`, so a backend can route without
     /// reading anything back. The default reads the routing back and calls
     /// [`Backend::moe_experts`]. Errors: a failed read-back, an id beyond `layer`.
+    #[allow(clippy::too_many_arguments)]
     fn moe_experts_resident(
         &self,
         x: &Self::Tensor,
@@ -485,9 +482,10 @@ pub trait Backend: Send + Sync {
         ids: Option<&[u32]>,
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
+        shared: Option<SharedExpert<'_, Self::Tensor>>,
     ) -> Result<Self::Tensor> {
         check_routed_ids(ids, routing_routes(self, routing), layer.len())?;
-        moe_experts_read_back(self, x, routing, k, ids, layer, layout)
+        moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
     }
 
     /// Gets records that will be computed from soon ready where the backend reads them
@@ -524,10 +522,28 @@ pub fn check_routed_ids(ids: Option<&[u32]>, routes: usize, experts: usize) -> R
     }
 }
 
+/// A MoE block's shared expert, which the pass that sums the routed experts adds in:
+/// `out += sigmoid(gate) * y`, with `y` `[T, hidden]` the shared expert's SwiGLU output and
+/// `gate` `[T, 1]` its gate logit (Qwen3-Next's `shared_expert_gate`, models.md).
+#[derive(Debug)]
+pub struct SharedExpert<'a, T> {
+    pub y: &'a T,
+    pub gate: &'a T,
+}
+
+// By hand: the derives would ask `T: Copy`, and only the references are copied.
+impl<T> Clone for SharedExpert<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedExpert<'_, T> {}
+
 /// [`Backend::moe_experts_resident`] by reading the routing back and gathering the routed
 /// records with [`Backend::moe_experts`]: the trait's default, and a backend's path for
 /// records it cannot route on the device. `ids` must have passed [`check_routed_ids`].
 /// Errors: a failed read-back, an id beyond `layer`.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_experts_read_back<B: Backend + ?Sized>(
     b: &B,
     x: &B::Tensor,
@@ -536,11 +552,12 @@ pub fn moe_experts_read_back<B: Backend + ?Sized>(
     ids: Option<&[u32]>,
     layer: &[ExpertRecord<'_>],
     layout: &RecordLayout,
+    shared: Option<SharedExpert<'_, B::Tensor>>,
 ) -> Result<B::Tensor> {
     let mut r = Routing::from_device(&b.download(routing)?, k, layer.len())?;
     if let Some(ids) = ids {
         r.ids.copy_from_slice(ids);
     }
     let records: Vec<ExpertRecord<'_>> = r.ids.iter().map(|&e| layer[e as usize]).collect();
-    Ok(b.moe_experts(x, &r, &records, layout))
+    Ok(b.moe_experts(x, &r, &records, layout, shared))
 }

@@ -17,21 +17,15 @@ const fn kernel(entry: &'static str) -> Kernel {
 
 const ADD: Kernel = kernel("add");
 const SWIGLU: Kernel = kernel("swiglu");
-const MUL_SIGMOID: Kernel = Kernel::new(
-    "elementwise.wgsl",
-    "mul_sigmoid",
-    &[Access::Read, Access::Read, Access::ReadWrite, Access::Read],
-);
+const MUL_SIGMOID: Kernel = kernel("mul_sigmoid");
 const GATHER_COLUMNS: Kernel = kernel("gather_columns");
 
 /// Dispatches `k` over the `rows * cols` elements of a new output: `[rows, cols]`, bound
-/// after `inputs` (and before `after`, for a kernel with a binding after its output).
-#[allow(clippy::too_many_arguments)]
+/// after `inputs`.
 fn run(
     b: &GpuBackend,
     k: &Kernel,
     inputs: [&GpuTensor; 2],
-    after: Option<&GpuTensor>,
     rows: usize,
     cols: usize,
     cols_param: usize,
@@ -41,8 +35,7 @@ fn run(
     let n32 = u32::try_from(n).expect("elementwise: tensor too large for u32 indexing");
     let out = b.empty(rows, cols);
     let [gx, gy] = grid(n.div_ceil(WG) as u32);
-    let mut binds: Vec<&wgpu::Buffer> = vec![&inputs[0].buf, &inputs[1].buf, &out.buf];
-    binds.extend(after.map(|t| -> &wgpu::Buffer { &t.buf }));
+    let binds: [&wgpu::Buffer; 3] = [&inputs[0].buf, &inputs[1].buf, &out.buf];
     b.gpu
         .dispatch(k, &[n32, cols_param as u32, extra], &binds, [gx, gy, 1]);
     out
@@ -59,39 +52,24 @@ fn same_shape(op: &str, a: &GpuTensor, c: &GpuTensor) {
 /// `a + c`.
 pub(super) fn add(b: &GpuBackend, a: &GpuTensor, c: &GpuTensor) -> GpuTensor {
     same_shape("add", a, c);
-    run(b, &ADD, [a, c], None, a.rows, a.cols, a.cols, 0)
+    run(b, &ADD, [a, c], a.rows, a.cols, a.cols, 0)
 }
 
 /// `silu(gate) * up`.
 pub(super) fn swiglu(b: &GpuBackend, gate: &GpuTensor, up: &GpuTensor) -> GpuTensor {
     same_shape("swiglu", gate, up);
-    run(
-        b,
-        &SWIGLU,
-        [gate, up],
-        None,
-        gate.rows,
-        gate.cols,
-        gate.cols,
-        0,
-    )
+    run(b, &SWIGLU, [gate, up], gate.rows, gate.cols, gate.cols, 0)
 }
 
 /// `silu(gate) * up` for `x = [gate | up]` `[T, 2 C]`: `[T, C]`.
 pub(super) fn swiglu_halves(b: &GpuBackend, x: &GpuTensor) -> GpuTensor {
     assert_eq!(x.cols % 2, 0, "swiglu: odd width {}", x.cols);
     let c = x.cols / 2;
-    run(b, &SWIGLU, [x, x], None, x.rows, c, c, 1)
+    run(b, &SWIGLU, [x, x], x.rows, c, c, 1)
 }
 
-/// `base + x * sigmoid(gate)` (`base` optional), `gate` `[T, cols]` or `[T, 1]`
-/// (broadcast over the row).
-pub(super) fn mul_sigmoid(
-    b: &GpuBackend,
-    x: &GpuTensor,
-    gate: &GpuTensor,
-    base: Option<&GpuTensor>,
-) -> GpuTensor {
+/// `x * sigmoid(gate)`, `gate` `[T, cols]` or `[T, 1]` (broadcast over the row).
+pub(super) fn mul_sigmoid(b: &GpuBackend, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
     let broadcast = if gate.cols == x.cols {
         assert_eq!(gate.rows, x.rows, "mul_sigmoid: elementwise shapes");
         0
@@ -103,19 +81,14 @@ pub(super) fn mul_sigmoid(
         );
         1
     };
-    if let Some(base) = base {
-        same_shape("mul_sigmoid", x, base);
-    }
-    // Without a base the shader never reads binding 4; x stands in for it.
     run(
         b,
         &MUL_SIGMOID,
         [x, gate],
-        Some(base.unwrap_or(x)),
         x.rows,
         x.cols,
         x.cols,
-        broadcast | (u32::from(base.is_some()) << 1),
+        broadcast,
     )
 }
 
@@ -123,14 +96,5 @@ pub(super) fn mul_sigmoid(
 /// below `x.cols` (not checked on the device: the indices never come back to the host).
 pub(super) fn gather_columns(b: &GpuBackend, x: &GpuTensor, idx: &GpuTensor) -> GpuTensor {
     let m = idx.rows * idx.cols;
-    run(
-        b,
-        &GATHER_COLUMNS,
-        [x, idx],
-        None,
-        x.rows,
-        m,
-        x.cols,
-        m as u32,
-    )
+    run(b, &GATHER_COLUMNS, [x, idx], x.rows, m, x.cols, m as u32)
 }

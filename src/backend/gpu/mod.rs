@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 pub use device::{list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions};
 
-use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing};
+use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::Result;
@@ -544,8 +544,8 @@ impl Backend for GpuBackend {
         attention::attention(self, q, k, v, cache, dims, mask)
     }
 
-    fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor, base: Option<&GpuTensor>) -> GpuTensor {
-        elementwise::mul_sigmoid(self, x, gate, base)
+    fn mul_sigmoid(&self, x: &GpuTensor, gate: &GpuTensor) -> GpuTensor {
+        elementwise::mul_sigmoid(self, x, gate)
     }
 
     fn swiglu(&self, gate: &GpuTensor, up: &GpuTensor) -> GpuTensor {
@@ -580,8 +580,9 @@ impl Backend for GpuBackend {
         routing: &Routing,
         records: &[ExpertRecord<'_>],
         layout: &RecordLayout,
+        shared: Option<SharedExpert<'_, GpuTensor>>,
     ) -> GpuTensor {
-        quant::moe_experts(self, x, routing, records, layout)
+        quant::moe_experts(self, x, routing, records, layout, shared)
     }
 
     fn router_top_k_device(
@@ -601,13 +602,15 @@ impl Backend for GpuBackend {
         ids: Option<&[u32]>,
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
+        shared: Option<SharedExpert<'_, GpuTensor>>,
     ) -> Result<GpuTensor> {
         super::check_routed_ids(ids, super::routing_routes(self, routing), layer.len())?;
-        if let Some(out) = quant::moe_experts_resident(self, x, routing, k, ids, layer, layout) {
+        let routes = (routing, k, ids);
+        if let Some(out) = quant::moe_experts_resident(self, x, routes, layer, layout, shared) {
             return Ok(out);
         }
         // Records outside a pool: read the routing back and gather them as usual.
-        super::moe_experts_read_back(self, x, routing, k, ids, layer, layout)
+        super::moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
     }
 
     fn prepare_records(&self, records: &[ExpertRecord<'_>]) -> Result<()> {

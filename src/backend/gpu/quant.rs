@@ -9,7 +9,7 @@ use safetensors::Dtype;
 
 use super::device::{grid, Access, Bind, Kernel};
 use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
-use crate::backend::Routing;
+use crate::backend::{Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
@@ -33,12 +33,25 @@ const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
 const QMATMUL4_SWIGLU: Kernel = matmul_kernel("qmatmul4_swiglu");
 const DENSE: Kernel = matmul_kernel("matmul_dense");
 const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
-const COMBINE: Kernel = Kernel::new("quant.wgsl", "moe_combine", BINDINGS);
+/// The combine binds the shared expert's output and gate where the matmuls bind the
+/// weights and the expert table.
+const COMBINE: Kernel = matmul_kernel("moe_combine");
 /// Invocations per qmatmul workgroup (`WG` in the shader).
 const WG: usize = 256;
 /// Invocations a qmatmul dispatch aims for: a decode step's matrices of few rows (a
 /// router's 512, a gate's 1) get more lanes per row rather than leave the GPU idle.
+/// `SLOTSTREAM_GPU_INVOCATIONS` overrides it (for tuning on another GPU).
 const INVOCATIONS: usize = 1 << 17;
+
+fn invocations() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var("SLOTSTREAM_GPU_INVOCATIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(INVOCATIONS)
+    })
+}
 
 fn dtype_code(d: Dtype) -> u32 {
     match d {
@@ -86,6 +99,8 @@ struct Params {
     lanes: u32,
     /// Experts in the expert table (routed = 2, 3).
     experts: u32,
+    /// moe_combine: 1 adds the shared expert.
+    shared: u32,
 }
 
 impl Params {
@@ -113,7 +128,7 @@ impl Params {
     /// The uniform words and workgroup grid of a dispatch of `kernel` (a qmatmul entry or
     /// `matmul_dense`) over `z` tokens or routes. Lanes per row: 16, doubled while the
     /// dispatch has fewer than [`INVOCATIONS`] invocations and a row has work for them
-    /// (a lane per 16-byte vector, packed word or dense column).
+    /// (a lane per 16-byte vector, packed word or dense column); see [`invocations`].
     fn launch(mut self, kernel: &Kernel, z: usize) -> ([u32; 24], [u32; 3]) {
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let units = match kernel.entry {
@@ -123,7 +138,7 @@ impl Params {
         };
         let rows = self.rows as usize;
         let mut lanes = 16;
-        while lanes < WG && rows * z.max(1) * lanes < INVOCATIONS && lanes * 2 <= units {
+        while lanes < WG && rows * z.max(1) * lanes < invocations() && lanes * 2 <= units {
             lanes *= 2;
         }
         self.lanes = lanes as u32;
@@ -198,7 +213,7 @@ impl Params {
             self.out_first,
             self.lanes,
             self.experts,
-            0,
+            self.shared,
             0,
             0,
         ]
@@ -640,6 +655,7 @@ pub(super) fn moe_experts(
     routing: &Routing,
     records: &[ExpertRecord<'_>],
     layout: &RecordLayout,
+    shared: Option<SharedExpert<'_, GpuTensor>>,
 ) -> GpuTensor {
     let routes = routing.ids.len();
     let (arenas, places, temporary) = place_records(b, records, layout);
@@ -731,21 +747,50 @@ pub(super) fn moe_experts(
             scatter(&target, &y, order);
         }
     }
-    let out = b.empty(x.rows, d);
+    let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
+    combine(b, &y, (weights, 0, routing.top_k), shared)
+}
+
+/// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each token, the weights
+/// (f32 bits) from word `w_off` of `weights`, plus the shared expert when given; `y` is
+/// `[T k, hidden]`.
+fn combine(
+    b: &GpuBackend,
+    y: &GpuTensor,
+    (weights, w_off, k): (Bind<'_>, usize, usize),
+    shared: Option<SharedExpert<'_, GpuTensor>>,
+) -> GpuTensor {
+    let (tokens, d) = (y.rows / k, y.cols);
+    let out = b.empty(tokens, d);
     let params = Params {
         rows: d as u32,
-        k: routing.top_k as u32,
-        tokens: x.rows as u32,
+        k: k as u32,
+        tokens: tokens as u32,
+        w_off: w_off as u32,
+        shared: u32::from(shared.is_some()),
         ..Default::default()
     };
-    let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
-    let weights = bytemuck::cast_slice(&routing.weights);
+    let dummy = Bind::Buffer(&b.gpu.dummy);
+    let (shared_y, gate) = match shared {
+        Some(s) => {
+            assert_eq!((s.y.rows, s.y.cols), (tokens, d), "shared expert output");
+            assert_eq!(
+                (s.gate.rows, s.gate.cols),
+                (tokens, 1),
+                "shared expert gate"
+            );
+            (Bind::Buffer(&s.y.buf), Bind::Buffer(&s.gate.buf))
+        }
+        None => (dummy, dummy),
+    };
     let binds = [
         Bind::Buffer(&y.buf),
-        Bind::Buffer(&b.gpu.dummy),
-        Bind::Data(weights),
+        shared_y,
+        weights,
         Bind::Buffer(&out.buf),
+        gate,
     ];
+    let [gx, gy] = grid((tokens * d).div_ceil(256) as u32);
     b.gpu
         .dispatch_with(&COMBINE, &params.words(), &binds, [gx, gy, 1]);
     out
@@ -762,11 +807,10 @@ pub(super) fn moe_experts(
 pub(super) fn moe_experts_resident(
     b: &GpuBackend,
     x: &GpuTensor,
-    routing: &GpuTensor,
-    k: usize,
-    ids: Option<&[u32]>,
+    (routing, k, ids): (&GpuTensor, usize, Option<&[u32]>),
     layer: &[ExpertRecord<'_>],
     layout: &RecordLayout,
+    shared: Option<SharedExpert<'_, GpuTensor>>,
 ) -> Option<GpuTensor> {
     let routes = routing.cols / 2;
     assert_eq!(routes, x.rows * k, "moe_experts_resident: routes");
@@ -811,21 +855,7 @@ pub(super) fn moe_experts_resident(
         let (words, groups) = params.launch(kernel, routes);
         b.gpu.dispatch_with(kernel, &words, &binds, groups);
     }
-    let out = b.empty(x.rows, d);
-    let params = Params {
-        rows: d as u32,
-        k: k as u32,
-        tokens: x.rows as u32,
-        // The weights follow the ids in the routing tensor.
-        w_off: routes as u32,
-        ..Default::default()
-    };
-    let [gx, gy] = grid((x.rows * d).div_ceil(256) as u32);
-    b.gpu.dispatch(
-        &COMBINE,
-        &params.words(),
-        &[&y.buf, &b.gpu.dummy, &routing.buf, &out.buf],
-        [gx, gy, 1],
-    );
-    Some(out)
+    // The weights follow the ids in the routing tensor.
+    let weights = (Bind::Buffer(&routing.buf), routes, k);
+    Some(combine(b, &y, weights, shared))
 }
