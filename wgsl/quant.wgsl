@@ -240,12 +240,12 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
     }
 }
 
-// The 4-bit and 8-bit cases of qmatmul with 16-byte loads: each packed vector of 4 words
+// The 4-bit and 8-bit cases of qmatmul with 16-byte loads: each lane takes 4 packed words
 // (32 columns at 4 bits, 16 at 8, within one quantization group since groups are multiples
-// of that) is used with its activations as vec4s, unrolled. These views alias bindings 1
-// and 2; WGSL allows it because no entry point uses both a view and its scalar twin.
-// Callers guarantee cols a multiple of 256 / bits (an even number of vectors per row),
-// group_size a multiple of 128 / bits, and 16-byte aligned record bases and w_off.
+// of that) and their activations as vec4s, unrolled. These views alias bindings 1 and 2;
+// WGSL allows it because no entry point uses both a view and its scalar twin. Callers
+// guarantee cols and group_size are multiples of 128 / bits, and 16-byte aligned record
+// bases and w_off.
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
@@ -262,36 +262,7 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-// (sum q x, sum x) over the 128 / bits columns of one packed vector `q`, the activations
-// from vec4 `xb`.
-fn vec_dot(q: vec4<u32>, xb: u32, bits: u32) -> vec2<f32> {
-    var qx = 0.0;
-    var sx = 0.0;
-    if (bits == 4u) {
-        for (var k = 0u; k < 4u; k++) {
-            let word = q[k];
-            let xa = act4[xb + 2u * k];
-            let xc = act4[xb + 2u * k + 1u];
-            let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
-            let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
-            qx += dot(lo, xa) + dot(hi, xc);
-            sx += dot(xa + xc, vec4<f32>(1.0));
-        }
-    } else {
-        for (var k = 0u; k < 4u; k++) {
-            let word = q[k];
-            let xa = act4[xb + k];
-            let v = vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
-            qx += dot(v, xa);
-            sx += dot(xa, vec4<f32>(1.0));
-        }
-    }
-    return vec2<f32>(qx, sx);
-}
-
-// lane_dot over the vec4 views, at 4 or 8 bits: two consecutive packed vectors (32 bytes)
-// per lane and step, both loaded before either is used, so that each lane keeps two reads
-// in flight (callers guarantee an even number of vectors per row).
+// lane_dot over the vec4 views, at 4 or 8 bits.
 fn lane_dot4(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
     // Columns per 16-byte vector of packed words.
     let span = 128u / bits;
@@ -302,21 +273,32 @@ fn lane_dot4(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, l
     let bbase = base * elems_per_word() + offs.z + row * groups;
     let x0 = t * p.cols / 4u;
     var acc = 0.0;
-    for (var vi = 2u * lane; vi < vecs_per_row; vi += 2u * lanes()) {
-        let q0 = w4[v0 + vi];
-        let q1 = w4[v0 + vi + 1u];
+    for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
+        let q = w4[v0 + vi];
+        let g = vi * span / gs;
         let xb = x0 + vi * (span / 4u);
-        let d0 = vec_dot(q0, xb, bits);
-        let d1 = vec_dot(q1, xb + span / 4u, bits);
-        let g0 = vi * span / gs;
-        let g1 = (vi + 1u) * span / gs;
-        if (g0 == g1) {
-            let d = d0 + d1;
-            acc += scale4(sbase + g0) * d.x + scale4(bbase + g0) * d.y;
+        var qx = 0.0;
+        var sx = 0.0;
+        if (bits == 4u) {
+            for (var k = 0u; k < 4u; k++) {
+                let word = q[k];
+                let xa = act4[xb + 2u * k];
+                let xc = act4[xb + 2u * k + 1u];
+                let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+                let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+                qx += dot(lo, xa) + dot(hi, xc);
+                sx += dot(xa + xc, vec4<f32>(1.0));
+            }
         } else {
-            acc += scale4(sbase + g0) * d0.x + scale4(bbase + g0) * d0.y;
-            acc += scale4(sbase + g1) * d1.x + scale4(bbase + g1) * d1.y;
+            for (var k = 0u; k < 4u; k++) {
+                let word = q[k];
+                let xa = act4[xb + k];
+                let v = vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
+                qx += dot(v, xa);
+                sx += dot(xa, vec4<f32>(1.0));
+            }
         }
+        acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
     }
     return acc;
 }

@@ -116,12 +116,11 @@ impl Params {
     }
 
     /// Whether qmatmul4's 16-byte loads apply: 4 or 8 bits, whole 16-byte runs of packed
-    /// words within a group (128 / bits columns) and an even number of them per row,
-    /// packed words 16-byte aligned.
+    /// words within a group (128 / bits columns), packed words 16-byte aligned.
     fn vec4(&self) -> bool {
         let span = 128 / self.bits.max(1);
         matches!(self.bits, 4 | 8)
-            && self.cols % (2 * span) == 0
+            && self.cols % span == 0
             && self.group_size % span == 0
             && self.w_off % 4 == 0
     }
@@ -129,13 +128,11 @@ impl Params {
     /// The uniform words and workgroup grid of a dispatch of `kernel` (a qmatmul entry or
     /// `matmul_dense`) over `z` tokens or routes. Lanes per row: 16, doubled while the
     /// dispatch has fewer than [`INVOCATIONS`] invocations and a row has work for them
-    /// (a lane per pair of 16-byte vectors, packed word or dense column); see
-    /// [`invocations`].
+    /// (a lane per 16-byte vector, packed word or dense column); see [`invocations`].
     fn launch(mut self, kernel: &Kernel, z: usize) -> ([u32; 24], [u32; 3]) {
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let units = match kernel.entry {
-            // A lane per pair of 16-byte vectors.
-            "qmatmul4" | "qmatmul4_swiglu" => cols * bits / 256,
+            "qmatmul4" | "qmatmul4_swiglu" => cols * bits / 128,
             "matmul_dense" => cols,
             _ => cols * bits / 32,
         };
