@@ -2,10 +2,11 @@
 //
 // One workgroup of 256 invocations per token (the grid may be 2-D, device::grid):
 // max and sum of exp(logit - max) reduced in shared memory, probabilities
-// p_e = exp(l_e - max) / sum, then each expert's rank in the order (p descending, id
-// ascending: the CPU's sort, ties keeping the lower id first) by counting the experts
-// before it; those of rank below k are the picks. The first CACHED probabilities are kept
-// in shared memory for the counting; experts beyond them are recomputed, so any number
+// p_e = exp(l_e - max) / sum, then `k` rounds of an argmax over the experts that come
+// after the previous pick in the order (p descending, id ascending): the same order as
+// the CPU's sort, ties keeping the lower id first. The first CACHED probabilities are kept
+// in shared memory for the rounds (a round would otherwise reread and exponentiate every
+// logit: a chain of k global reads); experts beyond them are recomputed, so any number
 // of experts works.
 //
 // Output (u32 words): ids [T, k], then the weights [T, k] as f32 bits. When the routing
@@ -26,22 +27,16 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<u32>;
 
 const WG: u32 = 256u;
+const NONE: u32 = 0xffffffffu;
 // Largest supported k (router.rs checks it).
 const MAX_K: u32 = 64u;
 
 var<workgroup> red_p: array<f32, 256>;
+var<workgroup> red_id: array<u32, 256>;
 var<workgroup> picked_p: array<f32, 64>;
 var<workgroup> picked_id: array<u32, 64>;
 const CACHED: u32 = 1024u;
 var<workgroup> probs: array<f32, 1024>;
-
-// Probability of expert e: kept in shared memory for the first CACHED, else recomputed.
-fn prob(base: u32, e: u32, row_max: f32, sum: f32) -> f32 {
-    if (e < CACHED) {
-        return probs[e];
-    }
-    return exp(logits[base + e] - row_max) / sum;
-}
 
 // (pa, ia) comes before (pb, ib): higher probability first, then the lower id.
 fn before(pa: f32, ia: u32, pb: f32, ib: u32) -> bool {
@@ -94,23 +89,47 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     workgroupBarrier();
 
-    // Each expert's rank in the order is the number of experts before it; the k of rank
-    // below k are the picks, each written at its rank. A scan stops once its count
-    // reaches k, so only near-top experts read every probability (one pass, no rounds).
-    for (var e = l; e < p.experts; e += WG) {
-        let pe = prob(base, e, row_max, sum);
-        var rank = 0u;
-        for (var j = 0u; j < p.experts && rank < p.k; j++) {
-            if (before(prob(base, j, row_max, sum), j, pe, e)) {
-                rank += 1u;
+    // k rounds of argmax over the experts after the previous pick.
+    var prev_p = 3.40282347e38;
+    var prev_id = NONE;
+    for (var r = 0u; r < p.k; r++) {
+        var best_p = -1.0;
+        var best_id = NONE;
+        for (var e = l; e < p.experts; e += WG) {
+            var pe = 0.0;
+            if (e < CACHED) {
+                pe = probs[e];
+            } else {
+                pe = exp(logits[base + e] - row_max) / sum;
+            }
+            let eligible = r == 0u || before(prev_p, prev_id, pe, e);
+            if (eligible && (best_id == NONE || before(pe, e, best_p, best_id))) {
+                best_p = pe;
+                best_id = e;
             }
         }
-        if (rank < p.k) {
-            picked_p[rank] = pe;
-            picked_id[rank] = e;
+        red_p[l] = best_p;
+        red_id[l] = best_id;
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+            if (l < stride) {
+                let op = red_p[l + stride];
+                let oi = red_id[l + stride];
+                if (oi != NONE && (red_id[l] == NONE || before(op, oi, red_p[l], red_id[l]))) {
+                    red_p[l] = op;
+                    red_id[l] = oi;
+                }
+            }
+            workgroupBarrier();
         }
+        prev_p = red_p[0];
+        prev_id = red_id[0];
+        if (l == 0u) {
+            picked_p[r] = prev_p;
+            picked_id[r] = prev_id;
+        }
+        workgroupBarrier();
     }
-    workgroupBarrier();
 
     if (l == 0u) {
         // Sum in pick order, as the CPU does.
