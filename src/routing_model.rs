@@ -471,7 +471,7 @@ impl RoutingModel {
     /// probability `forecast_accuracy` and otherwise replaced by a popularity draw among
     /// the active experts outside that token's selection. The forecast is what a lookahead
     /// guessed before the layer ran; it is computed here, from the same steps, so that a
-    /// step's routing can be computed ahead in one pass (see `model::SyntheticRoutes`).
+    /// step's routing can be computed ahead in one pass ([`StepRoutes`]).
     /// Errors: `layer` beyond the model's layers.
     pub fn route_chunk(
         &self,
