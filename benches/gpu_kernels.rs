@@ -10,6 +10,10 @@
 //! once: device time per dispatch (the wait for the chain) and host time per dispatch
 //! (recording and encoding it), apart.
 //!
+//! The whole bench runs with `SLOTSTREAM_GPU_SUBMIT_EVERY=0` (since 6428dfe; the first
+//! table's calls were submitted every 64 dispatches before, which at 10 calls per wait
+//! changes nothing for them).
+//!
 //! Run: `cargo bench --bench gpu_kernels` (set `WGPU_ADAPTER_NAME` to pick an adapter).
 //! Prints the tables and writes them to `target/gpu_kernels.md`.
 

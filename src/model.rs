@@ -811,15 +811,16 @@ impl<B: Backend> Model<B> {
                         .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
                 })
                 .collect();
+            // A long chunk reads its experts outside the pool: guesses would only churn it.
+            let lookahead = experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS;
             let mut routes = match (&self.routing, routing_state) {
                 (Some(model), Some(st)) => Some(StepRoutes::spawn(
                     scope,
                     model,
                     st,
                     cfg.moe_layers(),
-                    self.layers.len(),
-                    start,
-                    ids,
+                    (start, ids),
+                    lookahead,
                 )),
                 _ => None,
             };
@@ -862,8 +863,7 @@ impl<B: Backend> Model<B> {
                 };
                 let post = pre_norm(&layer.residual, Block::Mlp);
                 (h, normed) = self.residual_add(backend, &h, &r, inject.as_ref(), post);
-                // A long chunk reads its experts outside the pool: guesses would only churn it.
-                if experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS {
+                if lookahead {
                     let tokens = Tokens {
                         ids,
                         routes: routes.as_mut(),
@@ -1249,6 +1249,8 @@ impl<B: Backend> Model<B> {
         let model_ids = self.routing_model_ids(layer, tokens)?;
         if let Some(resident) = resident {
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
+            // Nothing waits here (the routing stays on the device), so the shared expert can
+            // come first.
             let (shared, gate) = Self::shared_expert(backend, w, x);
             let out = backend.moe_experts_resident(
                 x,

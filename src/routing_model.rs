@@ -46,10 +46,10 @@
 //! # Lookahead forecast
 //!
 //! The engine guesses layer `L+2`'s experts on layer `L`'s hidden state. With this model a
-//! guess from the random router would be worthless, so a forecast ([`RoutingModel::route_chunk`]) stands in
-//! for it: it computes the selection layer `L+2` will make and keeps each of its ids with
-//! probability `forecast_accuracy`, replacing the others with popularity draws from the
-//! rest of the active set. That accuracy is an assumption, not a measurement (the
+//! guess from the random router would be worthless, so a forecast stands in for it
+//! ([`RoutingModel::route_chunk`]): it takes the selection layer `L+2` will make and keeps
+//! each of its ids with probability `forecast_accuracy`, replacing the others with
+//! popularity draws from the rest of the active set. That accuracy is an assumption, not a measurement (the
 //! reference only reports the speed-up its forecast gives); it makes `--lookahead on|off`
 //! comparisons mean something, and can be set per checkpoint. A forecast never changes
 //! the routing state or what is computed.
@@ -466,46 +466,53 @@ impl RoutingModel {
     }
 
     /// Routes the tokens `tokens` at positions `start..` through `layer` (advancing
-    /// `state` as [`RoutingModel::route`] token by token would) and returns their ids with
-    /// the lookahead forecast of the same selections: per token, each true id is kept with
-    /// probability `forecast_accuracy` and otherwise replaced by a popularity draw among
-    /// the active experts outside that token's selection. The forecast is what a lookahead
-    /// guessed before the layer ran; it is computed here, from the same steps, so that a
-    /// step's routing can be computed ahead in one pass ([`StepRoutes`]).
-    /// Errors: `layer` beyond the model's layers.
+    /// `state` as [`RoutingModel::route`] token by token would) and returns their ids,
+    /// with the lookahead forecast of the same selections when `forecast` is set (else an
+    /// empty one): per token, each true id is kept with probability `forecast_accuracy`
+    /// and otherwise replaced by a popularity draw among the active experts outside that
+    /// token's selection. The forecast is what a lookahead guessed before the layer ran;
+    /// it is computed here, from the same steps, so that a step's routing can be computed
+    /// ahead in one pass ([`StepRoutes`]). Errors: `layer` beyond the model's layers.
     pub fn route_chunk(
         &self,
         state: &mut RoutingState,
         layer: usize,
         start: u64,
         tokens: &[u32],
+        forecast: bool,
     ) -> crate::Result<ChunkRouting> {
         let (m, context) = self.layer_state(state, layer)?;
         let mut ids = Vec::with_capacity(tokens.len() * self.top_k);
-        let mut forecast = Vec::new();
+        let mut guesses = Vec::new();
         for (i, &token) in tokens.iter().enumerate() {
             let position = start + i as u64;
             let truth = self.step(m, layer, context, position, token);
+            ids.extend(truth.iter().map(|&r| m.experts[r]));
+            if !forecast {
+                continue;
+            }
             let key = hash(&[self.params.seed, layer as u64, position, token as u64]);
             let mut taken = vec![false; m.experts.len()];
             for &r in &truth {
                 taken[r] = true;
             }
             for (j, &r) in truth.iter().enumerate() {
-                ids.push(m.experts[r]);
                 if uniform(hash(&[key, STREAM_KEEP, j as u64])) < self.params.forecast_accuracy {
-                    forecast.push(m.experts[r]);
+                    guesses.push(m.experts[r]);
                 } else if let Some(d) =
                     popularity_draw(m, &taken, hash(&[key, STREAM_DRAW, j as u64]))
                 {
                     taken[d] = true;
-                    forecast.push(m.experts[d]);
+                    guesses.push(m.experts[d]);
                 }
             }
         }
-        forecast.sort_unstable();
-        forecast.dedup();
-        Ok(ChunkRouting { ids, forecast })
+        guesses.sort_unstable();
+        guesses.dedup();
+        Ok(ChunkRouting {
+            ids,
+            forecast: guesses,
+        })
     }
 
     /// `layer`'s tables and its context in `state`. Errors: `layer` beyond the model's
@@ -557,21 +564,22 @@ pub struct StepRoutes {
 }
 
 impl StepRoutes {
-    /// Starts routing `tokens` (positions `start..`) through `layers`, in order, on a
-    /// thread of `scope`, advancing `state`; `num_layers` bounds the layer indices.
+    /// Starts routing `tokens` (positions `start..`) through `layers` (ascending), in
+    /// order, on a thread of `scope`, advancing `state`; with the lookahead forecasts if
+    /// `forecast` (see [`RoutingModel::route_chunk`]).
     pub fn spawn<'scope, 'env>(
         scope: &'scope std::thread::Scope<'scope, 'env>,
         model: &'env RoutingModel,
         state: &'env mut RoutingState,
         layers: Vec<usize>,
-        num_layers: usize,
-        start: u64,
-        tokens: &'env [u32],
+        (start, tokens): (u64, &'env [u32]),
+        forecast: bool,
     ) -> StepRoutes {
         let (tx, rx) = std::sync::mpsc::channel();
+        let num_layers = layers.iter().max().map_or(0, |&l| l + 1);
         scope.spawn(move || {
             for layer in layers {
-                let routed = model.route_chunk(state, layer, start, tokens);
+                let routed = model.route_chunk(state, layer, start, tokens, forecast);
                 let failed = routed.is_err();
                 // A closed channel: the forward pass stopped early (its own error).
                 if tx.send((layer, routed)).is_err() || failed {
@@ -595,12 +603,13 @@ impl StepRoutes {
         }
         while self.ready[layer].is_none() {
             let (l, routed) = self.rx.recv().map_err(|_| missing())?;
-            self.ready[l] = Some(routed?);
+            *self.ready.get_mut(l).ok_or_else(missing)? = Some(routed?);
         }
         self.ready[layer].as_mut().ok_or_else(missing)
     }
 
-    /// `layer`'s lookahead forecast (taken: a second call gets none).
+    /// `layer`'s lookahead forecast (taken: a second call gets none; empty when spawned
+    /// without forecasts).
     pub fn forecast(&mut self, layer: usize) -> crate::Result<Vec<u32>> {
         Ok(std::mem::take(&mut self.layer(layer)?.forecast))
     }
@@ -780,7 +789,7 @@ mod tests {
         let m = model(seed);
         let tokens = [5u32, 9, 9, 100, 7];
         let (mut s1, mut s2) = (m.new_state(), m.new_state());
-        let chunk = m.route_chunk(&mut s1, 3, 0, &tokens).unwrap();
+        let chunk = m.route_chunk(&mut s1, 3, 0, &tokens, true).unwrap();
         assert!(!chunk.forecast.is_empty() && chunk.forecast.len() <= 50);
         assert!(
             chunk.forecast.windows(2).all(|w| w[0] < w[1]),
@@ -794,15 +803,61 @@ mod tests {
         assert_eq!(s1, s2, "seed {seed}");
         // The same positions split in two chunks route and forecast the same.
         let mut s3 = m.new_state();
-        let a = m.route_chunk(&mut s3, 3, 0, &tokens[..2]).unwrap();
-        let b = m.route_chunk(&mut s3, 3, 2, &tokens[2..]).unwrap();
+        let a = m.route_chunk(&mut s3, 3, 0, &tokens[..2], true).unwrap();
+        let b = m.route_chunk(&mut s3, 3, 2, &tokens[2..], true).unwrap();
         assert_eq!([a.ids, b.ids].concat(), chunk.ids, "seed {seed}");
         let mut both = [a.forecast, b.forecast].concat();
         both.sort_unstable();
         both.dedup();
         assert_eq!(both, chunk.forecast, "seed {seed}");
         assert!(m.route(&mut s1, 48, 0, 0).is_err());
-        assert!(m.route_chunk(&mut s1, 48, 0, &tokens).is_err());
+        assert!(m.route_chunk(&mut s1, 48, 0, &tokens, true).is_err());
+    }
+
+    /// The helper thread's routing equals `route_chunk` layer by layer, whichever order
+    /// the layers are asked for; a layer it did not route, or a state from another model,
+    /// is an error rather than a hang.
+    #[test]
+    fn step_routes_match_route_chunk() {
+        let seed: u64 = rand::random();
+        let m = model(seed);
+        let tokens = [3u32, 1, 4, 1, 5];
+        let layers = vec![0usize, 2, 5, 9];
+        let mut reference = m.new_state();
+        let want: Vec<ChunkRouting> = layers
+            .iter()
+            .map(|&l| m.route_chunk(&mut reference, l, 7, &tokens, true).unwrap())
+            .collect();
+        let mut state = m.new_state();
+        std::thread::scope(|scope| {
+            let mut routes =
+                StepRoutes::spawn(scope, &m, &mut state, layers.clone(), (7, &tokens), true);
+            assert_eq!(routes.forecast(5).unwrap(), want[2].forecast, "seed {seed}");
+            assert_eq!(routes.ids(2).unwrap(), want[1].ids, "seed {seed}");
+            assert_eq!(routes.ids(0).unwrap(), want[0].ids, "seed {seed}");
+            assert_eq!(routes.ids(9).unwrap(), want[3].ids, "seed {seed}");
+            assert!(routes.ids(9).unwrap().is_empty(), "taken once");
+            assert!(routes.ids(4).is_err(), "layer 4 was not routed");
+            assert!(routes.ids(10).is_err(), "layer 10 was not routed");
+        });
+        assert_eq!(state, reference, "seed {seed}");
+        // Without forecasts: the same ids, no guesses.
+        let mut state = m.new_state();
+        std::thread::scope(|scope| {
+            let mut routes = StepRoutes::spawn(scope, &m, &mut state, vec![2], (7, &tokens), false);
+            assert!(routes.forecast(2).unwrap().is_empty());
+            assert_eq!(routes.ids(2).unwrap(), want[1].ids, "seed {seed}");
+        });
+        // A state made by a 4-layer model: its error comes through.
+        let small = RoutingModel::new(RoutingParams::calibrated(), 4, 512, 10).unwrap();
+        let mut foreign = small.new_state();
+        std::thread::scope(|scope| {
+            let mut routes =
+                StepRoutes::spawn(scope, &m, &mut foreign, vec![1, 6], (0, &tokens), true);
+            assert!(routes.ids(1).is_ok());
+            let e = routes.ids(6).unwrap_err().to_string();
+            assert!(e.contains("another model"), "{e}");
+        });
     }
 
     #[test]
@@ -815,7 +870,7 @@ mod tests {
         let mut state = m.new_state();
         let (mut right, mut total) = (0usize, 0usize);
         for t in 0..400u64 {
-            let chunk = m.route_chunk(&mut state, 2, t, &[t as u32]).unwrap();
+            let chunk = m.route_chunk(&mut state, 2, t, &[t as u32], true).unwrap();
             right += chunk
                 .forecast
                 .iter()

@@ -94,12 +94,16 @@ fn quantized_matmul_matches_cpu() {
             bits,
             group_size: group,
         };
+        // Lanes per row follow the dispatch's size (16 to 256): the few-row, wide shapes
+        // take 128 and 256 (a workgroup of one or two rows).
         for (rows, cols, t) in [
             (1, 128, 1),
             (7, 256, 3),
             (129, 512, 1),
             (1027, 2048, 2),
             (64, 384, 17),
+            (1, 8192, 1),
+            (3, 4096, 1),
         ] {
             let w = random_quantized(rows, cols, spec, dtype);
             let x = random(t * cols);
@@ -143,6 +147,32 @@ fn dense_matmul_and_embedding_match_cpu() {
         ))
         .unwrap();
     check("dense", &got, &want, 1e-5);
+    // Two wide rows: 256 lanes per row. Two outputs can both cancel to near zero, so the
+    // error is measured against |W||x|.
+    let wdata = random(2 * 1024);
+    let xw = random(1024);
+    let scale: Vec<f32> = wdata
+        .chunks(1024)
+        .map(|row| row.iter().zip(&xw).map(|(w, x)| (w * x).abs()).sum())
+        .collect();
+    let wide = LinearWeight::Dense(DenseMatrix {
+        rows: 2,
+        cols: 1024,
+        data: wdata,
+    });
+    let want_wide = cpu
+        .download(&cpu.matmul(&cpu.upload(&xw, 1, 1024), &wide))
+        .unwrap();
+    let got_wide = g
+        .download(&g.matmul(&g.upload(&xw, 1, 1024), &g.upload_weight(wide).unwrap()))
+        .unwrap();
+    let diff: Vec<f32> = got_wide
+        .iter()
+        .zip(&want_wide)
+        .map(|(a, b)| a - b)
+        .collect();
+    let e = norm(&diff) / norm(&scale);
+    assert!(e <= 1e-5, "dense 2x1024: error {e:.3e} of |W||x| > 1e-5");
     let ids = [0u32, 299, 17, 17, 150];
     let want = cpu.download(&cpu.embed(&dense, &ids).unwrap()).unwrap();
     let got = g
@@ -290,7 +320,7 @@ fn matmul_swiglu_matches_cpu() {
             bits: 12 - bits,
             group_size: 64,
         };
-        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5)] {
+        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5), (8, 4096, 1)] {
             let gate = random_quantized(inter, cols, spec, dtype);
             for (what, up) in [
                 ("alike", random_quantized(inter, cols, spec, dtype)),

@@ -3,13 +3,16 @@
 // Scales and biases are read in their stored dtype (0 = f32, 1 = f16, 2 = bf16) from the
 // same u32 buffer as the packed words, at element offsets of that dtype.
 //
-// Every entry point shares these bindings (unused ones are bound to a dummy buffer):
+// The entry points share these bindings (unused ones are bound to a dummy buffer; embed
+// has no binding 5):
 //   1: act   - f32 activations (x for matmuls, y for the expert combine)
-//   2: w     - u32 weights: packed words, scales and biases (or a slot arena)
+//   2: w     - u32 weights: packed words, scales and biases (or a slot arena); the
+//              combine's shared expert output (f32 bits)
 //   3: aux   - u32 side data: route table, routed expert ids, token ids, or routing
 //              weights (f32 bits)
 //   4: out   - f32 output
-//   5: table - the qmatmul entries, routed = 2 and 3: (arena, record base) per expert
+//   5: table - the matmuls, routed = 2 and 3: (arena, record base) per expert; the
+//              combine's shared expert gate logits (f32 bits)
 //
 // Routed matmuls find each route's record base and input row either in a table built on
 // the host, (base, token) per route in `aux`, all of them computed (routed = 1), or from
@@ -27,11 +30,11 @@ struct Params {
     w_off: u32,       // packed words start (u32 index), relative to the record base
     s_off: u32,       // scales start (elements of scale_dtype), relative to the record base
     b_off: u32,       // biases start (elements of scale_dtype), relative to the record base
-    routed: u32,      // 0: z is the token; 1, 2, 3: z is a route of the table in aux (above)
+    routed: u32,      // 0: z is the token; 1, 2, 3: z is a route (see above)
     k: u32,           // experts per token (combine; routed = 2: a route's token is z / k)
     tokens: u32,
     arena: u32,       // routed 2, 3: the arena bound at binding 2
-    // qmatmul_swiglu, qmatmul4_swiglu: the up projection's words, scales and biases, bits
+    // qmatmul_swiglu: the up projection's words, scales and biases, bits
     // and group size, like w_off, s_off, b_off, bits and group_size for the gate's;
     // out = silu(gate) * up.
     w_off2: u32,
@@ -119,8 +122,8 @@ fn elems_per_word() -> u32 {
 }
 
 // The record base (u32 words) and input row of workgroup z, and whether this dispatch
-// computes it (1): from the route table when routed, else the resident weight (base 0)
-// and token z.
+// computes it (1): from the route table (routed = 1) or the routed ids and the expert
+// table (2, 3), else the resident weight (base 0) and token z.
 fn route_of(z: u32) -> vec3<u32> {
     if (p.routed == 1u) {
         return vec3<u32>(aux[z * 2u], aux[z * 2u + 1u], 1u);
@@ -157,35 +160,6 @@ fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> Job {
     return Job(wid.z, li % n, row, r.x, r.y, computed);
 }
 
-// This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
-// (w_off, s_off, b_off) from the record base, quantized at `bits` in groups of `gs`; per
-// group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
-fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
-    let per_word = 32u / bits;
-    let words_per_row = p.cols / per_word;
-    let groups = p.cols / gs;
-    let mask = (1u << bits) - 1u;
-    let w0 = base + offs.x + row * words_per_row;
-    let sbase = base * elems_per_word() + offs.y + row * groups;
-    let bbase = base * elems_per_word() + offs.z + row * groups;
-    let x0 = t * p.cols;
-    var acc = 0.0;
-    for (var wi = lane; wi < words_per_row; wi += lanes()) {
-        let word = w[w0 + wi];
-        let c0 = wi * per_word;
-        let g = c0 / gs;
-        var qx = 0.0;
-        var sx = 0.0;
-        for (var j = 0u; j < per_word; j++) {
-            let xv = act[x0 + c0 + j];
-            qx += f32((word >> (j * bits)) & mask) * xv;
-            sx += xv;
-        }
-        acc += scale_elem(sbase + g) * qx + scale_elem(bbase + g) * sx;
-    }
-    return acc;
-}
-
 fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
@@ -204,48 +178,12 @@ fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
     return partial2[li];
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup.
-@compute @workgroup_size(256)
-fn qmatmul(@builtin(local_invocation_index) li: u32,
-           @builtin(workgroup_id) wid: vec3<u32>,
-           @builtin(num_workgroups) nwg: vec3<u32>) {
-    let j = job(li, wid, nwg);
-    var acc = 0.0;
-    if (j.computed == 1u) {
-        acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
-    }
-    let total = row_sum(li, j.lane, acc);
-    if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * out_cols() + p.out_first + j.row] = total;
-    }
-}
-
-// A SwiGLU MLP's first half: out[z, row] = silu(gate[row] . x) * (up[row] . x), the gate
-// at (w_off, s_off, b_off) and the up projection at (w_off2, s_off2, b_off2).
-@compute @workgroup_size(256)
-fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
-                  @builtin(workgroup_id) wid: vec3<u32>,
-                  @builtin(num_workgroups) nwg: vec3<u32>) {
-    let j = job(li, wid, nwg);
-    var acc = vec2<f32>(0.0);
-    if (j.computed == 1u) {
-        acc = vec2<f32>(
-            lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
-            lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
-        );
-    }
-    let total = row_sum2(li, j.lane, acc);
-    if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * out_cols() + p.out_first + j.row] = total.x * sigmoid(total.x) * total.y;
-    }
-}
-
-// The 4-bit and 8-bit cases of qmatmul with 16-byte loads: each lane takes 4 packed words
-// (32 columns at 4 bits, 16 at 8, within one quantization group since groups are multiples
-// of that) and their activations as vec4s, unrolled. These views alias bindings 1 and 2;
-// WGSL allows it because no entry point uses both a view and its scalar twin. Callers
-// guarantee cols and group_size are multiples of 128 / bits, and 16-byte aligned record
-// bases and w_off.
+// The matmuls read the packed words with 16-byte loads: each lane takes 4 packed words at
+// a time (32 columns at 4 bits, 16 at 8, within one quantization group since groups are
+// multiples of that) and their activations as vec4s, unrolled. These views alias bindings
+// 1 and 2; WGSL allows it because no entry point uses both a view and its scalar twin.
+// Callers guarantee 4 or 8 bits, cols and group_size multiples of 128 / bits (the loader
+// takes groups of 32, 64 or 128), and 16-byte aligned record bases and w_off.
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
@@ -262,8 +200,10 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-// lane_dot over the vec4 views, at 4 or 8 bits.
-fn lane_dot4(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
+// This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
+// (w_off, s_off, b_off) from the record base, quantized at `bits` (4 or 8) in groups of
+// `gs`; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
+fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
     // Columns per 16-byte vector of packed words.
     let span = 128u / bits;
     let vecs_per_row = p.cols / span;
@@ -303,14 +243,15 @@ fn lane_dot4(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, l
     return acc;
 }
 
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup.
 @compute @workgroup_size(256)
-fn qmatmul4(@builtin(local_invocation_index) li: u32,
+fn qmatmul(@builtin(local_invocation_index) li: u32,
             @builtin(workgroup_id) wid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
     let j = job(li, wid, nwg);
     var acc = 0.0;
     if (j.computed == 1u) {
-        acc = lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
+        acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
     let total = row_sum(li, j.lane, acc);
     if (j.lane == 0u && j.computed == 1u) {
@@ -318,17 +259,18 @@ fn qmatmul4(@builtin(local_invocation_index) li: u32,
     }
 }
 
-// qmatmul_swiglu over the vec4 views (both projections under qmatmul4's conditions).
+// A SwiGLU MLP's first half: out[z, row] = silu(gate[row] . x) * (up[row] . x), the gate
+// at (w_off, s_off, b_off) and the up projection at (w_off2, s_off2, b_off2).
 @compute @workgroup_size(256)
-fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
+fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
                    @builtin(workgroup_id) wid: vec3<u32>,
                    @builtin(num_workgroups) nwg: vec3<u32>) {
     let j = job(li, wid, nwg);
     var acc = vec2<f32>(0.0);
     if (j.computed == 1u) {
         acc = vec2<f32>(
-            lane_dot4(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
-            lane_dot4(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
+            lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
+            lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
         );
     }
     let total = row_sum2(li, j.lane, acc);
@@ -337,7 +279,8 @@ fn qmatmul4_swiglu(@builtin(local_invocation_index) li: u32,
     }
 }
 
-// Dense f32 weights (w holds f32 bits): the same shape of work as qmatmul.
+// Dense f32 weights (w holds f32 bits): the same shape of work as qmatmul, a column per
+// lane step.
 @compute @workgroup_size(256)
 fn matmul_dense(@builtin(local_invocation_index) li: u32,
                 @builtin(workgroup_id) wid: vec3<u32>,

@@ -471,7 +471,8 @@ pub trait Backend: Send + Sync {
     /// expert `e`'s record. The weights come from `routing` (a
     /// [`Backend::router_top_k_device`] tensor), the ids from `ids` (`[T, k]`, e.g. a
     /// synthetic routing model's) or else from `routing`, so a backend can route without
-    /// reading anything back. The default reads the routing back and calls
+    /// reading anything back; the shared expert, when given, is added as by
+    /// [`Backend::moe_experts`]. The default reads the routing back and calls
     /// [`Backend::moe_experts`]. Errors: a failed read-back, an id beyond `layer`.
     #[allow(clippy::too_many_arguments)]
     fn moe_experts_resident(
@@ -540,8 +541,8 @@ impl<T> Clone for SharedExpert<'_, T> {
 impl<T> Copy for SharedExpert<'_, T> {}
 
 /// [`Backend::moe_experts_resident`] by reading the routing back and gathering the routed
-/// records with [`Backend::moe_experts`]: the trait's default, and a backend's path for
-/// records it cannot route on the device. `ids` must have passed [`check_routed_ids`].
+/// records with [`Backend::moe_experts`] (which adds `shared`): the trait's default, and a
+/// backend's path for records it cannot route on the device. `ids` must have passed [`check_routed_ids`].
 /// Errors: a failed read-back, an id beyond `layer`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts_read_back<B: Backend + ?Sized>(

@@ -1,9 +1,12 @@
 //! Quantized matmul, embedding rows and the routed-expert gather-matmul (`wgsl/quant.wgsl`).
 //!
 //! Routed experts are computed from slot memory: each dispatch gets a table of
-//! (record base, token) per route, so one dispatch covers every routed expert of a layer
-//! that lives in one arena. Records from a pool are mirrored in device arenas and copied
-//! only when a slot's generation changed; records without a slot are uploaded per call.
+//! (record base, token) per route, or, when the routing stayed on the device, the routed
+//! ids and the layer's table of (arena, record base) per expert, so one dispatch covers
+//! every routed expert of a layer that lives in one arena. Records from a pool are
+//! mirrored in device arenas and copied only when a slot's generation changed; records
+//! without a slot are uploaded per call. The routed experts' combine also adds the shared
+//! expert.
 
 use safetensors::Dtype;
 
@@ -28,9 +31,7 @@ const fn matmul_kernel(entry: &'static str) -> Kernel {
     Kernel::new("quant.wgsl", entry, MATMUL_BINDINGS)
 }
 const QMATMUL: Kernel = matmul_kernel("qmatmul");
-const QMATMUL4: Kernel = matmul_kernel("qmatmul4");
 const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
-const QMATMUL4_SWIGLU: Kernel = matmul_kernel("qmatmul4_swiglu");
 const DENSE: Kernel = matmul_kernel("matmul_dense");
 const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
 /// The combine binds the shared expert's output and gate where the matmuls bind the
@@ -45,11 +46,12 @@ const INVOCATIONS: usize = 1 << 17;
 
 fn invocations() -> usize {
     static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *VALUE.get_or_init(|| {
-        std::env::var("SLOTSTREAM_GPU_INVOCATIONS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(INVOCATIONS)
+    *VALUE.get_or_init(|| match std::env::var("SLOTSTREAM_GPU_INVOCATIONS") {
+        Ok(v) => v.parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, default = INVOCATIONS, "SLOTSTREAM_GPU_INVOCATIONS is not a number; using the default");
+            INVOCATIONS
+        }),
+        Err(_) => INVOCATIONS,
     })
 }
 
@@ -104,37 +106,57 @@ struct Params {
 }
 
 impl Params {
-    /// The qmatmul entry for these parameters: the 16-byte-load one when its alignment
-    /// conditions hold (record bases are 16-byte aligned: slot strides and piece offsets
-    /// are multiples of 16).
+    /// The matmul entry for these parameters. Panics unless its 16-byte loads apply
+    /// (see [`Params::check_vec4`]).
     fn qmatmul_kernel(&self) -> &'static Kernel {
-        if self.vec4() {
-            &QMATMUL4
-        } else {
-            &QMATMUL
-        }
+        self.check_vec4();
+        &QMATMUL
     }
 
-    /// Whether qmatmul4's 16-byte loads apply: 4 or 8 bits, whole 16-byte runs of packed
-    /// words within a group (128 / bits columns), packed words 16-byte aligned.
-    fn vec4(&self) -> bool {
+    /// Checks what the kernels' 16-byte loads need: 4 or 8 bits, whole 16-byte runs of
+    /// packed words within a group (128 / bits columns), packed words 16-byte aligned. The
+    /// loader guarantees it (4 or 8 bits, groups of 32, 64 or 128 dividing the input size;
+    /// record pieces on 16-byte boundaries), so a failure is a bug, not bad input.
+    fn check_vec4(&self) {
         let span = 128 / self.bits.max(1);
-        matches!(self.bits, 4 | 8)
-            && self.cols % span == 0
-            && self.group_size % span == 0
-            && self.w_off % 4 == 0
+        assert!(
+            matches!(self.bits, 4 | 8)
+                && self.cols % span == 0
+                && self.group_size % span == 0
+                && self.w_off % 4 == 0,
+            "quantized matmul: {} bits, {} columns, groups of {}, words at {}",
+            self.bits,
+            self.cols,
+            self.group_size,
+            self.w_off
+        );
+    }
+
+    /// The fused `silu(gate) * up` entry; both projections must meet
+    /// [`Params::check_vec4`].
+    fn swiglu_kernel(&self) -> &'static Kernel {
+        self.check_vec4();
+        Params {
+            bits: self.bits2,
+            group_size: self.group_size2,
+            w_off: self.w_off2,
+            ..*self
+        }
+        .check_vec4();
+        &QMATMUL_SWIGLU
     }
 
     /// The uniform words and workgroup grid of a dispatch of `kernel` (a qmatmul entry or
     /// `matmul_dense`) over `z` tokens or routes. Lanes per row: 16, doubled while the
     /// dispatch has fewer than [`INVOCATIONS`] invocations and a row has work for them
-    /// (a lane per 16-byte vector, packed word or dense column); see [`invocations`].
+    /// (a lane per 16-byte vector of packed words, or per dense column); see
+    /// [`invocations`]. How a row's sum is split over lanes depends on the dispatch's
+    /// size, so its last bits can differ between a token computed alone and in a batch.
     fn launch(mut self, kernel: &Kernel, z: usize) -> ([u32; 24], [u32; 3]) {
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let units = match kernel.entry {
-            "qmatmul4" | "qmatmul4_swiglu" => cols * bits / 128,
             "matmul_dense" => cols,
-            _ => cols * bits / 32,
+            _ => cols * bits / 128,
         };
         let rows = self.rows as usize;
         let mut lanes = 16;
@@ -144,22 +166,6 @@ impl Params {
         self.lanes = lanes as u32;
         let [x, y] = grid(rows.div_ceil(WG / lanes) as u32);
         (self.words(), [x, y, z as u32])
-    }
-
-    /// The fused `silu(gate) * up` entry: 16-byte loads when both projections meet
-    /// qmatmul4's conditions.
-    fn swiglu_kernel(&self) -> &'static Kernel {
-        let up = Params {
-            bits: self.bits2,
-            group_size: self.group_size2,
-            w_off: self.w_off2,
-            ..*self
-        };
-        if self.vec4() && up.vec4() {
-            &QMATMUL4_SWIGLU
-        } else {
-            &QMATMUL_SWIGLU
-        }
     }
 
     /// Parameters of a resident quantized weight (packed words at 0 in its buffer), and
@@ -220,7 +226,7 @@ impl Params {
     }
 
     /// Parameters of projection `proj` of records laid out by `layout` over `routes`
-    /// routes of a route table (`routed` as in `wgsl/quant.wgsl`).
+    /// routes (found as `routed` says, see `wgsl/quant.wgsl`).
     fn routed(layout: &RecordLayout, proj: Projection, routes: usize, routed: u32) -> Self {
         let code = dtype_code(layout.scale_dtype);
         let eb = elem_bytes(code);
@@ -350,7 +356,7 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
             bytes.resize(bytes.len().next_multiple_of(4), 0);
             let b_start = bytes.len();
             bytes.extend_from_slice(&q.biases);
-            // Whole 16-byte vectors, so qmatmul4's vec4 view reaches the last bias.
+            // Whole 16-byte vectors, so the matmuls' vec4 view reaches the last bias.
             bytes.resize(bytes.len().next_multiple_of(16), 0);
             if bytes.len() as u64 > max {
                 return Err(Error::Gpu(format!(
@@ -760,6 +766,11 @@ fn combine(
     (weights, w_off, k): (Bind<'_>, usize, usize),
     shared: Option<SharedExpert<'_, GpuTensor>>,
 ) -> GpuTensor {
+    assert!(
+        k > 0 && y.rows % k == 0,
+        "combine: {} routes of top-{k}",
+        y.rows
+    );
     let (tokens, d) = (y.rows / k, y.cols);
     let out = b.empty(tokens, d);
     let params = Params {
