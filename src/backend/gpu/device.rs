@@ -238,6 +238,21 @@ const BIND_GROUP_CACHE: usize = 8192;
 /// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
 const POOL_FREE_BYTES: u64 = 1 << 30;
 
+/// The count in environment variable `name` (a tuning knob), or `default` when it is unset
+/// or not a non-negative integer (with a warning naming it).
+pub(super) fn env_count<T: std::str::FromStr + std::fmt::Display + Copy>(
+    name: &str,
+    default: T,
+) -> T {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, %default, "{name} is not a non-negative integer; using the default");
+            default
+        }),
+        Err(_) => default,
+    }
+}
+
 /// What has been recorded and not yet submitted.
 #[derive(Default)]
 struct Recording {
@@ -541,19 +556,14 @@ impl Gpu {
             mapped_at_creation: false,
         });
         let data_align = (limits.min_storage_buffer_offset_alignment as usize).max(16);
-        let submit_every = std::env::var("SLOTSTREAM_GPU_SUBMIT_EVERY")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(SUBMIT_EVERY);
+        let submit_every = env_count("SLOTSTREAM_GPU_SUBMIT_EVERY", SUBMIT_EVERY);
         let summary = summarize(&adapter);
-        let spin_us = std::env::var("SLOTSTREAM_GPU_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(if summary.device_type == "Cpu" {
-                0
-            } else {
-                SPIN_US
-            });
+        let spin_default = if summary.device_type == "Cpu" {
+            0
+        } else {
+            SPIN_US
+        };
+        let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
         tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
         Ok(Gpu {

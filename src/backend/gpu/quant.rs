@@ -46,13 +46,7 @@ const INVOCATIONS: usize = 1 << 17;
 
 fn invocations() -> usize {
     static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *VALUE.get_or_init(|| match std::env::var("SLOTSTREAM_GPU_INVOCATIONS") {
-        Ok(v) => v.parse().unwrap_or_else(|_| {
-            tracing::warn!(value = %v, default = INVOCATIONS, "SLOTSTREAM_GPU_INVOCATIONS is not a number; using the default");
-            INVOCATIONS
-        }),
-        Err(_) => INVOCATIONS,
-    })
+    *VALUE.get_or_init(|| super::device::env_count("SLOTSTREAM_GPU_INVOCATIONS", INVOCATIONS))
 }
 
 fn dtype_code(d: Dtype) -> u32 {
