@@ -1246,7 +1246,8 @@ impl<B: Backend> Model<B> {
             None
         };
         let k = cfg.num_experts_per_tok;
-        let model_ids = self.routing_model_ids(layer, tokens)?;
+        // The synthetic routing model's ids `[T, k]`, when the model has one.
+        let model_ids = tokens.routes.map(|r| r.ids(layer)).transpose()?;
         if let Some(resident) = resident {
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
@@ -1309,12 +1310,6 @@ impl<B: Backend> Model<B> {
         let out = backend.moe_experts(x, &routing, &records, &self.experts.layout, Some(shared));
         hold.in_use = held;
         Ok(out)
-    }
-
-    /// The synthetic routing model's expert ids `[T, k]` for `tokens` at `layer`; `None`
-    /// without one.
-    fn routing_model_ids(&self, layer: usize, tokens: Tokens<'_>) -> Result<Option<Vec<u32>>> {
-        tokens.routes.map(|r| r.ids(layer)).transpose()
     }
 
     /// The shared expert's SwiGLU MLP of `x` and its gate logit, which the routed experts'

@@ -457,12 +457,9 @@ impl RoutingModel {
         position: u64,
         token: u32,
     ) -> crate::Result<Vec<u32>> {
-        let (m, context) = self.layer_state(state, layer)?;
         Ok(self
-            .step(m, layer, context, position, token)
-            .into_iter()
-            .map(|r| m.experts[r])
-            .collect())
+            .route_chunk(state, layer, position, &[token], false)?
+            .ids)
     }
 
     /// Routes the tokens `tokens` at positions `start..` through `layer` (advancing

@@ -717,24 +717,14 @@ fn malformed_config_is_named() {
 }
 
 #[test]
-fn zero_decoder_sparse_step_is_named() {
-    let tmp = copy_fixture(SHARDED);
-    edit_json(&tmp.path().join("config.json"), |v| {
-        v["decoder_sparse_step"] = json!(0)
-    });
-    let msg = open_err(tmp.path()).to_string();
-    assert!(msg.contains("decoder_sparse_step"), "{msg}");
-}
-
-#[test]
-fn zero_full_attention_interval_is_named() {
-    let tmp = copy_fixture(SHARDED);
-    edit_json(&tmp.path().join("config.json"), |v| {
-        v["full_attention_interval"] = json!(0)
-    });
-    let msg = open_err(tmp.path()).to_string();
-    assert!(msg.contains("config.json"), "{msg}");
-    assert!(msg.contains("full_attention_interval"), "{msg}");
+fn zero_layer_intervals_are_named() {
+    for field in ["decoder_sparse_step", "full_attention_interval"] {
+        let tmp = copy_fixture(SHARDED);
+        edit_json(&tmp.path().join("config.json"), |v| v[field] = json!(0));
+        let msg = open_err(tmp.path()).to_string();
+        assert!(msg.contains("config.json"), "{field}: {msg}");
+        assert!(msg.contains(field), "{msg}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -75,6 +75,11 @@ fn abs_product(cpu: &CpuBackend, w: &LinearWeight, x: &[f32], t: usize) -> Vec<f
         .collect()
 }
 
+/// An uploaded shared expert `(y, gate)` as the experts take it.
+fn shared_ref<T>(s: &Option<(T, T)>) -> Option<SharedExpert<'_, T>> {
+    s.as_ref().map(|(y, gate)| SharedExpert { y, gate })
+}
+
 fn norm(v: &[f32]) -> f64 {
     v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt()
 }
@@ -254,45 +259,43 @@ fn routed_experts_match_cpu() {
                 .collect();
             let d = layout.hidden;
             let x = random(t * d);
-            let want = cpu
-                .download(&cpu.moe_experts(&cpu.upload(&x, t, d), &routing, &records, layout, None))
-                .unwrap();
-            let got = g
-                .download(&g.moe_experts(&g.upload(&x, t, d), &routing, &records, layout, None))
-                .unwrap();
+            // The experts on both backends, with the shared expert (y, gate) if given.
+            let run = |shared: Option<(&[f32], &[f32])>| {
+                let cpu_shared = shared.map(|(y, g)| (cpu.upload(y, t, d), cpu.upload(g, t, 1)));
+                let gpu_shared = shared.map(|(y, gt)| (g.upload(y, t, d), g.upload(gt, t, 1)));
+                let want = cpu
+                    .download(&cpu.moe_experts(
+                        &cpu.upload(&x, t, d),
+                        &routing,
+                        &records,
+                        layout,
+                        shared_ref(&cpu_shared),
+                    ))
+                    .unwrap();
+                let got = g
+                    .download(&g.moe_experts(
+                        &g.upload(&x, t, d),
+                        &routing,
+                        &records,
+                        layout,
+                        shared_ref(&gpu_shared),
+                    ))
+                    .unwrap();
+                (want, got)
+            };
+            let (want, got) = run(None);
             check(&format!("{name} experts T={t}"), &got, &want, 1e-5);
 
             // With the shared expert added in the combine: on the CPU, exactly the routed
             // sum plus sigmoid(gate) * y; on the GPU, that within tolerance.
             let (y, gate) = (random(t * d), random(t));
-            let (cy, cg) = (cpu.upload(&y, t, d), cpu.upload(&gate, t, 1));
-            let shared = SharedExpert { y: &cy, gate: &cg };
-            let with = cpu
-                .download(&cpu.moe_experts(
-                    &cpu.upload(&x, t, d),
-                    &routing,
-                    &records,
-                    layout,
-                    Some(shared),
-                ))
-                .unwrap();
+            let (with, got) = run(Some((&y, &gate)));
             let direct: Vec<f32> = want
                 .iter()
                 .enumerate()
                 .map(|(i, &r)| r + y[i] * (1.0 / (1.0 + (-gate[i / d]).exp())))
                 .collect();
             assert_eq!(with, direct, "{name} T={t}: CPU shared expert");
-            let (gy, gg) = (g.upload(&y, t, d), g.upload(&gate, t, 1));
-            let shared = SharedExpert { y: &gy, gate: &gg };
-            let got = g
-                .download(&g.moe_experts(
-                    &g.upload(&x, t, d),
-                    &routing,
-                    &records,
-                    layout,
-                    Some(shared),
-                ))
-                .unwrap();
             check(&format!("{name} experts + shared T={t}"), &got, &with, 1e-5);
         }
     }

@@ -721,12 +721,7 @@ impl Backend for CpuBackend {
             }
         }
         if let Some(s) = shared {
-            assert_eq!((s.y.rows, s.y.cols), (x.rows, d), "shared expert output");
-            assert_eq!(
-                (s.gate.rows, s.gate.cols),
-                (x.rows, 1),
-                "shared expert gate"
-            );
+            s.check_shapes(self, x.rows, d);
             let gated = self.mul_sigmoid(s.y, s.gate);
             out.iter_mut().zip(&gated.data).for_each(|(o, g)| *o += g);
         }

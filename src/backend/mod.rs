@@ -540,6 +540,19 @@ impl<T> Clone for SharedExpert<'_, T> {
 }
 impl<T> Copy for SharedExpert<'_, T> {}
 
+impl<T> SharedExpert<'_, T> {
+    /// Panics unless `y` is `[tokens, hidden]` and `gate` `[tokens, 1]` on backend `b`.
+    pub fn check_shapes<B: Backend<Tensor = T> + ?Sized>(
+        &self,
+        b: &B,
+        tokens: usize,
+        hidden: usize,
+    ) {
+        assert_eq!(b.shape(self.y), (tokens, hidden), "shared expert output");
+        assert_eq!(b.shape(self.gate), (tokens, 1), "shared expert gate");
+    }
+}
+
 /// [`Backend::moe_experts_resident`] by reading the routing back and gathering the routed
 /// records with [`Backend::moe_experts`] (which adds `shared`): the trait's default, and a
 /// backend's path for records it cannot route on the device. `ids` must have passed [`check_routed_ids`].

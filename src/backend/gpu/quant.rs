@@ -100,13 +100,6 @@ struct Params {
 }
 
 impl Params {
-    /// The matmul entry for these parameters. Panics unless its 16-byte loads apply
-    /// (see [`Params::check_vec4`]).
-    fn qmatmul_kernel(&self) -> &'static Kernel {
-        self.check_vec4();
-        &QMATMUL
-    }
-
     /// Checks what the kernels' 16-byte loads need: 4 or 8 bits, whole 16-byte runs of
     /// packed words within a group (128 / bits columns), packed words 16-byte aligned. The
     /// loader guarantees it (4 or 8 bits, groups of 32, 64 or 128 dividing the input size;
@@ -126,31 +119,32 @@ impl Params {
         );
     }
 
-    /// The fused `silu(gate) * up` entry; both projections must meet
-    /// [`Params::check_vec4`].
-    fn swiglu_kernel(&self) -> &'static Kernel {
-        self.check_vec4();
-        Params {
-            bits: self.bits2,
-            group_size: self.group_size2,
-            w_off: self.w_off2,
-            ..*self
-        }
-        .check_vec4();
-        &QMATMUL_SWIGLU
-    }
-
-    /// The uniform words and workgroup grid of a dispatch of `kernel` (a qmatmul entry or
-    /// `matmul_dense`) over `z` tokens or routes. Lanes per row: 16, doubled while the
-    /// dispatch has fewer than [`INVOCATIONS`] invocations and a row has work for them
-    /// (a lane per 16-byte vector of packed words, or per dense column); see
-    /// [`invocations`]. How a row's sum is split over lanes depends on the dispatch's
-    /// size, so its last bits can differ between a token computed alone and in a batch.
-    fn launch(mut self, kernel: &Kernel, z: usize) -> ([u32; 24], [u32; 3]) {
+    /// The entry, uniform words and workgroup grid of a matmul of these parameters over
+    /// `z` tokens or routes: `matmul_dense` for dense weights (no bits), `qmatmul_swiglu`
+    /// when an up projection is given (`bits2`), else `qmatmul`; a quantized projection
+    /// must meet [`Params::check_vec4`]. Lanes per row: 16, doubled while the dispatch has
+    /// fewer than [`INVOCATIONS`] invocations and a row has work for them (a lane per
+    /// 16-byte vector of packed words, or per dense column); see [`invocations`]. How a
+    /// row's sum is split over lanes depends on the dispatch's size, so its last bits can
+    /// differ between a token computed alone and in a batch.
+    fn launch(mut self, z: usize) -> (&'static Kernel, [u32; 24], [u32; 3]) {
         let (cols, bits) = (self.cols as usize, self.bits as usize);
-        let units = match kernel.entry {
-            "matmul_dense" => cols,
-            _ => cols * bits / 128,
+        let (kernel, units) = if bits == 0 {
+            (&DENSE, cols)
+        } else {
+            self.check_vec4();
+            if self.bits2 == 0 {
+                (&QMATMUL, cols * bits / 128)
+            } else {
+                Params {
+                    bits: self.bits2,
+                    group_size: self.group_size2,
+                    w_off: self.w_off2,
+                    ..self
+                }
+                .check_vec4();
+                (&QMATMUL_SWIGLU, cols * bits / 128)
+            }
         };
         let rows = self.rows as usize;
         let mut lanes = 16;
@@ -159,7 +153,7 @@ impl Params {
         }
         self.lanes = lanes as u32;
         let [x, y] = grid(rows.div_ceil(WG / lanes) as u32);
-        (self.words(), [x, y, z as u32])
+        (kernel, self.words(), [x, y, z as u32])
     }
 
     /// Parameters of a resident quantized weight (packed words at 0 in its buffer), and
@@ -220,8 +214,8 @@ impl Params {
     }
 
     /// Parameters of projection `proj` of records laid out by `layout` over `routes`
-    /// routes (found as `routed` says, see `wgsl/quant.wgsl`).
-    fn routed(layout: &RecordLayout, proj: Projection, routes: usize, routed: u32) -> Self {
+    /// routes (which ones, and how they are found, [`Routes::apply`] sets).
+    fn routed(layout: &RecordLayout, proj: Projection, routes: usize) -> Self {
         let code = dtype_code(layout.scale_dtype);
         let eb = elem_bytes(code);
         let p = proj.index();
@@ -236,7 +230,6 @@ impl Params {
             w_off: (off(PieceKind::Weight) / 4) as u32,
             s_off: (off(PieceKind::Scales) / eb) as u32,
             b_off: (off(PieceKind::Biases) / eb) as u32,
-            routed,
             tokens: routes as u32,
             ..Default::default()
         }
@@ -244,15 +237,15 @@ impl Params {
 
     /// The gate projection's parameters with the up projection's, for the fused SwiGLU
     /// entries.
-    fn routed_gate_up(layout: &RecordLayout, routes: usize, routed: u32) -> Self {
-        let up = Self::routed(layout, Projection::Up, routes, routed);
+    fn routed_gate_up(layout: &RecordLayout, routes: usize) -> Self {
+        let up = Self::routed(layout, Projection::Up, routes);
         Params {
             w_off2: up.w_off,
             s_off2: up.s_off,
             b_off2: up.b_off,
             bits2: up.bits,
             group_size2: up.group_size,
-            ..Self::routed(layout, Projection::Gate, routes, routed)
+            ..Self::routed(layout, Projection::Gate, routes)
         }
     }
 }
@@ -290,10 +283,9 @@ fn routed_swiglu(
     which: Routes,
     out: &GpuTensor,
 ) {
-    let params = which.apply(Params::routed_gate_up(layout, out.rows, which.routed));
+    let params = which.apply(Params::routed_gate_up(layout, out.rows));
     let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
-    let kernel = params.swiglu_kernel();
-    let (words, groups) = params.launch(kernel, out.rows);
+    let (kernel, words, groups) = params.launch(out.rows);
     b.gpu.dispatch_with(kernel, &words, &binds, groups);
 }
 
@@ -412,8 +404,7 @@ pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> Gpu
         ..whole
     };
     let out = b.empty(x.rows, inter);
-    let kernel = params.swiglu_kernel();
-    let (words, groups) = params.launch(kernel, x.rows);
+    let (kernel, words, groups) = params.launch(x.rows);
     let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
         kernel,
@@ -512,8 +503,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         GpuWeight::Quantized { .. } => {
             let (params, data) = Params::resident(w).expect("a quantized weight");
             let params = placed(params);
-            let kernel = params.qmatmul_kernel();
-            let (words, groups) = params.launch(kernel, x.rows);
+            let (kernel, words, groups) = params.launch(x.rows);
             b.gpu.dispatch(
                 kernel,
                 &words,
@@ -527,9 +517,9 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
                 cols: *cols as u32,
                 ..Default::default()
             });
-            let (words, groups) = params.launch(&DENSE, x.rows);
+            let (kernel, words, groups) = params.launch(x.rows);
             b.gpu.dispatch(
-                &DENSE,
+                kernel,
                 &words,
                 &[&x.buf, data, dummy, &out.buf, dummy],
                 groups,
@@ -669,7 +659,13 @@ pub(super) fn moe_experts(
         }
     };
     let (d, inter) = (layout.hidden, layout.intermediate);
-    let proj_params = |proj: Projection, routes: usize| Params::routed(layout, proj, routes, 1);
+    // Route tables from the host: every route of an arena's table computed.
+    let which = |arena| Routes {
+        arena,
+        routed: 1,
+        k: routing.top_k,
+        experts: 0,
+    };
     // Route tables per arena: (record base, input row), and where each route's output goes.
     let mut per_arena: Vec<(Vec<u32>, Vec<usize>)> = vec![(Vec::new(), Vec::new()); arenas.len()];
     for (r, &(arena, base)) in places.iter().enumerate() {
@@ -713,13 +709,7 @@ pub(super) fn moe_experts(
         } else {
             b.empty(order.len(), inter)
         };
-        let which = Routes {
-            arena: *a,
-            routed: 1,
-            k: routing.top_k,
-            experts: 0,
-        };
-        routed_swiglu(b, layout, binds, which, &target);
+        routed_swiglu(b, layout, binds, which(*a), &target);
         if !single {
             scatter(&target, &h, order);
         }
@@ -731,7 +721,7 @@ pub(super) fn moe_experts(
             .iter()
             .flat_map(|&r| [places[r].1, r as u32])
             .collect();
-        let params = proj_params(Projection::Down, n);
+        let params = which(*a).apply(Params::routed(layout, Projection::Down, n));
         let target = if single { y.clone() } else { b.empty(n, d) };
         let binds = [
             Bind::Buffer(&h.buf),
@@ -740,8 +730,7 @@ pub(super) fn moe_experts(
             Bind::Buffer(&target.buf),
             Bind::Buffer(&b.gpu.dummy),
         ];
-        let kernel = params.qmatmul_kernel();
-        let (words, groups) = params.launch(kernel, n);
+        let (kernel, words, groups) = params.launch(n);
         b.gpu.dispatch_with(kernel, &words, &binds, groups);
         if !single {
             scatter(&target, &y, order);
@@ -778,12 +767,7 @@ fn combine(
     let dummy = Bind::Buffer(&b.gpu.dummy);
     let (shared_y, gate) = match shared {
         Some(s) => {
-            assert_eq!((s.y.rows, s.y.cols), (tokens, d), "shared expert output");
-            assert_eq!(
-                (s.gate.rows, s.gate.cols),
-                (tokens, 1),
-                "shared expert gate"
-            );
+            s.check_shapes(b, tokens, d);
             (Bind::Buffer(&s.y.buf), Bind::Buffer(&s.gate.buf))
         }
         None => (dummy, dummy),
@@ -848,7 +832,7 @@ pub(super) fn moe_experts_resident(
     }
     let y = b.empty(routes, d);
     for &a in &used {
-        let params = which(a, 3).apply(Params::routed(layout, Projection::Down, routes, 3));
+        let params = which(a, 3).apply(Params::routed(layout, Projection::Down, routes));
         let binds = [
             Bind::Buffer(&h.buf),
             Bind::Buffer(&arenas[a]),
@@ -856,8 +840,7 @@ pub(super) fn moe_experts_resident(
             Bind::Buffer(&y.buf),
             table,
         ];
-        let kernel = params.qmatmul_kernel();
-        let (words, groups) = params.launch(kernel, routes);
+        let (kernel, words, groups) = params.launch(routes);
         b.gpu.dispatch_with(kernel, &words, &binds, groups);
     }
     // The weights follow the ids in the routing tensor.
