@@ -801,6 +801,10 @@ fn devices() -> Result<()> {
             a.max_compute_invocations_per_workgroup,
             a.max_compute_workgroup_storage_size >> 10
         );
+        match a.subgroup_sizes {
+            Some((lo, hi)) => println!("  subgroups of {lo} to {hi} invocations"),
+            None => println!("  no subgroup operations (reductions in shared memory alone)"),
+        }
     }
     Ok(())
 }

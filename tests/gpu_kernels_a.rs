@@ -18,8 +18,14 @@ use slotstream::config::GateActivation;
 const TOL: f64 = 1e-5;
 
 fn gpu() -> &'static GpuBackend {
-    static GPU: OnceLock<GpuBackend> = OnceLock::new();
-    GPU.get_or_init(common::gpu)
+    &gpus()[0]
+}
+
+/// With subgroup operations where the adapter has them, and without: for the kernels
+/// that reduce (norms, top-k).
+fn gpus() -> &'static [GpuBackend; 2] {
+    static GPUS: OnceLock<[GpuBackend; 2]> = OnceLock::new();
+    GPUS.get_or_init(common::gpus)
 }
 
 /// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
@@ -114,41 +120,43 @@ fn gather_columns_matches_cpu() {
 
 #[test]
 fn rms_norm_matches_cpu() {
-    let (cpu, gpu) = (CpuBackend, gpu());
-    // (cols, group): whole rows and per-head groups, sizes off the workgroup width.
-    let shapes: &[(usize, usize)] = &[
-        (1, 1),
-        (7, 7),
-        (127, 127),
-        (129, 129),
-        (2048, 2048),
-        (4099, 4099),
-        (2048, 32),
-        (2048, 64),
-        (2048, 128),
-        (2048, 256),
-        (4096, 512),
-        (21, 7),
-        (387, 129),
-    ];
-    for &t in TS {
-        for &(cols, group) in shapes {
-            let x = random(t * cols, -4.0, 4.0);
-            let w = random(group, 0.5, 1.5);
-            let (cx, gx) = (cpu.upload(&x, t, cols), gpu.upload(&x, t, cols));
-            let (cw, gw) = (cpu.upload(&w, 1, group), gpu.upload(&w, 1, group));
-            for (eps, scale) in [(1e-6f32, 1.0f32), (1e-5, 0.0625)] {
-                let what = format!("rms_norm [{t}, {cols}] group {group} eps {eps} scale {scale}");
-                let want = cpu.rms_norm(&cx, Some(&cw), group, eps, scale).data;
-                let got = gpu
-                    .download(&gpu.rms_norm(&gx, Some(&gw), group, eps, scale))
-                    .unwrap();
-                check(&format!("{what} weighted"), &got, &want);
-                let want = cpu.rms_norm(&cx, None, group, eps, scale).data;
-                let got = gpu
-                    .download(&gpu.rms_norm(&gx, None, group, eps, scale))
-                    .unwrap();
-                check(&format!("{what} unweighted"), &got, &want);
+    let cpu = CpuBackend;
+    for gpu in gpus() {
+        // (cols, group): whole rows and per-head groups, sizes off the workgroup width.
+        let shapes: &[(usize, usize)] = &[
+            (1, 1),
+            (7, 7),
+            (127, 127),
+            (129, 129),
+            (2048, 2048),
+            (4099, 4099),
+            (2048, 32),
+            (2048, 64),
+            (2048, 128),
+            (2048, 256),
+            (4096, 512),
+            (21, 7),
+            (387, 129),
+        ];
+        for &t in TS {
+            for &(cols, group) in shapes {
+                let x = random(t * cols, -4.0, 4.0);
+                let w = random(group, 0.5, 1.5);
+                let (cx, gx) = (cpu.upload(&x, t, cols), gpu.upload(&x, t, cols));
+                let (cw, gw) = (cpu.upload(&w, 1, group), gpu.upload(&w, 1, group));
+                for (eps, scale) in [(1e-6f32, 1.0f32), (1e-5, 0.0625)] {
+                    let what = format!("rms_norm [{t}, {cols}] group {group} eps {eps} scale {scale}, subgroup lanes {}", gpu.gpu.subgroup_lanes);
+                    let want = cpu.rms_norm(&cx, Some(&cw), group, eps, scale).data;
+                    let got = gpu
+                        .download(&gpu.rms_norm(&gx, Some(&gw), group, eps, scale))
+                        .unwrap();
+                    check(&format!("{what} weighted"), &got, &want);
+                    let want = cpu.rms_norm(&cx, None, group, eps, scale).data;
+                    let got = gpu
+                        .download(&gpu.rms_norm(&gx, None, group, eps, scale))
+                        .unwrap();
+                    check(&format!("{what} unweighted"), &got, &want);
+                }
             }
         }
     }
@@ -157,38 +165,43 @@ fn rms_norm_matches_cpu() {
 /// The fused residual add and norm against the CPU backend's add, then rms_norm.
 #[test]
 fn add_rms_norm_matches_cpu() {
-    let (cpu, gpu) = (CpuBackend, gpu());
-    for &t in TS {
-        for cols in [1usize, 129, 2048, 4099] {
-            let (h, y, w) = (
-                random(t * cols, -4.0, 4.0),
-                random(t * cols, -4.0, 4.0),
-                random(cols, 0.5, 1.5),
-            );
-            let (ch, cy, cw) = (
-                cpu.upload(&h, t, cols),
-                cpu.upload(&y, t, cols),
-                cpu.upload(&w, 1, cols),
-            );
-            let sum = cpu.add(&ch, &cy);
-            let normed = cpu.rms_norm(&sum, Some(&cw), cols, 1e-6, 1.0);
-            let (gsum, gnormed) = gpu.add_rms_norm(
-                &gpu.upload(&h, t, cols),
-                &gpu.upload(&y, t, cols),
-                &gpu.upload(&w, 1, cols),
-                1e-6,
-            );
-            let what = format!("add_rms_norm [{t}, {cols}]");
-            check(
-                &format!("{what} sum"),
-                &gpu.download(&gsum).unwrap(),
-                &sum.data,
-            );
-            check(
-                &format!("{what} norm"),
-                &gpu.download(&gnormed).unwrap(),
-                &normed.data,
-            );
+    let cpu = CpuBackend;
+    for gpu in gpus() {
+        for &t in TS {
+            for cols in [1usize, 129, 2048, 4099] {
+                let (h, y, w) = (
+                    random(t * cols, -4.0, 4.0),
+                    random(t * cols, -4.0, 4.0),
+                    random(cols, 0.5, 1.5),
+                );
+                let (ch, cy, cw) = (
+                    cpu.upload(&h, t, cols),
+                    cpu.upload(&y, t, cols),
+                    cpu.upload(&w, 1, cols),
+                );
+                let sum = cpu.add(&ch, &cy);
+                let normed = cpu.rms_norm(&sum, Some(&cw), cols, 1e-6, 1.0);
+                let (gsum, gnormed) = gpu.add_rms_norm(
+                    &gpu.upload(&h, t, cols),
+                    &gpu.upload(&y, t, cols),
+                    &gpu.upload(&w, 1, cols),
+                    1e-6,
+                );
+                let what = format!(
+                    "add_rms_norm [{t}, {cols}], subgroup lanes {}",
+                    gpu.gpu.subgroup_lanes
+                );
+                check(
+                    &format!("{what} sum"),
+                    &gpu.download(&gsum).unwrap(),
+                    &sum.data,
+                );
+                check(
+                    &format!("{what} norm"),
+                    &gpu.download(&gnormed).unwrap(),
+                    &normed.data,
+                );
+            }
         }
     }
 }
@@ -328,27 +341,32 @@ fn check_routing(
 
 #[test]
 fn router_top_k_matches_cpu() {
-    let (cpu, gpu) = (CpuBackend, gpu());
-    for &t in TS {
-        for &(e, ks) in &[
-            (1usize, &[1usize][..]),
-            (7, &[1, 2, 7][..]),
-            (64, &[4, 8][..]),
-            (128, &[8, 10][..]),
-            (512, &[1, 10, 16][..]),
-            (513, &[16][..]),
-            // Past the 1,024 probabilities the kernel keeps in shared memory.
-            (1100, &[10][..]),
-        ] {
-            // Gaps of 0.01 keep probability ratios >= 1.01, far above rounding.
-            let logits = distinct_logits(t, e, 0.01 + 4.0 / e as f32);
-            let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
-            for &k in ks {
-                for renormalize in [false, true] {
-                    let what = format!("router [{t}, {e}] k {k} renormalize {renormalize}");
-                    let want = cpu.router_top_k(&cl, k, renormalize).unwrap();
-                    let got = gpu.router_top_k(&gl, k, renormalize).unwrap();
-                    check_routing(&what, &got, &want);
+    let cpu = CpuBackend;
+    for gpu in gpus() {
+        for &t in TS {
+            for &(e, ks) in &[
+                (1usize, &[1usize][..]),
+                (7, &[1, 2, 7][..]),
+                (64, &[4, 8][..]),
+                (128, &[8, 10][..]),
+                (512, &[1, 10, 16][..]),
+                (513, &[16][..]),
+                // Past the 1,024 probabilities the kernel keeps in shared memory.
+                (1100, &[10][..]),
+            ] {
+                // Gaps of 0.01 keep probability ratios >= 1.01, far above rounding.
+                let logits = distinct_logits(t, e, 0.01 + 4.0 / e as f32);
+                let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
+                for &k in ks {
+                    for renormalize in [false, true] {
+                        let what = format!(
+                            "router [{t}, {e}] k {k} renormalize {renormalize}, subgroup lanes {}",
+                            gpu.gpu.subgroup_lanes
+                        );
+                        let want = cpu.router_top_k(&cl, k, renormalize).unwrap();
+                        let got = gpu.router_top_k(&gl, k, renormalize).unwrap();
+                        check_routing(&what, &got, &want);
+                    }
                 }
             }
         }
@@ -359,18 +377,27 @@ fn router_top_k_matches_cpu() {
 /// must come first.
 #[test]
 fn router_top_k_breaks_ties_by_lower_id() {
-    let (cpu, gpu) = (CpuBackend, gpu());
-    let mut rng = rand::rng();
-    let (t, e) = (16, 512);
-    // Eight well-separated levels, each shared by many experts.
-    let logits: Vec<f32> = (0..t * e)
-        .map(|_| rng.random_range(0..8) as f32 * 0.25)
-        .collect();
-    let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
-    for k in [1, 8, 16] {
-        let want = cpu.router_top_k(&cl, k, true).unwrap();
-        let got = gpu.router_top_k(&gl, k, true).unwrap();
-        check_routing(&format!("router ties k {k}"), &got, &want);
+    let cpu = CpuBackend;
+    for gpu in gpus() {
+        let mut rng = rand::rng();
+        let (t, e) = (16, 512);
+        // Eight well-separated levels, each shared by many experts.
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| rng.random_range(0..8) as f32 * 0.25)
+            .collect();
+        let (cl, gl) = (cpu.upload(&logits, t, e), gpu.upload(&logits, t, e));
+        for k in [1, 8, 16] {
+            let want = cpu.router_top_k(&cl, k, true).unwrap();
+            let got = gpu.router_top_k(&gl, k, true).unwrap();
+            check_routing(
+                &format!(
+                    "router ties k {k}, subgroup lanes {}",
+                    gpu.gpu.subgroup_lanes
+                ),
+                &got,
+                &want,
+            );
+        }
     }
 }
 

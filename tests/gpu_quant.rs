@@ -86,15 +86,17 @@ fn norm(v: &[f32]) -> f64 {
 
 #[test]
 fn quantized_matmul_matches_cpu() {
-    let g = common::gpu();
     let cpu = CpuBackend;
-    for (bits, group, dtype) in [
-        (4, 64, Dtype::BF16),
-        (4, 32, Dtype::F16),
-        (4, 128, Dtype::F32),
-        (8, 64, Dtype::BF16),
-        (8, 32, Dtype::F32),
-    ] {
+    for (g, (bits, group, dtype)) in common::gpus().iter().flat_map(|g| {
+        [
+            (4, 64, Dtype::BF16),
+            (4, 32, Dtype::F16),
+            (4, 128, Dtype::F32),
+            (8, 64, Dtype::BF16),
+            (8, 32, Dtype::F32),
+        ]
+        .map(|case| (g, case))
+    }) {
         let spec = QuantSpec {
             bits,
             group_size: group,
@@ -118,7 +120,10 @@ fn quantized_matmul_matches_cpu() {
             let scale = abs_product(&cpu, &w, &x, t);
             let gw = g.upload_weight(w).unwrap();
             let got = g.download(&g.matmul(&g.upload(&x, t, cols), &gw)).unwrap();
-            let name = format!("{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}");
+            let name = format!(
+                "{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}, subgroup lanes {}",
+                g.gpu.subgroup_lanes
+            );
             assert!(
                 got.iter().all(|v| v.is_finite()),
                 "{name}: NaN or untouched output"
@@ -308,13 +313,15 @@ fn routed_experts_match_cpu() {
 /// the stacked weight gives the unstacked result bit for bit.
 #[test]
 fn matmul_swiglu_matches_cpu() {
-    let g = common::gpu();
     let cpu = CpuBackend;
-    for (bits, group, dtype) in [
-        (4, 64, Dtype::BF16),
-        (8, 32, Dtype::F32),
-        (4, 32, Dtype::F16),
-    ] {
+    for (g, (bits, group, dtype)) in common::gpus().iter().flat_map(|g| {
+        [
+            (4, 64, Dtype::BF16),
+            (8, 32, Dtype::F32),
+            (4, 32, Dtype::F16),
+        ]
+        .map(|case| (g, case))
+    }) {
         let spec = QuantSpec {
             bits,
             group_size: group,
@@ -359,7 +366,10 @@ fn matmul_swiglu_matches_cpu() {
                 let got = g
                     .download(&g.matmul_swiglu(&g.upload(&x, t, cols), &gw))
                     .unwrap();
-                let name = format!("{what} {bits}-bit g{group} {dtype:?} {inter}x{cols} T={t}");
+                let name = format!(
+                    "{what} {bits}-bit g{group} {dtype:?} {inter}x{cols} T={t}, subgroup lanes {}",
+                    g.gpu.subgroup_lanes
+                );
                 assert!(
                     got.iter().all(|v| v.is_finite()),
                     "{name}: NaN or untouched output"

@@ -1,21 +1,29 @@
 //! Every WGSL kernel parses, validates, and translates to Metal Shading Language and to
-//! SPIR-V with naga, so a Metal translation failure surfaces even though no Mac runs CI.
+//! SPIR-V with naga, so a Metal translation failure surfaces even though no Mac runs CI:
+//! as the device compiles it, with subgroup operations (32 lanes, as on Apple and NVIDIA
+//! GPUs) and without.
 
-use slotstream::backend::gpu::device::SHADERS;
+use slotstream::backend::gpu::device::{kernel_source, SHADERS};
 
 #[test]
 fn every_kernel_translates_to_msl_and_spirv() {
     assert!(SHADERS.len() >= 7, "expected a WGSL file per kernel family");
-    for (file, source) in SHADERS {
+    for ((file, source), lanes) in SHADERS.iter().flat_map(|s| [(s, 1), (s, 32)]) {
+        let source = &kernel_source(source, lanes);
+        let file = format!("{file} (subgroup lanes {lanes})");
         let module = naga::front::wgsl::parse_str(source)
             .unwrap_or_else(|e| panic!("{file}: {}", e.emit_to_string(source)));
         assert!(!module.entry_points.is_empty(), "{file}: no entry points");
-        let info = naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::empty(),
-        )
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{file}: validation: {}", e.emit_to_string(source)));
+        let capabilities = if lanes > 1 {
+            naga::valid::Capabilities::SUBGROUP
+        } else {
+            naga::valid::Capabilities::empty()
+        };
+        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities)
+            .subgroup_stages(naga::valid::ShaderStages::COMPUTE)
+            .subgroup_operations(naga::valid::SubgroupOperationSet::all())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{file}: validation: {}", e.emit_to_string(source)));
         let spv =
             naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
                 .unwrap_or_else(|e| panic!("{file}: SPIR-V: {e}"));
@@ -28,7 +36,11 @@ fn every_kernel_translates_to_msl_and_spirv() {
             let (msl, _) = naga::back::msl::write_string(
                 &module,
                 &info,
-                &naga::back::msl::Options::default(),
+                &naga::back::msl::Options {
+                    // What wgpu asks for on Apple7+ GPUs, which have SIMD-group shuffles.
+                    lang_version: (2, 4),
+                    ..Default::default()
+                },
                 &pipeline,
             )
             .unwrap_or_else(|e| panic!("{file}::{}: MSL: {e}", ep.name));

@@ -3,7 +3,7 @@
 // The input is a flat sequence of groups of `group` consecutive values (a whole row, or
 // one head of a row). A workgroup of 256 invocations handles `gpw` groups with `tpg`
 // invocations each (tpg a power of two, tpg * gpw = 256): each invocation sums the
-// squares of its strided values, then each segment of `tpg` reduces in shared memory.
+// squares of its strided values, then each segment of `tpg` reduces (reduce.wgsl).
 // The workgroup grid may be 2-D (device::grid).
 //
 // rms_norm:       out = scale * (w[e] * (x * inv)),        inv = 1 / sqrt(sum(x^2) / group + eps)
@@ -39,8 +39,6 @@ struct Params {
 // add_rms_norm only: x + y.
 @group(0) @binding(5) var<storage, read_write> sum: array<f32>;
 
-var<workgroup> partial: array<f32, 256>;
-
 fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
@@ -61,21 +59,13 @@ fn group_inv(g: u32, l: u32, lane: u32) -> f32 {
             ss += v * v;
         }
     }
-    return segment_inv(ss, l, lane);
+    return segment_inv(ss, l);
 }
 
-// `inv` from each invocation's partial sum of squares `ss`, reduced over its segment.
-// Must be called in workgroup-uniform control flow.
-fn segment_inv(ss: f32, l: u32, lane: u32) -> f32 {
-    partial[l] = ss;
-    workgroupBarrier();
-    for (var stride = p.tpg / 2u; stride > 0u; stride /= 2u) {
-        if (lane < stride) {
-            partial[l] += partial[l + stride];
-        }
-        workgroupBarrier();
-    }
-    let total = partial[l - lane];
+// `inv` from each invocation's partial sum of squares `ss`, reduced over its segment
+// (reduce.wgsl). Must be called in workgroup-uniform control flow.
+fn segment_inv(ss: f32, l: u32) -> f32 {
+    let total = segment_sum(l, p.tpg, ss);
     return 1.0 / sqrt(total / f32(p.group) + p.eps);
 }
 
@@ -140,7 +130,7 @@ fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
             ss += v * v;
         }
     }
-    let inv = segment_inv(ss, l, lane);
+    let inv = segment_inv(ss, l);
     if (g >= p.groups) {
         return;
     }

@@ -68,24 +68,15 @@ struct Params {
 @group(0) @binding(5) var<storage, read> table: array<u32>;
 
 const WG: u32 = 256u;
-var<workgroup> partial: array<f32, 256>;
 
 fn lanes() -> u32 {
     return select(p.lanes, 16u, p.lanes == 0u);
 }
 
-// Sum of `acc` over the lanes of one row (meaningful in lane 0). Every invocation of the
-// workgroup must call it (it has barriers).
-fn row_sum(li: u32, lane: u32, acc: f32) -> f32 {
-    partial[li] = acc;
-    workgroupBarrier();
-    for (var s = lanes() / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            partial[li] += partial[li + s];
-        }
-        workgroupBarrier();
-    }
-    return partial[li];
+// Sum of `acc` over the lanes of one row (reduce.wgsl), in every lane. Every invocation of
+// the workgroup must call it (it may have barriers).
+fn row_sum(li: u32, acc: f32) -> f32 {
+    return segment_sum(li, lanes(), acc);
 }
 
 // IEEE half to f32 by bits (unpack2x16float needs a capability Metal's translation may lack).
@@ -164,20 +155,6 @@ fn sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
 }
 
-// Sums of a pair of values over the lanes of one row, like row_sum.
-var<workgroup> partial2: array<vec2<f32>, 256>;
-fn row_sum2(li: u32, lane: u32, acc: vec2<f32>) -> vec2<f32> {
-    partial2[li] = acc;
-    workgroupBarrier();
-    for (var s = lanes() / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            partial2[li] += partial2[li + s];
-        }
-        workgroupBarrier();
-    }
-    return partial2[li];
-}
-
 // The matmuls read the packed words with 16-byte loads: each lane takes 4 packed words at
 // a time (32 columns at 4 bits, 16 at 8, within one quantization group since groups are
 // multiples of that) and their activations as vec4s, unrolled. These views alias bindings
@@ -253,7 +230,7 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
     if (j.computed == 1u) {
         acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
-    let total = row_sum(li, j.lane, acc);
+    let total = row_sum(li, acc);
     if (j.lane == 0u && j.computed == 1u) {
         out[j.z * out_cols() + p.out_first + j.row] = total;
     }
@@ -273,9 +250,10 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
             lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
         );
     }
-    let total = row_sum2(li, j.lane, acc);
+    let gate = row_sum(li, acc.x);
+    let up = row_sum(li, acc.y);
     if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * out_cols() + p.out_first + j.row] = total.x * sigmoid(total.x) * total.y;
+        out[j.z * out_cols() + p.out_first + j.row] = gate * sigmoid(gate) * up;
     }
 }
 
@@ -293,7 +271,7 @@ fn matmul_dense(@builtin(local_invocation_index) li: u32,
             acc += bitcast<f32>(w[j.row * p.cols + c]) * act[j.t * p.cols + c];
         }
     }
-    let total = row_sum(li, j.lane, acc);
+    let total = row_sum(li, acc);
     if (j.lane == 0u && j.computed == 1u) {
         out[j.z * out_cols() + p.out_first + j.row] = total;
     }

@@ -1,7 +1,7 @@
 // Router softmax and top-k (see src/backend/gpu/router.rs).
 //
 // One workgroup of 256 invocations per token (the grid may be 2-D, device::grid):
-// max and sum of exp(logit - max) reduced in shared memory, probabilities
+// max and sum of exp(logit - max) reduced over the workgroup (reduce.wgsl), probabilities
 // p_e = exp(l_e - max) / sum, then `k` rounds of an argmax over the experts that come
 // after the previous pick in the order (p descending, id ascending): the same order as
 // the CPU's sort, ties keeping the lower id first. The first CACHED probabilities are kept
@@ -27,12 +27,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> out: array<u32>;
 
 const WG: u32 = 256u;
-const NONE: u32 = 0xffffffffu;
 // Largest supported k (router.rs checks it).
 const MAX_K: u32 = 64u;
 
-var<workgroup> red_p: array<f32, 256>;
-var<workgroup> red_id: array<u32, 256>;
 var<workgroup> picked_p: array<f32, 64>;
 var<workgroup> picked_id: array<u32, 64>;
 const CACHED: u32 = 1024u;
@@ -59,42 +56,25 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     for (var e = l; e < p.experts; e += WG) {
         m = max(m, logits[base + e]);
     }
-    red_p[l] = m;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (l < stride) {
-            red_p[l] = max(red_p[l], red_p[l + stride]);
-        }
-        workgroupBarrier();
-    }
-    let row_max = red_p[0];
-    workgroupBarrier();
+    let row_max = segment_reduce(REDUCE_MAX, l, WG, Reduced(m, 0u)).v;
 
     // Sum of exponentials.
     var s = 0.0;
     for (var e = l; e < p.experts; e += WG) {
         s += exp(logits[base + e] - row_max);
     }
-    red_p[l] = s;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (l < stride) {
-            red_p[l] += red_p[l + stride];
-        }
-        workgroupBarrier();
-    }
-    let sum = red_p[0];
+    let sum = segment_sum(l, WG, s);
+    // Each invocation reads back only the experts it wrote: no barrier needed.
     for (var e = l; e < min(p.experts, CACHED); e += WG) {
         probs[e] = exp(logits[base + e] - row_max) / sum;
     }
-    workgroupBarrier();
 
     // k rounds of argmax over the experts after the previous pick.
     var prev_p = 3.40282347e38;
-    var prev_id = NONE;
+    var prev_id = REDUCE_NONE;
     for (var r = 0u; r < p.k; r++) {
         var best_p = -1.0;
-        var best_id = NONE;
+        var best_id = REDUCE_NONE;
         for (var e = l; e < p.experts; e += WG) {
             var pe = 0.0;
             if (e < CACHED) {
@@ -103,34 +83,21 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                 pe = exp(logits[base + e] - row_max) / sum;
             }
             let eligible = r == 0u || before(prev_p, prev_id, pe, e);
-            if (eligible && (best_id == NONE || before(pe, e, best_p, best_id))) {
+            if (eligible && (best_id == REDUCE_NONE || before(pe, e, best_p, best_id))) {
                 best_p = pe;
                 best_id = e;
             }
         }
-        red_p[l] = best_p;
-        red_id[l] = best_id;
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-            if (l < stride) {
-                let op = red_p[l + stride];
-                let oi = red_id[l + stride];
-                if (oi != NONE && (red_id[l] == NONE || before(op, oi, red_p[l], red_id[l]))) {
-                    red_p[l] = op;
-                    red_id[l] = oi;
-                }
-            }
-            workgroupBarrier();
-        }
-        prev_p = red_p[0];
-        prev_id = red_id[0];
+        let pick = segment_reduce(REDUCE_BEST, l, WG, Reduced(best_p, best_id));
+        prev_p = pick.v;
+        prev_id = pick.id;
         if (l == 0u) {
             picked_p[r] = prev_p;
             picked_id[r] = prev_id;
         }
-        workgroupBarrier();
     }
 
+    // Only invocation 0 wrote the picks, so it reads them without a barrier.
     if (l == 0u) {
         // Sum in pick order, as the CPU does.
         var norm = 1.0;

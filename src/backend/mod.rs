@@ -30,7 +30,7 @@ pub fn open_compute(device: Option<&str>) -> Result<Compute> {
     let gpu = |adapter: Option<&str>| {
         gpu::GpuBackend::new(&gpu::GpuOptions {
             adapter: adapter.map(str::to_string),
-            poison_outputs: false,
+            ..Default::default()
         })
         .map(|g| Compute::Gpu(Box::new(g)))
     };

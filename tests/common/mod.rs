@@ -109,9 +109,29 @@ pub use slotstream::sampling::argmax;
 /// The GPU backend with poisoned (NaN-filled) outputs, so an element a kernel forgets to
 /// write fails its test. Panics without an adapter: GPU tests fail, never skip.
 pub fn gpu() -> slotstream::backend::gpu::GpuBackend {
+    gpu_with(false)
+}
+
+/// [`gpu`], and the same adapter reducing in shared memory alone (no subgroup
+/// operations): kernels that reduce are tested on both paths. Panics if the adapter
+/// has subgroup operations and the first backend does not use them (lavapipe has them).
+#[allow(dead_code)]
+pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
+    let (sub, shared) = (gpu_with(false), gpu_with(true));
+    let has = sub.gpu.device.features().contains(wgpu::Features::SUBGROUP);
+    assert!(
+        sub.gpu.subgroup_lanes > 1 || !has,
+        "subgroup operations are on but unused"
+    );
+    assert_eq!(shared.gpu.subgroup_lanes, 1);
+    [sub, shared]
+}
+
+fn gpu_with(no_subgroups: bool) -> slotstream::backend::gpu::GpuBackend {
     slotstream::backend::gpu::GpuBackend::new(&slotstream::backend::gpu::GpuOptions {
         adapter: None,
         poison_outputs: true,
+        no_subgroups,
     })
     .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
 }

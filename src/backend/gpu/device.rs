@@ -87,6 +87,30 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
 ];
 
+/// Reductions over a workgroup's invocations, put before every kernel (see
+/// [`kernel_source`]).
+pub const REDUCE: &str = include_str!("../../../wgsl/reduce.wgsl");
+
+/// What the device compiles for a kernel file: a prelude, [`REDUCE`], then `source`.
+/// The prelude gives `SUBGROUP_LANES`, how many consecutive invocations are known to share
+/// a subgroup (a power of two), and `lane_xor_f32` / `lane_xor_u32`, the value held by the
+/// invocation whose subgroup index is this one's XOR `mask` (`subgroupShuffleXor`). With
+/// `subgroup_lanes` 1 (no subgroup operations) the functions return their argument and
+/// are never called: every reduction step then goes through shared memory.
+pub fn kernel_source(source: &str, subgroup_lanes: u32) -> String {
+    // naga takes the subgroup built-ins without `enable subgroups;` (and rejects it).
+    let shuffle = if subgroup_lanes > 1 {
+        "subgroupShuffleXor(v, mask)"
+    } else {
+        "v"
+    };
+    let mut out = format!("const SUBGROUP_LANES: u32 = {subgroup_lanes}u;\n");
+    for ty in ["f32", "u32"] {
+        out += &format!("fn lane_xor_{ty}(v: {ty}, mask: u32) -> {ty} {{ return {shuffle}; }}\n");
+    }
+    out + REDUCE + source
+}
+
 /// The source of `file` from [`SHADERS`] (empty if unknown).
 pub const fn shader(file: &str) -> &'static str {
     let mut i = 0;
@@ -138,6 +162,9 @@ pub struct AdapterSummary {
     pub max_compute_workgroups_per_dimension: u32,
     pub max_compute_invocations_per_workgroup: u32,
     pub max_compute_workgroup_storage_size: u32,
+    /// Smallest and largest subgroup size, where the adapter has subgroup operations (the
+    /// kernels' reductions then shuffle within subgroups).
+    pub subgroup_sizes: Option<(u32, u32)>,
 }
 
 /// Which adapter to use.
@@ -148,6 +175,10 @@ pub struct GpuOptions {
     /// Fill every new output buffer with NaN bit patterns instead of zeros, so a kernel
     /// that leaves an output untouched fails its test instead of passing by accident.
     pub poison_outputs: bool,
+    /// Reduce in shared memory alone, without subgroup operations even where the adapter
+    /// has them (`SLOTSTREAM_GPU_SUBGROUPS=0` does the same): the portable path, kept
+    /// tested on adapters that have both.
+    pub no_subgroups: bool,
 }
 
 fn instance() -> wgpu::Instance {
@@ -166,6 +197,10 @@ pub fn list_adapters() -> Vec<AdapterSummary> {
 
 fn summarize(a: &wgpu::Adapter) -> AdapterSummary {
     let info = a.get_info();
+    let subgroup_sizes = a
+        .features()
+        .contains(wgpu::Features::SUBGROUP)
+        .then_some((info.subgroup_min_size, info.subgroup_max_size));
     let l = a.limits();
     AdapterSummary {
         name: info.name,
@@ -179,6 +214,7 @@ fn summarize(a: &wgpu::Adapter) -> AdapterSummary {
         max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
         max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
         max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
+        subgroup_sizes,
     }
 }
 
@@ -192,6 +228,9 @@ pub struct Gpu {
     pub host_import: bool,
     /// A 4-byte buffer bound where a kernel's binding is unused.
     pub dummy: wgpu::Buffer,
+    /// Invocations known to share a subgroup: the adapter's smallest subgroup size where
+    /// subgroup operations are on, else 1 (see [`kernel_source`]).
+    pub subgroup_lanes: u32,
     poison: bool,
     pipelines: Mutex<
         HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>,
@@ -513,13 +552,23 @@ impl Gpu {
             }
             ok
         };
+        let info = adapter.get_info();
+        let subgroups = !options.no_subgroups
+            && std::env::var("SLOTSTREAM_GPU_SUBGROUPS").map_or(true, |v| v != "0")
+            && adapter.features().contains(wgpu::Features::SUBGROUP)
+            && info.subgroup_min_size.is_power_of_two()
+            && info.subgroup_min_size <= 256;
+        let subgroup_lanes = if subgroups { info.subgroup_min_size } else { 1 };
+        let mut required_features = wgpu::Features::empty();
+        if profile {
+            required_features |= Profiler::features();
+        }
+        if subgroups {
+            required_features |= wgpu::Features::SUBGROUP;
+        }
         let desc = wgpu::DeviceDescriptor {
             label: Some("slotstream"),
-            required_features: if profile {
-                Profiler::features()
-            } else {
-                wgpu::Features::empty()
-            },
+            required_features,
             required_limits: limits.clone(),
             ..Default::default()
         };
@@ -564,7 +613,7 @@ impl Gpu {
             SPIN_US
         };
         let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, profile, "GPU opened");
+        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
         Ok(Gpu {
             device,
@@ -573,6 +622,7 @@ impl Gpu {
             limits,
             host_import,
             dummy,
+            subgroup_lanes,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
             recording: Mutex::new(Recording {
@@ -704,7 +754,9 @@ impl Gpu {
                     .device
                     .create_shader_module(wgpu::ShaderModuleDescriptor {
                         label: Some(k.file),
-                        source: wgpu::ShaderSource::Wgsl(k.source.into()),
+                        source: wgpu::ShaderSource::Wgsl(
+                            kernel_source(k.source, self.subgroup_lanes).into(),
+                        ),
                     });
                 let storage = |read_only| wgpu::BindingType::Buffer {
                     ty: wgpu::BufferBindingType::Storage { read_only },
