@@ -32,17 +32,57 @@ use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
 use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
 
+/// Projections of one input, stacked into one weight at load when they are quantized
+/// alike ([`LinearWeight::stack_losslessly`]), so that a step runs one matmul whose output
+/// the backend splits ([`Backend::matmul_parts`]); otherwise kept apart as stored.
+struct Projections<B: Backend, const N: usize> {
+    /// The stacked weight, or one weight per projection.
+    weights: Vec<B::Weight>,
+    /// Each projection's output width.
+    widths: [usize; N],
+}
+
+impl<B: Backend, const N: usize> Projections<B, N> {
+    /// `parts` as (module name, weight); `upload` puts a weight on the backend, naming
+    /// the module in its errors (the first part's for the stacked weight).
+    fn new(
+        parts: [(String, LinearWeight); N],
+        upload: impl Fn(&str, LinearWeight) -> Result<B::Weight>,
+    ) -> Result<Self> {
+        let widths = parts.each_ref().map(|(_, w)| w.shape().0);
+        let refs: Vec<&LinearWeight> = parts.iter().map(|(_, w)| w).collect();
+        let weights = if N > 1 && LinearWeight::stack_losslessly(&refs) {
+            let name = parts[0].0.clone();
+            let stacked = LinearWeight::stack_rows(&name, parts.map(|(_, w)| w).into())?;
+            vec![upload(&name, stacked)?]
+        } else {
+            parts
+                .into_iter()
+                .map(|(name, w)| upload(&name, w))
+                .collect::<Result<_>>()?
+        };
+        Ok(Projections { weights, widths })
+    }
+
+    /// Each projection of `x`, in order.
+    fn apply(&self, backend: &B, x: &B::Tensor) -> [B::Tensor; N] {
+        let out = match self.weights.as_slice() {
+            [w] if N > 1 => backend.matmul_parts(x, w, &self.widths),
+            ws => ws.iter().map(|w| backend.matmul(x, w)).collect(),
+        };
+        out.try_into()
+            .unwrap_or_else(|v: Vec<_>| panic!("{} outputs for {N} projections", v.len()))
+    }
+}
+
 /// A gated DeltaNet layer. Its input projections are regrouped at load: Qwen3-Next's
 /// `in_proj_qkvz` and `in_proj_ba` interleave q, k, v, z (and b, a) per key-head group, and
 /// Qwen3.5 / Flash-Next have separate `in_proj_b` and `in_proj_a`; here every family has
-/// the same three, so a step runs three matmuls and gathers no columns.
+/// the same three, stacked where they can be, and a step gathers no columns.
 struct DeltaNet<B: Backend> {
-    /// `[2 Hk Dk + Hv Dv, hidden]`: the conv input `[q_all | k_all | v_all]`.
-    qkv: B::Weight,
-    /// `[Hv Dv, hidden]`: the output gate's input.
-    z: B::Weight,
-    /// `[2 Hv, hidden]`: `[b_all | a_all]`.
-    ba: B::Weight,
+    /// `[2 Hk Dk + Hv Dv, hidden]`: the conv input `[q_all | k_all | v_all]`;
+    /// `[Hv Dv, hidden]`: the output gate's input; `[2 Hv, hidden]`: `[b_all | a_all]`.
+    in_proj: Projections<B, 3>,
     /// `[conv_dim, kernel]`.
     conv: B::Tensor,
     a_log: B::Tensor,
@@ -52,13 +92,10 @@ struct DeltaNet<B: Backend> {
 }
 
 struct Attention<B: Backend> {
-    /// The queries' rows of `q_proj` (`[H hd, hidden]`); the checkpoint interleaves each
-    /// head's queries with its output gates.
-    q_proj: B::Weight,
-    /// The output gates' rows of `q_proj`, `[H hd, hidden]`.
-    gate_proj: B::Weight,
-    k_proj: B::Weight,
-    v_proj: B::Weight,
+    /// The queries' rows of `q_proj` (`[H hd, hidden]`; the checkpoint interleaves each
+    /// head's queries with its output gates), the output gates' rows of `q_proj`
+    /// (`[H hd, hidden]`), `k_proj` and `v_proj`.
+    qkv: Projections<B, 4>,
     o_proj: B::Weight,
     q_norm: B::Tensor,
     k_norm: B::Tensor,
@@ -188,9 +225,10 @@ enum GateUp<B: Backend> {
 }
 
 struct Moe<B: Backend> {
-    router: B::Weight,
+    /// The router (`mlp.gate`, `[E, hidden]`) and the shared expert's gate
+    /// (`[1, hidden]`).
+    gates: Projections<B, 2>,
     shared: DenseMlp<B>,
-    shared_gate: B::Weight,
 }
 
 enum Mlp<B: Backend> {
@@ -492,9 +530,14 @@ impl<B: Backend> Model<B> {
                             }
                         };
                     Mixer::DeltaNet(DeltaNet {
-                        qkv: upload(&name(qkv_name), qkv)?,
-                        z: upload(&name(z_name), z)?,
-                        ba: upload(&name(ba_name), ba)?,
+                        in_proj: Projections::new(
+                            [
+                                (name(qkv_name), qkv),
+                                (name(z_name), z),
+                                (name(ba_name), ba),
+                            ],
+                            upload,
+                        )?,
                         conv: backend.upload(&conv, c, k),
                         a_log: vector(&format!("{p}.linear_attn.A_log"), nv)?,
                         dt_bias: vector(&format!("{p}.linear_attn.dt_bias"), nv)?,
@@ -544,11 +587,20 @@ impl<B: Backend> Model<B> {
                             .flat_map(|i| i * 2 * hd + off..i * 2 * hd + off + hd)
                             .collect()
                     };
+                    let (k_name, v_name) = (
+                        format!("{p}.self_attn.k_proj"),
+                        format!("{p}.self_attn.v_proj"),
+                    );
                     Mixer::Attention(Attention {
-                        q_proj: upload(&q_name, q_proj.select_rows(&half(0)))?,
-                        gate_proj: upload(&q_name, q_proj.select_rows(&half(hd)))?,
-                        k_proj: linear(&format!("{p}.self_attn.k_proj"), kvh * hd, d)?,
-                        v_proj: linear(&format!("{p}.self_attn.v_proj"), kvh * hd, d)?,
+                        qkv: Projections::new(
+                            [
+                                (q_name.clone(), q_proj.select_rows(&half(0))),
+                                (q_name.clone(), q_proj.select_rows(&half(hd))),
+                                (k_name.clone(), ckpt.linear(&k_name, kvh * hd, d)?),
+                                (v_name.clone(), ckpt.linear(&v_name, kvh * hd, d)?),
+                            ],
+                            upload,
+                        )?,
                         o_proj: linear(&format!("{p}.self_attn.o_proj"), d, h * hd)?,
                         q_norm: centered_vector(&format!("{p}.self_attn.q_norm.weight"), hd)?,
                         k_norm: centered_vector(&format!("{p}.self_attn.k_norm.weight"), hd)?,
@@ -575,13 +627,22 @@ impl<B: Backend> Model<B> {
                 })
             };
             let mlp = if cfg.is_moe_layer(i) {
+                let (router, gate) = (
+                    format!("{p}.mlp.gate"),
+                    format!("{p}.mlp.shared_expert_gate"),
+                );
                 Mlp::Moe(Moe {
-                    router: linear(&format!("{p}.mlp.gate"), cfg.num_experts, d)?,
+                    gates: Projections::new(
+                        [
+                            (router.clone(), ckpt.linear(&router, cfg.num_experts, d)?),
+                            (gate.clone(), ckpt.linear(&gate, 1, d)?),
+                        ],
+                        upload,
+                    )?,
                     shared: dense(
                         &format!("{p}.mlp.shared_expert"),
                         cfg.shared_expert_intermediate_size,
                     )?,
-                    shared_gate: linear(&format!("{p}.mlp.shared_expert_gate"), 1, d)?,
                 })
             } else {
                 Mlp::Dense(dense(&format!("{p}.mlp"), cfg.intermediate_size)?)
@@ -1016,9 +1077,7 @@ impl<B: Backend> Model<B> {
         recurrent: &mut B::Tensor,
     ) -> B::Tensor {
         let cfg = &self.config;
-        let qkv = backend.matmul(x, &w.qkv);
-        let z = backend.matmul(x, &w.z);
-        let ba = backend.matmul(x, &w.ba);
+        let [qkv, z, ba] = w.in_proj.apply(backend, x);
         let conv = backend.causal_conv1d_silu(&qkv, &w.conv, conv_state, 1);
         let dims = DeltaDims {
             key_heads: cfg.linear_num_key_heads,
@@ -1048,10 +1107,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let hd = cfg.head_dim;
-        let q = backend.matmul(x, &w.q_proj);
-        let gate = backend.matmul(x, &w.gate_proj);
-        let k = backend.matmul(x, &w.k_proj);
-        let v = backend.matmul(x, &w.v_proj);
+        let [q, gate, k, v] = w.qkv.apply(backend, x);
         let q = backend.rms_norm(&q, Some(&w.q_norm), hd, cfg.rms_norm_eps, 1.0);
         let k = backend.rms_norm(&k, Some(&w.k_norm), hd, cfg.rms_norm_eps, 1.0);
         let pos = backend.kv_len(kv);
@@ -1210,11 +1266,8 @@ impl<B: Backend> Model<B> {
         }
         let cfg = &self.config;
         let (x, _) = self.block_input(backend, residual, Block::Mlp, h);
-        let guess = backend.router_top_k(
-            &backend.matmul(&x, &w.router),
-            cfg.num_experts_per_tok,
-            false,
-        )?;
+        let [logits, _] = w.gates.apply(backend, &x);
+        let guess = backend.router_top_k(&logits, cfg.num_experts_per_tok, false)?;
         experts.prefetch(target, &guess.distinct());
         Ok(())
     }
@@ -1239,7 +1292,7 @@ impl<B: Backend> Model<B> {
         hold: &mut StepHold<'e, B, E>,
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
-        let logits = backend.matmul(x, &w.router);
+        let [logits, shared_gate] = w.gates.apply(backend, x);
         let resident = if tokens.ids.len() < SWEEP_MIN_TOKENS {
             experts.resident_layer(layer)
         } else {
@@ -1252,7 +1305,7 @@ impl<B: Backend> Model<B> {
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
             // come first.
-            let (shared, gate) = Self::shared_expert(backend, w, x);
+            let shared = Self::dense_mlp(backend, &w.shared, x);
             let out = backend.moe_experts_resident(
                 x,
                 &routing,
@@ -1262,7 +1315,7 @@ impl<B: Backend> Model<B> {
                 &self.experts.layout,
                 Some(SharedExpert {
                     y: &shared,
-                    gate: &gate,
+                    gate: &shared_gate,
                 }),
             )?;
             match model_ids {
@@ -1302,23 +1355,14 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         // After the routing read-back, so that the shared expert's work is not waited for.
-        let (shared, gate) = Self::shared_expert(backend, w, x);
+        let shared = Self::dense_mlp(backend, &w.shared, x);
         let shared = SharedExpert {
             y: &shared,
-            gate: &gate,
+            gate: &shared_gate,
         };
         let out = backend.moe_experts(x, &routing, &records, &self.experts.layout, Some(shared));
         hold.in_use = held;
         Ok(out)
-    }
-
-    /// The shared expert's SwiGLU MLP of `x` and its gate logit, which the routed experts'
-    /// combine adds in (see [`SharedExpert`]).
-    fn shared_expert(backend: &B, w: &Moe<B>, x: &B::Tensor) -> (B::Tensor, B::Tensor) {
-        (
-            Self::dense_mlp(backend, &w.shared, x),
-            backend.matmul(x, &w.shared_gate),
-        )
     }
 }
 

@@ -136,6 +136,71 @@ fn quantized_matmul_matches_cpu() {
     }
 }
 
+/// A stacked weight's output in parts, against the CPU's matmul of the whole weight split
+/// by columns: the one-dispatch path (2 to 4 parts, quantized) and the fallbacks (5 parts,
+/// a dense weight), at decode and prefill widths.
+#[test]
+fn matmul_parts_match_cpu_columns() {
+    let g = common::gpu();
+    let cpu = CpuBackend;
+    let mut rng = rand::rng();
+    let spec = QuantSpec {
+        bits: 4,
+        group_size: 64,
+    };
+    for parts in 2..=5 {
+        for t in [1, 7] {
+            let widths: Vec<usize> = (0..parts).map(|_| rng.random_range(1..300)).collect();
+            let rows = widths.iter().sum();
+            let cols = 512;
+            for w in [
+                random_quantized(rows, cols, spec, Dtype::BF16),
+                LinearWeight::Dense(DenseMatrix {
+                    rows,
+                    cols,
+                    data: random(rows * cols),
+                }),
+            ] {
+                let x = random(t * cols);
+                let cx = cpu.upload(&x, t, cols);
+                let whole = cpu.download(&cpu.matmul(&cx, &w)).unwrap();
+                let scale = abs_product(&cpu, &w, &x, t);
+                let want = cpu.matmul_parts(&cx, &w, &widths);
+                let quantized = matches!(w, LinearWeight::Quantized(_));
+                let gw = g.upload_weight(w).unwrap();
+                let gx = g.upload(&x, t, cols);
+                let before = g.gpu.counters().dispatches;
+                let got = g.matmul_parts(&gx, &gw, &widths);
+                if quantized && parts <= 4 {
+                    assert_eq!(g.gpu.counters().dispatches - before, 1, "one dispatch");
+                }
+                assert_eq!(got.len(), parts);
+                let mut first = 0;
+                for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+                    let n = widths[i];
+                    let name = format!("part {i} of {widths:?}, T={t}");
+                    let cols_of = |v: &[f32]| -> Vec<f32> {
+                        (0..t)
+                            .flat_map(|r| v[r * rows + first..r * rows + first + n].to_vec())
+                            .collect()
+                    };
+                    // The CPU's parts are the whole matmul's columns, exactly.
+                    assert_eq!(want.data, cols_of(&whole), "{name}: CPU");
+                    let got = g.download(got).unwrap();
+                    assert!(
+                        got.iter().all(|v| v.is_finite()),
+                        "{name}: NaN or untouched output"
+                    );
+                    let diff: Vec<f32> = got.iter().zip(&want.data).map(|(a, b)| a - b).collect();
+                    let e = norm(&diff) / norm(&cols_of(&scale));
+                    assert!(e <= 1e-5, "{name}: error {e:.3e} of |W||x| > 1e-5");
+                    first += n;
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn dense_matmul_and_embedding_match_cpu() {
     let g = common::gpu();

@@ -13,6 +13,7 @@
 //   4: out   - f32 output
 //   5: table - the matmuls, routed = 2 and 3: (arena, record base) per expert; the
 //              combine's shared expert gate logits (f32 bits)
+//   6-8: qmatmul_parts' further outputs
 //
 // Routed matmuls find each route's record base and input row either in a table built on
 // the host, (base, token) per route in `aux`, all of them computed (routed = 1), or from
@@ -56,8 +57,12 @@ struct Params {
     // moe_combine: 1 adds the shared expert (its output in `w`, its gate logit in `table`,
     // both f32 bits).
     add_shared: u32,
-    _pad1: u32,
-    _pad2: u32,
+    // qmatmul_parts: the rows where the first three parts of the output end; the rest
+    // is the fourth (see qmatmul_parts).
+    part_end_a: u32,
+    part_end_b: u32,
+    part_end_c: u32,
+    _pad: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -220,19 +225,63 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, la
     return acc;
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup.
-@compute @workgroup_size(256)
-fn qmatmul(@builtin(local_invocation_index) li: u32,
-            @builtin(workgroup_id) wid: vec3<u32>,
-            @builtin(num_workgroups) nwg: vec3<u32>) {
+// What a qmatmul invocation computed: its job and, in lane 0 of a row, the row's dot
+// product.
+struct RowDot {
+    j: Job,
+    total: f32,
+}
+
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup, as
+// far as the lanes' sum; every invocation of the workgroup must call it.
+fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
     let j = job(li, wid, nwg);
     var acc = 0.0;
     if (j.computed == 1u) {
         acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
-    let total = row_sum(li, acc);
-    if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * out_cols() + p.out_first + j.row] = total;
+    return RowDot(j, row_sum(li, acc));
+}
+
+@compute @workgroup_size(256)
+fn qmatmul(@builtin(local_invocation_index) li: u32,
+            @builtin(workgroup_id) wid: vec3<u32>,
+            @builtin(num_workgroups) nwg: vec3<u32>) {
+    let r = row_dot(li, wid, nwg);
+    if (r.j.lane == 0u && r.j.computed == 1u) {
+        out[r.j.z * out_cols() + p.out_first + r.j.row] = r.total;
+    }
+}
+
+// The parts of a stacked weight's output, each a [z, width] tensor of its own: rows
+// before part_end_a go to `out`, then up to part_end_b to out_b, up to part_end_c to
+// out_c, and the rest to out_d. One dispatch for projections of one input that were
+// stacked at load (a part with no rows is never written; its binding may repeat `out`).
+@group(0) @binding(6) var<storage, read_write> out_b: array<f32>;
+@group(0) @binding(7) var<storage, read_write> out_c: array<f32>;
+@group(0) @binding(8) var<storage, read_write> out_d: array<f32>;
+
+@compute @workgroup_size(256)
+fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
+                 @builtin(workgroup_id) wid: vec3<u32>,
+                 @builtin(num_workgroups) nwg: vec3<u32>) {
+    let r = row_dot(li, wid, nwg);
+    if (r.j.lane != 0u || r.j.computed == 0u) {
+        return;
+    }
+    let z = r.j.z;
+    let row = r.j.row;
+    let a = p.part_end_a;
+    let b = p.part_end_b;
+    let c = p.part_end_c;
+    if (row < a) {
+        out[z * a + row] = r.total;
+    } else if (row < b) {
+        out_b[z * (b - a) + row - a] = r.total;
+    } else if (row < c) {
+        out_c[z * (c - b) + row - b] = r.total;
+    } else {
+        out_d[z * (p.rows - c) + row - c] = r.total;
     }
 }
 

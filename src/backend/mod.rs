@@ -304,6 +304,16 @@ pub trait Backend: Send + Sync {
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     /// `x W^T`: `[T, in] x [out, in] -> [T, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    /// `x W^T` split by columns into consecutive parts of `widths` (nonzero, summing to
+    /// W's rows): the outputs of projections of one input stacked into one weight at
+    /// load, computed in one pass. `[T, in] x [out, in] -> [T, widths[i]]` each; every
+    /// value is what [`Backend::matmul`] gives for that column.
+    fn matmul_parts(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        widths: &[usize],
+    ) -> Vec<Self::Tensor>;
     /// `out[:, j] = x[:, idx[j]]`.
     fn gather_columns(&self, x: &Self::Tensor, idx: &Self::Index) -> Self::Tensor;
     /// RMSNorm over consecutive groups of `group` columns:

@@ -231,6 +231,10 @@ pub struct Gpu {
     /// Invocations known to share a subgroup: the adapter's smallest subgroup size where
     /// subgroup operations are on, else 1 (see [`kernel_source`]).
     pub subgroup_lanes: u32,
+    /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
+    /// (`SLOTSTREAM_GPU_CHECKS=all`), else without the loop and division guards that
+    /// these kernels do not need (see [`Gpu::pipeline`]).
+    all_checks: bool,
     poison: bool,
     pipelines: Mutex<
         HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>,
@@ -623,6 +627,7 @@ impl Gpu {
             host_import,
             dummy,
             subgroup_lanes,
+            all_checks: std::env::var("SLOTSTREAM_GPU_CHECKS").is_ok_and(|v| v == "all"),
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
             recording: Mutex::new(Recording {
@@ -750,14 +755,33 @@ impl Gpu {
         cache
             .entry((k.file, k.entry))
             .or_insert_with(|| {
-                let module = self
-                    .device
-                    .create_shader_module(wgpu::ShaderModuleDescriptor {
-                        label: Some(k.file),
-                        source: wgpu::ShaderSource::Wgsl(
-                            kernel_source(k.source, self.subgroup_lanes).into(),
-                        ),
-                    });
+                let desc = wgpu::ShaderModuleDescriptor {
+                    label: Some(k.file),
+                    source: wgpu::ShaderSource::Wgsl(
+                        kernel_source(k.source, self.subgroup_lanes).into(),
+                    ),
+                };
+                let module = if self.all_checks {
+                    self.device.create_shader_module(desc)
+                } else {
+                    // SAFETY: wgpu's bounds checks stay on. What is turned off is naga's
+                    // counter in every loop and its guard on every integer division: every
+                    // loop of these kernels runs over a range bounded by its parameters
+                    // and steps by at least 1 (or halves a power of two), and they divide
+                    // unsigned values only, by parameters the host sets nonzero (a zero
+                    // divisor gives an undefined value in SPIR-V and MSL, not undefined
+                    // behaviour).
+                    unsafe {
+                        self.device.create_shader_module_trusted(
+                            desc,
+                            wgpu::ShaderRuntimeChecks {
+                                force_loop_bounding: false,
+                                int_div_checks: false,
+                                ..wgpu::ShaderRuntimeChecks::checked()
+                            },
+                        )
+                    }
+                };
                 let storage = |read_only| wgpu::BindingType::Buffer {
                     ty: wgpu::BufferBindingType::Storage { read_only },
                     has_dynamic_offset: false,
@@ -801,7 +825,12 @@ impl Gpu {
                             layout: Some(&layout),
                             module: &module,
                             entry_point: Some(k.entry),
-                            compilation_options: Default::default(),
+                            // Every kernel writes its workgroup memory before it
+                            // reads it, so zeroing it first would be wasted.
+                            compilation_options: wgpu::PipelineCompilationOptions {
+                                zero_initialize_workgroup_memory: self.all_checks,
+                                ..Default::default()
+                            },
                             cache: None,
                         });
                 Arc::new((pipeline, bgl))

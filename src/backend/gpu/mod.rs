@@ -442,6 +442,10 @@ impl Backend for GpuBackend {
         quant::matmul(self, x, w)
     }
 
+    fn matmul_parts(&self, x: &GpuTensor, w: &GpuWeight, widths: &[usize]) -> Vec<GpuTensor> {
+        quant::matmul_parts(self, x, w, widths)
+    }
+
     fn gather_columns(&self, x: &GpuTensor, idx: &GpuTensor) -> GpuTensor {
         elementwise::gather_columns(self, x, idx)
     }

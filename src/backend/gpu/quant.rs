@@ -12,7 +12,7 @@ use safetensors::Dtype;
 
 use super::device::{grid, Access, Bind, Kernel};
 use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
-use crate::backend::{Routing, SharedExpert};
+use crate::backend::{Backend, Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
@@ -31,6 +31,23 @@ const fn matmul_kernel(entry: &'static str) -> Kernel {
     Kernel::new("quant.wgsl", entry, MATMUL_BINDINGS)
 }
 const QMATMUL: Kernel = matmul_kernel("qmatmul");
+/// [`QMATMUL`] with three more outputs (bindings 6 to 8).
+const QMATMUL_PARTS: Kernel = Kernel::new(
+    "quant.wgsl",
+    "qmatmul_parts",
+    &[
+        Access::Read,
+        Access::Read,
+        Access::Read,
+        Access::ReadWrite,
+        Access::Read,
+        Access::ReadWrite,
+        Access::ReadWrite,
+        Access::ReadWrite,
+    ],
+);
+/// Most parts [`QMATMUL_PARTS`] writes.
+const MAX_PARTS: usize = 4;
 const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
 const DENSE: Kernel = matmul_kernel("matmul_dense");
 const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
@@ -97,6 +114,10 @@ struct Params {
     experts: u32,
     /// moe_combine: 1 adds the shared expert.
     shared: u32,
+    /// qmatmul_parts: where the first three parts of the output end (rows).
+    part_ends: [u32; 3],
+    /// Whether the output is split into parts ([`QMATMUL_PARTS`]; not a uniform word).
+    parts: bool,
 }
 
 impl Params {
@@ -120,20 +141,23 @@ impl Params {
     }
 
     /// The entry, uniform words and workgroup grid of a matmul of these parameters over
-    /// `z` tokens or routes: `matmul_dense` for dense weights (no bits), `qmatmul_swiglu`
-    /// when an up projection is given (`bits2`), else `qmatmul`; a quantized projection
+    /// `z` tokens or routes: `matmul_dense` for dense weights (no bits), `qmatmul_parts`
+    /// for an output in parts, `qmatmul_swiglu` when an up projection is given (`bits2`),
+    /// else `qmatmul`; a quantized projection
     /// must meet [`Params::check_vec4`]. Lanes per row: 16, doubled while the dispatch has
     /// fewer than [`INVOCATIONS`] invocations and a row has work for them (a lane per
     /// 16-byte vector of packed words, or per dense column); see [`invocations`]. How a
     /// row's sum is split over lanes depends on the dispatch's size, so its last bits can
     /// differ between a token computed alone and in a batch.
-    fn launch(mut self, z: usize) -> (&'static Kernel, [u32; 24], [u32; 3]) {
+    fn launch(mut self, z: usize) -> (&'static Kernel, [u32; 26], [u32; 3]) {
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let (kernel, units) = if bits == 0 {
             (&DENSE, cols)
         } else {
             self.check_vec4();
-            if self.bits2 == 0 {
+            if self.parts {
+                (&QMATMUL_PARTS, cols * bits / 128)
+            } else if self.bits2 == 0 {
                 (&QMATMUL, cols * bits / 128)
             } else {
                 Params {
@@ -184,7 +208,7 @@ impl Params {
         Some((params, data))
     }
 
-    fn words(&self) -> [u32; 24] {
+    fn words(&self) -> [u32; 26] {
         [
             self.rows,
             self.cols,
@@ -208,7 +232,9 @@ impl Params {
             self.lanes,
             self.experts,
             self.shared,
-            0,
+            self.part_ends[0],
+            self.part_ends[1],
+            self.part_ends[2],
             0,
         ]
     }
@@ -482,6 +508,60 @@ fn embed_into(b: &GpuBackend, table: &GpuWeight, ids: &[u32], out: &GpuTensor) {
 /// An embedding id that the part of a split table at hand does not hold
 /// (`0xFFFFFFFF` in `wgsl/quant.wgsl`'s `embed`).
 const SKIP: u32 = u32::MAX;
+
+/// [`crate::backend::Backend::matmul_parts`]: a quantized weight of up to [`MAX_PARTS`]
+/// parts in one dispatch that writes each part's output; otherwise one matmul, then a
+/// column gather per part.
+pub(super) fn matmul_parts(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    w: &GpuWeight,
+    widths: &[usize],
+) -> Vec<GpuTensor> {
+    let (rows, cols) = w.shape();
+    assert_eq!(x.cols, cols, "matmul_parts input width");
+    assert_eq!(
+        widths.iter().sum::<usize>(),
+        rows,
+        "matmul_parts: part widths"
+    );
+    assert!(widths.iter().all(|&n| n > 0), "matmul_parts: an empty part");
+    let Some((whole, data)) = Params::resident(w).filter(|_| widths.len() <= MAX_PARTS) else {
+        let y = matmul(b, x, w);
+        let mut first = 0;
+        return widths
+            .iter()
+            .map(|&n| {
+                let idx: Vec<u32> = (first as u32..(first + n) as u32).collect();
+                first += n;
+                super::elementwise::gather_columns(b, &y, &b.upload_index(&idx))
+            })
+            .collect();
+    };
+    let outs: Vec<GpuTensor> = widths.iter().map(|&n| b.empty(x.rows, n)).collect();
+    let mut part_ends = [rows as u32; 3];
+    let mut end = 0;
+    for (slot, &n) in part_ends.iter_mut().zip(widths) {
+        end += n as u32;
+        *slot = end;
+    }
+    let params = Params {
+        part_ends,
+        parts: true,
+        ..whole
+    };
+    let (kernel, words, groups) = params.launch(x.rows);
+    let dummy = &b.gpu.dummy;
+    // Bindings of parts that do not exist repeat the first output, which they never write.
+    let out = |i: usize| &outs.get(i).unwrap_or(&outs[0]).buf;
+    b.gpu.dispatch(
+        kernel,
+        &words,
+        &[&x.buf, data, dummy, out(0), dummy, out(1), out(2), out(3)],
+        groups,
+    );
+    outs
+}
 
 pub(super) fn matmul(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
     let (rows, cols) = w.shape();
