@@ -29,6 +29,10 @@ pub struct SlotTag {
     /// Slots in the pool and their stride in bytes (to size a mirror).
     pub slots: usize,
     pub stride: usize,
+    /// Records per MoE layer: a pool of every record keeps each layer's in consecutive
+    /// slots from a multiple of this, so a mirror whose arenas hold whole layers binds
+    /// one arena per layer.
+    pub layer_records: usize,
 }
 
 /// A held expert record: its bytes, and the slot it lives in when it comes from a pool.

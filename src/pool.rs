@@ -430,6 +430,11 @@ impl SlotPool {
         self.stride
     }
 
+    /// Records per MoE layer ([`SlotTag::layer_records`]).
+    pub fn layer_records(&self) -> usize {
+        self.index.num_experts
+    }
+
     /// Layout of the records in the slots.
     pub fn layout(&self) -> &RecordLayout {
         &self.index.layout
@@ -842,6 +847,7 @@ impl SlotPool {
                     generation: s.generation,
                     slots: n,
                     stride: self.stride,
+                    layer_records: self.index.num_experts,
                 }
             })
             .collect();
@@ -876,6 +882,7 @@ impl SlotPool {
                 generation: inner.slots[slot].generation,
                 slots: inner.slots.len(),
                 stride: self.stride,
+                layer_records: self.index.num_experts,
             },
             len: self.index.layout.record_bytes,
         }

@@ -148,13 +148,18 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
         // One arena, then arenas of 7 slots: a layer's records then lie in several arenas
         // (as a large pool's do on a GPU), and each projection runs once per arena.
         // Device placement copies slots from the pool's imported memory, or (last) through
-        // staging memory.
+        // staging memory. A limit of a layer and a half holds one layer per arena (arenas
+        // hold whole layers where they can), so steps dispatch as with one arena.
+        let layer = index.num_experts;
+        assert!(layer > 7, "{name}: a layer must straddle arenas of 7 slots");
+        let mut one_arena_dispatches = Vec::new();
         for (placement, arena_slots, host_copies) in [
             (Placement::Unified, 0, true),
             (Placement::Device, 0, true),
             (Placement::Unified, 7, true),
             (Placement::Device, 7, true),
             (Placement::Device, 7, false),
+            (Placement::Device, layer + layer / 2, true),
         ] {
             let mut options = StreamOptions::with_slots(index.records());
             options.io = IoMode::Direct;
@@ -177,7 +182,16 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
                 let got = model
                     .forward(&g, &mut state, ids, &experts, Logits::Last)
                     .unwrap();
-                let waits = (g.gpu.counters() - before).waits;
+                let counted = g.gpu.counters() - before;
+                let waits = counted.waits;
+                match (placement, arena_slots) {
+                    (Placement::Device, 0) => one_arena_dispatches.push(counted.dispatches),
+                    (Placement::Device, n) if n > layer => assert_eq!(
+                        counted.dispatches, one_arena_dispatches[i],
+                        "{name}: arenas of {n} slots: step {i} dispatches"
+                    ),
+                    _ => {}
+                }
                 assert_eq!(
                     waits, 1,
                     "{name}: {placement:?}, arenas of {arena_slots}: step {i} waited {waits} times"

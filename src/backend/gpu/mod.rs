@@ -141,20 +141,28 @@ struct Mirror {
 impl Mirror {
     /// Slots per arena: within the storage binding and buffer limits, and within 2 GiB so
     /// every word and scale offset inside an arena fits the kernels' u32 parameters (and
-    /// within [`Gpu::limit_arenas`]).
-    fn slots_per_arena(gpu: &Gpu, stride: usize) -> usize {
+    /// within [`Gpu::limit_arenas`]); rounded down to whole layers of `layer_records`
+    /// where an arena holds one (a pool of every record keeps a layer's records together,
+    /// and then each layer's routed experts take one dispatch per projection, not two
+    /// where a layer would straddle arenas).
+    fn slots_per_arena(gpu: &Gpu, stride: usize, layer_records: usize) -> usize {
         let mut max = (gpu.limits.max_storage_buffer_binding_size as u64)
             .min(gpu.limits.max_buffer_size)
             .min(1 << 31);
         if gpu.arena_limit() > 0 {
             max = max.min(gpu.arena_limit());
         }
-        ((max / stride as u64) as usize).max(1)
+        let n = ((max / stride as u64) as usize).max(1);
+        if layer_records > 0 && n >= layer_records {
+            n - n % layer_records
+        } else {
+            n
+        }
     }
 
     /// Device placement: zeroed device-local arenas, filled as records are used.
-    fn device(gpu: &Gpu, pool: u64, slots: usize, stride: usize) -> Mirror {
-        let per_arena = Self::slots_per_arena(gpu, stride).min(slots.max(1));
+    fn device(gpu: &Gpu, pool: u64, slots: usize, stride: usize, layer_records: usize) -> Mirror {
+        let per_arena = Self::slots_per_arena(gpu, stride, layer_records).min(slots.max(1));
         Mirror {
             pool,
             stride,
@@ -259,11 +267,12 @@ impl GpuBackend {
         let (stride, slots) = (pool.stride(), pool.slots());
         // Arenas over host memory start on host pages: a whole number of pages per arena.
         let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
-        let per_arena = Mirror::slots_per_arena(&self.gpu, stride).min(slots.max(1));
+        let layer_records = pool.layer_records();
+        let per_arena = Mirror::slots_per_arena(&self.gpu, stride, layer_records).min(slots.max(1));
         let host_arena = (per_arena / unit * unit).max(unit);
         let mirror = match placement {
             Placement::Device => {
-                let mut mirror = Mirror::device(&self.gpu, pool.id(), slots, stride);
+                let mut mirror = Mirror::device(&self.gpu, pool.id(), slots, stride, layer_records);
                 if self.gpu.host_copies() {
                     match self.import_pool(pool, host_arena) {
                         Ok(host) => mirror.host = Some(Box::new(host)),

@@ -631,7 +631,13 @@ pub(super) fn mirror_places(b: &GpuBackend, records: &[ExpertRecord<'_>]) -> Opt
             let _ = b.gpu.sync();
         }
         tracing::debug!(slots = tag.slots, "device mirror of the slot pool");
-        let old = guard.replace(Mirror::device(&b.gpu, tag.pool, tag.slots, tag.stride));
+        let old = guard.replace(Mirror::device(
+            &b.gpu,
+            tag.pool,
+            tag.slots,
+            tag.stride,
+            tag.layer_records,
+        ));
         // Cached bind groups would keep the old arenas alive; they go before the old
         // mirror, whose pool may own the host memory its arenas import.
         b.gpu.forget_bind_groups();
@@ -692,7 +698,7 @@ fn place_records(
     // Records without a slot: each distinct record uploaded once, into as many
     // temporary arenas as the binding limit requires.
     let stride = layout.record_bytes.next_multiple_of(16);
-    let per_arena = Mirror::slots_per_arena(&b.gpu, stride);
+    let per_arena = Mirror::slots_per_arena(&b.gpu, stride, 0);
     let mut distinct: Vec<*const u8> = Vec::new();
     let mut index_of = Vec::with_capacity(records.len());
     for r in records {
