@@ -176,6 +176,7 @@ fn bench(c: &mut Criterion) {
                 generation: 1,
                 slots: e,
                 stride: at.next_multiple_of(4096),
+                layer_records: e,
             }),
         })
         .collect();
