@@ -1,9 +1,7 @@
 // Router softmax and top-k (see src/backend/gpu/router.rs).
 //
-// One workgroup of 256 invocations per token (the grid may be 2-D, device::grid), of
-// which one subgroup does the work where there are subgroup operations (every
-// reduction then a butterfly of shuffles, without barriers), else all 256:
-// max and sum of exp(logit - max) reduced over them (reduce.wgsl), probabilities
+// One workgroup of 256 invocations per token (the grid may be 2-D, device::grid):
+// max and sum of exp(logit - max) reduced over the workgroup (reduce.wgsl), probabilities
 // p_e = exp(l_e - max) / sum, then `k` rounds of an argmax over the experts that come
 // after the previous pick in the order (p descending, id ascending): the same order as
 // the CPU's sort, ties keeping the lower id first. The first CACHED probabilities are kept
@@ -52,27 +50,22 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     let l = lid.x;
     let base = token * p.experts;
-    // With subgroup operations, one subgroup does it all, reducing by shuffles alone:
-    // no barrier in any of the k rounds. The other invocations take no experts and
-    // reduce among themselves, uselessly but uniformly. Without, all 256 take part.
-    let width = select(WG, SUBGROUP_LANES, SUBGROUP_LANES > 1u);
-    let first = select(l, p.experts, l >= width);
 
     // Row max (-FLT_MAX is the identity for finite logits; WGSL has no -inf literal).
     var m = -3.40282347e38;
-    for (var e = first; e < p.experts; e += width) {
+    for (var e = l; e < p.experts; e += WG) {
         m = max(m, logits[base + e]);
     }
-    let row_max = segment_reduce(REDUCE_MAX, l, width, Reduced(m, 0u)).v;
+    let row_max = segment_reduce(REDUCE_MAX, l, WG, Reduced(m, 0u)).v;
 
     // Sum of exponentials.
     var s = 0.0;
-    for (var e = first; e < p.experts; e += width) {
+    for (var e = l; e < p.experts; e += WG) {
         s += exp(logits[base + e] - row_max);
     }
-    let sum = segment_sum(l, width, s);
+    let sum = segment_sum(l, WG, s);
     // Each invocation reads back only the experts it wrote: no barrier needed.
-    for (var e = first; e < min(p.experts, CACHED); e += width) {
+    for (var e = l; e < min(p.experts, CACHED); e += WG) {
         probs[e] = exp(logits[base + e] - row_max) / sum;
     }
 
@@ -82,7 +75,7 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     for (var r = 0u; r < p.k; r++) {
         var best_p = -1.0;
         var best_id = REDUCE_NONE;
-        for (var e = first; e < p.experts; e += width) {
+        for (var e = l; e < p.experts; e += WG) {
             var pe = 0.0;
             if (e < CACHED) {
                 pe = probs[e];
@@ -95,7 +88,7 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
                 best_id = e;
             }
         }
-        let pick = segment_reduce(REDUCE_BEST, l, width, Reduced(best_p, best_id));
+        let pick = segment_reduce(REDUCE_BEST, l, WG, Reduced(best_p, best_id));
         prev_p = pick.v;
         prev_id = pick.id;
         if (l == 0u) {
