@@ -34,7 +34,8 @@ use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE}
 
 /// Projections of one input, stacked into one weight at load when they are quantized
 /// alike ([`LinearWeight::stack_losslessly`]), so that a step runs one matmul whose output
-/// the backend splits ([`Backend::matmul_parts`]); otherwise kept apart as stored.
+/// the backend splits ([`Backend::matmul_parts`]); otherwise (dense, or quantized
+/// differently) kept apart as stored.
 struct Projections<B: Backend, const N: usize> {
     /// The stacked weight, or one weight per projection.
     weights: Vec<B::Weight>,
@@ -51,7 +52,9 @@ impl<B: Backend, const N: usize> Projections<B, N> {
     ) -> Result<Self> {
         let widths = parts.each_ref().map(|(_, w)| w.shape().0);
         let refs: Vec<&LinearWeight> = parts.iter().map(|(_, w)| w).collect();
-        let weights = if N > 1 && LinearWeight::stack_losslessly(&refs) {
+        // Dense parts stay apart: only quantized weights have the one-dispatch path.
+        let quantized = refs.iter().all(|w| matches!(w, LinearWeight::Quantized(_)));
+        let weights = if N > 1 && quantized && LinearWeight::stack_losslessly(&refs) {
             let name = parts[0].0.clone();
             let stacked = LinearWeight::stack_rows(&name, parts.map(|(_, w)| w).into())?;
             vec![upload(&name, stacked)?]
@@ -62,6 +65,15 @@ impl<B: Backend, const N: usize> Projections<B, N> {
                 .collect::<Result<_>>()?
         };
         Ok(Projections { weights, widths })
+    }
+
+    /// The first projection of `x` alone (with the others, which cost nothing more, when
+    /// they are stacked).
+    fn first(&self, backend: &B, x: &B::Tensor) -> B::Tensor {
+        match self.weights.as_slice() {
+            [w] if N > 1 => backend.matmul_parts(x, w, &self.widths).swap_remove(0),
+            ws => backend.matmul(x, &ws[0]),
+        }
     }
 
     /// Each projection of `x`, in order.
@@ -1266,7 +1278,7 @@ impl<B: Backend> Model<B> {
         }
         let cfg = &self.config;
         let (x, _) = self.block_input(backend, residual, Block::Mlp, h);
-        let [logits, _] = w.gates.apply(backend, &x);
+        let logits = w.gates.first(backend, &x);
         let guess = backend.router_top_k(&logits, cfg.num_experts_per_tok, false)?;
         experts.prefetch(target, &guess.distinct());
         Ok(())

@@ -661,9 +661,10 @@ impl SlotPool {
         let mut victim = None;
         if n >= self.index.records() {
             // A pool of every record: each record gets a slot of its own, in layer order,
-            // so that a layer's records lie together (in one or two GPU arenas, which
-            // whole-layer routing on the device dispatches over), whatever order they
-            // were first asked for in.
+            // so that a layer's records lie together (in one GPU arena where an arena
+            // holds a layer, see SlotTag::layer_records; whole-layer routing on the
+            // device dispatches once per arena), whatever order they were first asked for
+            // in.
             victim = self
                 .index
                 .moe_position(key.0 as usize)

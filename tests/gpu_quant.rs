@@ -141,14 +141,16 @@ fn quantized_matmul_matches_cpu() {
 /// a dense weight), at decode and prefill widths.
 #[test]
 fn matmul_parts_match_cpu_columns() {
-    let g = common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
     let spec = QuantSpec {
         bits: 4,
         group_size: 64,
     };
-    for parts in 2..=5 {
+    for (g, parts) in common::gpus()
+        .iter()
+        .flat_map(|g| (2..=5).map(move |parts| (g, parts)))
+    {
         for t in [1, 7] {
             let widths: Vec<usize> = (0..parts).map(|_| rng.random_range(1..300)).collect();
             let rows = widths.iter().sum();
@@ -178,7 +180,10 @@ fn matmul_parts_match_cpu_columns() {
                 let mut first = 0;
                 for (i, (got, want)) in got.iter().zip(&want).enumerate() {
                     let n = widths[i];
-                    let name = format!("part {i} of {widths:?}, T={t}");
+                    let name = format!(
+                        "part {i} of {widths:?}, T={t}, subgroup lanes {}",
+                        g.gpu.subgroup_lanes
+                    );
                     let cols_of = |v: &[f32]| -> Vec<f32> {
                         (0..t)
                             .flat_map(|r| v[r * rows + first..r * rows + first + n].to_vec())

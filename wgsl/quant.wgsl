@@ -164,8 +164,9 @@ fn sigmoid(v: f32) -> f32 {
 // a time (32 columns at 4 bits, 16 at 8, within one quantization group since groups are
 // multiples of that) and their activations as vec4s, unrolled. These views alias bindings
 // 1 and 2; WGSL allows it because no entry point uses both a view and its scalar twin.
-// Callers guarantee 4 or 8 bits, cols and group_size multiples of 128 / bits (the loader
-// takes groups of 32, 64 or 128), and 16-byte aligned record bases and w_off.
+// Callers guarantee 4 or 8 bits, cols and group_size multiples of 128 / bits, group_size a
+// power of two (the loader takes groups of 32, 64 or 128), and 16-byte aligned record
+// bases and w_off.
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
@@ -194,10 +195,12 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, la
     let sbase = base * elems_per_word() + offs.y + row * groups;
     let bbase = base * elems_per_word() + offs.z + row * groups;
     let x0 = t * p.cols / 4u;
+    // Groups are a power of two wide: a shift, not a division, in the loop.
+    let group_shift = countTrailingZeros(gs);
     var acc = 0.0;
     for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
         let q = w4[v0 + vi];
-        let g = vi * span / gs;
+        let g = (vi * span) >> group_shift;
         let xb = x0 + vi * (span / 4u);
         var qx = 0.0;
         var sx = 0.0;

@@ -4,12 +4,12 @@
 // through shared memory, combined in a tree until what is left fits one more butterfly.
 // SUBGROUP_LANES and lane_xor_* come from the prelude the device puts before this file
 // (device.rs, kernel_source); with SUBGROUP_LANES = 1 every step is the shared-memory
-// tree. A segment of at most SUBGROUP_LANES invocations needs no barrier at all, which is
-// what a matmul row's 16 or 32 lanes get on most GPUs.
+// tree. A segment of at most SUBGROUP_LANES invocations needs no barrier at all (a
+// matmul row's 16 or 32 lanes on a GPU whose subgroups are 32 wide, as NVIDIA's).
 //
-// Blocks of consecutive local invocation indices sharing a subgroup is what every Vulkan,
-// Metal and D3D12 driver does for a 1-D workgroup whose size is a multiple of the
-// subgroup size; the kernel tests check the results on each adapter they run on.
+// That aligned blocks of SUBGROUP_LANES consecutive invocations share a subgroup, each
+// invocation at lane li % size, is checked when the device opens (subgroup_probe.wgsl);
+// where it does not hold, SUBGROUP_LANES is 1.
 
 const REDUCE_SUM: u32 = 0u;
 const REDUCE_MAX: u32 = 1u;

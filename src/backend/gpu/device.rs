@@ -87,6 +87,10 @@ pub const SHADERS: &[(&str, &str)] = &[
     ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
 ];
 
+/// The check of the reductions' assumptions about subgroups, run when the device opens
+/// with subgroup operations (see [`Gpu::open`]); compiled like the kernels.
+pub const SUBGROUP_PROBE: &str = include_str!("../../../wgsl/subgroup_probe.wgsl");
+
 /// Reductions over a workgroup's invocations, put before every kernel (see
 /// [`kernel_source`]).
 pub const REDUCE: &str = include_str!("../../../wgsl/reduce.wgsl");
@@ -229,11 +233,12 @@ pub struct Gpu {
     /// A 4-byte buffer bound where a kernel's binding is unused.
     pub dummy: wgpu::Buffer,
     /// Invocations known to share a subgroup: the adapter's smallest subgroup size where
-    /// subgroup operations are on, else 1 (see [`kernel_source`]).
+    /// subgroup operations are on and laid out as the reductions assume (checked by
+    /// [`SUBGROUP_PROBE`]), else 1 (see [`kernel_source`]).
     pub subgroup_lanes: u32,
     /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
-    /// (`SLOTSTREAM_GPU_CHECKS=all`), else without the loop and division guards that
-    /// these kernels do not need (see [`Gpu::pipeline`]).
+    /// (`SLOTSTREAM_GPU_CHECKS=all` or `1`), else without the loop counters and the
+    /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
     all_checks: bool,
     poison: bool,
     pipelines: Mutex<
@@ -289,10 +294,28 @@ pub(super) fn env_count<T: std::str::FromStr + std::fmt::Display + Copy>(
 ) -> T {
     match std::env::var(name) {
         Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!(value = %v, %default, "{name} is not a non-negative integer; using the default");
+            tracing::warn!(value = %v, %default, "{name} is not a non-negative integer in range; using the default");
             default
         }),
         Err(_) => default,
+    }
+}
+
+/// An on/off environment knob: `1`, `on`, `true` or `yes`, and `0`, `off`, `false` or
+/// `no` (any case), plus the extra words in `on` that also mean on; unset gives
+/// `default`, and any other value warns and gives `default`.
+pub(super) fn env_switch(name: &str, on: &[&str], default: bool) -> bool {
+    let Ok(v) = std::env::var(name) else {
+        return default;
+    };
+    let v = v.trim().to_ascii_lowercase();
+    if ["1", "on", "true", "yes"].contains(&v.as_str()) || on.contains(&v.as_str()) {
+        true
+    } else if ["0", "off", "false", "no"].contains(&v.as_str()) {
+        false
+    } else {
+        tracing::warn!(value = %v, %default, "{name} is neither on (1) nor off (0); using the default");
+        default
     }
 }
 
@@ -546,7 +569,7 @@ impl Gpu {
             .map_err(|e| Error::Gpu(format!("no GPU adapter found ({e}); install a Vulkan or Metal driver (on Linux without a GPU: Mesa's lavapipe, package mesa-vulkan-drivers)")))?,
         };
         let limits = adapter.limits();
-        let profile = std::env::var("SLOTSTREAM_GPU_PROFILE").is_ok_and(|v| v != "0");
+        let profile = env_switch("SLOTSTREAM_GPU_PROFILE", &[], false);
         let profile = profile && {
             let ok = adapter.features().contains(Profiler::features());
             if !ok {
@@ -558,7 +581,7 @@ impl Gpu {
         };
         let info = adapter.get_info();
         let subgroups = !options.no_subgroups
-            && std::env::var("SLOTSTREAM_GPU_SUBGROUPS").map_or(true, |v| v != "0")
+            && env_switch("SLOTSTREAM_GPU_SUBGROUPS", &[], true)
             && adapter.features().contains(wgpu::Features::SUBGROUP)
             && info.subgroup_min_size.is_power_of_two()
             && info.subgroup_min_size <= 256;
@@ -617,9 +640,10 @@ impl Gpu {
             SPIN_US
         };
         let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, profile, "GPU opened");
+        let all_checks = env_switch("SLOTSTREAM_GPU_CHECKS", &["all"], false);
+        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, all_checks, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
-        Ok(Gpu {
+        let mut gpu = Gpu {
             device,
             queue,
             adapter: summary,
@@ -627,7 +651,7 @@ impl Gpu {
             host_import,
             dummy,
             subgroup_lanes,
-            all_checks: std::env::var("SLOTSTREAM_GPU_CHECKS").is_ok_and(|v| v == "all"),
+            all_checks,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),
             recording: Mutex::new(Recording {
@@ -645,9 +669,32 @@ impl Gpu {
             arena_bytes: AtomicU64::new(0),
             spin: std::time::Duration::from_micros(spin_us),
             host_copies: std::sync::atomic::AtomicBool::new(
-                host_import && std::env::var("SLOTSTREAM_GPU_HOST_COPY").map_or(true, |v| v != "0"),
+                host_import && env_switch("SLOTSTREAM_GPU_HOST_COPY", &[], true),
             ),
-        })
+        };
+        if gpu.subgroup_lanes > 1 && !gpu.subgroups_as_assumed()? {
+            tracing::warn!(
+                "subgroups are not laid out as the reductions assume; reducing in shared memory"
+            );
+            gpu.subgroup_lanes = 1;
+        }
+        Ok(gpu)
+    }
+
+    /// Runs [`SUBGROUP_PROBE`]: whether every invocation of a workgroup finds its
+    /// subgroup as the reductions assume. Errors: the read-back failed.
+    fn subgroups_as_assumed(&self) -> Result<bool> {
+        const PROBE: Kernel = Kernel {
+            file: "subgroup_probe.wgsl",
+            source: SUBGROUP_PROBE,
+            entry: "subgroup_probe",
+            bindings: &[Access::ReadWrite],
+        };
+        let out = self.zeroed(256 * 4);
+        self.dispatch(&PROBE, &[0], &[&out], [1, 1, 1]);
+        let bytes = self.read(&out, 0, 256 * 4)?;
+        let lanes: &[u32] = bytemuck::cast_slice(&bytes);
+        Ok(lanes.iter().all(|&ok| ok == 1))
     }
 
     /// Whether pools attached with device placement from now on have their slots copied
@@ -764,19 +811,17 @@ impl Gpu {
                 let module = if self.all_checks {
                     self.device.create_shader_module(desc)
                 } else {
-                    // SAFETY: wgpu's bounds checks stay on. What is turned off is naga's
-                    // counter in every loop and its guard on every integer division: every
-                    // loop of these kernels runs over a range bounded by its parameters
-                    // and steps by at least 1 (or halves a power of two), and they divide
-                    // unsigned values only, by parameters the host sets nonzero (a zero
-                    // divisor gives an undefined value in SPIR-V and MSL, not undefined
-                    // behaviour).
+                    // SAFETY: wgpu's bounds checks, division guards and the rest stay on;
+                    // what is turned off is naga's counter in every loop, which only stops
+                    // a loop that would not end. Every loop of these kernels runs over a
+                    // range bounded by its parameters and steps by a nonzero constant, by
+                    // a lane count of at least 1 (16 or more in quant.wgsl), or halves or
+                    // doubles a power of two towards a bound.
                     unsafe {
                         self.device.create_shader_module_trusted(
                             desc,
                             wgpu::ShaderRuntimeChecks {
                                 force_loop_bounding: false,
-                                int_div_checks: false,
                                 ..wgpu::ShaderRuntimeChecks::checked()
                             },
                         )

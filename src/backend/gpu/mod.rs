@@ -269,7 +269,13 @@ impl GpuBackend {
         let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
         let layer_records = pool.layer_records();
         let per_arena = Mirror::slots_per_arena(&self.gpu, stride, layer_records).min(slots.max(1));
-        let host_arena = (per_arena / unit * unit).max(unit);
+        // Whole layers too where an arena holds one (see Mirror::slots_per_arena).
+        let whole = unit / gcd(unit, layer_records.max(1)) * layer_records.max(1);
+        let host_arena = if per_arena >= whole {
+            per_arena / whole * whole
+        } else {
+            (per_arena / unit * unit).max(unit)
+        };
         let mirror = match placement {
             Placement::Device => {
                 let mut mirror = Mirror::device(&self.gpu, pool.id(), slots, stride, layer_records);

@@ -122,14 +122,16 @@ struct Params {
 
 impl Params {
     /// Checks what the kernels' 16-byte loads need: 4 or 8 bits, whole 16-byte runs of
-    /// packed words within a group (128 / bits columns), packed words 16-byte aligned. The
-    /// loader guarantees it (4 or 8 bits, groups of 32, 64 or 128 dividing the input size;
-    /// record pieces on 16-byte boundaries), so a failure is a bug, not bad input.
+    /// packed words within a group (128 / bits columns) whose width is a power of two,
+    /// packed words 16-byte aligned. The loader guarantees it (4 or 8 bits, groups of 32,
+    /// 64 or 128 dividing the input size; record pieces on 16-byte boundaries), so a
+    /// failure is a bug, not bad input.
     fn check_vec4(&self) {
         let span = 128 / self.bits.max(1);
         assert!(
             matches!(self.bits, 4 | 8)
                 && self.cols % span == 0
+                && self.group_size.is_power_of_two()
                 && self.group_size % span == 0
                 && self.w_off % 4 == 0,
             "quantized matmul: {} bits, {} columns, groups of {}, words at {}",
