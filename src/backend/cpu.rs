@@ -248,27 +248,6 @@ impl Backend for CpuBackend {
         CpuTensor::new(x.rows, out, matmul_rows(&x.data, x.rows, &rows, true))
     }
 
-    fn matmul_parts(&self, x: &CpuTensor, w: &LinearWeight, widths: &[usize]) -> Vec<CpuTensor> {
-        let y = self.matmul(x, w);
-        assert_eq!(
-            widths.iter().sum::<usize>(),
-            y.cols,
-            "matmul_parts: part widths"
-        );
-        let mut first = 0;
-        widths
-            .iter()
-            .map(|&n| {
-                let data = (0..y.rows)
-                    .flat_map(|r| &y.row(r)[first..first + n])
-                    .copied()
-                    .collect();
-                first += n;
-                CpuTensor::new(y.rows, n, data)
-            })
-            .collect()
-    }
-
     fn gather_columns(&self, x: &CpuTensor, idx: &Vec<u32>) -> CpuTensor {
         let mut data = Vec::with_capacity(x.rows * idx.len());
         for r in 0..x.rows {

@@ -308,12 +308,15 @@ pub trait Backend: Send + Sync {
     /// W's rows): the outputs of projections of one input stacked into one weight at
     /// load, computed in one pass. `[T, in] x [out, in] -> [T, widths[i]]` each; every
     /// value is what [`Backend::matmul`] gives for that column.
+    /// The default is [`matmul_parts_by_gather`].
     fn matmul_parts(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         widths: &[usize],
-    ) -> Vec<Self::Tensor>;
+    ) -> Vec<Self::Tensor> {
+        matmul_parts_by_gather(self, x, w, widths)
+    }
     /// `out[:, j] = x[:, idx[j]]`.
     fn gather_columns(&self, x: &Self::Tensor, idx: &Self::Index) -> Self::Tensor;
     /// RMSNorm over consecutive groups of `group` columns:
@@ -531,6 +534,32 @@ pub fn check_routed_ids(ids: Option<&[u32]>, routes: usize, experts: usize) -> R
         }
         _ => Ok(()),
     }
+}
+
+/// [`Backend::matmul_parts`] as one [`Backend::matmul`] and a [`Backend::gather_columns`]
+/// per part: the trait's default, and a backend's path for weights its one-pass kernel
+/// does not take.
+pub fn matmul_parts_by_gather<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    w: &B::Weight,
+    widths: &[usize],
+) -> Vec<B::Tensor> {
+    let y = b.matmul(x, w);
+    assert_eq!(
+        widths.iter().sum::<usize>(),
+        b.shape(&y).1,
+        "matmul_parts: part widths"
+    );
+    let mut first = 0;
+    widths
+        .iter()
+        .map(|&n| {
+            let idx: Vec<u32> = (first..first + n as u32).collect();
+            first += n as u32;
+            b.gather_columns(&y, &b.upload_index(&idx))
+        })
+        .collect()
 }
 
 /// A MoE block's shared expert, which the pass that sums the routed experts adds in:

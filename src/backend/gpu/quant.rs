@@ -12,7 +12,7 @@ use safetensors::Dtype;
 
 use super::device::{grid, Access, Bind, Kernel};
 use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
-use crate::backend::{Backend, Routing, SharedExpert};
+use crate::backend::{Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
 use crate::experts::ExpertRecord;
@@ -529,16 +529,7 @@ pub(super) fn matmul_parts(
     );
     assert!(widths.iter().all(|&n| n > 0), "matmul_parts: an empty part");
     let Some((whole, data)) = Params::resident(w).filter(|_| widths.len() <= MAX_PARTS) else {
-        let y = matmul(b, x, w);
-        let mut first = 0;
-        return widths
-            .iter()
-            .map(|&n| {
-                let idx: Vec<u32> = (first as u32..(first + n) as u32).collect();
-                first += n;
-                super::elementwise::gather_columns(b, &y, &b.upload_index(&idx))
-            })
-            .collect();
+        return crate::backend::matmul_parts_by_gather(b, x, w, widths);
     };
     let outs: Vec<GpuTensor> = widths.iter().map(|&n| b.empty(x.rows, n)).collect();
     let mut part_ends = [rows as u32; 3];
