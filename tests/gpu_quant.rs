@@ -80,6 +80,25 @@ fn shared_ref<T>(s: &Option<(T, T)>) -> Option<SharedExpert<'_, T>> {
     s.as_ref().map(|(y, gate)| SharedExpert { y, gate })
 }
 
+/// Asserts `got` has no NaN or untouched element and is within 1e-5 of `want` relative to
+/// `bound`, `||got - want|| / ||bound||`, with `bound` the elementwise scale of the
+/// rounding error that `of` names (`|W||x|` for a matmul, see [`abs_product`]): a
+/// normwise bound that holds under cancellation. An exact match passes whatever the
+/// bound: a SwiGLU whose outputs all sit at SiLU's flat end has a zero one.
+fn check_within(name: &str, got: &[f32], want: &[f32], bound: &[f32], of: &str) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{name}: NaN or untouched output"
+    );
+    let diff: Vec<f32> = got.iter().zip(want).map(|(a, b)| a - b).collect();
+    let e = match norm(&diff) {
+        0.0 => 0.0,
+        d => d / norm(bound),
+    };
+    assert!(e <= 1e-5, "{name}: error {e:.3e} of {of} > 1e-5");
+}
+
 fn norm(v: &[f32]) -> f64 {
     v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt()
 }
@@ -124,14 +143,7 @@ fn quantized_matmul_matches_cpu() {
                 "{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}, subgroup lanes {}",
                 g.gpu.subgroup_lanes
             );
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "{name}: NaN or untouched output"
-            );
-            // ||gpu - cpu|| / || |W||x| ||: a normwise bound that holds under cancellation.
-            let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
-            let e = norm(&diff) / norm(&scale);
-            assert!(e <= 1e-5, "{name}: error {e:.3e} of |W||x| > 1e-5");
+            check_within(&name, &got, &want, &scale, "|W||x|");
         }
     }
 }
@@ -192,13 +204,7 @@ fn matmul_parts_match_cpu_columns() {
                     // The CPU's parts are the whole matmul's columns, exactly.
                     assert_eq!(want.data, cols_of(&whole), "{name}: CPU");
                     let got = g.download(got).unwrap();
-                    assert!(
-                        got.iter().all(|v| v.is_finite()),
-                        "{name}: NaN or untouched output"
-                    );
-                    let diff: Vec<f32> = got.iter().zip(&want.data).map(|(a, b)| a - b).collect();
-                    let e = norm(&diff) / norm(&cols_of(&scale));
-                    assert!(e <= 1e-5, "{name}: error {e:.3e} of |W||x| > 1e-5");
+                    check_within(&name, &got, &want.data, &cols_of(&scale), "|W||x|");
                     first += n;
                 }
             }
@@ -246,13 +252,7 @@ fn dense_matmul_and_embedding_match_cpu() {
     let got_wide = g
         .download(&g.matmul(&g.upload(&xw, 1, 1024), &g.upload_weight(wide).unwrap()))
         .unwrap();
-    let diff: Vec<f32> = got_wide
-        .iter()
-        .zip(&want_wide)
-        .map(|(a, b)| a - b)
-        .collect();
-    let e = norm(&diff) / norm(&scale);
-    assert!(e <= 1e-5, "dense 2x1024: error {e:.3e} of |W||x| > 1e-5");
+    check_within("dense 2x1024", &got_wide, &want_wide, &scale, "|W||x|");
     let ids = [0u32, 299, 17, 17, 150];
     let want = cpu.download(&cpu.embed(&dense, &ids).unwrap()).unwrap();
     let got = g
@@ -440,20 +440,7 @@ fn matmul_swiglu_matches_cpu() {
                     "{what} {bits}-bit g{group} {dtype:?} {inter}x{cols} T={t}, subgroup lanes {}",
                     g.gpu.subgroup_lanes
                 );
-                assert!(
-                    got.iter().all(|v| v.is_finite()),
-                    "{name}: NaN or untouched output"
-                );
-                let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
-                // Outputs all at SiLU's flat end give a zero bound, and then no difference.
-                let e = match norm(&diff) {
-                    0.0 => 0.0,
-                    d => d / norm(&bound),
-                };
-                assert!(
-                    e <= 1e-5,
-                    "{name}: error {e:.3e} of the rounding bound > 1e-5"
-                );
+                check_within(&name, &got, &want, &bound, "the rounding bound");
             }
         }
     }
@@ -605,13 +592,13 @@ fn weights_past_the_binding_limit_are_split_into_row_ranges() {
                 .unwrap();
             let got = g.download(&g.matmul(&g.upload(&x, t, cols), &gw)).unwrap();
             let scale = abs_product(&cpu, &w, &x, t);
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "{what}: untouched output"
+            check_within(
+                &format!("{what} matmul T={t}"),
+                &got,
+                &want,
+                &scale,
+                "|W||x|",
             );
-            let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| a - b).collect();
-            let e = norm(&diff) / norm(&scale);
-            assert!(e <= 1e-5, "{what} matmul T={t}: error {e:.3e} of |W||x|");
             // The stacked-SwiGLU path over the same rows: a matmul, then SwiGLU over halves.
             let want = cpu
                 .download(&cpu.matmul_swiglu(&cpu.upload(&x, t, cols), &w))
