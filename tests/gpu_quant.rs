@@ -121,7 +121,9 @@ fn quantized_matmul_matches_cpu() {
             group_size: group,
         };
         // Lanes per row follow the dispatch's size (16 to 256): the few-row, wide shapes
-        // take 128 and 256 (a workgroup of one or two rows).
+        // take 128 and 256 (a workgroup of one or two rows). From 16 tokens the product
+        // runs in tiles where the adapter has them: partial tiles of tokens, rows and
+        // columns (384 is not a multiple of the 64-column step).
         for (rows, cols, t) in [
             (1, 128, 1),
             (7, 256, 3),
@@ -130,6 +132,9 @@ fn quantized_matmul_matches_cpu() {
             (64, 384, 17),
             (1, 8192, 1),
             (3, 4096, 1),
+            (200, 512, 70),
+            (130, 2048, 33),
+            (5, 128, 16),
         ] {
             let w = random_quantized(rows, cols, spec, dtype);
             let x = random(t * cols);
@@ -163,7 +168,7 @@ fn matmul_parts_match_cpu_columns() {
         .iter()
         .flat_map(|g| (2..=5).map(move |parts| (g, parts)))
     {
-        for t in [1, 7] {
+        for t in [1, 7, 40] {
             let widths: Vec<usize> = (0..parts).map(|_| rng.random_range(1..300)).collect();
             let rows = widths.iter().sum();
             let cols = 512;
@@ -233,6 +238,20 @@ fn dense_matmul_and_embedding_match_cpu() {
         ))
         .unwrap();
     check("dense", &got, &want, 1e-5);
+    // Many tokens: in tiles where the adapter has them.
+    let t = 37;
+    let x = random(t * cols);
+    let scale = abs_product(&cpu, &dense, &x, t);
+    let want = cpu
+        .download(&cpu.matmul(&cpu.upload(&x, t, cols), &dense))
+        .unwrap();
+    let got = g
+        .download(&g.matmul(
+            &g.upload(&x, t, cols),
+            &g.upload_weight(dense.clone()).unwrap(),
+        ))
+        .unwrap();
+    check_within("dense T=37", &got, &want, &scale, "|W||x|");
     // Two wide rows: 256 lanes per row. Two outputs can both cancel to near zero, so the
     // error is measured against |W||x|.
     let wdata = random(2 * 1024);
@@ -305,7 +324,8 @@ fn routed_experts_match_cpu() {
             l.model.config.num_experts as u32,
             l.model.config.num_experts_per_tok,
         );
-        for t in [1usize, 6] {
+        // From 16 tokens the routes run in tiles of each expert's routes.
+        for t in [1usize, 6, 40] {
             let mut ids = Vec::new();
             let mut weights = Vec::new();
             for _ in 0..t {
@@ -400,7 +420,7 @@ fn matmul_swiglu_matches_cpu() {
             bits: 12 - bits,
             group_size: 64,
         };
-        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5), (8, 4096, 1)] {
+        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5), (8, 4096, 1), (77, 256, 45)] {
             let gate = random_quantized(inter, cols, spec, dtype);
             for (what, up) in [
                 ("alike", random_quantized(inter, cols, spec, dtype)),
@@ -513,7 +533,8 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
                 bytes
             })
             .collect();
-        for t in [1usize, 3] {
+        // From 16 tokens the tiled path, which falls back for gate and up quantized apart.
+        for t in [1usize, 3, 20] {
             let k = 2;
             let ids: Vec<u32> = (0..t * k).map(|_| rng.random_range(0..3)).collect();
             let routing = Routing {
@@ -585,7 +606,7 @@ fn weights_past_the_binding_limit_are_split_into_row_ranges() {
             panic!("{what}: a {rows}x{cols} weight past {limit} bytes is not split");
         };
         assert!(parts.len() >= 2, "{what}: {} parts", parts.len());
-        for t in [1usize, 3] {
+        for t in [1usize, 3, 24] {
             let x = random(t * cols);
             let want = cpu
                 .download(&cpu.matmul(&cpu.upload(&x, t, cols), &w))

@@ -11,8 +11,9 @@
 // block of 8 state rows). The 32 lanes of a row split its Dk columns (lane, lane + 32, ...;
 // up to 8 each, so Dk <= 256) and keep them in registers for the whole call; the loop over
 // tokens runs inside the kernel, so prefill and decode share it. Per token, the lanes'
-// partial dot(S_i, k) and the squared norms of q and k are reduced through workgroup
-// memory, then dot(S_i, q): two barriers per token. q and k are normalized on the fly
+// partial dot(S_i, k) and the squared norms of q and k are summed over the row's lanes
+// (reduce.wgsl: subgroup shuffles, no barrier where 32 lanes share a subgroup), then
+// dot(S_i, q); the next token's inputs are loaded before this token's sums. q and k are normalized on the fly
 // (x * rsqrt(mean(x^2) + eps) * scale, as the CPU backend's rms_norm), and (g, beta) are
 // computed by every workgroup for its own head, so the conv output and the [b | a]
 // projection feed the kernel as they are.
@@ -83,14 +84,10 @@ fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-var<workgroup> red_sk: array<f32, 256>;
-var<workgroup> red_kk: array<f32, 256>;
-var<workgroup> red_qq: array<f32, 256>;
-var<workgroup> red_y: array<f32, 256>;
-
 @compute @workgroup_size(32, 8)
 fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_id) lid: vec3<u32>) {
+               @builtin(local_invocation_id) lid: vec3<u32>,
+               @builtin(local_invocation_index) li: u32) {
     let wg = wid.x + wid.y * nwg.x;
     // Uniform across the workgroup, so returning before the barriers is allowed.
     if (wg >= p.value_heads * p.row_blocks) {
@@ -104,7 +101,6 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let qk_cols = p.key_heads * p.dk;
     let width = 2u * qk_cols + p.value_heads * p.dv;
     let srow = (h * p.dv + i) * p.dk;
-    let slot = lid.y * LANES;
     let decay_rate = exp(a_log[h]);
     let dt = dt_bias[h];
 
@@ -117,73 +113,47 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         }
     }
 
+    // A token's inputs are loaded one token ahead, so their latency hides behind the
+    // previous token's reductions.
+    var next = load_token(0u, h, kh, i, lane, live, width, qk_cols);
     for (var t = 0u; t < p.t_len; t++) {
-        let gi = t * 2u * p.value_heads + h;
-        let g = exp(-decay_rate * softplus(ba[gi + p.value_heads] + dt));
-        let beta = sigmoid(ba[gi]);
-        let qb = t * width + kh * p.dk;
-        let kb = qb + qk_cols;
+        let cur = next;
+        if (t + 1u < p.t_len) {
+            next = load_token(t + 1u, h, kh, i, lane, live, width, qk_cols);
+        }
+        let g = exp(-decay_rate * softplus(cur.a + dt));
+        let beta = sigmoid(cur.b);
 
         // S_i *= g; partial dot(S_i, k_t) on the raw k, and the squared norms of q and k
-        var kt: array<f32, 8>;
-        var qt: array<f32, 8>;
         var part = 0.0;
         var kk = 0.0;
         var qq = 0.0;
         for (var e = 0u; e < MAXE; e++) {
-            let j = lane + e * LANES;
-            kt[e] = 0.0;
-            qt[e] = 0.0;
-            if (j < p.dk) {
-                kt[e] = qkv[kb + j];
-                qt[e] = qkv[qb + j];
-            }
             s[e] = s[e] * g;
-            part += s[e] * kt[e];
-            kk += kt[e] * kt[e];
-            qq += qt[e] * qt[e];
+            part += s[e] * cur.k[e];
+            kk += cur.k[e] * cur.k[e];
+            qq += cur.q[e] * cur.q[e];
         }
-        red_sk[slot + lane] = part;
-        red_kk[slot + lane] = kk;
-        red_qq[slot + lane] = qq;
-        workgroupBarrier();
-        var sk = 0.0;
-        var ksum = 0.0;
-        var qsum = 0.0;
-        for (var l = 0u; l < LANES; l++) {
-            sk += red_sk[slot + l];
-            ksum += red_kk[slot + l];
-            qsum += red_qq[slot + l];
-        }
+        // A row's 32 lanes are one aligned segment (reduce.wgsl): no barrier where they
+        // share a subgroup.
+        let sk = segment_sum(li, LANES, part);
+        let ksum = segment_sum(li, LANES, kk);
+        let qsum = segment_sum(li, LANES, qq);
         // As norm.wgsl (and the CPU backend) compute it: inverseSqrt may be less precise.
         let rk = 1.0 / sqrt(ksum / f32(p.dk) + p.eps) * p.k_scale;
         let rq = 1.0 / sqrt(qsum / f32(p.dk) + p.eps) * p.q_scale;
-
-        var vi = 0.0;
-        if (live) {
-            vi = qkv[t * width + 2u * qk_cols + h * p.dv + i];
-        }
-        let delta = (vi - sk * rk) * beta;
+        let delta = (cur.v - sk * rk) * beta;
 
         // S_i += delta k_t; partial dot(S_i, q_t) on the raw q
         var part_y = 0.0;
         for (var e = 0u; e < MAXE; e++) {
-            s[e] += kt[e] * rk * delta;
-            part_y += s[e] * qt[e];
+            s[e] += cur.k[e] * rk * delta;
+            part_y += s[e] * cur.q[e];
         }
-        red_y[slot + lane] = part_y;
-        // Also orders this token's reads of red_sk, red_kk and red_qq before the next
-        // token's writes.
-        workgroupBarrier();
+        let yi = segment_sum(li, LANES, part_y);
         if (live && lane == 0u) {
-            var yi = 0.0;
-            for (var l = 0u; l < LANES; l++) {
-                yi += red_y[slot + l];
-            }
             y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
-        // The next token's writes of red_y come after its first barrier, which every
-        // invocation reaches only after these reads.
     }
 
     for (var e = 0u; e < MAXE; e++) {
@@ -192,4 +162,37 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
             state[srow + j] = s[e];
         }
     }
+}
+
+// One token's inputs for a lane of state row i of value head h: its columns of k and q
+// (zero past Dk), v[t, h, i] (zero past Dv) and b, a.
+struct Token {
+    k: array<f32, 8>,
+    q: array<f32, 8>,
+    v: f32,
+    b: f32,
+    a: f32,
+}
+
+fn load_token(t: u32, h: u32, kh: u32, i: u32, lane: u32, live: bool, width: u32, qk_cols: u32) -> Token {
+    var tok: Token;
+    let qb = t * width + kh * p.dk;
+    let kb = qb + qk_cols;
+    for (var e = 0u; e < MAXE; e++) {
+        let j = lane + e * LANES;
+        tok.k[e] = 0.0;
+        tok.q[e] = 0.0;
+        if (j < p.dk) {
+            tok.k[e] = qkv[kb + j];
+            tok.q[e] = qkv[qb + j];
+        }
+    }
+    tok.v = 0.0;
+    if (live) {
+        tok.v = qkv[t * width + 2u * qk_cols + h * p.dv + i];
+    }
+    let gi = t * 2u * p.value_heads + h;
+    tok.b = ba[gi];
+    tok.a = ba[gi + p.value_heads];
+    return tok;
 }

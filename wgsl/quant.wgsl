@@ -62,7 +62,8 @@ struct Params {
     part_end_a: u32,
     part_end_b: u32,
     part_end_c: u32,
-    _pad: u32,
+    // gemm entries, routed = 4: tiles in the tile list that leads `aux` (see gemm_tile).
+    tiles: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -370,4 +371,237 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
         acc = acc + bitcast<f32>(w[i]) * sigmoid(bitcast<f32>(table[t]));
     }
     out[i] = acc;
+}
+
+// ---- Tiled matrix products for many tokens (prefill) ----
+//
+// The entries above compute one output row of one token per few lanes, so a chunk of T
+// tokens reads every weight T times. The gemm entries compute a tile of GM tokens (or
+// routes) by GN output rows per workgroup instead: each step dequantizes a GN x GK block of
+// the weight into workgroup memory once, loads the GM x GK block of activations beside
+// it, and every invocation accumulates a 4 x 4 block of outputs from the two (f32 FMA).
+// Tokens come in one of two ways:
+//   routed = 0: the resident weight (base 0); tile y holds tokens y * GM .. (p.tokens of
+//               them in all), each its own input and output row.
+//   routed = 4: routes grouped by expert on the host; `aux` starts with p.tiles tiles of
+//               4 words (record base, first, count, 0), then the route list: tile y
+//               computes routes aux[4 p.tiles + first ..][.. count] of the record at its
+//               base, route r reading input row r / p.k and writing output row r.
+// A tile of fewer than GM tokens computes the rest on zeros and stores nothing for them.
+// Columns past p.cols are zeros too. Quantized weights need what the 16-byte loads above
+// need (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
+// gemm_swiglu's tile is GN / 2 rows of the gate and the same rows of the up projection,
+// quantized alike, interleaved so that each invocation holds both halves of its outputs.
+
+const GM: u32 = 32u;
+const GN: u32 = 64u;
+const GK: u32 = 64u;
+const GEMM_WG: u32 = 128u;
+
+// tile_w[c * GN / 4 + j / 4][j % 4]: tile row j at column k0 + c, dequantized.
+var<workgroup> tile_w: array<vec4<f32>, 1024>;
+// tile_x[c * GM / 4 + i / 4][i % 4]: tile token i at column k0 + c.
+var<workgroup> tile_x: array<vec4<f32>, 512>;
+
+struct GemmTile {
+    base: u32,
+    first: u32,
+    count: u32,
+}
+
+fn gemm_tile(y: u32) -> GemmTile {
+    if (p.routed == 4u) {
+        return GemmTile(aux[4u * y], aux[4u * y + 1u], aux[4u * y + 2u]);
+    }
+    let first = y * GM;
+    return GemmTile(0u, first, min(GM, p.tokens - first));
+}
+
+// (input row, output row) of token i of a tile (i < count).
+fn gemm_rows(t: GemmTile, i: u32) -> vec2<u32> {
+    if (p.routed == 4u) {
+        let r = aux[4u * p.tiles + t.first + i];
+        return vec2<u32>(r / p.k, r);
+    }
+    return vec2<u32>(t.first + i, t.first + i);
+}
+
+// The tile's activations at columns k0 .. k0 + GK.
+fn gemm_load_x(li: u32, t: GemmTile, k0: u32) {
+    // Consecutive invocations take consecutive tokens, so the stores hit distinct banks.
+    for (var i = li; i < GM * GK / 4u; i += GEMM_WG) {
+        let tok = i % GM;
+        let cv = i / GM;
+        var x = vec4<f32>(0.0);
+        let c = k0 + cv * 4u;
+        if (tok < t.count && c < p.cols) {
+            x = act4[(gemm_rows(t, tok).x * p.cols + c) / 4u];
+        }
+        for (var e = 0u; e < 4u; e++) {
+            tile_x[(cv * 4u + e) * (GM / 4u) + tok / 4u][tok % 4u] = x[e];
+        }
+    }
+}
+
+// Tile row j's weight row and which projection it is from (1: the up projection of
+// gemm_swiglu), for a tile whose first output row is row0.
+fn gemm_weight_row(j: u32, row0: u32, swiglu: bool) -> vec2<u32> {
+    if (swiglu) {
+        return vec2<u32>(row0 + (j >> 2u) * 2u + (j & 1u), (j >> 1u) & 1u);
+    }
+    return vec2<u32>(row0 + j, 0u);
+}
+
+// The weight tile at columns k0 .. k0 + GK, dequantized as scale * q + bias.
+fn gemm_load_w(li: u32, base: u32, row0: u32, k0: u32, swiglu: bool) {
+    if (p.bits == 0u) {
+        // Dense f32: a vec4 of four columns of one row.
+        for (var i = li; i < GN * GK / 4u; i += GEMM_WG) {
+            let j = i % GN;
+            let cv = i / GN;
+            let row = row0 + j;
+            let c = k0 + cv * 4u;
+            var v = vec4<f32>(0.0);
+            if (row < p.rows && c < p.cols) {
+                v = bitcast<vec4<f32>>(w4[(row * p.cols + c) / 4u]);
+            }
+            for (var e = 0u; e < 4u; e++) {
+                tile_w[(cv * 4u + e) * (GN / 4u) + j / 4u][j % 4u] = v[e];
+            }
+        }
+        return;
+    }
+    // Columns per 16-byte vector of packed words: within one group (check_vec4).
+    let span = 128u / p.bits;
+    let per_row = GK / span;
+    let vecs_per_row = p.cols / span;
+    let groups = p.cols / p.group_size;
+    let group_shift = countTrailingZeros(p.group_size);
+    let mask = (1u << p.bits) - 1u;
+    let per_word = 32u / p.bits;
+    for (var i = li; i < GN * per_row; i += GEMM_WG) {
+        let j = i % GN;
+        let v = i / GN;
+        let wr = gemm_weight_row(j, row0, swiglu);
+        let c = k0 + v * span;
+        let live = wr.x < p.rows && c < p.cols;
+        var q = vec4<u32>(0u);
+        var scale = 0.0;
+        var bias = 0.0;
+        if (live) {
+            let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
+            q = w4[(base + offs.x) / 4u + wr.x * vecs_per_row + c / span];
+            let g = wr.x * groups + (c >> group_shift);
+            scale = scale4(base * elems_per_word() + offs.y + g);
+            bias = scale4(base * elems_per_word() + offs.z + g);
+        }
+        for (var word = 0u; word < 4u; word++) {
+            for (var e = 0u; e < per_word; e++) {
+                let qv = f32((q[word] >> (e * p.bits)) & mask);
+                let col = v * span + word * per_word + e;
+                tile_w[col * (GN / 4u) + j / 4u][j % 4u] = scale * qv + bias;
+            }
+        }
+    }
+}
+
+// acc[i][r]: token tt * 4 + i of the tile, tile row tr * 4 + r, for invocation
+// li = tt * (GN / 4) + tr. Every invocation of the workgroup must call it.
+fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> array<vec4<f32>, 4> {
+    let tr = li % (GN / 4u);
+    let tt = li / (GN / 4u);
+    var acc: array<vec4<f32>, 4>;
+    for (var k0 = 0u; k0 < p.cols; k0 += GK) {
+        gemm_load_x(li, t, k0);
+        gemm_load_w(li, t.base, row0, k0, swiglu);
+        workgroupBarrier();
+        for (var c = 0u; c < GK; c++) {
+            let x = tile_x[c * (GM / 4u) + tt];
+            let w = tile_w[c * (GN / 4u) + tr];
+            acc[0] += x.x * w;
+            acc[1] += x.y * w;
+            acc[2] += x.z * w;
+            acc[3] += x.w * w;
+        }
+        // The next step's loads overwrite the tiles.
+        workgroupBarrier();
+    }
+    return acc;
+}
+
+@compute @workgroup_size(128)
+fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    let row0 = wid.x * GN;
+    let acc = gemm_accumulate(li, t, row0, false);
+    let tt = li / (GN / 4u);
+    let r0 = row0 + (li % (GN / 4u)) * 4u;
+    for (var i = 0u; i < 4u; i++) {
+        let tok = tt * 4u + i;
+        if (tok < t.count) {
+            let z = gemm_rows(t, tok).y;
+            for (var r = 0u; r < 4u; r++) {
+                if (r0 + r < p.rows) {
+                    out[z * out_cols() + p.out_first + r0 + r] = acc[i][r];
+                }
+            }
+        }
+    }
+}
+
+// gemm with qmatmul_parts' outputs (bindings 4 and 6 to 8, split at part_end_a..c).
+@compute @workgroup_size(128)
+fn gemm_parts(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    let row0 = wid.x * GN;
+    let acc = gemm_accumulate(li, t, row0, false);
+    let tt = li / (GN / 4u);
+    let r0 = row0 + (li % (GN / 4u)) * 4u;
+    let a = p.part_end_a;
+    let b = p.part_end_b;
+    let c = p.part_end_c;
+    for (var i = 0u; i < 4u; i++) {
+        let tok = tt * 4u + i;
+        if (tok < t.count) {
+            let z = gemm_rows(t, tok).y;
+            for (var r = 0u; r < 4u; r++) {
+                let row = r0 + r;
+                let v = acc[i][r];
+                if (row < a) {
+                    out[z * a + row] = v;
+                } else if (row < b) {
+                    out_b[z * (b - a) + row - a] = v;
+                } else if (row < c) {
+                    out_c[z * (c - b) + row - b] = v;
+                } else if (row < p.rows) {
+                    out_d[z * (p.rows - c) + row - c] = v;
+                }
+            }
+        }
+    }
+}
+
+// out[z, row] = silu(gate[row] . x) * (up[row] . x) for GN / 2 rows per workgroup: tile
+// rows 4 m + (0, 1) are gate rows 2 m + (0, 1) and tile rows 4 m + (2, 3) the same rows
+// of the up projection, so invocation tr holds both for output rows row0 + 2 tr + (0, 1).
+@compute @workgroup_size(128)
+fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    let row0 = wid.x * (GN / 2u);
+    let acc = gemm_accumulate(li, t, row0, true);
+    let tt = li / (GN / 4u);
+    let r0 = row0 + (li % (GN / 4u)) * 2u;
+    for (var i = 0u; i < 4u; i++) {
+        let tok = tt * 4u + i;
+        if (tok < t.count) {
+            let z = gemm_rows(t, tok).y;
+            let a = acc[i];
+            if (r0 < p.rows) {
+                out[z * out_cols() + p.out_first + r0] = a.x * sigmoid(a.x) * a.z;
+            }
+            if (r0 + 1u < p.rows) {
+                out[z * out_cols() + p.out_first + r0 + 1u] = a.y * sigmoid(a.y) * a.w;
+            }
+        }
+    }
 }

@@ -112,28 +112,38 @@ pub fn gpu() -> slotstream::backend::gpu::GpuBackend {
     gpu_with(false)
 }
 
-/// [`gpu`], and the same adapter reducing in shared memory alone (no subgroup
-/// operations): kernels that reduce are tested on both paths. Panics if the adapter
-/// has subgroup operations and the first backend does not use them (lavapipe has them;
-/// `SLOTSTREAM_GPU_SUBGROUPS=0` would leave that path untested).
+/// [`gpu`] (subgroup reductions and tiled matrix products where the adapter has them),
+/// and the same adapter on the portable paths (reductions in shared memory alone, matrix
+/// products of many tokens row by row): kernels are tested on both. Panics if the
+/// adapter has subgroup operations or the workgroup memory for tiles and the first
+/// backend does not use them (lavapipe has both; `SLOTSTREAM_GPU_SUBGROUPS=0` or
+/// `SLOTSTREAM_GPU_TILED=0` would leave a path untested).
 #[allow(dead_code)]
 pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
-    let (sub, shared) = (gpu_with(false), gpu_with(true));
-    if let Some((min, _)) = sub.gpu.adapter.subgroup_sizes {
+    let (fast, portable) = (gpu_with(false), gpu_with(true));
+    if let Some((min, _)) = fast.gpu.adapter.subgroup_sizes {
         assert!(
-            sub.gpu.subgroup_lanes > 1 || min < 2,
+            fast.gpu.subgroup_lanes > 1 || min < 2,
             "the adapter has subgroups of {min} or more, but the kernels do not use them"
         );
     }
-    assert_eq!(shared.gpu.subgroup_lanes, 1);
-    [sub, shared]
+    assert!(
+        fast.gpu.tiled
+            || fast.gpu.limits.max_compute_workgroup_storage_size
+                < slotstream::backend::gpu::TILE_WORKGROUP_BYTES,
+        "the adapter has the workgroup memory for tiles, but the matrix products do not use them"
+    );
+    assert_eq!(portable.gpu.subgroup_lanes, 1);
+    assert!(!portable.gpu.tiled);
+    [fast, portable]
 }
 
-fn gpu_with(no_subgroups: bool) -> slotstream::backend::gpu::GpuBackend {
+fn gpu_with(portable: bool) -> slotstream::backend::gpu::GpuBackend {
     slotstream::backend::gpu::GpuBackend::new(&slotstream::backend::gpu::GpuOptions {
         adapter: None,
         poison_outputs: true,
-        no_subgroups,
+        no_subgroups: portable,
+        no_tiles: portable,
     })
     .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
 }

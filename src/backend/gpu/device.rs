@@ -183,6 +183,10 @@ pub struct GpuOptions {
     /// has them (`SLOTSTREAM_GPU_SUBGROUPS=0` does the same): the portable path, kept
     /// tested on adapters that have both.
     pub no_subgroups: bool,
+    /// Compute matrix products of many tokens row by row, as decode does, rather than in
+    /// tiles (`SLOTSTREAM_GPU_TILED=0` does the same): the path kept for adapters without
+    /// the workgroup memory tiles need, kept tested on adapters that have it.
+    pub no_tiles: bool,
 }
 
 fn instance() -> wgpu::Instance {
@@ -236,6 +240,10 @@ pub struct Gpu {
     /// subgroup operations are on and laid out as the reductions assume (checked by
     /// [`SUBGROUP_PROBE`]), else 1 (see [`kernel_source`]).
     pub subgroup_lanes: u32,
+    /// Whether matrix products of many tokens run in tiles (`gemm` entries of
+    /// `wgsl/quant.wgsl`): the adapter has [`TILE_WORKGROUP_BYTES`] of workgroup memory and
+    /// neither [`GpuOptions::no_tiles`] nor `SLOTSTREAM_GPU_TILED=0` turned them off.
+    pub tiled: bool,
     /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
     /// (`SLOTSTREAM_GPU_CHECKS=all` or `1`), else without the loop counters and the
     /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
@@ -267,6 +275,10 @@ pub struct Gpu {
     /// [`Gpu::set_host_copies`]).
     host_copies: std::sync::atomic::AtomicBool,
 }
+
+/// Workgroup memory the tiled matrix products use (`tile_w` and `tile_x` in
+/// `wgsl/quant.wgsl`).
+pub const TILE_WORKGROUP_BYTES: u32 = 24 << 10;
 
 /// Bytes of [`Gpu::uniforms`]: 16,384 dispatches at the usual 256-byte alignment before a
 /// submission is forced.
@@ -586,6 +598,9 @@ impl Gpu {
             && info.subgroup_min_size.is_power_of_two()
             && info.subgroup_min_size <= 256;
         let subgroup_lanes = if subgroups { info.subgroup_min_size } else { 1 };
+        let tiled = !options.no_tiles
+            && env_switch("SLOTSTREAM_GPU_TILED", &[], true)
+            && limits.max_compute_workgroup_storage_size >= TILE_WORKGROUP_BYTES;
         let mut required_features = wgpu::Features::empty();
         if profile {
             required_features |= Profiler::features();
@@ -641,7 +656,7 @@ impl Gpu {
         };
         let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
         let all_checks = env_switch("SLOTSTREAM_GPU_CHECKS", &["all"], false);
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, all_checks, profile, "GPU opened");
+        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, tiled, all_checks, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
         let mut gpu = Gpu {
             device,
@@ -651,6 +666,7 @@ impl Gpu {
             host_import,
             dummy,
             subgroup_lanes,
+            tiled,
             all_checks,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),

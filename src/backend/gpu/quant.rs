@@ -49,6 +49,20 @@ const QMATMUL_PARTS: Kernel = Kernel::new(
 /// Most parts [`QMATMUL_PARTS`] writes.
 const MAX_PARTS: usize = 4;
 const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
+/// The tiled entries of many tokens: like [`QMATMUL`], [`QMATMUL_PARTS`] and
+/// [`QMATMUL_SWIGLU`].
+const GEMM: Kernel = matmul_kernel("gemm");
+const GEMM_PARTS: Kernel = Kernel {
+    entry: "gemm_parts",
+    ..QMATMUL_PARTS
+};
+const GEMM_SWIGLU: Kernel = matmul_kernel("gemm_swiglu");
+/// Tokens (or routes) and output rows of one tile (`GM` and `GN` in the shader).
+const TILE_TOKENS: usize = 32;
+const TILE_ROWS: usize = 64;
+/// Tokens from which a resident weight's product runs in tiles: below it a tile would
+/// be mostly padding, and reading the weight once per token costs less than that.
+pub(super) const TILED_MIN_TOKENS: usize = 16;
 const DENSE: Kernel = matmul_kernel("matmul_dense");
 const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
 /// The combine binds the shared expert's output and gate where the matmuls bind the
@@ -116,6 +130,8 @@ struct Params {
     shared: u32,
     /// qmatmul_parts: where the first three parts of the output end (rows).
     part_ends: [u32; 3],
+    /// gemm entries, routed = 4: tiles in the tile list (see `wgsl/quant.wgsl`).
+    tiles: u32,
     /// Whether the output is split into parts ([`QMATMUL_PARTS`]; not a uniform word).
     parts: bool,
 }
@@ -151,7 +167,14 @@ impl Params {
     /// 16-byte vector of packed words, or per dense column); see [`invocations`]. How a
     /// row's sum is split over lanes depends on the dispatch's size, so its last bits can
     /// differ between a token computed alone and in a batch.
-    fn launch(mut self, z: usize) -> (&'static Kernel, [u32; 26], [u32; 3]) {
+    ///
+    /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
+    /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
+    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 26], [u32; 3]) {
+        if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
+            self.tokens = z as u32;
+            return self.launch_tiled(z.div_ceil(TILE_TOKENS));
+        }
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let (kernel, units) = if bits == 0 {
             (&DENSE, cols)
@@ -180,6 +203,44 @@ impl Params {
         self.lanes = lanes as u32;
         let [x, y] = grid(rows.div_ceil(WG / lanes) as u32);
         (kernel, self.words(), [x, y, z as u32])
+    }
+
+    /// Whether the tiled entries take these parameters: a dense weight of whole 16-byte
+    /// rows, or a quantized one that meets [`Params::check_vec4`] (checked), the fused
+    /// SwiGLU's two projections quantized alike.
+    fn tileable(&self) -> bool {
+        if self.bits == 0 {
+            return self.cols % 4 == 0;
+        }
+        self.check_vec4();
+        self.bits2 == 0
+            || (self.bits2 == self.bits
+                && self.group_size2 == self.group_size
+                && self.w_off2 % 4 == 0)
+    }
+
+    /// The tiled entry for these parameters over `tiles` tiles of tokens (routed = 0,
+    /// [`TILE_TOKENS`] each) or of routes (routed = 4, the tile list's), and its grid:
+    /// `gemm_parts` for an output in parts, `gemm_swiglu` with an up projection, else
+    /// `gemm`. The parameters must be [`Params::tileable`].
+    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 26], [u32; 3]) {
+        let rows = self.rows as usize;
+        let (kernel, per_tile) = if self.parts {
+            (&GEMM_PARTS, TILE_ROWS)
+        } else if self.bits2 != 0 {
+            (&GEMM_SWIGLU, TILE_ROWS / 2)
+        } else {
+            (&GEMM, TILE_ROWS)
+        };
+        let params = Params {
+            tiles: if self.routed == 4 { tiles as u32 } else { 0 },
+            ..self
+        };
+        (
+            kernel,
+            params.words(),
+            [rows.div_ceil(per_tile) as u32, tiles as u32, 1],
+        )
     }
 
     /// Parameters of a resident quantized weight (packed words at 0 in its buffer), and
@@ -237,7 +298,7 @@ impl Params {
             self.part_ends[0],
             self.part_ends[1],
             self.part_ends[2],
-            0,
+            self.tiles,
         ]
     }
 
@@ -313,7 +374,7 @@ fn routed_swiglu(
 ) {
     let params = which.apply(Params::routed_gate_up(layout, out.rows));
     let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
-    let (kernel, words, groups) = params.launch(out.rows);
+    let (kernel, words, groups) = params.launch(out.rows, false);
     b.gpu.dispatch_with(kernel, &words, &binds, groups);
 }
 
@@ -432,7 +493,7 @@ pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> Gpu
         ..whole
     };
     let out = b.empty(x.rows, inter);
-    let (kernel, words, groups) = params.launch(x.rows);
+    let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
     let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
         kernel,
@@ -543,7 +604,7 @@ pub(super) fn matmul_parts(
         parts: true,
         ..whole
     };
-    let (kernel, words, groups) = params.launch(x.rows);
+    let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
     let dummy = &b.gpu.dummy;
     // Bindings of parts that do not exist repeat the first output, which they never write.
     let out = |i: usize| &outs.get(i).unwrap_or(&outs[0]).buf;
@@ -576,7 +637,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         GpuWeight::Quantized { .. } => {
             let (params, data) = Params::resident(w).expect("a quantized weight");
             let params = placed(params);
-            let (kernel, words, groups) = params.launch(x.rows);
+            let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
             b.gpu.dispatch(
                 kernel,
                 &words,
@@ -590,7 +651,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
                 cols: *cols as u32,
                 ..Default::default()
             });
-            let (kernel, words, groups) = params.launch(x.rows);
+            let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
             b.gpu.dispatch(
                 kernel,
                 &words,
@@ -738,6 +799,51 @@ pub(super) fn moe_experts(
         }
     };
     let (d, inter) = (layout.hidden, layout.intermediate);
+    let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
+    let gate_up = Params::routed_gate_up(layout, routes);
+    if b.gpu.tiled && routing.tokens() >= TILED_MIN_TOKENS && gate_up.tileable() {
+        let h = b.empty(routes, inter);
+        let y = b.empty(routes, d);
+        for (a, list) in tile_lists(&places, arenas.len()) {
+            let tiles = list.tiles;
+            let list = Bind::Data(bytemuck::cast_slice(&list.words));
+            let dummy = Bind::Buffer(&b.gpu.dummy);
+            let routed = |params: Params, k: usize| Params {
+                routed: 4,
+                k: k as u32,
+                ..params
+            };
+            // Gate and up read the route's token; down reads the route's own row of h.
+            let (kernel, words, groups) = routed(gate_up, routing.top_k).launch_tiled(tiles);
+            b.gpu.dispatch_with(
+                kernel,
+                &words,
+                &[
+                    Bind::Buffer(&x.buf),
+                    arena(a),
+                    list,
+                    Bind::Buffer(&h.buf),
+                    dummy,
+                ],
+                groups,
+            );
+            let down = Params::routed(layout, Projection::Down, routes);
+            let (kernel, words, groups) = routed(down, 1).launch_tiled(tiles);
+            b.gpu.dispatch_with(
+                kernel,
+                &words,
+                &[
+                    Bind::Buffer(&h.buf),
+                    arena(a),
+                    list,
+                    Bind::Buffer(&y.buf),
+                    dummy,
+                ],
+                groups,
+            );
+        }
+        return combine(b, &y, (weights, 0, routing.top_k), shared);
+    }
     // Route tables from the host: every route of an arena's table computed.
     let which = |arena| Routes {
         arena,
@@ -809,14 +915,49 @@ pub(super) fn moe_experts(
             Bind::Buffer(&target.buf),
             Bind::Buffer(&b.gpu.dummy),
         ];
-        let (kernel, words, groups) = params.launch(n);
+        let (kernel, words, groups) = params.launch(n, false);
         b.gpu.dispatch_with(kernel, &words, &binds, groups);
         if !single {
             scatter(&target, &y, order);
         }
     }
-    let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
     combine(b, &y, (weights, 0, routing.top_k), shared)
+}
+
+/// Routes of one arena grouped by record for the tiled entries (routed = 4 in
+/// `wgsl/quant.wgsl`): `tiles` tiles of (record base, first, count, 0), at most
+/// [`TILE_TOKENS`] routes each, then the route list they index.
+struct TileList {
+    tiles: usize,
+    words: Vec<u32>,
+}
+
+/// A [`TileList`] for each arena that holds routed records, from each route's (arena,
+/// record base): every route of a record in its record's tiles, so the record is read
+/// once per tile of its routes rather than once per route.
+fn tile_lists(places: &[(usize, u32)], arenas: usize) -> Vec<(usize, TileList)> {
+    let mut by_record = vec![std::collections::BTreeMap::<u32, Vec<u32>>::new(); arenas];
+    for (r, &(a, base)) in places.iter().enumerate() {
+        by_record[a].entry(base).or_default().push(r as u32);
+    }
+    by_record
+        .into_iter()
+        .enumerate()
+        .filter(|(_, records)| !records.is_empty())
+        .map(|(a, records)| {
+            let mut words = Vec::new();
+            let mut list = Vec::new();
+            for (base, routes) in records {
+                for chunk in routes.chunks(TILE_TOKENS) {
+                    words.extend([base, list.len() as u32, chunk.len() as u32, 0]);
+                    list.extend_from_slice(chunk);
+                }
+            }
+            let tiles = words.len() / 4;
+            words.extend(list);
+            (a, TileList { tiles, words })
+        })
+        .collect()
 }
 
 /// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each token, the weights
@@ -919,7 +1060,7 @@ pub(super) fn moe_experts_resident(
             Bind::Buffer(&y.buf),
             table,
         ];
-        let (kernel, words, groups) = params.launch(routes);
+        let (kernel, words, groups) = params.launch(routes, false);
         b.gpu.dispatch_with(kernel, &words, &binds, groups);
     }
     // The weights follow the ids in the routing tensor.
