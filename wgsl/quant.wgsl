@@ -400,7 +400,7 @@ const GEMM_WG: u32 = 128u;
 
 // tile_w[c * GN / 4 + j / 4][j % 4]: tile row j at column k0 + c, dequantized.
 var<workgroup> tile_w: array<vec4<f32>, 1024>;
-// tile_x[c * GM / 4 + i / 4][i % 4]: tile token i at column k0 + c.
+// tile_x[i * GK / 4 + c / 4][c % 4]: tile token i at column k0 + c.
 var<workgroup> tile_x: array<vec4<f32>, 512>;
 
 struct GemmTile {
@@ -426,20 +426,18 @@ fn gemm_rows(t: GemmTile, i: u32) -> vec2<u32> {
     return vec2<u32>(t.first + i, t.first + i);
 }
 
-// The tile's activations at columns k0 .. k0 + GK.
+// The tile's activations at columns k0 .. k0 + GK: consecutive invocations read
+// consecutive vectors of a token's row.
 fn gemm_load_x(li: u32, t: GemmTile, k0: u32) {
-    // Consecutive invocations take consecutive tokens, so the stores hit distinct banks.
     for (var i = li; i < GM * GK / 4u; i += GEMM_WG) {
-        let tok = i % GM;
-        let cv = i / GM;
+        let tok = i / (GK / 4u);
+        let cv = i % (GK / 4u);
         var x = vec4<f32>(0.0);
         let c = k0 + cv * 4u;
         if (tok < t.count && c < p.cols) {
             x = act4[(gemm_rows(t, tok).x * p.cols + c) / 4u];
         }
-        for (var e = 0u; e < 4u; e++) {
-            tile_x[(cv * 4u + e) * (GM / 4u) + tok / 4u][tok % 4u] = x[e];
-        }
+        tile_x[i] = x;
     }
 }
 
@@ -479,9 +477,10 @@ fn gemm_load_w(li: u32, base: u32, row0: u32, k0: u32, swiglu: bool) {
     let group_shift = countTrailingZeros(p.group_size);
     let mask = (1u << p.bits) - 1u;
     let per_word = 32u / p.bits;
+    // Consecutive invocations take consecutive vectors of a row (whole 32-byte sectors).
     for (var i = li; i < GN * per_row; i += GEMM_WG) {
-        let j = i % GN;
-        let v = i / GN;
+        let j = i / per_row;
+        let v = i % per_row;
         let wr = gemm_weight_row(j, row0, swiglu);
         let c = k0 + v * span;
         let live = wr.x < p.rows && c < p.cols;
@@ -511,17 +510,29 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> array<vec4<
     let tr = li % (GN / 4u);
     let tt = li / (GN / 4u);
     var acc: array<vec4<f32>, 4>;
+    // A tile of a record's few routes leaves most invocations without tokens: they skip
+    // the arithmetic (a whole warp of them costs nothing) but still load and wait.
+    let busy = tt * 4u < t.count;
+    let x0 = tt * 4u * (GK / 4u);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
         gemm_load_x(li, t, k0);
         gemm_load_w(li, t.base, row0, k0, swiglu);
         workgroupBarrier();
-        for (var c = 0u; c < GK; c++) {
-            let x = tile_x[c * (GM / 4u) + tt];
-            let w = tile_w[c * (GN / 4u) + tr];
-            acc[0] += x.x * w;
-            acc[1] += x.y * w;
-            acc[2] += x.z * w;
-            acc[3] += x.w * w;
+        if (busy) {
+            for (var c4 = 0u; c4 < GK / 4u; c4++) {
+                // Tokens 4 tt .. 4 tt + 3 at columns 4 c4 .. 4 c4 + 3.
+                let xa = tile_x[x0 + c4];
+                let xb = tile_x[x0 + GK / 4u + c4];
+                let xc = tile_x[x0 + 2u * (GK / 4u) + c4];
+                let xd = tile_x[x0 + 3u * (GK / 4u) + c4];
+                for (var e = 0u; e < 4u; e++) {
+                    let w = tile_w[(c4 * 4u + e) * (GN / 4u) + tr];
+                    acc[0] += xa[e] * w;
+                    acc[1] += xb[e] * w;
+                    acc[2] += xc[e] * w;
+                    acc[3] += xd[e] * w;
+                }
+            }
         }
         // The next step's loads overwrite the tiles.
         workgroupBarrier();
