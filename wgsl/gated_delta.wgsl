@@ -54,8 +54,7 @@ struct Params {
 
 const LANES: u32 = 32u;
 const ROWS: u32 = 8u;
-// Columns of a state row held by one lane: Dk <= LANES * MAXE.
-const MAXE: u32 = 8u;
+// A lane holds columns lane + 32 e of its state row, e = 0..7: Dk <= 256.
 
 // ln(1 + e) for e in [0, 1], accurate to a few ulp without relying on the precision of
 // the shader's log near 1: ln(1 + e) = 2 atanh(s), s = e / (2 + e) in [0, 1/3].
@@ -104,13 +103,15 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let decay_rate = exp(a_log[h]);
     let dt = dt_bias[h];
 
-    var s: array<f32, 8>;
-    for (var e = 0u; e < MAXE; e++) {
-        let j = lane + e * LANES;
-        s[e] = 0.0;
-        if (live && j < p.dk) {
-            s[e] = state[srow + j];
-        }
+    // Columns lane + 32 e of the row, e = 0..3 and 4..7 (vectors rather than an array
+    // indexed by a loop variable, which a driver may keep in local memory).
+    let cols_lo = lane + vec4<u32>(0u, 1u, 2u, 3u) * LANES;
+    let cols_hi = cols_lo + 4u * LANES;
+    var s_lo = vec4<f32>(0.0);
+    var s_hi = vec4<f32>(0.0);
+    if (live) {
+        s_lo = load_state(srow, cols_lo);
+        s_hi = load_state(srow, cols_hi);
     }
 
     // A token's inputs are loaded one token ahead, so their latency hides behind the
@@ -125,15 +126,11 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let beta = sigmoid(cur.b);
 
         // S_i *= g; partial dot(S_i, k_t) on the raw k, and the squared norms of q and k
-        var part = 0.0;
-        var kk = 0.0;
-        var qq = 0.0;
-        for (var e = 0u; e < MAXE; e++) {
-            s[e] = s[e] * g;
-            part += s[e] * cur.k[e];
-            kk += cur.k[e] * cur.k[e];
-            qq += cur.q[e] * cur.q[e];
-        }
+        s_lo *= g;
+        s_hi *= g;
+        let part = dot(s_lo, cur.k_lo) + dot(s_hi, cur.k_hi);
+        let kk = dot(cur.k_lo, cur.k_lo) + dot(cur.k_hi, cur.k_hi);
+        let qq = dot(cur.q_lo, cur.q_lo) + dot(cur.q_hi, cur.q_hi);
         // A row's 32 lanes are one aligned segment (reduce.wgsl): no barrier where they
         // share a subgroup.
         let sk = segment_sum(li, LANES, part);
@@ -145,54 +142,77 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let delta = (cur.v - sk * rk) * beta;
 
         // S_i += delta k_t; partial dot(S_i, q_t) on the raw q
-        var part_y = 0.0;
-        for (var e = 0u; e < MAXE; e++) {
-            s[e] += cur.k[e] * rk * delta;
-            part_y += s[e] * cur.q[e];
-        }
+        s_lo += cur.k_lo * (rk * delta);
+        s_hi += cur.k_hi * (rk * delta);
+        let part_y = dot(s_lo, cur.q_lo) + dot(s_hi, cur.q_hi);
         let yi = segment_sum(li, LANES, part_y);
         if (live && lane == 0u) {
             y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
     }
 
-    for (var e = 0u; e < MAXE; e++) {
-        let j = lane + e * LANES;
-        if (live && j < p.dk) {
-            state[srow + j] = s[e];
-        }
+    if (live) {
+        store_state(srow, cols_lo, s_lo);
+        store_state(srow, cols_hi, s_hi);
     }
+}
+
+// State row columns `cols` (those below Dk; zero past it).
+fn load_state(srow: u32, cols: vec4<u32>) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (cols.x < p.dk) { v.x = state[srow + cols.x]; }
+    if (cols.y < p.dk) { v.y = state[srow + cols.y]; }
+    if (cols.z < p.dk) { v.z = state[srow + cols.z]; }
+    if (cols.w < p.dk) { v.w = state[srow + cols.w]; }
+    return v;
+}
+
+fn store_state(srow: u32, cols: vec4<u32>, v: vec4<f32>) {
+    if (cols.x < p.dk) { state[srow + cols.x] = v.x; }
+    if (cols.y < p.dk) { state[srow + cols.y] = v.y; }
+    if (cols.z < p.dk) { state[srow + cols.z] = v.z; }
+    if (cols.w < p.dk) { state[srow + cols.w] = v.w; }
+}
+
+// qkv row values at `base + cols` (zero for columns past Dk).
+fn load_cols(base: u32, cols: vec4<u32>) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (cols.x < p.dk) { v.x = qkv[base + cols.x]; }
+    if (cols.y < p.dk) { v.y = qkv[base + cols.y]; }
+    if (cols.z < p.dk) { v.z = qkv[base + cols.z]; }
+    if (cols.w < p.dk) { v.w = qkv[base + cols.w]; }
+    return v;
 }
 
 // One token's inputs for a lane of state row i of value head h: its columns of k and q
 // (zero past Dk), v[t, h, i] (zero past Dv) and b, a.
 struct Token {
-    k: array<f32, 8>,
-    q: array<f32, 8>,
+    k_lo: vec4<f32>,
+    k_hi: vec4<f32>,
+    q_lo: vec4<f32>,
+    q_hi: vec4<f32>,
     v: f32,
     b: f32,
     a: f32,
 }
 
 fn load_token(t: u32, h: u32, kh: u32, i: u32, lane: u32, live: bool, width: u32, qk_cols: u32) -> Token {
-    var tok: Token;
     let qb = t * width + kh * p.dk;
     let kb = qb + qk_cols;
-    for (var e = 0u; e < MAXE; e++) {
-        let j = lane + e * LANES;
-        tok.k[e] = 0.0;
-        tok.q[e] = 0.0;
-        if (j < p.dk) {
-            tok.k[e] = qkv[kb + j];
-            tok.q[e] = qkv[qb + j];
-        }
-    }
-    tok.v = 0.0;
+    let cols_lo = lane + vec4<u32>(0u, 1u, 2u, 3u) * LANES;
+    let cols_hi = cols_lo + 4u * LANES;
+    var v = 0.0;
     if (live) {
-        tok.v = qkv[t * width + 2u * qk_cols + h * p.dv + i];
+        v = qkv[t * width + 2u * qk_cols + h * p.dv + i];
     }
     let gi = t * 2u * p.value_heads + h;
-    tok.b = ba[gi];
-    tok.a = ba[gi + p.value_heads];
-    return tok;
+    return Token(
+        load_cols(kb, cols_lo),
+        load_cols(kb, cols_hi),
+        load_cols(qb, cols_lo),
+        load_cols(qb, cols_hi),
+        v,
+        ba[gi],
+        ba[gi + p.value_heads],
+    );
 }

@@ -450,22 +450,22 @@ fn gemm_weight_row(j: u32, row0: u32, swiglu: bool) -> vec2<u32> {
     return vec2<u32>(row0 + j, 0u);
 }
 
-// The weight tile at columns k0 .. k0 + GK, dequantized as scale * q + bias.
+// The weight tile at columns k0 .. k0 + GK, dequantized as scale * q + bias. Written out
+// per bit width with constant shifts, and without arrays indexed by a loop variable: a
+// driver that leaves such a loop rolled would keep the array in local memory.
 fn gemm_load_w(li: u32, base: u32, row0: u32, k0: u32, swiglu: bool) {
     if (p.bits == 0u) {
         // Dense f32: a vec4 of four columns of one row.
         for (var i = li; i < GN * GK / 4u; i += GEMM_WG) {
-            let j = i % GN;
-            let cv = i / GN;
+            let j = i / (GK / 4u);
+            let cv = i % (GK / 4u);
             let row = row0 + j;
             let c = k0 + cv * 4u;
             var v = vec4<f32>(0.0);
             if (row < p.rows && c < p.cols) {
                 v = bitcast<vec4<f32>>(w4[(row * p.cols + c) / 4u]);
             }
-            for (var e = 0u; e < 4u; e++) {
-                tile_w[(cv * 4u + e) * (GN / 4u) + j / 4u][j % 4u] = v[e];
-            }
+            gemm_store_w(cv * 4u, j, v);
         }
         return;
     }
@@ -475,41 +475,74 @@ fn gemm_load_w(li: u32, base: u32, row0: u32, k0: u32, swiglu: bool) {
     let vecs_per_row = p.cols / span;
     let groups = p.cols / p.group_size;
     let group_shift = countTrailingZeros(p.group_size);
-    let mask = (1u << p.bits) - 1u;
-    let per_word = 32u / p.bits;
     // Consecutive invocations take consecutive vectors of a row (whole 32-byte sectors).
     for (var i = li; i < GN * per_row; i += GEMM_WG) {
         let j = i / per_row;
         let v = i % per_row;
         let wr = gemm_weight_row(j, row0, swiglu);
         let c = k0 + v * span;
-        let live = wr.x < p.rows && c < p.cols;
         var q = vec4<u32>(0u);
         var scale = 0.0;
         var bias = 0.0;
-        if (live) {
+        if (wr.x < p.rows && c < p.cols) {
             let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
             q = w4[(base + offs.x) / 4u + wr.x * vecs_per_row + c / span];
             let g = wr.x * groups + (c >> group_shift);
             scale = scale4(base * elems_per_word() + offs.y + g);
             bias = scale4(base * elems_per_word() + offs.z + g);
         }
-        for (var word = 0u; word < 4u; word++) {
-            for (var e = 0u; e < per_word; e++) {
-                let qv = f32((q[word] >> (e * p.bits)) & mask);
-                let col = v * span + word * per_word + e;
-                tile_w[col * (GN / 4u) + j / 4u][j % 4u] = scale * qv + bias;
-            }
+        let col = v * span;
+        if (p.bits == 4u) {
+            gemm_store_nibbles(col, j, q.x, scale, bias);
+            gemm_store_nibbles(col + 8u, j, q.y, scale, bias);
+            gemm_store_nibbles(col + 16u, j, q.z, scale, bias);
+            gemm_store_nibbles(col + 24u, j, q.w, scale, bias);
+        } else {
+            gemm_store_w(col, j, gemm_bytes(q.x) * scale + bias);
+            gemm_store_w(col + 4u, j, gemm_bytes(q.y) * scale + bias);
+            gemm_store_w(col + 8u, j, gemm_bytes(q.z) * scale + bias);
+            gemm_store_w(col + 12u, j, gemm_bytes(q.w) * scale + bias);
         }
     }
 }
 
-// acc[i][r]: token tt * 4 + i of the tile, tile row tr * 4 + r, for invocation
-// li = tt * (GN / 4) + tr. Every invocation of the workgroup must call it.
-fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> array<vec4<f32>, 4> {
+// Tile row j at tile columns col .. col + 3.
+fn gemm_store_w(col: u32, j: u32, v: vec4<f32>) {
+    let at = col * (GN / 4u) + j / 4u;
+    let r = j % 4u;
+    tile_w[at][r] = v.x;
+    tile_w[at + GN / 4u][r] = v.y;
+    tile_w[at + 2u * (GN / 4u)][r] = v.z;
+    tile_w[at + 3u * (GN / 4u)][r] = v.w;
+}
+
+// The eight 4-bit values of a word, LSB first, dequantized into tile columns col ...
+fn gemm_store_nibbles(col: u32, j: u32, word: u32, scale: f32, bias: f32) {
+    let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+    let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+    gemm_store_w(col, j, lo * scale + bias);
+    gemm_store_w(col + 4u, j, hi * scale + bias);
+}
+
+// The four bytes of a word, LSB first.
+fn gemm_bytes(word: u32) -> vec4<f32> {
+    return vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
+}
+
+// A tile's outputs for one invocation: t0..t3 are tokens tt * 4 + 0..3 of the tile, each
+// over tile rows tr * 4 .. tr * 4 + 3, for invocation li = tt * (GN / 4) + tr.
+struct GemmAcc {
+    t0: vec4<f32>,
+    t1: vec4<f32>,
+    t2: vec4<f32>,
+    t3: vec4<f32>,
+}
+
+// Every invocation of the workgroup must call it.
+fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmAcc {
     let tr = li % (GN / 4u);
     let tt = li / (GN / 4u);
-    var acc: array<vec4<f32>, 4>;
+    var acc = GemmAcc(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
     // A tile of a record's few routes leaves most invocations without tokens: they skip
     // the arithmetic (a whole warp of them costs nothing) but still load and wait.
     let busy = tt * 4u < t.count;
@@ -520,18 +553,20 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> array<vec4<
         workgroupBarrier();
         if (busy) {
             for (var c4 = 0u; c4 < GK / 4u; c4++) {
-                // Tokens 4 tt .. 4 tt + 3 at columns 4 c4 .. 4 c4 + 3.
+                // Tokens 4 tt .. 4 tt + 3 at columns 4 c4 .. 4 c4 + 3, and the tile's rows
+                // 4 tr .. 4 tr + 3 at those columns.
                 let xa = tile_x[x0 + c4];
                 let xb = tile_x[x0 + GK / 4u + c4];
                 let xc = tile_x[x0 + 2u * (GK / 4u) + c4];
                 let xd = tile_x[x0 + 3u * (GK / 4u) + c4];
-                for (var e = 0u; e < 4u; e++) {
-                    let w = tile_w[(c4 * 4u + e) * (GN / 4u) + tr];
-                    acc[0] += xa[e] * w;
-                    acc[1] += xb[e] * w;
-                    acc[2] += xc[e] * w;
-                    acc[3] += xd[e] * w;
-                }
+                let w0 = tile_w[c4 * GN + tr];
+                let w1 = tile_w[c4 * GN + GN / 4u + tr];
+                let w2 = tile_w[c4 * GN + GN / 2u + tr];
+                let w3 = tile_w[c4 * GN + 3u * (GN / 4u) + tr];
+                acc.t0 += xa.x * w0 + xa.y * w1 + xa.z * w2 + xa.w * w3;
+                acc.t1 += xb.x * w0 + xb.y * w1 + xb.z * w2 + xb.w * w3;
+                acc.t2 += xc.x * w0 + xc.y * w1 + xc.z * w2 + xc.w * w3;
+                acc.t3 += xd.x * w0 + xd.y * w1 + xd.z * w2 + xd.w * w3;
             }
         }
         // The next step's loads overwrite the tiles.
@@ -540,56 +575,80 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> array<vec4<
     return acc;
 }
 
+// Output row `row` of tile token `tok` (skipped past the tile's count or p.rows).
+fn gemm_store(t: GemmTile, tok: u32, row: u32, v: f32) {
+    if (tok < t.count && row < p.rows) {
+        out[gemm_rows(t, tok).y * out_cols() + p.out_first + row] = v;
+    }
+}
+
+fn gemm_store4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
+    gemm_store(t, tok, r0, v.x);
+    gemm_store(t, tok, r0 + 1u, v.y);
+    gemm_store(t, tok, r0 + 2u, v.z);
+    gemm_store(t, tok, r0 + 3u, v.w);
+}
+
 @compute @workgroup_size(128)
 fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
-    let tt = li / (GN / 4u);
+    let tok = (li / (GN / 4u)) * 4u;
     let r0 = row0 + (li % (GN / 4u)) * 4u;
-    for (var i = 0u; i < 4u; i++) {
-        let tok = tt * 4u + i;
-        if (tok < t.count) {
-            let z = gemm_rows(t, tok).y;
-            for (var r = 0u; r < 4u; r++) {
-                if (r0 + r < p.rows) {
-                    out[z * out_cols() + p.out_first + r0 + r] = acc[i][r];
-                }
-            }
-        }
+    gemm_store4(t, tok, r0, acc.t0);
+    gemm_store4(t, tok + 1u, r0, acc.t1);
+    gemm_store4(t, tok + 2u, r0, acc.t2);
+    gemm_store4(t, tok + 3u, r0, acc.t3);
+}
+
+// gemm_parts' output `row` of tile token `tok`: rows before part_end_a go to `out`, then
+// up to part_end_b to out_b, up to part_end_c to out_c, the rest to out_d.
+fn gemm_store_part(t: GemmTile, tok: u32, row: u32, v: f32) {
+    if (tok >= t.count || row >= p.rows) {
+        return;
+    }
+    let z = gemm_rows(t, tok).y;
+    let a = p.part_end_a;
+    let b = p.part_end_b;
+    let c = p.part_end_c;
+    if (row < a) {
+        out[z * a + row] = v;
+    } else if (row < b) {
+        out_b[z * (b - a) + row - a] = v;
+    } else if (row < c) {
+        out_c[z * (c - b) + row - b] = v;
+    } else {
+        out_d[z * (p.rows - c) + row - c] = v;
     }
 }
 
-// gemm with qmatmul_parts' outputs (bindings 4 and 6 to 8, split at part_end_a..c).
+fn gemm_store_part4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
+    gemm_store_part(t, tok, r0, v.x);
+    gemm_store_part(t, tok, r0 + 1u, v.y);
+    gemm_store_part(t, tok, r0 + 2u, v.z);
+    gemm_store_part(t, tok, r0 + 3u, v.w);
+}
+
+// gemm with qmatmul_parts' outputs (bindings 4 and 6 to 8).
 @compute @workgroup_size(128)
 fn gemm_parts(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
-    let tt = li / (GN / 4u);
+    let tok = (li / (GN / 4u)) * 4u;
     let r0 = row0 + (li % (GN / 4u)) * 4u;
-    let a = p.part_end_a;
-    let b = p.part_end_b;
-    let c = p.part_end_c;
-    for (var i = 0u; i < 4u; i++) {
-        let tok = tt * 4u + i;
-        if (tok < t.count) {
-            let z = gemm_rows(t, tok).y;
-            for (var r = 0u; r < 4u; r++) {
-                let row = r0 + r;
-                let v = acc[i][r];
-                if (row < a) {
-                    out[z * a + row] = v;
-                } else if (row < b) {
-                    out_b[z * (b - a) + row - a] = v;
-                } else if (row < c) {
-                    out_c[z * (c - b) + row - b] = v;
-                } else if (row < p.rows) {
-                    out_d[z * (p.rows - c) + row - c] = v;
-                }
-            }
-        }
-    }
+    gemm_store_part4(t, tok, r0, acc.t0);
+    gemm_store_part4(t, tok + 1u, r0, acc.t1);
+    gemm_store_part4(t, tok + 2u, r0, acc.t2);
+    gemm_store_part4(t, tok + 3u, r0, acc.t3);
+}
+
+// silu(gate) * up of one token's two output rows: v holds gate rows r0, r0 + 1, then the
+// same rows of the up projection.
+fn gemm_store_swiglu(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
+    gemm_store(t, tok, r0, v.x * sigmoid(v.x) * v.z);
+    gemm_store(t, tok, r0 + 1u, v.y * sigmoid(v.y) * v.w);
 }
 
 // out[z, row] = silu(gate[row] . x) * (up[row] . x) for GN / 2 rows per workgroup: tile
@@ -600,19 +659,10 @@ fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) 
     let t = gemm_tile(wid.y);
     let row0 = wid.x * (GN / 2u);
     let acc = gemm_accumulate(li, t, row0, true);
-    let tt = li / (GN / 4u);
+    let tok = (li / (GN / 4u)) * 4u;
     let r0 = row0 + (li % (GN / 4u)) * 2u;
-    for (var i = 0u; i < 4u; i++) {
-        let tok = tt * 4u + i;
-        if (tok < t.count) {
-            let z = gemm_rows(t, tok).y;
-            let a = acc[i];
-            if (r0 < p.rows) {
-                out[z * out_cols() + p.out_first + r0] = a.x * sigmoid(a.x) * a.z;
-            }
-            if (r0 + 1u < p.rows) {
-                out[z * out_cols() + p.out_first + r0 + 1u] = a.y * sigmoid(a.y) * a.w;
-            }
-        }
-    }
+    gemm_store_swiglu(t, tok, r0, acc.t0);
+    gemm_store_swiglu(t, tok + 1u, r0, acc.t1);
+    gemm_store_swiglu(t, tok + 2u, r0, acc.t2);
+    gemm_store_swiglu(t, tok + 3u, r0, acc.t3);
 }
