@@ -205,6 +205,7 @@ pub fn run<B: Backend>(
                     bytes,
                     options.source.context,
                     options.source.queue_depth,
+                    crate::plan::prefill_chunk(backend, cfg, false),
                 )
                 .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
             }

@@ -327,7 +327,15 @@ pub fn open_source<B: Backend>(
             .checked_mul(index.moe_layers.len())
             .ok_or_else(|| Error::InvalidInput(format!("{n} experts per layer is too many")))?,
         Some(PoolSize::Budget(budget)) => {
-            let p = Plan::new(ckpt, &index, budget, options.context, options.queue_depth)?;
+            let chunk = crate::plan::prefill_chunk(backend, &ckpt.config, false);
+            let p = Plan::new(
+                ckpt,
+                &index,
+                budget,
+                options.context,
+                options.queue_depth,
+                chunk,
+            )?;
             tracing::info!(slots = p.slots, pool = %crate::plan::human(p.pool), "memory plan");
             let slots = p.slots;
             plan = Some(p);

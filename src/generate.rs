@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::experts::ExpertSource;
-use crate::model::{Logits, Model, SequenceState, PREFILL_CHUNK};
+use crate::model::{Logits, Model, SequenceState};
 use crate::sampling::{Sampler, SamplingOptions};
 
 /// What to generate.
@@ -80,7 +80,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
     let mut logits = Vec::new();
     let mut done = 0;
-    for chunk in prompt.chunks(PREFILL_CHUNK) {
+    for chunk in prompt.chunks(model.prefill_chunk(backend, Logits::Last)) {
         logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
         done += chunk.len();
         if options.cancelled() {

@@ -1228,6 +1228,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         args.memory_budget,
         args.context,
         args.queue_depth,
+        slotstream::plan::PREFILL_CHUNK,
     )?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);

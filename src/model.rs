@@ -345,9 +345,6 @@ impl<B: Backend> SequenceState<B> {
     }
 }
 
-/// Tokens per pass of a long input (see [`Model::forward`]).
-pub const PREFILL_CHUNK: usize = 256;
-
 /// Passes of at least this many tokens get their experts through
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
 pub const SWEEP_MIN_TOKENS: usize = 32;
@@ -805,8 +802,9 @@ impl<B: Backend> Model<B> {
 
     /// Runs `ids` through the model after the tokens already in `state`, updating it.
     /// Returns row-major logits, `[ids.len(), vocab]` or `[1, vocab]` (see [`Logits`]).
-    /// Long inputs run in chunks of [`PREFILL_CHUNK`] tokens, which bounds workspaces and
-    /// per-dispatch sizes; the result is the same as one pass (the model is causal).
+    /// Long inputs run in chunks of [`Model::prefill_chunk`] tokens, which bounds
+    /// workspaces and per-dispatch sizes; the result is the same as one pass (the model
+    /// is causal).
     ///
     /// Errors: empty input, a token id beyond the vocabulary, a failure of `experts`, or a
     /// state left inconsistent by an earlier failed call (start a new sequence).
@@ -837,7 +835,7 @@ impl<B: Backend> Model<B> {
         }
         state.broken = true;
         let mut out = Vec::new();
-        let chunks: Vec<&[u32]> = ids.chunks(PREFILL_CHUNK).collect();
+        let chunks: Vec<&[u32]> = ids.chunks(self.prefill_chunk(backend, which)).collect();
         for (n, chunk) in chunks.iter().enumerate() {
             let last = n + 1 == chunks.len();
             let want = match which {
@@ -849,6 +847,12 @@ impl<B: Backend> Model<B> {
         }
         state.broken = false;
         Ok(out)
+    }
+
+    /// Tokens per pass of a long input on `backend` ([`Backend::prefill_chunk`] for this
+    /// model's widest activation row and top-k).
+    pub fn prefill_chunk(&self, backend: &B, which: Logits) -> usize {
+        crate::plan::prefill_chunk(backend, &self.config, which == Logits::All)
     }
 
     /// One chunk of [`Model::forward`]; `which: None` skips the head.

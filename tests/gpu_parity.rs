@@ -309,3 +309,48 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
         assert_eq!(pool.pinned_slots(), 0);
     }
 }
+
+/// An input longer than the GPU's prefill chunk (chunks of up to 2,048 tokens in tiles)
+/// gives, position by position, the logits the CPU backend gives in its 256-token chunks,
+/// on fresh random ids: the chunk edges of both backends fall inside the sequence.
+#[test]
+fn inputs_longer_than_a_gpu_prefill_chunk_match_the_cpu() {
+    use rand::Rng;
+    use slotstream::backend::cpu::CpuBackend;
+    let g = gpu();
+    let name = FIXTURES[1];
+    let l = load_cpu(name);
+    let model = Model::load(&l.ckpt, &g).unwrap();
+    let chunk = model.prefill_chunk(&g, Logits::All);
+    assert!(
+        chunk > slotstream::plan::PREFILL_CHUNK || !g.gpu.tiled,
+        "a GPU with tiles takes chunks of {chunk} tokens"
+    );
+    let n = chunk + 45;
+    let mut rng = rand::rng();
+    let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..500)).collect();
+    let mapped = MappedExperts::new(l.ckpt.clone(), Arc::new(model.experts.clone()));
+    let mut state = model.new_state(&g);
+    let got = model
+        .forward(&g, &mut state, &ids, &mapped, Logits::All)
+        .unwrap();
+    let mut cpu_state = l.model.new_state(&CpuBackend);
+    let want = l
+        .model
+        .forward(&CpuBackend, &mut cpu_state, &ids, &l.experts, Logits::All)
+        .unwrap();
+    let vocab = model.config.vocab_size;
+    let mut worst = 0.0f64;
+    for t in 0..n {
+        let row = t * vocab..(t + 1) * vocab;
+        let e = rel_err(&got[row.clone()], &want[row]);
+        assert!(
+            e <= 1e-4,
+            "position {t} of {n}: GPU vs CPU relative error {e}"
+        );
+        worst = worst.max(e);
+    }
+    eprintln!(
+        "{name}: {n} tokens in chunks of {chunk}: worst GPU vs CPU relative error {worst:.3e}"
+    );
+}

@@ -12,7 +12,7 @@
 // up to 8 each, so Dk <= 256) and keep them in registers for the whole call; the loop over
 // tokens runs inside the kernel, so prefill and decode share it. Per token, the lanes'
 // partial dot(S_i, k) and the squared norms of q and k are summed over the row's lanes
-// (reduce.wgsl: subgroup shuffles, no barrier where 32 lanes share a subgroup), then
+// (row_sums: subgroup shuffles, no barrier where 32 lanes share a subgroup), then
 // dot(S_i, q); the next token's inputs are loaded before this token's sums. q and k are normalized on the fly
 // (x * rsqrt(mean(x^2) + eps) * scale, as the CPU backend's rms_norm), and (g, beta) are
 // computed by every workgroup for its own head, so the conv output and the [b | a]
@@ -131,11 +131,10 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let part = dot(s_lo, cur.k_lo) + dot(s_hi, cur.k_hi);
         let kk = dot(cur.k_lo, cur.k_lo) + dot(cur.k_hi, cur.k_hi);
         let qq = dot(cur.q_lo, cur.q_lo) + dot(cur.q_hi, cur.q_hi);
-        // A row's 32 lanes are one aligned segment (reduce.wgsl): no barrier where they
-        // share a subgroup.
-        let sk = segment_sum(li, LANES, part);
-        let ksum = segment_sum(li, LANES, kk);
-        let qsum = segment_sum(li, LANES, qq);
+        let sums = row_sums(li, vec3<f32>(part, kk, qq));
+        let sk = sums.x;
+        let ksum = sums.y;
+        let qsum = sums.z;
         // As norm.wgsl (and the CPU backend) compute it: inverseSqrt may be less precise.
         let rk = 1.0 / sqrt(ksum / f32(p.dk) + p.eps) * p.k_scale;
         let rq = 1.0 / sqrt(qsum / f32(p.dk) + p.eps) * p.q_scale;
@@ -145,7 +144,7 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         s_lo += cur.k_lo * (rk * delta);
         s_hi += cur.k_hi * (rk * delta);
         let part_y = dot(s_lo, cur.q_lo) + dot(s_hi, cur.q_hi);
-        let yi = segment_sum(li, LANES, part_y);
+        let yi = row_sums(li, vec3<f32>(part_y, 0.0, 0.0)).x;
         if (live && lane == 0u) {
             y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
@@ -155,6 +154,31 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         store_state(srow, cols_lo, s_lo);
         store_state(srow, cols_hi, s_hi);
     }
+}
+
+var<workgroup> row_partials: array<vec3<f32>, 256>;
+
+// The sums of `v` over the 32 lanes of invocation li's row, in every lane: subgroup
+// shuffles where 32 lanes share a subgroup (no barrier), else through workgroup memory
+// (two barriers). Every invocation of the workgroup must call it.
+fn row_sums(li: u32, v: vec3<f32>) -> vec3<f32> {
+    if (SUBGROUP_LANES >= LANES) {
+        var acc = v;
+        for (var m = 1u; m < LANES; m <<= 1u) {
+            acc += vec3<f32>(lane_xor_f32(acc.x, m), lane_xor_f32(acc.y, m), lane_xor_f32(acc.z, m));
+        }
+        return acc;
+    }
+    row_partials[li] = v;
+    workgroupBarrier();
+    let first = li - li % LANES;
+    var acc = vec3<f32>(0.0);
+    for (var l = 0u; l < LANES; l++) {
+        acc += row_partials[first + l];
+    }
+    // Every read before the next call's writes.
+    workgroupBarrier();
+    return acc;
 }
 
 // State row columns `cols` (those below Dk; zero past it).

@@ -284,6 +284,14 @@ pub trait Backend: Send + Sync {
         Ok((2 * LEN * runs) as f64 / start.elapsed().as_secs_f64())
     }
 
+    /// Tokens a pass of a long input computes at once, for a model whose widest
+    /// activation row is `row_bytes` bytes a token with `routes_per_token` routed experts
+    /// (top-k): larger chunks read each weight once for more tokens, and cost workspace
+    /// memory. The default is [`crate::plan::PREFILL_CHUNK`].
+    fn prefill_chunk(&self, _row_bytes: usize, _routes_per_token: usize) -> usize {
+        crate::plan::PREFILL_CHUNK
+    }
+
     /// Makes a weight resident. Errors: the backend cannot hold it.
     fn upload_weight(&self, w: LinearWeight) -> Result<Self::Weight>;
     /// Uploads `[rows, cols]` values.

@@ -7,7 +7,7 @@
 //! - Workgroup counts above 65,535 use a 2-D grid ([`grid`]); a kernel computes its linear
 //!   workgroup index as `wid.x + wid.y * nwg.x` and returns early past the end. The z
 //!   dimension (tokens or routes) stays below 65,535 because the model runs long inputs
-//!   in chunks (`model::PREFILL_CHUNK`).
+//!   in chunks that keep it so (`GpuBackend::prefill_chunk`).
 //! - The uniform block passed must be at least as long as the shader's `Params` struct
 //!   (it is padded to 16 bytes, not to the struct).
 //! - Dispatches are recorded into one compute pass of one pending command encoder, which is

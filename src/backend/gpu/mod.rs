@@ -371,6 +371,13 @@ impl Drop for GpuBackend {
     }
 }
 
+/// Most tokens of one prefill pass on a GPU with tiles (see
+/// [`GpuBackend::prefill_chunk`](Backend::prefill_chunk)).
+pub const MAX_PREFILL_CHUNK: usize = 2048;
+
+/// Most workgroups along one dimension of a dispatch.
+const MAX_GROUPS: usize = 65_535;
+
 impl Backend for GpuBackend {
     type Tensor = GpuTensor;
     type Weight = GpuWeight;
@@ -379,6 +386,24 @@ impl Backend for GpuBackend {
 
     fn name(&self) -> String {
         format!("{} ({})", self.gpu.adapter.name, self.gpu.adapter.backend)
+    }
+
+    /// With tiles, up to [`MAX_PREFILL_CHUNK`] tokens (a multiple of
+    /// [`crate::plan::PREFILL_CHUNK`]): the tiled products read each weight, and each
+    /// routed expert's record, once per tile of the chunk's tokens, so a long prompt reads
+    /// them fewer times in larger chunks. Bounded so the widest activation fits one
+    /// storage binding and a chunk's routes fit one dispatch dimension (the row-by-row
+    /// kernels put them in z). Without tiles, [`crate::plan::PREFILL_CHUNK`].
+    fn prefill_chunk(&self, row_bytes: usize, routes_per_token: usize) -> usize {
+        use crate::plan::PREFILL_CHUNK;
+        if !self.gpu.tiled {
+            return PREFILL_CHUNK;
+        }
+        let binding = self.gpu.limits.max_storage_buffer_binding_size as usize;
+        let chunk = MAX_PREFILL_CHUNK
+            .min(binding / row_bytes.max(1))
+            .min(MAX_GROUPS / routes_per_token.max(1));
+        (chunk / PREFILL_CHUNK * PREFILL_CHUNK).max(PREFILL_CHUNK)
     }
 
     fn attach_pool(
