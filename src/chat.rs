@@ -10,11 +10,11 @@
 //! tokenized and read again from the start.
 
 use crate::backend::Backend;
+use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
 use crate::error::{Error, Result};
 use crate::experts::ExpertSource;
 use crate::generate::{generate, GenerateOptions, GenerateStats};
 use crate::model::{Model, SequenceState};
-use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// One conversation with its model state.
@@ -202,7 +202,8 @@ pub fn read_input(
     const FENCE: &str = "\"\"\"";
     let read = |lines: &mut dyn std::io::BufRead| -> std::io::Result<Option<String>> {
         let mut line = String::new();
-        Ok((lines.read_line(&mut line)? > 0).then(|| line.trim_end_matches(['\n', '\r']).to_string()))
+        Ok((lines.read_line(&mut line)? > 0)
+            .then(|| line.trim_end_matches(['\n', '\r']).to_string()))
     };
     loop {
         more(false);

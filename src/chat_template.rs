@@ -280,7 +280,9 @@ pub fn chat_prompt(
     let mut rendered = template.render(tokenizer, chat)?;
     let thinking_open = rendered.thinking_open();
     let opening = template.tool_call_opening(tokenizer, chat)?;
-    let reply_prefix = opening.as_ref().map_or(String::new(), |o| o.text(tokenizer));
+    let reply_prefix = opening
+        .as_ref()
+        .map_or(String::new(), |o| o.text(tokenizer));
     if let Some(o) = &opening {
         rendered.0.push_str(&o.0);
     }
@@ -366,7 +368,10 @@ impl ChatTemplate {
             path: self.path.clone(),
             message,
         };
-        if let Some(k) = RESERVED_KWARGS.iter().find(|k| chat.kwargs.contains_key(**k)) {
+        if let Some(k) = RESERVED_KWARGS
+            .iter()
+            .find(|k| chat.kwargs.contains_key(**k))
+        {
             return Err(err(format!(
                 "template variable `{k}` is set by the request itself, not in its kwargs"
             )));
@@ -545,6 +550,30 @@ struct PythonJson<'a> {
 }
 
 impl PythonJson<'_> {
+    fn open<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(bracket)
+    }
+
+    /// Closes a container, on a line of its own when it had items and an indent.
+    fn close<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(w)?;
+        }
+        self.has_value = true;
+        w.write_all(bracket)
+    }
+
     fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
         if let Some(pad) = self.indent {
             w.write_all(b"\n")?;
@@ -564,30 +593,35 @@ impl PythonJson<'_> {
 }
 
 impl serde_json::ser::Formatter for PythonJson<'_> {
-    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, value: f64) -> std::io::Result<()> {
+    fn write_f64<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        value: f64,
+    ) -> std::io::Result<()> {
         w.write_all(python_float_repr(value).as_bytes())
     }
 
-    fn write_f32<W: ?Sized + std::io::Write>(&mut self, w: &mut W, value: f32) -> std::io::Result<()> {
+    fn write_f32<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        value: f32,
+    ) -> std::io::Result<()> {
         w.write_all(python_float_repr(value as f64).as_bytes())
     }
 
     fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.level += 1;
-        self.has_value = false;
-        w.write_all(b"[")
+        self.open(w, b"[")
     }
 
     fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.level -= 1;
-        if self.has_value {
-            self.newline(w)?;
-        }
-        self.has_value = true;
-        w.write_all(b"]")
+        self.close(w, b"]")
     }
 
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         self.separator(w, first)
     }
 
@@ -597,21 +631,18 @@ impl serde_json::ser::Formatter for PythonJson<'_> {
     }
 
     fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.level += 1;
-        self.has_value = false;
-        w.write_all(b"{")
+        self.open(w, b"{")
     }
 
     fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        self.level -= 1;
-        if self.has_value {
-            self.newline(w)?;
-        }
-        self.has_value = true;
-        w.write_all(b"}")
+        self.close(w, b"}")
     }
 
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         self.separator(w, first)
     }
 
@@ -651,7 +682,11 @@ fn python_float_repr(value: f64) -> String {
         } else if (point as usize) >= digits.len() {
             format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
         } else {
-            format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
+            format!(
+                "{}.{}",
+                &digits[..point as usize],
+                &digits[point as usize..]
+            )
         };
         format!("{sign}{body}")
     } else {
@@ -694,7 +729,9 @@ mod tests {
             "b": [1, 2.5, "x<y>&'"], "a": {}, "c": [], "d": {"e": null, "f": true}
         }));
         let kw = |indent: Option<usize>| {
-            minijinja::value::Kwargs::from_iter(indent.map(|i| ("indent", minijinja::Value::from(i))))
+            minijinja::value::Kwargs::from_iter(
+                indent.map(|i| ("indent", minijinja::Value::from(i))),
+            )
         };
         let compact = python_tojson(&v, kw(None)).unwrap().to_string();
         // json.dumps({"b": [1, 2.5, "x<y>&'"], "a": {}, "c": [], "d": {"e": None, "f": True}})

@@ -35,6 +35,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::backend::{open_compute, Backend, Compute};
+use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
@@ -43,7 +44,6 @@ use crate::model::{Model, SequenceState};
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::pool::{PoolStats, SlotPool};
 use crate::sampling::SamplingOptions;
-use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
 use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 /// How to load a model.

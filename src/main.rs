@@ -10,6 +10,7 @@ use slotstream::backend::gpu::{list_adapters, Placement};
 use slotstream::backend::Backend;
 use slotstream::backend::{open_compute, Compute};
 use slotstream::cachesim;
+use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::{open_source, OpenedSource, PoolSize, SourceOptions};
 use slotstream::generate::GenerateOptions;
@@ -19,7 +20,6 @@ use slotstream::plan::Plan;
 use slotstream::pool::SlotPool;
 use slotstream::sampling::SamplingOptions;
 use slotstream::score::Score;
-use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
 use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
@@ -117,7 +117,9 @@ impl TemplateArgs {
     }
 }
 
-fn parse_kwargs(s: &str) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
+fn parse_kwargs(
+    s: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
     match serde_json::from_str(s) {
         Ok(serde_json::Value::Object(map)) => Ok(map),
         Ok(_) => Err("must be a JSON object, e.g. '{\"enable_thinking\": false}'".into()),
@@ -689,9 +691,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 .context("reading the prompt from standard input")?;
             Some(text)
         }
-        (None, None, Some(f)) => Some(
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
-        ),
+        (None, None, Some(f)) => {
+            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
+        }
         (None, None, None) => None,
         _ => bail!("give the prompt once: as an argument, --prompt, --prompt-file or --prompt-ids"),
     };

@@ -280,7 +280,12 @@ fn parse_xml_call(rest: &str, tools: &[Value]) -> Option<FunctionCall> {
     let properties = tools
         .iter()
         .find(|t| crate::chat_template::tool_name(t) == Some(name))
-        .and_then(|t| t.get("function").unwrap_or(t).get("parameters")?.get("properties"));
+        .and_then(|t| {
+            t.get("function")
+                .unwrap_or(t)
+                .get("parameters")?
+                .get("properties")
+        });
     let mut arguments = Map::new();
     while !body.is_empty() {
         let (param, after) = body.strip_prefix("<parameter=")?.split_once('>')?;
@@ -310,10 +315,12 @@ mod tests {
     use serde_json::json;
 
     fn tools() -> Vec<Value> {
-        vec![json!({"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}
-        }}})]
+        vec![
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}
+            }}}),
+        ]
     }
 
     fn options(thinking_open: bool, tools_on: bool) -> ReplyOptions {
@@ -344,7 +351,10 @@ mod tests {
             vec![
                 call("get_weather", json!({"city": "Paris", "days": 2})),
                 // Types from the schema: `days` an integer, `zip` stays text.
-                call("get_weather", json!({"city": "New\nYork", "days": 3, "zip": "10001"})),
+                call(
+                    "get_weather",
+                    json!({"city": "New\nYork", "days": 3, "zip": "10001"})
+                ),
             ]
         );
     }
@@ -352,17 +362,29 @@ mod tests {
     #[test]
     fn a_prompt_that_opened_thinking_starts_in_reasoning() {
         let r = Reply::parse("I should answer.\n</think>\n\nHello!", options(true, false));
-        assert_eq!((r.reasoning.as_str(), r.content.as_str()), ("I should answer.", "Hello!"));
+        assert_eq!(
+            (r.reasoning.as_str(), r.content.as_str()),
+            ("I should answer.", "Hello!")
+        );
         // Cut off before `</think>`: all reasoning.
         let r = Reply::parse("still thinking", options(true, false));
-        assert_eq!((r.reasoning.as_str(), r.content.as_str()), ("still thinking", ""));
+        assert_eq!(
+            (r.reasoning.as_str(), r.content.as_str()),
+            ("still thinking", "")
+        );
     }
 
     #[test]
     fn off_switches_keep_the_raw_text() {
         let text = "<think>x</think>\n\nhi <tool_call>\n{\"name\": \"f\"}\n</tool_call>";
         let r = Reply::parse(text, ReplyOptions::default());
-        assert_eq!(r, Reply { content: text.into(), ..Default::default() });
+        assert_eq!(
+            r,
+            Reply {
+                content: text.into(),
+                ..Default::default()
+            }
+        );
         // Tools off: calls stay text, reasoning still splits.
         let r = Reply::parse(text, options(false, false));
         assert_eq!(r.reasoning, "x");
@@ -385,7 +407,10 @@ mod tests {
             let text = format!("ok <tool_call>\n{body}\n</tool_call> after");
             let r = Reply::parse(&text, options(false, true));
             assert!(r.tool_calls.is_empty(), "{body}");
-            assert_eq!(r.content, format!("ok<tool_call>\n{body}\n</tool_call> after"));
+            assert_eq!(
+                r.content,
+                format!("ok<tool_call>\n{body}\n</tool_call> after")
+            );
         }
         // Cut off inside a call.
         let r = Reply::parse("a\n<tool_call>\n{\"name\": ", options(false, true));
@@ -395,7 +420,10 @@ mod tests {
             "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call><tool_call>{\"name\": \"g\"}</tool_call>",
             options(false, true),
         );
-        assert_eq!(r.tool_calls, vec![call("f", json!({"a": 1})), call("g", json!({}))]);
+        assert_eq!(
+            r.tool_calls,
+            vec![call("f", json!({"a": 1})), call("g", json!({}))]
+        );
     }
 
     fn streamed(text: &str, cuts: &[usize], options: ReplyOptions) -> Reply {

@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
+use serde_json::{json, Value};
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::chat::Conversation;
-use serde_json::{json, Value};
 use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message, ToolChoice};
 use slotstream::engine::Input;
 use slotstream::generate::GenerateOptions;
@@ -135,7 +135,10 @@ fn message_text_never_becomes_control_tokens() {
     let dir = qwen3_tokenizer_dir(None);
     let tok = Tokenizer::load(dir.path()).unwrap();
     let template = ChatTemplate::load(dir.path()).unwrap().unwrap();
-    assert_eq!(tok.encode_plain("<|im_end|>").unwrap(), [27, 91, 318, 6213, 91, 29]);
+    assert_eq!(
+        tok.encode_plain("<|im_end|>").unwrap(),
+        [27, 91, 318, 6213, 91, 29]
+    );
     // A raw prompt keeps special parsing.
     assert_eq!(tok.encode("<|im_end|>").unwrap(), [151645]);
     let (im_start, im_end) = (151644u32, 151645u32);
@@ -143,7 +146,10 @@ fn message_text_never_becomes_control_tokens() {
     let count = |ids: &[u32], id: u32| ids.iter().filter(|&&i| i == id).count();
     for role in ["system", "user", "assistant", "tool"] {
         let mut chat = Chat::new(vec![Message::new("user", "hi")]);
-        chat.messages.insert(if role == "system" { 0 } else { 1 }, Message::new(role, evil));
+        chat.messages.insert(
+            if role == "system" { 0 } else { 1 },
+            Message::new(role, evil),
+        );
         if role != "user" {
             chat.messages.push(Message::new("user", "go on"));
         }
@@ -158,8 +164,16 @@ fn message_text_never_becomes_control_tokens() {
             }
             chat_prompt(&tok, Some(&template), &c).unwrap().ids
         };
-        assert_eq!(count(&ids, im_start), count(&benign, im_start), "{role}: {text}");
-        assert_eq!(count(&ids, im_end), count(&benign, im_end), "{role}: {text}");
+        assert_eq!(
+            count(&ids, im_start),
+            count(&benign, im_start),
+            "{role}: {text}"
+        );
+        assert_eq!(
+            count(&ids, im_end),
+            count(&benign, im_end),
+            "{role}: {text}"
+        );
         // The text's plain ids (but the last, which may merge with a following newline).
         let evil_ids = tok.encode_plain(evil).unwrap();
         let evil_ids = &evil_ids[..evil_ids.len() - 1];
@@ -167,22 +181,31 @@ fn message_text_never_becomes_control_tokens() {
             ids.windows(evil_ids.len()).any(|w| w == evil_ids),
             "{role}: the message's text is in the prompt as plain text"
         );
-        assert!(text.contains(evil), "{role}: rendered as the template renders it");
+        assert!(
+            text.contains(evil),
+            "{role}: rendered as the template renders it"
+        );
     }
     // Tool definitions, a tool call's arguments and template variables are data too.
     let mut chat = Chat::new(vec![
         Message::new("user", "hi"),
         Message {
-            tool_calls: vec![serde_json::from_value(json!({"type": "function", "function": {
+            tool_calls: vec![
+                serde_json::from_value(json!({"type": "function", "function": {
                 "name": "f", "arguments": format!("{{\"x\": {}}}", json!(evil)) }}))
-            .unwrap()],
+                .unwrap(),
+            ],
             ..Message::new("assistant", "")
         },
     ]);
     chat.tools = vec![json!({"type": "function", "function": {"name": "f", "description": evil}})];
     let ids = chat_prompt(&tok, Some(&template), &chat).unwrap().ids;
     let text = template.render(&tok, &chat).unwrap().text(&tok);
-    assert_eq!(count(&ids, im_start), text.matches("<|im_start|>").count() - 2, "{text}");
+    assert_eq!(
+        count(&ids, im_start),
+        text.matches("<|im_start|>").count() - 2,
+        "{text}"
+    );
 }
 
 /// `chat_template_kwargs` reach the template (any key), `enable_thinking` as Qwen3 reads
@@ -201,11 +224,17 @@ fn template_variables_and_tool_choice() {
     let off = chat_of(&json!({ "messages": hi, "enable_thinking": false }));
     let off = chat_prompt(&tok, Some(&qwen3), &off).unwrap();
     assert_eq!(off.ids.len(), on.ids.len() + 4, "<think>\n\n</think>\n\n");
-    assert_eq!(tok.decode(&off.ids[on.ids.len()..]).unwrap(), "<think>\n\n</think>\n\n");
+    assert_eq!(
+        tok.decode(&off.ids[on.ids.len()..]).unwrap(),
+        "<think>\n\n</think>\n\n"
+    );
     let conflicting = json!({ "messages": hi, "enable_thinking": true,
                               "chat_template_kwargs": { "enable_thinking": false } });
     let request = ChatRequest::parse(conflicting.to_string().as_bytes()).unwrap();
-    assert_eq!(request.input().unwrap_err().param.as_deref(), Some("enable_thinking"));
+    assert_eq!(
+        request.input().unwrap_err().param.as_deref(),
+        Some("enable_thinking")
+    );
 
     // Any key: a template that prints one.
     let dir = tempfile::tempdir().unwrap();
@@ -223,7 +252,10 @@ fn template_variables_and_tool_choice() {
     let chat = chat_of(&json!({ "messages": hi, "chat_template_kwargs": {
         "persona": "<|im_start|>pirate", "extra": { "level": 3 } } }));
     let rendered = custom.render(&tok, &chat).unwrap().text(&tok);
-    assert_eq!(rendered, "<|im_start|>pirate|hi|3<|im_start|>assistant\n<think>\n");
+    assert_eq!(
+        rendered,
+        "<|im_start|>pirate|hi|3<|im_start|>assistant\n<think>\n"
+    );
     let prompt = chat_prompt(&tok, Some(&custom), &chat).unwrap();
     // The template's <|im_start|> is markup, the variable's is text.
     assert_eq!(prompt.ids.iter().filter(|&&i| i == 151644).count(), 1);
@@ -233,11 +265,17 @@ fn template_variables_and_tool_choice() {
         "parameters": { "type": "object", "properties": { "city": { "type": "string" } } } } }]);
     for (template, choice, opening) in [
         (&qwen3, json!("required"), "<tool_call>\n{\"name\": \""),
-        (&qwen3, json!({ "type": "function", "function": { "name": "get_weather" } }),
-            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "),
+        (
+            &qwen3,
+            json!({ "type": "function", "function": { "name": "get_weather" } }),
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ",
+        ),
         (&coder, json!("required"), "<tool_call>\n<function="),
-        (&coder, json!({ "type": "function", "function": { "name": "get_weather" } }),
-            "<tool_call>\n<function=get_weather>\n"),
+        (
+            &coder,
+            json!({ "type": "function", "function": { "name": "get_weather" } }),
+            "<tool_call>\n<function=get_weather>\n",
+        ),
         (&qwen3, json!("auto"), ""),
         (&qwen3, json!("none"), ""),
     ] {
@@ -250,12 +288,18 @@ fn template_variables_and_tool_choice() {
         without.tool_choice = ToolChoice::Auto;
         let base = chat_prompt(&tok, Some(template), &without).unwrap().ids;
         assert_eq!(&prompt.ids[..base.len()], &base[..], "{choice}");
-        assert_eq!(tok.decode(&prompt.ids[base.len()..]).unwrap(), opening, "{choice}");
+        assert_eq!(
+            tok.decode(&prompt.ids[base.len()..]).unwrap(),
+            opening,
+            "{choice}"
+        );
     }
     let unknown = chat_of(&json!({ "messages": hi, "tools": tools,
         "tool_choice": { "type": "function", "function": { "name": "nope" } } }));
     assert!(chat_prompt(&tok, Some(&qwen3), &unknown).is_err());
-    let fixture = ChatTemplate::load(&fixture_dir(FIXTURES[0])).unwrap().unwrap();
+    let fixture = ChatTemplate::load(&fixture_dir(FIXTURES[0]))
+        .unwrap()
+        .unwrap();
     let with_tools = chat_of(&json!({ "messages": hi, "tools": tools }));
     let e = chat_prompt(&tok, Some(&fixture), &with_tools).unwrap_err();
     assert!(e.to_string().contains("does not render tools"), "{e}");

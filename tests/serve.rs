@@ -397,10 +397,20 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     );
     // Any model name is served by the one model (as llama.cpp's server does), and echoed.
     for (path, body) in [
-        ("/v1/completions", json!({ "prompt": "hi", "max_tokens": 2, "model": "gpt-4o" })),
-        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2, "model": "gpt-4o" })),
+        (
+            "/v1/completions",
+            json!({ "prompt": "hi", "max_tokens": 2, "model": "gpt-4o" }),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2, "model": "gpt-4o" }),
+        ),
     ] {
-        let r = auth(s.client.post(url(path))).json(&body).send().await.unwrap();
+        let r = auth(s.client.post(url(path)))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status().as_u16(), 200);
         assert_eq!(r.json::<Value>().await.unwrap()["model"], "gpt-4o");
     }
@@ -426,7 +436,10 @@ async fn control_tokens_come_only_from_the_template() {
     let count = |id: u32| want.iter().filter(|&&i| i == id).count();
     assert_eq!((count(510), count(511)), (2, 1));
     let (_, v) = s
-        .post("/v1/completions", &json!({ "prompt": evil, "max_tokens": 1 }))
+        .post(
+            "/v1/completions",
+            &json!({ "prompt": evil, "max_tokens": 1 }),
+        )
         .await;
     let raw = s.engine.encode(&Input::Text(evil.into())).unwrap();
     assert_eq!(v["usage"]["prompt_tokens"], raw.len());
@@ -477,7 +490,10 @@ async fn tools_and_thinking_with_qwen3s_template() {
     assert_eq!(status, 200, "{v}");
     let message = &v["choices"][0]["message"];
     let opening = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ";
-    assert!(message["content"].as_str().unwrap().starts_with(opening), "{v}");
+    assert!(
+        message["content"].as_str().unwrap().starts_with(opening),
+        "{v}"
+    );
     assert!(message.get("tool_calls").is_none(), "{v}");
     assert_ne!(v["choices"][0]["finish_reason"], "tool_calls");
     let mut streamed = forced.clone();
@@ -485,7 +501,9 @@ async fn tools_and_thinking_with_qwen3s_template() {
     let (text, finish, chunks) = s.stream("/v1/chat/completions", &streamed).await;
     assert_eq!(text, message["content"].as_str().unwrap());
     assert_eq!(finish, v["choices"][0]["finish_reason"].as_str().unwrap());
-    assert!(chunks.iter().all(|c| c["choices"][0]["delta"].get("tool_calls").is_none()));
+    assert!(chunks
+        .iter()
+        .all(|c| c["choices"][0]["delta"].get("tool_calls").is_none()));
 }
 
 /// A template that opens `<think>` for the reply (as Qwen3-Thinking's do): the reply is
@@ -500,10 +518,15 @@ async fn reasoning_content_split_and_reasoning_format_none() {
     let body = json!({ "messages": [{ "role": "user", "content": "Tell me about slots." }], "max_tokens": 12 });
     let (_, raw) = none.post("/v1/chat/completions", &body).await;
     let raw_text = raw["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(raw["choices"][0]["message"].get("reasoning_content").is_none());
+    assert!(raw["choices"][0]["message"]
+        .get("reasoning_content")
+        .is_none());
     let (_, v) = auto.post("/v1/chat/completions", &body).await;
     let message = &v["choices"][0]["message"];
-    assert_eq!(message["reasoning_content"].as_str().unwrap(), raw_text.trim());
+    assert_eq!(
+        message["reasoning_content"].as_str().unwrap(),
+        raw_text.trim()
+    );
     assert_eq!(message["content"], "");
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);

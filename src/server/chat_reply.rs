@@ -38,14 +38,14 @@ impl ChatReply {
     pub fn deltas(&mut self, text: &str) -> Vec<Value> {
         let mut parts = std::mem::take(&mut self.pending);
         parts.extend(self.parser.push(text));
-        self.to_deltas(parts)
+        self.deltas_of(parts)
     }
 
     /// Stream deltas for what the end of the reply releases.
     pub fn finish_deltas(&mut self) -> Vec<Value> {
         let mut parts = std::mem::take(&mut self.pending);
         parts.extend(self.parser.finish());
-        self.to_deltas(parts)
+        self.deltas_of(parts)
     }
 
     /// The whole reply's message (`text` is all of it).
@@ -83,7 +83,7 @@ impl ChatReply {
         }
     }
 
-    fn to_deltas(&mut self, parts: Vec<ReplyPart>) -> Vec<Value> {
+    fn deltas_of(&mut self, parts: Vec<ReplyPart>) -> Vec<Value> {
         parts
             .into_iter()
             .map(|part| match part {
@@ -107,4 +107,75 @@ fn tool_call(call: &FunctionCall) -> Value {
         "type": "function",
         "function": { "name": call.name, "arguments": call.arguments },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(tool_choice: ToolChoice) -> Chat {
+        Chat {
+            tools: vec![json!({"type": "function", "function": {"name": "get_weather"}})],
+            tool_choice,
+            ..Default::default()
+        }
+    }
+
+    const REPLY: &str = "<think>\nweather twice\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>";
+
+    #[test]
+    fn calls_stream_as_indexed_deltas_and_end_with_tool_calls() {
+        let mut reply = ChatReply::new(&chat(ToolChoice::Auto), &ChatPrompt::default(), true);
+        let mut deltas = Vec::new();
+        for piece in REPLY.split_inclusive(['\n', '"']) {
+            deltas.extend(reply.deltas(piece));
+        }
+        deltas.extend(reply.finish_deltas());
+        let field =
+            |k: &str| -> String { deltas.iter().filter_map(|d| d.get(k)?.as_str()).collect() };
+        assert_eq!(field("reasoning_content"), "weather twice");
+        assert_eq!(field("content"), "Checking.");
+        let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+        assert_eq!(calls.len(), 2);
+        for (i, (call, city)) in calls.iter().zip(["Paris", "Oslo"]).enumerate() {
+            assert_eq!(call[0]["index"], i);
+            assert_eq!(call[0]["type"], "function");
+            assert!(call[0]["id"].as_str().unwrap().starts_with("call_"));
+            assert_eq!(call[0]["function"]["name"], "get_weather");
+            let args: Value =
+                serde_json::from_str(call[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert_eq!(args, json!({ "city": city }));
+        }
+        assert_eq!(reply.finish_reason("stop"), "tool_calls");
+    }
+
+    #[test]
+    fn whole_message_and_tool_choice_none() {
+        let m =
+            ChatReply::new(&chat(ToolChoice::Auto), &ChatPrompt::default(), true).message(REPLY);
+        assert_eq!(m["reasoning_content"], "weather twice");
+        assert_eq!(m["content"], "Checking.");
+        assert_eq!(m["tool_calls"].as_array().unwrap().len(), 2);
+        // A reply of calls alone has null content, as OpenAI's.
+        let calls_only = &REPLY[REPLY.find("<tool_call>").unwrap()..];
+        let m = ChatReply::new(&chat(ToolChoice::Auto), &ChatPrompt::default(), true)
+            .message(calls_only);
+        assert_eq!(m["content"], Value::Null);
+        // tool_choice none: calls stay text; reasoning off: all of it is text.
+        let m =
+            ChatReply::new(&chat(ToolChoice::None), &ChatPrompt::default(), true).message(REPLY);
+        assert!(m.get("tool_calls").is_none());
+        assert!(m["content"].as_str().unwrap().ends_with("</tool_call>"));
+        let m = ChatReply::new(&chat(ToolChoice::Auto), &ChatPrompt::default(), false)
+            .message("<think>x</think>y");
+        assert_eq!(m["content"], "<think>x</think>y");
+        // A required call's opening from the prompt is read before the generated text.
+        let prompt = ChatPrompt {
+            reply_prefix: "<tool_call>\n{\"name\": \"".into(),
+            ..Default::default()
+        };
+        let m = ChatReply::new(&chat(ToolChoice::Required), &prompt, true)
+            .message("get_weather\", \"arguments\": {}}\n</tool_call>");
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{}");
+    }
 }

@@ -255,8 +255,10 @@ impl Meta {
             Endpoint::Chat => {
                 json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
             }
-            Endpoint::Completion => json!({ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
-                                            "logprobs": null, "finish_reason": finish }),
+            Endpoint::Completion => {
+                json!({ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
+                                            "logprobs": null, "finish_reason": finish })
+            }
         };
         self.envelope(choice, true)
     }

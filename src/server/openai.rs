@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS};
+use crate::chat_template::{
+    set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
+};
 use crate::engine::{Input, Request};
 use crate::sampling::SamplingOptions;
 
@@ -201,9 +203,16 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
         },
     };
     if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
-        return Err(ApiError::invalid("tool_choice", "requires a tool call, but no tools were given"));
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "requires a tool call, but no tools were given",
+        ));
     }
-    let mut kwargs = request.chat.chat_template_kwargs.clone().unwrap_or_default();
+    let mut kwargs = request
+        .chat
+        .chat_template_kwargs
+        .clone()
+        .unwrap_or_default();
     if let Some(k) = RESERVED_KWARGS.iter().find(|k| kwargs.contains_key(**k)) {
         return Err(ApiError::invalid(
             &format!("chat_template_kwargs.{k}"),
@@ -211,7 +220,8 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
         ));
     }
     if let Some(on) = request.chat.enable_thinking {
-        set_enable_thinking(&mut kwargs, on).map_err(|e| ApiError::invalid("enable_thinking", &e))?;
+        set_enable_thinking(&mut kwargs, on)
+            .map_err(|e| ApiError::invalid("enable_thinking", &e))?;
     }
     Ok(Chat {
         messages: Vec::new(),

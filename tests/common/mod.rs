@@ -171,8 +171,7 @@ pub fn qwen3_tokenizer_dir(template: Option<&str>) -> tempfile::TempDir {
 /// Qwen3's chat template (thinking, tools), from tests/fixtures/qwen3-chat.
 pub fn qwen3_template() -> String {
     let cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture_dir("qwen3-chat").join("tokenizer_config.json"))
-            .unwrap(),
+        &std::fs::read_to_string(fixture_dir("qwen3-chat").join("tokenizer_config.json")).unwrap(),
     )
     .unwrap();
     cfg["chat_template"].as_str().unwrap().to_string()
