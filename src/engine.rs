@@ -35,6 +35,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::backend::{open_compute, Backend, Compute};
+use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
@@ -43,7 +44,7 @@ use crate::model::{Model, SequenceState};
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::pool::{PoolStats, SlotPool};
 use crate::sampling::SamplingOptions;
-use crate::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
+use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 /// How to load a model.
 #[derive(Clone, Debug)]
@@ -81,10 +82,11 @@ pub struct Request {
 /// What a request starts from.
 #[derive(Clone, Debug)]
 pub enum Input {
-    /// Chat messages, rendered with the model's chat template (joined by newlines when
-    /// the model has none).
-    Messages(Vec<Message>),
-    /// Text tokenized as is.
+    /// A conversation, rendered with the model's chat template (the messages joined by
+    /// newlines when the model has none); control tokens come only from the template's
+    /// markup ([`crate::chat_template`]).
+    Chat(Chat),
+    /// Text tokenized as is, special-token texts included (a raw prompt).
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
@@ -94,10 +96,7 @@ impl Request {
     /// A single user message, greedy, up to 256 tokens.
     pub fn prompt(text: &str) -> Self {
         Request {
-            input: Input::Messages(vec![Message {
-                role: "user".into(),
-                content: text.into(),
-            }]),
+            input: Input::Chat(Chat::new(vec![Message::new("user", text)])),
             max_tokens: 256,
             sampling: SamplingOptions::default(),
         }
@@ -234,10 +233,10 @@ impl Engine {
         self.shared.context
     }
 
-    /// The prompt ids `input` stands for: messages rendered with the chat template and
-    /// tokenized, text tokenized, ids checked against the vocabulary. Runs without
-    /// waiting for the model. Errors: a template or tokenizer failure, an id out of
-    /// range, an empty prompt, a prompt that leaves no room in the context.
+    /// The prompt ids `input` stands for: a chat rendered with the template and tokenized
+    /// ([`Engine::encode_chat`]), text tokenized, ids checked against the vocabulary. Runs
+    /// without waiting for the model. Errors: a template or tokenizer failure, an id out
+    /// of range, an empty prompt, a prompt that leaves no room in the context.
     pub fn encode(&self, input: &Input) -> Result<Vec<u32>> {
         let s = &self.shared;
         let ids = match input {
@@ -251,33 +250,33 @@ impl Engine {
                 ids.clone()
             }
             Input::Text(text) => s.tokenizer.encode(text)?,
-            Input::Messages(messages) => {
-                let text = match &s.template {
-                    // A template that refuses the messages (raise_exception) is the
-                    // request's fault, not the model's.
-                    Some(t) => t.render(messages).map_err(|e| match e {
-                        Error::Tokenizer { message, .. } => Error::InvalidInput(message),
-                        e => e,
-                    })?,
-                    None => messages
-                        .iter()
-                        .map(|m| m.content.as_str())
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                };
-                s.tokenizer.encode(&text)?
-            }
+            Input::Chat(chat) => return Ok(self.encode_chat(chat)?.ids),
         };
+        self.check_prompt(&ids)?;
+        Ok(ids)
+    }
+
+    /// A chat's prompt ([`chat_prompt`]): its ids and how the reply starts (the opening
+    /// of a required tool call, an open `<think>` block). Errors: as [`Engine::encode`].
+    pub fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
+        let s = &self.shared;
+        let prompt = chat_prompt(&s.tokenizer, s.template.as_ref(), chat)?;
+        self.check_prompt(&prompt.ids)?;
+        Ok(prompt)
+    }
+
+    /// Refuses an empty prompt or one that leaves no room in the context.
+    fn check_prompt(&self, ids: &[u32]) -> Result<()> {
         if ids.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty".into()));
         }
-        if ids.len() >= s.context {
+        if ids.len() >= self.shared.context {
             return Err(Error::ContextFull {
                 prompt: ids.len(),
-                context: s.context,
+                context: self.shared.context,
             });
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// Decodes ids to text (special tokens included).

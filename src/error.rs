@@ -45,6 +45,11 @@ pub enum Error {
     #[error("tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },
 
+    /// The chat template does not compile, or refuses a conversation (its
+    /// `raise_exception`, tools it cannot render, a reserved variable).
+    #[error("chat template {path}: {message}")]
+    Template { path: PathBuf, message: String },
+
     /// The slot pool cannot be built or cannot serve a request with the slots it has.
     #[error("slot pool: {0}")]
     Pool(String),

@@ -12,6 +12,9 @@
 //!   slot pool with lookahead, and the packed one-read-per-record layout.
 //! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
 //! - [`score`]: teacher-forced log-likelihood and perplexity.
+//! - [`tokenizer`], [`chat_template`], [`reply`]: tokenizing, rendering conversations so
+//!   that control tokens come only from the template, and reading reasoning and tool
+//!   calls out of a reply.
 //! - [`generate`], [`chat`], [`engine`]: generation, multi-turn chat, and the async
 //!   library API with prefix reuse.
 //! - [`server`]: the OpenAI-compatible HTTP API on the engine.
@@ -21,6 +24,7 @@ pub mod backend;
 pub mod bench;
 pub mod cachesim;
 pub mod chat;
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
@@ -33,6 +37,7 @@ pub mod ngram;
 pub mod pack;
 pub mod plan;
 pub mod pool;
+pub mod reply;
 pub mod routing_model;
 pub mod sampling;
 pub mod score;

@@ -10,6 +10,7 @@ use slotstream::backend::gpu::{list_adapters, Placement};
 use slotstream::backend::Backend;
 use slotstream::backend::{open_compute, Compute};
 use slotstream::cachesim;
+use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::{open_source, OpenedSource, PoolSize, SourceOptions};
 use slotstream::generate::GenerateOptions;
@@ -19,7 +20,7 @@ use slotstream::plan::Plan;
 use slotstream::pool::SlotPool;
 use slotstream::sampling::SamplingOptions;
 use slotstream::score::Score;
-use slotstream::tokenizer::{eos_ids, ChatTemplate, Message, StreamDecoder, Tokenizer};
+use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 #[derive(Parser)]
 #[command(
@@ -70,9 +71,14 @@ struct ChatArgs {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
+    /// A system prompt for the conversation.
+    #[arg(long)]
+    system: Option<String>,
     /// Most tokens per reply.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
+    #[command(flatten)]
+    template: TemplateArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
@@ -80,6 +86,45 @@ struct ChatArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
+}
+
+/// Chat template variables (`generate` with the template, `chat`).
+#[derive(Args, Clone, Debug, Default)]
+struct TemplateArgs {
+    /// Thinking models (Qwen3): `on` or `off` sets the template's `enable_thinking`.
+    #[arg(long, value_enum)]
+    think: Option<OnOff>,
+    /// More template variables as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_parser = parse_kwargs)]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl TemplateArgs {
+    /// The template's variables. Errors: `--think` contradicting the JSON.
+    fn kwargs(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(think) = self.think {
+            slotstream::chat_template::set_enable_thinking(&mut kwargs, think == OnOff::On)
+                .map_err(|e| anyhow::anyhow!("--think: {e}"))?;
+        }
+        Ok(kwargs)
+    }
+
+    fn is_set(&self) -> bool {
+        self.think.is_some() || self.chat_template_kwargs.is_some()
+    }
+}
+
+fn parse_kwargs(
+    s: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err("must be a JSON object, e.g. '{\"enable_thinking\": false}'".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
 }
 
 #[derive(Args)]
@@ -205,9 +250,18 @@ struct ServeArgs {
     /// Require `Authorization: Bearer <KEY>` on /v1/... and /stats.
     #[arg(long, env = "SLOTSTREAM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Name of the model in /v1/models and in requests (default: the directory's name).
+    /// Name of the model in /v1/models (default: the directory's name). Requests may
+    /// name any model: this server serves the one it loaded, as llama.cpp's does.
     #[arg(long)]
     model_name: Option<String>,
+    /// Another name to list in /v1/models (repeatable).
+    #[arg(long)]
+    alias: Vec<String>,
+    /// `auto`: a thinking model's `<think>...</think>` comes back as `reasoning_content`
+    /// (streamed as `delta.reasoning_content`), as llama.cpp and vLLM return it; `none`:
+    /// it stays in `content`.
+    #[arg(long, value_enum, default_value = "auto")]
+    reasoning_format: ReasoningFormat,
     /// Requests running or waiting at once; more get 503 with Retry-After.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     queue: u32,
@@ -225,6 +279,13 @@ struct ServeArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+}
+
+/// Where a thinking model's reasoning goes in the server's replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ReasoningFormat {
+    Auto,
+    None,
 }
 
 #[derive(Args)]
@@ -246,18 +307,24 @@ struct GenerateArgs {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
+    /// Prompt text (the same as --prompt).
+    #[arg(value_name = "PROMPT", conflicts_with_all = ["prompt", "prompt_file", "prompt_ids"])]
+    text: Option<String>,
     /// Prompt text (wrapped in the model's chat template unless --raw).
     #[arg(long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
     prompt: Option<String>,
-    /// Read the prompt text from a file.
+    /// Read the prompt text from a file (`-`: standard input).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt_file: Option<PathBuf>,
     /// Prompt as comma-separated token ids (no template).
     #[arg(long)]
     prompt_ids: Option<IdList>,
-    /// Use the prompt text as is, without the chat template.
+    /// Use the prompt text as is, without the chat template (special-token texts in it
+    /// count as those tokens).
     #[arg(long)]
     raw: bool,
+    #[command(flatten)]
+    template: TemplateArgs,
     /// Stop after this many new tokens.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -271,6 +338,16 @@ struct GenerateArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
+}
+
+/// `--trace` (commands that write the pool's routing trace).
+#[derive(Args, Default)]
+struct TraceArgs {
+    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 /// How routed experts are read: through a slot pool sized by `--pool-slots`,
@@ -290,9 +367,6 @@ struct StreamArgs {
     memory_budget: Option<u64>,
     #[command(flatten)]
     io: IoArgs,
-    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
-    #[arg(long)]
-    trace: Option<PathBuf>,
     /// Print statistics on stderr (the pool's as JSON when streaming).
     #[arg(long)]
     stats: bool,
@@ -377,6 +451,8 @@ struct ScoreArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
 }
 
 /// Sampling flags of `generate` and `chat` (mlx-lm's sampler; see `sampling.rs`).
@@ -504,13 +580,13 @@ fn score(args: ScoreArgs) -> Result<()> {
         (None, Some(text)) => Tokenizer::load(&args.model)?.encode(text)?,
         _ => bail!("give exactly one of --ids or --text"),
     };
-    for path in [&args.logits_out, &args.stream.trace].into_iter().flatten() {
+    for path in [&args.logits_out, &args.trace.trace].into_iter().flatten() {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
     let s = match open_compute(args.device.as_deref())? {
-        Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream)?,
-        Compute::Gpu(b) => score_on(&*b, &ckpt, &ids, &args.stream)?,
+        Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream, &args.trace)?,
+        Compute::Gpu(b) => score_on(&*b, &ckpt, &ids, &args.stream, &args.trace)?,
     };
     println!("tokens: {}", s.tokens);
     println!("mean_nll: {:.6}", s.mean_nll);
@@ -539,7 +615,6 @@ impl StreamArgs {
                 _ => None,
             },
             lookahead: self.lookahead == OnOff::On,
-            trace: self.trace.is_some(),
             ..self.io.source()
         }
     }
@@ -558,11 +633,16 @@ fn load_streamed<B: Backend>(
     backend: &B,
     ckpt: &Arc<Checkpoint>,
     a: &StreamArgs,
+    trace: &TraceArgs,
 ) -> Result<Streamed<B>> {
     let model = Model::load(ckpt, backend).context("loading weights")?;
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let index = Arc::new(model.experts.clone());
-    let source = open_source(backend, ckpt, index, &a.source(), runtime.handle().clone())?;
+    let options = SourceOptions {
+        trace: trace.trace.is_some(),
+        ..a.source()
+    };
+    let source = open_source(backend, ckpt, index, &options, runtime.handle().clone())?;
     Ok(Streamed {
         model,
         source,
@@ -571,9 +651,9 @@ fn load_streamed<B: Backend>(
 }
 
 /// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
-fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs) -> Result<()> {
+fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs, trace: &TraceArgs) -> Result<()> {
     let Some(pool) = pool else { return Ok(()) };
-    if let Some(path) = &a.trace {
+    if let Some(path) = &trace.trace {
         cachesim::write_trace(path, &pool.take_trace())
             .with_context(|| format!("writing trace {}", path.display()))?;
     }
@@ -588,11 +668,12 @@ fn score_on<B: Backend>(
     ckpt: &Arc<Checkpoint>,
     ids: &[u32],
     a: &StreamArgs,
+    trace: &TraceArgs,
 ) -> Result<Score> {
     tracing::info!(backend = %backend.name(), "scoring");
-    let m = load_streamed(backend, ckpt, a)?;
+    let m = load_streamed(backend, ckpt, a, trace)?;
     let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
-    finish_pool(&m.source.pool, a)?;
+    finish_pool(&m.source.pool, a, trace)?;
     Ok(s)
 }
 
@@ -602,30 +683,43 @@ fn generate(args: GenerateArgs) -> Result<()> {
             .with_context(|| format!("opening model {}", args.model.display()))?,
     );
     let tokenizer = Tokenizer::load(&args.model)?;
-    let prompt = match (&args.prompt_ids, &args.prompt, &args.prompt_file) {
-        (Some(ids), None, None) => ids.0.clone(),
-        (None, text, file) => {
-            let text = match (text, file) {
-                (Some(t), None) => t.clone(),
-                (None, Some(f)) => std::fs::read_to_string(f)
-                    .with_context(|| format!("reading {}", f.display()))?,
-                _ => bail!("give exactly one of --prompt, --prompt-file or --prompt-ids"),
-            };
-            let rendered = match (args.raw, ChatTemplate::load(&args.model)?) {
-                (false, Some(t)) => t.render(&[Message {
-                    role: "user".into(),
-                    content: text,
-                }])?,
-                _ => text,
-            };
-            tokenizer.encode(&rendered)?
+    let text = match (&args.text, &args.prompt, &args.prompt_file) {
+        (Some(t), None, None) | (None, Some(t), None) => Some(t.clone()),
+        (None, None, Some(f)) if f.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+                .context("reading the prompt from standard input")?;
+            Some(text)
         }
-        _ => bail!("give exactly one of --prompt, --prompt-file or --prompt-ids"),
+        (None, None, Some(f)) => {
+            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
+        }
+        (None, None, None) => None,
+        _ => bail!("give the prompt once: as an argument, --prompt, --prompt-file or --prompt-ids"),
+    };
+    let template = match (&text, args.raw) {
+        (Some(_), false) => ChatTemplate::load(&args.model)?,
+        _ => None,
+    };
+    if args.template.is_set() && template.is_none() {
+        bail!("--think and --chat-template-kwargs set chat template variables: they need a prompt text, without --raw, and a model with a chat template");
+    }
+    let prompt = match (&args.prompt_ids, text) {
+        (Some(ids), None) => ids.0.clone(),
+        (None, Some(text)) if template.is_some() => {
+            let chat = Chat {
+                kwargs: args.template.kwargs()?,
+                ..Chat::new(vec![Message::new("user", &text)])
+            };
+            chat_prompt(&tokenizer, template.as_ref(), &chat)?.ids
+        }
+        (None, Some(text)) => tokenizer.encode(&text)?,
+        _ => bail!("give a prompt: as an argument, --prompt, --prompt-file or --prompt-ids"),
     };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    if let Some(path) = &args.stream.trace {
+    if let Some(path) = &args.trace.trace {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
@@ -680,7 +774,7 @@ fn generate_on<B: Backend>(
         model,
         source,
         _runtime,
-    } = load_streamed(backend, ckpt, &args.stream)?;
+    } = load_streamed(backend, ckpt, &args.stream, &args.trace)?;
     let OpenedSource {
         experts,
         pool,
@@ -783,7 +877,7 @@ fn generate_on<B: Backend>(
             );
         }
     }
-    finish_pool(&pool, &args.stream)
+    finish_pool(&pool, &args.stream, &args.trace)
 }
 
 fn devices() -> Result<()> {
@@ -1020,10 +1114,12 @@ fn demo(args: DemoArgs) -> Result<()> {
     );
     generate(GenerateArgs {
         model: dir,
+        text: None,
         prompt: Some("Explain how experts are streamed from disk.".into()),
         prompt_file: None,
         prompt_ids: None,
         raw: false,
+        template: TemplateArgs::default(),
         max_tokens: args.max_tokens,
         sampling: SamplingArgs::default(),
         json: false,
@@ -1039,10 +1135,10 @@ fn demo(args: DemoArgs) -> Result<()> {
                 no_pack: false,
                 placement: None,
             },
-            trace: None,
             stats: true,
             lookahead: OnOff::On,
         },
+        trace: TraceArgs::default(),
     })
 }
 
@@ -1075,37 +1171,61 @@ fn chat_on<B: Backend>(
     options: &GenerateOptions,
     args: &ChatArgs,
 ) -> Result<()> {
-    use std::io::{BufRead, Write};
+    use slotstream::chat::{read_input, ChatInput};
+    use std::io::Write;
     let Streamed {
         model,
         source,
         _runtime,
-    } = load_streamed(backend, ckpt, &args.stream)?;
+    } = load_streamed(backend, ckpt, &args.stream, &args.trace)?;
     let OpenedSource { experts, pool, .. } = source;
-    let mut conversation = slotstream::chat::Conversation::new(&model, backend);
-    let stdin = std::io::stdin();
+    let mut start = Chat {
+        kwargs: args.template.kwargs()?,
+        ..Chat::default()
+    };
+    if let Some(system) = &args.system {
+        start.messages.push(Message::new("system", system));
+    }
+    let mut conversation = slotstream::chat::Conversation::new(&model, backend, start);
+    let mut stdin = std::io::stdin().lock();
     let mut stdout = std::io::stdout();
-    eprintln!("type a message; an empty line or end of input ends the chat");
-    loop {
-        eprint!("> ");
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            break;
-        }
+    eprintln!(
+        "type a message (\"\"\" starts and ends one of several lines); /reset forgets the conversation, /exit or end of input ends it"
+    );
+    while let Some(input) = read_input(&mut stdin, |more| {
+        eprint!("{}", if more { "... " } else { "> " });
+    })? {
+        let text = match input {
+            ChatInput::Exit => break,
+            ChatInput::Reset => {
+                conversation.reset(&model, backend);
+                eprintln!("(conversation reset)");
+                continue;
+            }
+            ChatInput::Message(text) => text,
+        };
         let turn = conversation.turn(
             &model,
             backend,
             &experts,
             tokenizer,
             template,
-            line.trim_end(),
+            &text,
             options,
             |t| {
                 print!("{t}");
                 let _ = stdout.flush();
             },
-        )?;
+        );
         println!();
+        let turn = match turn {
+            Ok(turn) => turn,
+            // The conversation is kept as it was before the message; the next turn goes on.
+            Err(e) => {
+                eprintln!("error: {e}");
+                continue;
+            }
+        };
         if args.stream.stats {
             eprintln!(
                 "[{} new prompt tokens, {} reused; {} tokens at {:.1} tok/s]",
@@ -1116,15 +1236,12 @@ fn chat_on<B: Backend>(
             );
         }
     }
-    finish_pool(&pool, &args.stream)
+    finish_pool(&pool, &args.stream, &args.trace)
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
     use slotstream::engine::{Engine, EngineOptions};
     use slotstream::server::{router, ServerOptions};
-    if args.stream.trace.is_some() {
-        bail!("serve does not write a routing trace (use generate or score with --trace)");
-    }
     args.sampling.options().validate()?;
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
@@ -1139,6 +1256,18 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
     runtime.block_on(async {
+        // The port first: a busy one fails now, not after loading the model. Connections
+        // made while the model loads wait in the backlog.
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| {
+                format!(
+                    "binding {}:{} (another server may be using the port: choose another with --port, or --port 0 for any free one)",
+                    args.host, args.port
+                )
+            })?;
+        let address = listener.local_addr()?;
+        tracing::info!(%address, "listening; loading the model");
         let options = EngineOptions {
             device: args.device.clone(),
             source: args.stream.source(),
@@ -1147,19 +1276,17 @@ fn serve(args: ServeArgs) -> Result<()> {
         let engine = Engine::load(&args.model, options)
             .await
             .with_context(|| format!("loading model {}", args.model.display()))?;
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let address = listener.local_addr()?;
         eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
         let app = router(
             engine.clone(),
             ServerOptions {
                 model_id,
+                aliases: args.alias.clone(),
                 queue: args.queue as usize,
                 api_key: args.api_key.clone(),
                 default_max_tokens: args.max_tokens,
                 sampling: args.sampling.options(),
+                reasoning: args.reasoning_format == ReasoningFormat::Auto,
             },
         );
         slotstream::server::serve(listener, app)

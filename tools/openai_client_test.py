@@ -5,14 +5,23 @@ Usage: python tools/openai_client_test.py SLOTSTREAM_BINARY MODEL_DIR
 Starts the server on a free loopback port with an API key, then checks that chat and
 text completions, streamed and not, give exactly the text `slotstream generate` gives
 for the same prompt (greedy), that usage and the `slotstream_stats` extra come back,
-and that a wrong key raises the client's AuthenticationError. Exits non-zero on any
-mismatch. Pinned client version: tools/requirements-openai.txt.
+that any model name is served, and that a wrong key raises the client's
+AuthenticationError. Then, on a copy of the model with Qwen3's chat template
+(tests/fixtures/qwen3-chat), the client's tool fields: tools with a tool-call history
+(`arguments` as a JSON string) and tool results, every `tool_choice`, and
+`chat_template_kwargs` through `extra_body`, their prompt tokens against `slotstream
+generate --think off`; a required call's opening continued by the random model into no
+valid call comes back as text. Exits non-zero on any mismatch. Pinned client version:
+tools/requirements-openai.txt.
 """
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 import openai
@@ -97,14 +106,87 @@ def main():
             raise SystemExit("a wrong API key was accepted")
         except openai.AuthenticationError:
             print("ok: wrong key refused")
-        try:
-            client.chat.completions.create(model="no-such-model", messages=messages)
-            raise SystemExit("an unknown model was accepted")
-        except openai.NotFoundError:
-            print("ok: unknown model refused")
+        r = client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
+        check("any model name served and echoed", r.model, "no-such-model")
     finally:
         server.terminate()
         server.wait()
+    check_tools(binary, model)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def check_tools(binary, model):
+    """Tool fields through the client, on a copy of the model with Qwen3's template."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
+        template = json.load(f)["chat_template"]
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, "model")
+        shutil.copytree(model, copy)
+        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
+            f.write(template)
+        question = "Weather in Paris?"
+        off_want = generate(binary, copy, "--think", "off", "--prompt", question, "--max-tokens", "4")
+        server, base = start(binary, copy)
+        try:
+            client = openai.OpenAI(base_url=base, api_key=KEY)
+            messages = [{"role": "user", "content": question}]
+            r = client.chat.completions.create(
+                model="m", messages=messages, max_tokens=4,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            check("chat_template_kwargs prompt tokens", r.usage.prompt_tokens, len(off_want["prompt_ids"]))
+            check("chat_template_kwargs text", r.choices[0].message.content, off_want["text"])
+
+            history = messages + [
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"},
+            ]
+            plain = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+            for choice in ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}]:
+                r = client.chat.completions.create(
+                    model="m", messages=history, tools=[WEATHER], tool_choice=choice, max_tokens=4
+                )
+                if r.usage.prompt_tokens <= plain.usage.prompt_tokens:
+                    raise SystemExit(f"tool_choice {choice}: tools and history not in the prompt")
+                print(f"ok: tools, tool-call history, tool_choice {json.dumps(choice)}")
+
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            r = client.chat.completions.create(
+                model="m", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=6,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+            message = r.choices[0].message
+            check("a required call's opening starts the reply", message.content.startswith(opening), True)
+            check("a call that does not parse is text", message.tool_calls, None)
+            stream = client.chat.completions.create(
+                model="m", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=6, stream=True,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+            pieces, calls = [], []
+            for chunk in stream:
+                delta = chunk.choices[0].delta if chunk.choices else None
+                if delta and delta.content:
+                    pieces.append(delta.content)
+                if delta and delta.tool_calls:
+                    calls.extend(delta.tool_calls)
+            check("streamed, the same text", "".join(pieces), message.content)
+            check("streamed, no tool call", calls, [])
+        finally:
+            server.terminate()
+            server.wait()
 
 
 if __name__ == "__main__":

@@ -66,19 +66,6 @@ impl ApiError {
         )
     }
 
-    /// 404: a model this server does not serve.
-    pub fn model_not_found(asked: &str, served: &str) -> Self {
-        ApiError {
-            param: Some("model".into()),
-            ..Self::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!("the model `{asked}` does not exist; this server serves `{served}`"),
-            )
-        }
-    }
-
     /// A body that could not be read (413 when over the limit).
     pub fn unreadable_body(status: StatusCode, message: String) -> Self {
         Self::new(status, "invalid_request_error", None, message)
@@ -124,11 +111,16 @@ impl ApiError {
         )
     }
 
-    /// 500: the engine failed while generating.
+    /// The engine's error: 400 for the request's faults, else 500.
     pub fn engine(e: &crate::Error) -> Self {
         match e {
             crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
+            // A template that refuses the conversation (raise_exception, tools it does not
+            // render) refuses the request.
+            crate::Error::Template { message, .. } => {
+                Self::malformed(format!("chat template: {message}"))
+            }
             crate::Error::Tokenizer { message, .. } => {
                 Self::malformed(format!("tokenizer: {message}"))
             }

