@@ -1,7 +1,8 @@
 //! `slotstream bench`: decode and prefill speed of a model at several pool sizes, each row
 //! beside the limit it is measured against, both measured in the same run:
 //! - a pool that holds every record (all experts resident, loaded before timing) against
-//!   the time to move one token's active bytes at the backend's copy bandwidth;
+//!   the time to read one token's active bytes at the backend's memory read bandwidth (a
+//!   streaming-read kernel on a GPU, a copy on the CPU: [`Backend::read_bandwidth`]);
 //! - a streamed pool against the time to read the bytes it read per token at the disk's
 //!   raw direct-read bandwidth (plain threads doing `O_DIRECT` `pread`s of random
 //!   records, no pool).
@@ -149,6 +150,9 @@ pub struct BenchReport {
     pub active_bytes_per_token: u64,
     /// The backend's large copy, read plus written bytes per second.
     pub copy_bytes_per_second: f64,
+    /// What a bandwidth-bound kernel reads per second ([`Backend::read_bandwidth`]): the
+    /// limit of rows with every record resident.
+    pub memory_read_bytes_per_second: f64,
     /// Raw `O_DIRECT` reads of random records at the run's queue depth.
     pub raw_read_bytes_per_second: f64,
     pub raw_read_source: String,
@@ -179,6 +183,7 @@ pub fn run<B: Backend>(
     progress("measuring the copy bandwidth");
     tracing::info!("bench: model loaded; measuring the copy bandwidth");
     let copy = backend.copy_bandwidth()?;
+    let memory = backend.read_bandwidth()?;
     // Measured with the first pool, which knows whether the pack is usable.
     let mut raw: Option<(f64, String)> = None;
     let mut rng = rand::rngs::StdRng::seed_from_u64(options.seed);
@@ -340,9 +345,9 @@ pub fn run<B: Backend>(
                 prefetches_wasted: s1.prefetches_wasted - s0.prefetches_wasted,
                 preload_seconds,
                 peak_rss: peak_rss(),
-                limit_kind: if all { "copy" } else { "read" },
+                limit_kind: if all { "memory" } else { "read" },
                 limit_tps: if all {
-                    Some(copy / active as f64)
+                    Some(memory / active as f64)
                 } else if per_token > 0.0 {
                     Some(raw_bps / per_token)
                 } else {
@@ -364,6 +369,7 @@ pub fn run<B: Backend>(
         record_bytes,
         active_bytes_per_token: active,
         copy_bytes_per_second: copy,
+        memory_read_bytes_per_second: memory,
         raw_read_bytes_per_second,
         raw_read_source,
         queue_depth: options.source.queue_depth,
@@ -389,7 +395,7 @@ impl BenchReport {
     pub fn table(&self) -> String {
         let mut s = format!(
             "{} on {}: {} MoE layers x {} experts (top-{}), records of {}; active bytes per token {}; \
-             copy {:.1} GB/s; raw direct reads {:.2} GB/s (queue depth {}, {})\n\n",
+             memory reads {:.1} GB/s, copy {:.1} GB/s; raw direct reads {:.2} GB/s (queue depth {}, {})\n\n",
             self.model,
             self.backend,
             self.moe_layers,
@@ -397,6 +403,7 @@ impl BenchReport {
             self.top_k,
             human(self.record_bytes as u64),
             human(self.active_bytes_per_token),
+            self.memory_read_bytes_per_second / 1e9,
             self.copy_bytes_per_second / 1e9,
             self.raw_read_bytes_per_second / 1e9,
             self.queue_depth,

@@ -307,7 +307,11 @@ fn bench_report_has_every_field_and_consistent_counts() {
         report.active_bytes_per_token,
         active_bytes_per_token(&ckpt, &index)
     );
-    assert!(report.copy_bytes_per_second > 0.0 && report.raw_read_bytes_per_second > 0.0);
+    assert!(
+        report.copy_bytes_per_second > 0.0
+            && report.memory_read_bytes_per_second > 0.0
+            && report.raw_read_bytes_per_second > 0.0
+    );
     for r in &report.rows {
         assert_eq!(r.hits + r.misses, r.lookups, "{r:?}");
         // Every decode step looks up top-k experts in each MoE layer (distinct per token).
@@ -337,7 +341,7 @@ fn bench_report_has_every_field_and_consistent_counts() {
     let all = &report.rows[4];
     assert_eq!(
         (all.budget.as_str(), all.slots, all.misses, all.limit_kind),
-        ("all", 128, 0, "copy")
+        ("all", 128, 0, "memory")
     );
     assert!(all.preload_seconds > 0.0);
     assert_eq!(report.rows[0].limit_kind, "read");
@@ -369,6 +373,7 @@ fn bench_report_has_every_field_and_consistent_counts() {
     for field in [
         "active_bytes_per_token",
         "copy_bytes_per_second",
+        "memory_read_bytes_per_second",
         "raw_read_bytes_per_second",
         "rows",
     ] {

@@ -38,7 +38,7 @@ case $what in
 import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"{r['model']} on {r['backend']}: {r['moe_layers']} MoE layers x {r['experts']} experts, records {r['record_bytes']} B, "
-      f"active {r['active_bytes_per_token']/1e6:.1f} MB/token, copy {r['copy_bytes_per_second']/1e9:.1f} GB/s, "
+      f"active {r['active_bytes_per_token']/1e6:.1f} MB/token, memory reads {r['memory_read_bytes_per_second']/1e9:.1f} GB/s, copy {r['copy_bytes_per_second']/1e9:.1f} GB/s, "
       f"raw {r['raw_read_bytes_per_second']/1e9:.2f} GB/s ({r['raw_read_source']})")
 print("| budget | slots | lookahead | prefill tok/s | decode tok/s | limit tok/s | of limit | hit rate | MB/token | wait | used/wasted | preload s | peak RSS GiB |")
 print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

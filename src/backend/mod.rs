@@ -292,6 +292,14 @@ pub trait Backend: Send + Sync {
         crate::plan::PREFILL_CHUNK
     }
 
+    /// Bytes per second a bandwidth-bound kernel reads from the memory this backend
+    /// computes from: the ceiling of a decode step that reads each active byte once. The
+    /// default is [`Backend::copy_bandwidth`] (a host copy, read plus written).
+    /// Errors: the memory cannot be allocated.
+    fn read_bandwidth(&self) -> Result<f64> {
+        self.copy_bandwidth()
+    }
+
     /// Makes a weight resident. Errors: the backend cannot hold it.
     fn upload_weight(&self, w: LinearWeight) -> Result<Self::Weight>;
     /// Uploads `[rows, cols]` values.

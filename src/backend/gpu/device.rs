@@ -85,6 +85,10 @@ pub const SHADERS: &[(&str, &str)] = &[
     ),
     ("router.wgsl", include_str!("../../../wgsl/router.wgsl")),
     ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
+    (
+        "bandwidth.wgsl",
+        include_str!("../../../wgsl/bandwidth.wgsl"),
+    ),
 ];
 
 /// The check of the reductions' assumptions about subgroups, run when the device opens

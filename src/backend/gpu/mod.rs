@@ -433,6 +433,36 @@ impl Backend for GpuBackend {
         Ok((2 * len * runs) as f64 / start.elapsed().as_secs_f64())
     }
 
+    /// A streaming-read kernel over a buffer of up to 1 GiB (`wgsl/bandwidth.wgsl`), ten
+    /// passes in one submission after a warm-up: what the device's memory delivers to
+    /// kernels, rather than a copy engine's rate.
+    fn read_bandwidth(&self) -> Result<f64> {
+        const STREAM: device::Kernel = device::Kernel::new(
+            "bandwidth.wgsl",
+            "stream_read",
+            &[device::Access::Read, device::Access::ReadWrite],
+        );
+        let limits = &self.gpu.limits;
+        let len = (1u64 << 30)
+            .min(limits.max_buffer_size)
+            .min(limits.max_storage_buffer_binding_size)
+            / 16
+            * 16;
+        let (src, out) = (self.gpu.zeroed(len), self.gpu.zeroed(4));
+        let vecs = (len / 16) as u32;
+        // A few waves of workgroups, each invocation streaming a long strided share.
+        let groups = [4096, 1, 1];
+        self.gpu.dispatch(&STREAM, &[vecs], &[&src, &out], groups);
+        self.gpu.sync()?;
+        let runs = 10;
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            self.gpu.dispatch(&STREAM, &[vecs], &[&src, &out], groups);
+        }
+        self.gpu.sync()?;
+        Ok((len * runs) as f64 / start.elapsed().as_secs_f64())
+    }
+
     fn upload_weight(&self, w: LinearWeight) -> Result<GpuWeight> {
         quant::upload_weight(self, w)
     }
