@@ -155,16 +155,16 @@ impl NgramTable {
         for i in 0..ple.split_parts {
             let module = format!("{base}.ngram_embedding.shard_{i}");
             let w = ckpt.tensor(&format!("{module}.weight"))?;
-            let spec = match cfg.quantization.for_module(&module) {
-                Some(Some(spec)) => spec,
-                _ => cfg.quantization.default.ok_or_else(|| {
-                    Error::bad_tensor(
-                        &module,
-                        "n-gram shards must be quantized (no quantization block in config.json)",
-                    )
-                })?,
-            };
             let rows = w.shape.first().copied().unwrap_or(0);
+            // Always quantized: without `.scales` the global pair stands, and reading the
+            // parts below names the missing one.
+            let spec = ckpt.quant_spec(&module, &[], rows, head_dim)?;
+            let spec = spec.or(cfg.quantization.default).ok_or_else(|| {
+                Error::bad_tensor(
+                    &module,
+                    "n-gram shards must be quantized (no quantization block in config.json)",
+                )
+            })?;
             let (_, scales, _) = ckpt.quantized_parts(&module, spec, &[], rows, head_dim)?;
             let g = (rows, spec, scales.0);
             match geometry {

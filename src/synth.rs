@@ -767,10 +767,11 @@ impl Preset {
     /// `text_config`, with `layer_types` for the layers kept and no `seed` (transformers'
     /// default 1234 gives the stored multipliers), and a quantization block of 4 bits,
     /// group 64, with a group-`ngram_group_size` override per n-gram shard and no other
-    /// (the unquantized modules have no `.scales`). The vision tower is left out, so
+    /// (the unquantized modules have no `.scales`), keyed as the release keys them:
+    /// `model.layers.1.ple.ple_embedding.ngram_embedding.shard_N`, without the
+    /// `language_model.` prefix its tensor names carry. The vision tower is left out, so
     /// there is no `vision_config` and `language_model_only` is true.
     fn flash_next_config(&self, x: &FlashNextShape, layers: usize) -> serde_json::Value {
-        let prefix = self.family.prefix();
         let mut quant = serde_json::Map::new();
         quant.insert("group_size".into(), json!(self.group_size));
         quant.insert("bits".into(), json!(4));
@@ -778,7 +779,7 @@ impl Preset {
         for s in 0..x.ngram_shards {
             quant.insert(
                 format!(
-                    "{prefix}model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{s}",
+                    "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{s}",
                     x.ple_layer
                 ),
                 json!({"group_size": x.ngram_group_size, "bits": 4}),
@@ -1556,10 +1557,22 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(l, &k)| (k == LayerKind::FullAttention) == (l % 4 == 3)));
-        let x = cfg.flash_next.unwrap();
+        let x = cfg.flash_next.clone().unwrap();
         assert_eq!(x.ple.unwrap().split_parts, 128);
         assert_eq!(x.indexer.unwrap().budget, 2048);
-        assert_eq!(v["quantization"].as_object().unwrap().len(), 3 + 128);
+        let quant = v["quantization"].as_object().unwrap();
+        assert_eq!(quant.len(), 3 + 128);
+        // Keyed as released, without the tensors' `language_model.` prefix, and found.
+        let shard = "model.layers.1.ple.ple_embedding.ngram_embedding.shard_127";
+        assert_eq!(quant[shard], json!({"group_size": 32, "bits": 4}));
+        assert!(quant.keys().all(|k| !k.starts_with("language_model.")));
+        assert_eq!(
+            cfg.quant_override(&format!("language_model.{shard}")),
+            Some(Some(crate::config::QuantSpec {
+                bits: 4,
+                group_size: 32
+            }))
+        );
         assert_eq!(
             v["text_config"]["rope_parameters"]["mrope_section"],
             json!([11, 11, 10])

@@ -24,7 +24,8 @@ use slotstream::pack::{pack, MANIFEST_FILE, PACK_FILE};
 use slotstream::pool::{
     floor_slots, PoolExperts, PoolOptions, RecordFiles, SlotPool, StreamOptions,
 };
-use tempfile::TempDir;
+
+use common::copy_fixture;
 
 const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
@@ -41,19 +42,6 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("tokio runtime")
-}
-
-/// Copies fixture `name` into a fresh temporary directory.
-fn copy_fixture(name: &str) -> TempDir {
-    let src = common::fixture_dir(name);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    for entry in fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
-        }
-    }
-    tmp
 }
 
 fn open(dir: &Path) -> (Arc<Checkpoint>, Arc<ExpertIndex>) {
