@@ -299,6 +299,9 @@ pub struct ModelConfig {
     pub layer_kinds: Vec<LayerKind>,
     /// End-of-sequence ids from `eos_token_id` (an integer or a list).
     pub eos_token_ids: Vec<u32>,
+    /// Positions the model was trained for (`max_position_embeddings`); `None` when the
+    /// config does not say. Bounds the context ([`crate::context::limit`]).
+    pub max_position_embeddings: Option<usize>,
     pub quantization: Quantization,
     /// Activation of the gated DeltaNet's output gate.
     pub gate_activation: GateActivation,
@@ -614,6 +617,13 @@ impl ModelConfig {
                         .map_err(|_| f.err("eos_token_id", format!("{v} is not a token id")))
                 })
                 .collect::<Result<_>>()?,
+            max_position_embeddings: match f.get("max_position_embeddings") {
+                None => None,
+                Some(_) => match f.usize("max_position_embeddings")? {
+                    0 => return Err(f.err("max_position_embeddings", "must be at least 1")),
+                    n => Some(n),
+                },
+            },
             quantization,
             gate_activation,
             flash_next,

@@ -1,5 +1,6 @@
 //! The generation loop: prefill the prompt, then sample one token at a time until an
-//! end-of-sequence id or the token limit, reporting each token as it is produced.
+//! end-of-sequence id, the token limit or the context ([`Model::context`]), reporting
+//! each token as it is produced.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -49,8 +50,14 @@ pub struct GenerateStats {
 
 /// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
 /// each new id and may return `false` to stop early (finish reason "stopped").
+/// Generation stops with finish reason "length" after `options.max_tokens` new tokens or
+/// when the sequence (the tokens in `state`, the prompt and the new tokens) reaches the
+/// model's context ([`Model::context`]). Non-finite logits are left out of sampling, with
+/// one warning for the request giving their count ([`Sampler::sample`]).
 /// Returns the new ids and the stats.
-/// Errors: a forward-pass error (expert read, bad token id) or bad sampling options.
+/// Errors: an empty prompt; a prompt that leaves no room in the context
+/// ([`Error::ContextFull`]); a forward-pass error (expert read, bad token id); bad
+/// sampling options; a step with no finite logit ([`Error::NoFiniteLogits`]).
 pub fn generate<B: Backend, E: ExpertSource>(
     model: &Model<B>,
     backend: &B,
@@ -58,21 +65,58 @@ pub fn generate<B: Backend, E: ExpertSource>(
     state: &mut SequenceState<B>,
     prompt: &[u32],
     options: &GenerateOptions,
-    mut on_token: impl FnMut(u32) -> Result<bool>,
+    on_token: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
+    if prompt.is_empty() {
+        return Err(Error::InvalidInput(
+            "the prompt is empty (nothing to continue from)".into(),
+        ));
+    }
+    let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
+    let max_tokens = options.max_tokens.min(room);
+    let result = run(
+        model,
+        backend,
+        experts,
+        state,
+        prompt,
+        options,
+        max_tokens,
+        &mut sampler,
+        on_token,
+    );
+    let ignored = sampler.non_finite();
+    if ignored.steps > 0 {
+        tracing::warn!(
+            non_finite_logits = ignored.logits,
+            steps = ignored.steps,
+            "logits that were NaN or infinite were left out of sampling; the model's weights or the backend may be faulty"
+        );
+    }
+    result
+}
+
+/// [`generate`]'s prefill and decode loop, with at most `max_tokens` new tokens.
+#[allow(clippy::too_many_arguments)]
+fn run<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut SequenceState<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    max_tokens: usize,
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerateStats)> {
     let mut stats = GenerateStats {
         prompt_tokens: prompt.len(),
         finish_reason: "length".into(),
         ..Default::default()
     };
     let mut out = Vec::new();
-    if prompt.is_empty() {
-        return Err(Error::InvalidInput(
-            "the prompt is empty (nothing to continue from)".into(),
-        ));
-    }
-    if options.max_tokens == 0 {
+    if max_tokens == 0 {
         return Ok((out, stats));
     }
     let start = Instant::now();
@@ -95,7 +139,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     stats.prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
     loop {
-        let next = sampler.sample(&logits, &state.tokens);
+        let next = sampler.sample(&logits, &state.tokens)?;
         if options.eos_ids.contains(&next) {
             stats.finish_reason = "eos".into();
             break;
@@ -105,7 +149,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
             stats.finish_reason = "stopped".into();
             break;
         }
-        if out.len() >= options.max_tokens {
+        if out.len() >= max_tokens {
             break;
         }
         logits = model.forward(backend, state, &[next], experts, Logits::Last)?;

@@ -13,7 +13,8 @@
 //! - [`model`]: the Qwen3-Next forward pass over any backend, with per-sequence state.
 //! - [`score`]: teacher-forced log-likelihood and perplexity.
 //! - [`generate`], [`chat`], [`engine`]: generation, multi-turn chat, and the async
-//!   library API with prefix reuse.
+//!   library API with prefix reuse; [`sampling`] picks each token and [`context`]
+//!   bounds a sequence.
 //! - [`server`]: the OpenAI-compatible HTTP API on the engine.
 
 pub mod atomic_file;
@@ -23,6 +24,7 @@ pub mod cachesim;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod context;
 pub mod engine;
 pub mod error;
 pub mod experts;

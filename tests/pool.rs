@@ -1287,3 +1287,86 @@ fn a_pool_of_every_record_keeps_layers_together() {
     }
     assert_eq!(pool.stats().misses, index.records() as u64);
 }
+
+/// A `ReadAt` that counts the bytes it returns.
+struct Counting {
+    inner: DiskFile,
+    bytes: AtomicU64,
+}
+
+impl ReadAt for Counting {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let n = self.inner.read_at(buf, offset)?;
+        self.bytes.fetch_add(n as u64, Ordering::SeqCst);
+        Ok(n)
+    }
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+    fn direct(&self) -> bool {
+        self.inner.direct()
+    }
+    fn check_unchanged(&self) -> std::io::Result<()> {
+        self.inner.check_unchanged()
+    }
+}
+
+/// `bytes_read` accounts for every byte the pool's reader returned during a generation
+/// whose prompt is read outside the pool (sweeps), whose hottest experts are admitted
+/// after it, and whose decode misses and reads ahead: each counted record is one record's
+/// pieces read from the shards. (The demo's summary once left out sweeps and admissions,
+/// a quarter of what it read.)
+#[test]
+fn bytes_read_counts_everything_the_reader_read() {
+    use slotstream::generate::{generate, GenerateOptions};
+    let rt = runtime();
+    let l = common::load_cpu(BF16);
+    let index = Arc::new(l.model.experts.clone());
+    let files: Vec<Arc<Counting>> = shard_paths(&l.ckpt)
+        .iter()
+        .map(|p| {
+            Arc::new(Counting {
+                inner: DiskFile::open(p, IoMode::Buffered).unwrap(),
+                bytes: AtomicU64::new(0),
+            })
+        })
+        .collect();
+    let readers: Vec<Arc<dyn ReadAt>> =
+        files.iter().map(|f| f.clone() as Arc<dyn ReadAt>).collect();
+    let slots = floor_slots(index.num_experts, 8);
+    let pool = shards_pool(&index, readers, 8, slots, 8, &rt);
+    let experts = PoolExperts::new(pool.clone());
+    let r = common::reference(BF16);
+    let options = GenerateOptions {
+        max_tokens: 16,
+        sampling: Default::default(),
+        eos_ids: vec![],
+        cancel: None,
+    };
+    let mut state = l.model.new_state(&CpuBackend);
+    generate(
+        &l.model,
+        &CpuBackend,
+        &experts,
+        &mut state,
+        &r.scored_ids,
+        &options,
+        |_| Ok(true),
+    )
+    .unwrap();
+    let st = pool.stats();
+    for (what, bytes) in [
+        ("sweep", st.sweep_bytes),
+        ("admitted", st.admitted_bytes),
+        ("demand", st.demand_bytes),
+        ("speculative", st.speculative_bytes),
+    ] {
+        assert!(bytes > 0, "no {what} reads: {st:?}");
+    }
+    let layout = &index.layout;
+    assert_eq!(st.bytes_read % layout.record_bytes as u64, 0, "{st:?}");
+    let records = st.bytes_read / layout.record_bytes as u64;
+    let pieces: u64 = layout.lens.iter().map(|&n| n as u64).sum();
+    let read: u64 = files.iter().map(|f| f.bytes.load(Ordering::SeqCst)).sum();
+    assert_eq!(read, records * pieces, "{st:?}");
+}

@@ -24,7 +24,9 @@ mod router;
 
 use std::sync::{Arc, Mutex};
 
-pub use device::{list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions};
+pub use device::{
+    chosen_adapter, list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions,
+};
 
 use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
