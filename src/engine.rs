@@ -108,6 +108,7 @@ impl Request {
 
 /// What a request's stream yields.
 #[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // one `Done` per request: not worth a box
 pub enum Event {
     /// A new token and the text it completes (possibly empty while a character is split
     /// across tokens).

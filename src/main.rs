@@ -308,7 +308,9 @@ struct StreamArgs {
 /// How expert records are read and where a GPU keeps them (streaming commands and bench).
 #[derive(Args)]
 struct IoArgs {
-    /// Context the memory plan reserves KV cache for, in tokens.
+    /// The most tokens, prompt and output together, a sequence may hold (generation
+    /// stops there; at most the model's max_position_embeddings), and what the memory
+    /// plan reserves KV cache for.
     #[arg(long, default_value_t = 4096)]
     context: usize,
     /// Demand reads in flight at once.

@@ -36,6 +36,7 @@ pub const ROW_CACHE_ROWS: usize = 65_536;
 /// which case `t_s = eos`. Order `n` mixes `t_0 m_0 ^ t_1 m_1 ^ .. ^ t_{n-1} m_{n-1}`
 /// (wrapping i64 products), and head `j` of that order takes row
 /// `mix mod sizes[j] + offsets[j]`.
+#[allow(clippy::too_many_arguments)] // the hash's inputs, as transformers names them
 pub fn ngram_row_ids(
     history: &[u32],
     new: &[u32],

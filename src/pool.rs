@@ -147,6 +147,7 @@ pub struct PoolStats {
 }
 
 /// Where records are read from.
+#[allow(clippy::large_enum_variant)] // one per pool
 pub enum RecordFiles {
     /// Nine `pread`s per record from the checkpoint's stacked tensors; reader file `i`
     /// is shard `i`.

@@ -359,7 +359,12 @@ mod tests {
     }
 
     // probs of [ln .5, ln .25, ln .15, ln .1] = .5 .25 .15 .1
-    const L: [f32; 4] = [-0.693_147_2, -1.386_294_4, -1.897_12, -2.302_585];
+    const L: [f32; 4] = [
+        -std::f32::consts::LN_2,
+        -2.0 * std::f32::consts::LN_2,
+        -1.897_12,
+        -std::f32::consts::LN_10,
+    ];
 
     #[test]
     fn a_tiny_temperature_samples_the_argmax() {
