@@ -65,7 +65,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     state: &mut SequenceState<B>,
     prompt: &[u32],
     options: &GenerateOptions,
-    on_token: impl FnMut(u32) -> Result<bool>,
+    mut on_token: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
     if prompt.is_empty() {
@@ -75,17 +75,60 @@ pub fn generate<B: Backend, E: ExpertSource>(
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
     let max_tokens = options.max_tokens.min(room);
-    let result = run(
-        model,
-        backend,
-        experts,
-        state,
-        prompt,
-        options,
-        max_tokens,
-        &mut sampler,
-        on_token,
-    );
+    // The prefill and decode loop, in a closure so that the warning below is logged
+    // however it ends.
+    let mut run = || -> Result<(Vec<u32>, GenerateStats)> {
+        let mut stats = GenerateStats {
+            prompt_tokens: prompt.len(),
+            finish_reason: "length".into(),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        if max_tokens == 0 {
+            return Ok((out, stats));
+        }
+        let start = Instant::now();
+        // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
+        // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
+        let mut logits = Vec::new();
+        let mut done = 0;
+        for chunk in prompt.chunks(PREFILL_CHUNK) {
+            logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
+            done += chunk.len();
+            if options.cancelled() {
+                experts.end_prefill(false);
+                stats.finish_reason = "stopped".into();
+                stats.prefill_seconds = start.elapsed().as_secs_f64();
+                stats.prefill_tps = rate(done, stats.prefill_seconds);
+                return Ok((out, stats));
+            }
+        }
+        experts.end_prefill(true);
+        stats.prefill_seconds = start.elapsed().as_secs_f64();
+        let decode_start = Instant::now();
+        loop {
+            let next = sampler.sample(&logits, &state.tokens)?;
+            if options.eos_ids.contains(&next) {
+                stats.finish_reason = "eos".into();
+                break;
+            }
+            out.push(next);
+            if !on_token(next)? || options.cancelled() {
+                stats.finish_reason = "stopped".into();
+                break;
+            }
+            if out.len() >= max_tokens {
+                break;
+            }
+            logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+        }
+        stats.generated_tokens = out.len();
+        stats.decode_seconds = decode_start.elapsed().as_secs_f64();
+        stats.prefill_tps = rate(prompt.len(), stats.prefill_seconds);
+        stats.decode_tps = rate(out.len().saturating_sub(1), stats.decode_seconds);
+        Ok((out, stats))
+    };
+    let result = run();
     let ignored = sampler.non_finite();
     if ignored.steps > 0 {
         tracing::warn!(
@@ -95,70 +138,6 @@ pub fn generate<B: Backend, E: ExpertSource>(
         );
     }
     result
-}
-
-/// [`generate`]'s prefill and decode loop, with at most `max_tokens` new tokens.
-#[allow(clippy::too_many_arguments)]
-fn run<B: Backend, E: ExpertSource>(
-    model: &Model<B>,
-    backend: &B,
-    experts: &E,
-    state: &mut SequenceState<B>,
-    prompt: &[u32],
-    options: &GenerateOptions,
-    max_tokens: usize,
-    sampler: &mut Sampler,
-    mut on_token: impl FnMut(u32) -> Result<bool>,
-) -> Result<(Vec<u32>, GenerateStats)> {
-    let mut stats = GenerateStats {
-        prompt_tokens: prompt.len(),
-        finish_reason: "length".into(),
-        ..Default::default()
-    };
-    let mut out = Vec::new();
-    if max_tokens == 0 {
-        return Ok((out, stats));
-    }
-    let start = Instant::now();
-    // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
-    // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
-    let mut logits = Vec::new();
-    let mut done = 0;
-    for chunk in prompt.chunks(PREFILL_CHUNK) {
-        logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
-        done += chunk.len();
-        if options.cancelled() {
-            experts.end_prefill(false);
-            stats.finish_reason = "stopped".into();
-            stats.prefill_seconds = start.elapsed().as_secs_f64();
-            stats.prefill_tps = rate(done, stats.prefill_seconds);
-            return Ok((out, stats));
-        }
-    }
-    experts.end_prefill(true);
-    stats.prefill_seconds = start.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-    loop {
-        let next = sampler.sample(&logits, &state.tokens)?;
-        if options.eos_ids.contains(&next) {
-            stats.finish_reason = "eos".into();
-            break;
-        }
-        out.push(next);
-        if !on_token(next)? || options.cancelled() {
-            stats.finish_reason = "stopped".into();
-            break;
-        }
-        if out.len() >= max_tokens {
-            break;
-        }
-        logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
-    }
-    stats.generated_tokens = out.len();
-    stats.decode_seconds = decode_start.elapsed().as_secs_f64();
-    stats.prefill_tps = rate(prompt.len(), stats.prefill_seconds);
-    stats.decode_tps = rate(out.len().saturating_sub(1), stats.decode_seconds);
-    Ok((out, stats))
 }
 
 fn rate(n: usize, secs: f64) -> f64 {

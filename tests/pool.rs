@@ -142,7 +142,7 @@ fn pool_err(r: slotstream::Result<Arc<SlotPool>>) -> slotstream::Error {
 }
 
 /// A `ReadAt` around a real file that can misbehave: short reads, spurious EINTR, EIO on
-/// a byte range (switchable), and a delay per call. Counts calls.
+/// a byte range (switchable), and a delay per call. Counts calls and the bytes returned.
 struct Faulty {
     inner: DiskFile,
     /// Return at most this many bytes per call.
@@ -156,6 +156,7 @@ struct Faulty {
     failed_at: Mutex<Vec<u64>>,
     delay: Option<Duration>,
     calls: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl Faulty {
@@ -169,6 +170,7 @@ impl Faulty {
             failed_at: Mutex::new(Vec::new()),
             delay: None,
             calls: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
         }
     }
 }
@@ -190,7 +192,9 @@ impl ReadAt for Faulty {
             }
         }
         let n = self.max_chunk.map_or(buf.len(), |m| m.min(buf.len()));
-        self.inner.read_at(&mut buf[..n], offset)
+        let n = self.inner.read_at(&mut buf[..n], offset)?;
+        self.bytes.fetch_add(n as u64, Ordering::SeqCst);
+        Ok(n)
     }
     fn path(&self) -> &Path {
         self.inner.path()
@@ -1288,29 +1292,6 @@ fn a_pool_of_every_record_keeps_layers_together() {
     assert_eq!(pool.stats().misses, index.records() as u64);
 }
 
-/// A `ReadAt` that counts the bytes it returns.
-struct Counting {
-    inner: DiskFile,
-    bytes: AtomicU64,
-}
-
-impl ReadAt for Counting {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-        let n = self.inner.read_at(buf, offset)?;
-        self.bytes.fetch_add(n as u64, Ordering::SeqCst);
-        Ok(n)
-    }
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-    fn direct(&self) -> bool {
-        self.inner.direct()
-    }
-    fn check_unchanged(&self) -> std::io::Result<()> {
-        self.inner.check_unchanged()
-    }
-}
-
 /// `bytes_read` accounts for every byte the pool's reader returned during a generation
 /// whose prompt is read outside the pool (sweeps), whose hottest experts are admitted
 /// after it, and whose decode misses and reads ahead: each counted record is one record's
@@ -1322,14 +1303,9 @@ fn bytes_read_counts_everything_the_reader_read() {
     let rt = runtime();
     let l = common::load_cpu(BF16);
     let index = Arc::new(l.model.experts.clone());
-    let files: Vec<Arc<Counting>> = shard_paths(&l.ckpt)
+    let files: Vec<Arc<Faulty>> = shard_paths(&l.ckpt)
         .iter()
-        .map(|p| {
-            Arc::new(Counting {
-                inner: DiskFile::open(p, IoMode::Buffered).unwrap(),
-                bytes: AtomicU64::new(0),
-            })
-        })
+        .map(|p| Arc::new(Faulty::new(p, IoMode::Buffered)))
         .collect();
     let readers: Vec<Arc<dyn ReadAt>> =
         files.iter().map(|f| f.clone() as Arc<dyn ReadAt>).collect();
