@@ -209,6 +209,36 @@ impl QuantSpec {
     pub fn per_word(&self) -> usize {
         32 / self.bits as usize
     }
+
+    /// The supported spec that explains a quantized weight's stored widths for an input
+    /// of `inp` elements: `packed` words per row (`.weight` is `[out, inp * bits / 32]`
+    /// u32) and `groups` per row (`.scales` is `[out, inp / group_size]`). `preferred`
+    /// (the config's global spec) wins when it fits; otherwise the one supported pair
+    /// that does. `None` when none fits.
+    ///
+    /// With `inp` known the pair is unique (`bits = 32 * packed / inp`, `group_size =
+    /// inp / groups`); from the two widths alone it is not: 4-bit group 64 and 8-bit
+    /// group 32 (or 4-bit group 128 and 8-bit group 64) store the same widths.
+    pub fn explaining(
+        inp: usize,
+        packed: usize,
+        groups: usize,
+        preferred: Option<QuantSpec>,
+    ) -> Option<QuantSpec> {
+        let fits =
+            |s: &QuantSpec| inp > 0 && inp == packed * s.per_word() && inp == groups * s.group_size;
+        if let Some(p) = preferred.filter(fits) {
+            return Some(p);
+        }
+        let mut fitting = [4, 8]
+            .into_iter()
+            .flat_map(|bits| [32, 64, 128].map(|group_size| QuantSpec { bits, group_size }))
+            .filter(fits);
+        match (fitting.next(), fitting.next()) {
+            (Some(s), None) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// How a module is stored, according to the config's `quantization` block.
@@ -222,9 +252,9 @@ pub struct Quantization {
 }
 
 impl Quantization {
-    /// The spec of module `path` if its config entry says it is quantized.
-    /// `None` means the config has no per-module entry: the caller decides from the
-    /// presence of `.scales` (mlx-lm `load_model` does the same).
+    /// The config entry of module `path` exactly as keyed: `Some(Some(spec))` quantized,
+    /// `Some(None)` left unquantized, `None` no entry (see
+    /// [`ModelConfig::quant_override`], which also tries the name without the prefix).
     pub fn for_module(&self, path: &str) -> Option<Option<QuantSpec>> {
         self.overrides.get(path).copied()
     }
@@ -269,6 +299,9 @@ pub struct ModelConfig {
     pub layer_kinds: Vec<LayerKind>,
     /// End-of-sequence ids from `eos_token_id` (an integer or a list).
     pub eos_token_ids: Vec<u32>,
+    /// Positions the model was trained for (`max_position_embeddings`); `None` when the
+    /// config does not say. Bounds the context ([`crate::context::limit`]).
+    pub max_position_embeddings: Option<usize>,
     pub quantization: Quantization,
     /// Activation of the gated DeltaNet's output gate.
     pub gate_activation: GateActivation,
@@ -584,6 +617,13 @@ impl ModelConfig {
                         .map_err(|_| f.err("eos_token_id", format!("{v} is not a token id")))
                 })
                 .collect::<Result<_>>()?,
+            max_position_embeddings: match f.get("max_position_embeddings") {
+                None => None,
+                Some(_) => match f.usize("max_position_embeddings")? {
+                    0 => return Err(f.err("max_position_embeddings", "must be at least 1")),
+                    n => Some(n),
+                },
+            },
             quantization,
             gate_activation,
             flash_next,
@@ -720,6 +760,24 @@ impl ModelConfig {
     /// `name("model.layers.{layer}.{rest}")`.
     pub fn layer_name(&self, layer: usize, rest: &str) -> String {
         format!("{}model.layers.{layer}.{rest}", self.prefix())
+    }
+
+    /// The quantization override of module `module` (its full name, as [`Self::name`]
+    /// gives it), found under the full name or under the name without the family's
+    /// prefix: mlx-lm keys Qwen3.5-MoE overrides by the full module path
+    /// (`language_model.model.layers.0.mlp.gate`), while the released Qwen3.8-Flash-Next
+    /// conversion keys its n-gram shards without it
+    /// (`model.layers.1.ple.ple_embedding.ngram_embedding.shard_N`, reference-system.md
+    /// A.8). The full name wins when both are present. `None`: no entry under either name
+    /// (the caller then looks at the stored tensors).
+    pub fn quant_override(&self, module: &str) -> Option<Option<QuantSpec>> {
+        let q = &self.quantization;
+        q.for_module(module).or_else(|| {
+            let rest = module
+                .strip_prefix(self.prefix())
+                .filter(|_| !self.prefix().is_empty())?;
+            q.for_module(rest)
+        })
     }
 
     /// Whether tensor `name` belongs to the text model the engine runs: under `model.` or
@@ -1024,6 +1082,96 @@ mod tests {
                 group_size: 64
             }))
         );
+    }
+
+    /// Overrides are found under the full module name or the name without the family's
+    /// prefix (the released Flash-Next layout); the full name wins.
+    #[test]
+    fn overrides_are_found_with_or_without_the_prefix() {
+        let spec = |bits, group_size| Some(Some(QuantSpec { bits, group_size }));
+        let mut v = qwen35();
+        let q = v["quantization"].as_object_mut().unwrap();
+        q.insert(
+            "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3".into(),
+            json!({"group_size": 32, "bits": 4}),
+        );
+        q.insert(
+            "model.layers.0.mlp.gate".into(),
+            json!({"group_size": 32, "bits": 4}),
+        );
+        q.insert("model.layers.2.mlp.gate".into(), json!(false));
+        let cfg = ModelConfig::from_json(&v, Path::new("config.json")).unwrap();
+        let shard = "language_model.model.layers.1.ple.ple_embedding.ngram_embedding.shard_3";
+        assert_eq!(cfg.quant_override(shard), spec(4, 32));
+        assert_eq!(
+            cfg.quant_override("language_model.model.layers.0.mlp.gate"),
+            spec(8, 64)
+        );
+        assert_eq!(
+            cfg.quant_override("language_model.model.layers.2.mlp.gate"),
+            Some(None)
+        );
+        assert_eq!(
+            cfg.quant_override("language_model.model.layers.3.mlp.gate"),
+            None
+        );
+        // Qwen3-Next has no prefix: only the name as given.
+        let cfg = ModelConfig::from_json(&base(), Path::new("config.json")).unwrap();
+        assert_eq!(cfg.quant_override("model.layers.0.mlp.gate"), spec(8, 64));
+        assert_eq!(
+            cfg.quant_override("language_model.model.layers.0.mlp.gate"),
+            None
+        );
+    }
+
+    /// Every supported pair is recovered from the widths it stores, for random input
+    /// widths, whatever pair is preferred; widths no supported pair explains give `None`.
+    #[test]
+    fn quantization_is_inferred_from_the_stored_widths() {
+        use rand::Rng;
+        let mut rng = rand::rng();
+        let all: Vec<QuantSpec> = [4, 8]
+            .into_iter()
+            .flat_map(|bits| [32, 64, 128].map(|group_size| QuantSpec { bits, group_size }))
+            .collect();
+        for _ in 0..200 {
+            let inp = 128 * rng.random_range(1..64usize);
+            let want = all[rng.random_range(0..all.len())];
+            let (packed, groups) = (inp / want.per_word(), inp / want.group_size);
+            let preferred = Some(all[rng.random_range(0..all.len())]);
+            assert_eq!(
+                QuantSpec::explaining(inp, packed, groups, preferred),
+                Some(want)
+            );
+            assert_eq!(QuantSpec::explaining(inp, packed, groups, None), Some(want));
+            // The same widths for twice the input: half the bits and twice the group,
+            // where those are supported.
+            let twice = (want.bits == 8 && want.group_size <= 64).then_some(QuantSpec {
+                bits: 4,
+                group_size: want.group_size * 2,
+            });
+            assert_eq!(
+                QuantSpec::explaining(inp * 2, packed, groups, preferred),
+                twice
+            );
+        }
+        // 4-bit group 64 and 8-bit group 32 store the same widths for different inputs.
+        let (g64, g32) = (
+            QuantSpec {
+                bits: 4,
+                group_size: 64,
+            },
+            QuantSpec {
+                bits: 8,
+                group_size: 32,
+            },
+        );
+        assert_eq!(QuantSpec::explaining(512, 64, 8, None), Some(g64));
+        assert_eq!(QuantSpec::explaining(256, 64, 8, None), Some(g32));
+        // Group size 16 and 2 bits are not supported; neither is an empty input.
+        assert_eq!(QuantSpec::explaining(512, 64, 32, None), None);
+        assert_eq!(QuantSpec::explaining(512, 32, 8, None), None);
+        assert_eq!(QuantSpec::explaining(0, 0, 0, None), None);
     }
 
     #[test]

@@ -52,7 +52,8 @@ pub struct EngineOptions {
     /// As the CLI's `--device` (see [`crate::backend::open_compute`]).
     pub device: Option<String>,
     /// Where experts come from (pool size, I/O, lookahead); `source.context` is also the
-    /// most tokens (prompt and generated) one sequence may hold.
+    /// most tokens (prompt and generated) one sequence may hold, at most the model's
+    /// `max_position_embeddings` ([`crate::context`]).
     pub source: SourceOptions,
     /// Sequence states kept for prefix reuse (0 turns reuse off).
     pub prompt_cache: usize,
@@ -74,7 +75,8 @@ impl Default for EngineOptions {
 #[derive(Clone, Debug)]
 pub struct Request {
     pub input: Input,
-    /// At most this many new tokens (fewer if the context fills first).
+    /// At most this many new tokens (fewer if the context fills first: finish reason
+    /// "length").
     pub max_tokens: usize,
     pub sampling: SamplingOptions,
 }
@@ -105,6 +107,7 @@ impl Request {
 
 /// What a request's stream yields.
 #[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // one `Done` per request: not worth a box
 pub enum Event {
     /// A new token and the text it completes (possibly empty while a character is split
     /// across tokens).
@@ -191,6 +194,8 @@ impl Engine {
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
             let ckpt = Arc::new(Checkpoint::open(&dir)?);
+            let mut options = options;
+            options.source.context = crate::context::limit(options.source.context, &ckpt.config);
             let (runner, pool): (Box<dyn Runner>, _) =
                 match open_compute(options.device.as_deref())? {
                     Compute::Cpu(b) => {
@@ -270,16 +275,11 @@ impl Engine {
         if ids.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty".into()));
         }
-        if ids.len() >= self.shared.context {
-            return Err(Error::ContextFull {
-                prompt: ids.len(),
-                context: self.shared.context,
-            });
-        }
+        crate::context::room(ids.len(), self.shared.context)?;
         Ok(())
     }
 
-    /// Decodes ids to text (special tokens included).
+    /// Decodes ids to text (special tokens left out, [`Tokenizer::decode`]).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.shared.tokenizer.decode(ids)
     }
@@ -321,7 +321,8 @@ impl Engine {
         let prepared = self.encode(&request.input).and_then(|prompt| {
             request.sampling.validate()?;
             let options = GenerateOptions {
-                max_tokens: request.max_tokens.min(self.shared.context - prompt.len()),
+                // Generation itself stops at the context.
+                max_tokens: request.max_tokens,
                 sampling: request.sampling,
                 eos_ids: self.shared.eos.clone(),
                 cancel: Some(cancel.clone()),
@@ -399,7 +400,8 @@ fn load_on<B: Backend + 'static>(
     options: &EngineOptions,
     runtime: tokio::runtime::Handle,
 ) -> Result<(Loaded<B>, Option<Arc<SlotPool>>)> {
-    let model = Model::load(ckpt, &backend)?;
+    let mut model = Model::load(ckpt, &backend)?;
+    model.set_context(options.source.context);
     let source = open_source(
         &backend,
         ckpt,

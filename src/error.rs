@@ -64,6 +64,19 @@ pub enum Error {
     )]
     ContextFull { prompt: usize, context: usize },
 
+    /// A sampling parameter out of range; `field` is its name in a request (`top_p`).
+    #[error("{field} {message}")]
+    Sampling {
+        field: &'static str,
+        message: String,
+    },
+
+    /// No logit of a step was finite (all NaN or infinite): the model's output carries no
+    /// distribution to sample from (bad weights, such as a NaN in the final norm, or a
+    /// backend fault). The request fails rather than emitting an arbitrary token.
+    #[error("none of the {vocab} logits of a step is finite (NaN or infinite): the model's output is broken (check its weights)")]
+    NoFiniteLogits { vocab: usize },
+
     /// A bug or a crashed task inside the engine (not the caller's fault).
     #[error("internal error: {0}")]
     Internal(String),

@@ -1,5 +1,6 @@
 //! The generation loop: prefill the prompt, then sample one token at a time until an
-//! end-of-sequence id or the token limit, reporting each token as it is produced.
+//! end-of-sequence id, the token limit or the context ([`Model::context`]), reporting
+//! each token as it is produced.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -49,8 +50,14 @@ pub struct GenerateStats {
 
 /// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
 /// each new id and may return `false` to stop early (finish reason "stopped").
+/// Generation stops with finish reason "length" after `options.max_tokens` new tokens or
+/// when the sequence (the tokens in `state`, the prompt and the new tokens) reaches the
+/// model's context ([`Model::context`]). Non-finite logits are left out of sampling, with
+/// one warning for the request giving their count ([`Sampler::sample`]).
 /// Returns the new ids and the stats.
-/// Errors: a forward-pass error (expert read, bad token id) or bad sampling options.
+/// Errors: an empty prompt; a prompt that leaves no room in the context
+/// ([`Error::ContextFull`]); a forward-pass error (expert read, bad token id); bad
+/// sampling options; a step with no finite logit ([`Error::NoFiniteLogits`]).
 pub fn generate<B: Backend, E: ExpertSource>(
     model: &Model<B>,
     backend: &B,
@@ -61,60 +68,76 @@ pub fn generate<B: Backend, E: ExpertSource>(
     mut on_token: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
-    let mut stats = GenerateStats {
-        prompt_tokens: prompt.len(),
-        finish_reason: "length".into(),
-        ..Default::default()
-    };
-    let mut out = Vec::new();
     if prompt.is_empty() {
         return Err(Error::InvalidInput(
             "the prompt is empty (nothing to continue from)".into(),
         ));
     }
-    if options.max_tokens == 0 {
-        return Ok((out, stats));
-    }
-    let start = Instant::now();
-    // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
-    // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
-    let mut logits = Vec::new();
-    let mut done = 0;
-    for chunk in prompt.chunks(model.prefill_chunk(backend, Logits::Last)) {
-        logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
-        done += chunk.len();
-        if options.cancelled() {
-            experts.end_prefill(false);
-            stats.finish_reason = "stopped".into();
-            stats.prefill_seconds = start.elapsed().as_secs_f64();
-            stats.prefill_tps = rate(done, stats.prefill_seconds);
+    let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
+    let max_tokens = options.max_tokens.min(room);
+    // The prefill and decode loop, in a closure so that the warning below is logged
+    // however it ends.
+    let mut run = || -> Result<(Vec<u32>, GenerateStats)> {
+        let mut stats = GenerateStats {
+            prompt_tokens: prompt.len(),
+            finish_reason: "length".into(),
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        if max_tokens == 0 {
             return Ok((out, stats));
         }
+        let start = Instant::now();
+        // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
+        // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
+        let mut logits = Vec::new();
+        let mut done = 0;
+        for chunk in prompt.chunks(model.prefill_chunk(backend, Logits::Last)) {
+            logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
+            done += chunk.len();
+            if options.cancelled() {
+                experts.end_prefill(false);
+                stats.finish_reason = "stopped".into();
+                stats.prefill_seconds = start.elapsed().as_secs_f64();
+                stats.prefill_tps = rate(done, stats.prefill_seconds);
+                return Ok((out, stats));
+            }
+        }
+        experts.end_prefill(true);
+        stats.prefill_seconds = start.elapsed().as_secs_f64();
+        let decode_start = Instant::now();
+        loop {
+            let next = sampler.sample(&logits, &state.tokens)?;
+            if options.eos_ids.contains(&next) {
+                stats.finish_reason = "eos".into();
+                break;
+            }
+            out.push(next);
+            if !on_token(next)? || options.cancelled() {
+                stats.finish_reason = "stopped".into();
+                break;
+            }
+            if out.len() >= max_tokens {
+                break;
+            }
+            logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+        }
+        stats.generated_tokens = out.len();
+        stats.decode_seconds = decode_start.elapsed().as_secs_f64();
+        stats.prefill_tps = rate(prompt.len(), stats.prefill_seconds);
+        stats.decode_tps = rate(out.len().saturating_sub(1), stats.decode_seconds);
+        Ok((out, stats))
+    };
+    let result = run();
+    let ignored = sampler.non_finite();
+    if ignored.steps > 0 {
+        tracing::warn!(
+            non_finite_logits = ignored.logits,
+            steps = ignored.steps,
+            "logits that were NaN or infinite were left out of sampling; the model's weights or the backend may be faulty"
+        );
     }
-    experts.end_prefill(true);
-    stats.prefill_seconds = start.elapsed().as_secs_f64();
-    let decode_start = Instant::now();
-    loop {
-        let next = sampler.sample(&logits, &state.tokens);
-        if options.eos_ids.contains(&next) {
-            stats.finish_reason = "eos".into();
-            break;
-        }
-        out.push(next);
-        if !on_token(next)? || options.cancelled() {
-            stats.finish_reason = "stopped".into();
-            break;
-        }
-        if out.len() >= options.max_tokens {
-            break;
-        }
-        logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
-    }
-    stats.generated_tokens = out.len();
-    stats.decode_seconds = decode_start.elapsed().as_secs_f64();
-    stats.prefill_tps = rate(prompt.len(), stats.prefill_seconds);
-    stats.decode_tps = rate(out.len().saturating_sub(1), stats.decode_seconds);
-    Ok((out, stats))
+    result
 }
 
 fn rate(n: usize, secs: f64) -> f64 {

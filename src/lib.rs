@@ -16,7 +16,8 @@
 //!   that control tokens come only from the template, and reading reasoning and tool
 //!   calls out of a reply.
 //! - [`generate`], [`chat`], [`engine`]: generation, multi-turn chat, and the async
-//!   library API with prefix reuse.
+//!   library API with prefix reuse; [`sampling`] picks each token and [`context`]
+//!   bounds a sequence.
 //! - [`server`]: the OpenAI-compatible HTTP API on the engine.
 
 pub mod atomic_file;
@@ -27,6 +28,7 @@ pub mod chat;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
+pub mod context;
 pub mod engine;
 pub mod error;
 pub mod experts;

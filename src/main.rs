@@ -17,8 +17,8 @@ use slotstream::generate::GenerateOptions;
 use slotstream::io::IoMode;
 use slotstream::model::Model;
 use slotstream::plan::Plan;
-use slotstream::pool::SlotPool;
-use slotstream::sampling::SamplingOptions;
+use slotstream::pool::{PoolStats, SlotPool};
+use slotstream::sampling::{SamplingInput, SamplingOptions};
 use slotstream::score::Score;
 use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
@@ -300,6 +300,10 @@ struct DemoArgs {
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
+    /// Print one JSON object (prompt and output ids, text, timings, the pool's counters)
+    /// on stdout instead of the text and the summary.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -378,7 +382,9 @@ struct StreamArgs {
 /// How expert records are read and where a GPU keeps them (streaming commands and bench).
 #[derive(Args)]
 struct IoArgs {
-    /// Context the memory plan reserves KV cache for, in tokens.
+    /// The most tokens, prompt and output together, a sequence may hold (generation
+    /// stops there; at most the model's max_position_embeddings), and what the memory
+    /// plan reserves KV cache for.
     #[arg(long, default_value_t = 4096)]
     context: usize,
     /// Demand reads in flight at once.
@@ -455,55 +461,51 @@ struct ScoreArgs {
     trace: TraceArgs,
 }
 
-/// Sampling flags of `generate` and `chat` (mlx-lm's sampler; see `sampling.rs`).
-#[derive(Args, Clone, Debug)]
+/// Sampling flags of `generate`, `chat` and `serve` (mlx-lm's sampler; see `sampling.rs`),
+/// read as the server reads a request's fields ([`SamplingInput::apply`]).
+#[derive(Args, Clone, Debug, Default)]
 struct SamplingArgs {
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Keep the k most probable tokens (0: off).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    top_k: usize,
-    /// Nucleus sampling mass (1: off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f32,
-    /// Drop tokens less probable than this fraction of the most probable (0: off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    min_p: f32,
-    /// Penalty on the logits of the last 20 tokens (1: off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    repetition_penalty: f32,
-    /// Seed of the sampler's random stream.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// 0 is greedy (the default).
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Keep the k most probable tokens (0 or less: off, the default; 1: greedy).
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<i64>,
+    /// Nucleus sampling mass (1: off, the default; 0 keeps the most probable token).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Drop tokens less probable than this fraction of the most probable (0: off, the
+    /// default).
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f32>,
+    /// Penalty on the logits of the last 20 tokens (1: off, the default).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
+    /// Seed of the sampler's random stream: 0 to 2^64 - 1 (default 0), or -1 for a random
+    /// one.
+    #[arg(long, allow_negative_numbers = true)]
+    seed: Option<i128>,
 }
 
 impl SamplingArgs {
-    fn options(&self) -> SamplingOptions {
-        SamplingOptions {
+    /// The sampling options the flags give. Errors name the flag out of range.
+    fn options(&self) -> Result<SamplingOptions> {
+        let input = SamplingInput {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
-            ..Default::default()
-        }
-    }
-}
-
-impl Default for SamplingArgs {
-    /// Greedy, as the flags' defaults.
-    fn default() -> Self {
-        let o = SamplingOptions::default();
-        SamplingArgs {
-            temperature: o.temperature,
-            top_k: o.top_k,
-            top_p: o.top_p,
-            min_p: o.min_p,
-            repetition_penalty: o.repetition_penalty,
-            seed: o.seed,
-        }
+        };
+        input
+            .apply(&SamplingOptions::default())
+            .map_err(|e| match e {
+                slotstream::Error::Sampling { field, message } => {
+                    anyhow::anyhow!("--{} {message}", field.replace('_', "-"))
+                }
+                e => e.into(),
+            })
     }
 }
 
@@ -635,13 +637,13 @@ fn load_streamed<B: Backend>(
     a: &StreamArgs,
     trace: &TraceArgs,
 ) -> Result<Streamed<B>> {
-    let model = Model::load(ckpt, backend).context("loading weights")?;
+    let mut model = Model::load(ckpt, backend).context("loading weights")?;
+    let mut options = a.source();
+    // Generation stops at the context; the memory plan reserves state for it.
+    options.context = model.set_context(options.context);
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let index = Arc::new(model.experts.clone());
-    let options = SourceOptions {
-        trace: trace.trace.is_some(),
-        ..a.source()
-    };
+    options.trace = trace.trace.is_some();
     let source = open_source(backend, ckpt, index, &options, runtime.handle().clone())?;
     Ok(Streamed {
         model,
@@ -650,14 +652,15 @@ fn load_streamed<B: Backend>(
     })
 }
 
-/// Writes the trace and prints the pool's statistics, as `--trace` and `--stats` ask.
-fn finish_pool(pool: &Option<Arc<SlotPool>>, a: &StreamArgs, trace: &TraceArgs) -> Result<()> {
+/// Writes the trace `--trace` asks for, and prints the pool's statistics as JSON when
+/// `json` (`--stats`).
+fn finish_pool(pool: &Option<Arc<SlotPool>>, trace: &TraceArgs, json: bool) -> Result<()> {
     let Some(pool) = pool else { return Ok(()) };
     if let Some(path) = &trace.trace {
         cachesim::write_trace(path, &pool.take_trace())
             .with_context(|| format!("writing trace {}", path.display()))?;
     }
-    if a.stats {
+    if json {
         eprintln!("{}", serde_json::to_string_pretty(&pool.stats())?);
     }
     Ok(())
@@ -670,14 +673,20 @@ fn score_on<B: Backend>(
     a: &StreamArgs,
     trace: &TraceArgs,
 ) -> Result<Score> {
-    tracing::info!(backend = %backend.name(), "scoring");
     let m = load_streamed(backend, ckpt, a, trace)?;
     let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
-    finish_pool(&m.source.pool, a, trace)?;
+    finish_pool(&m.source.pool, trace, a.stats)?;
     Ok(s)
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
+    let pool_json = args.stream.stats;
+    run_generate(args, pool_json)
+}
+
+/// `generate` with `args`; with `--stats`, a summary on stderr; the pool's counters as
+/// JSON after it when `pool_json`.
+fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
     let ckpt = Arc::new(
         Checkpoint::open(&args.model)
             .with_context(|| format!("opening model {}", args.model.display()))?,
@@ -719,6 +728,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
+    // Refused before the weights load; generation stops at this context.
+    args.stream.io.context = slotstream::context::limit(args.stream.io.context, &ckpt.config);
+    slotstream::context::room(prompt.len(), args.stream.io.context)?;
     if let Some(path) = &args.trace.trace {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
@@ -731,8 +743,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         &args.sampling,
     )?;
     match open_compute(args.device.as_deref())? {
-        Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args),
-        Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args),
+        Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
+        Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
     }
 }
 
@@ -745,9 +757,9 @@ fn generate_options(
     max_tokens: usize,
     sampling: &SamplingArgs,
 ) -> Result<GenerateOptions> {
-    let options = GenerateOptions {
+    Ok(GenerateOptions {
         max_tokens,
-        sampling: sampling.options(),
+        sampling: sampling.options()?,
         eos_ids: eos_ids(
             dir,
             &ckpt.config.eos_token_ids,
@@ -755,9 +767,7 @@ fn generate_options(
             ckpt.config.vocab_size,
         )?,
         cancel: None,
-    };
-    options.sampling.validate()?;
-    Ok(options)
+    })
 }
 
 fn generate_on<B: Backend>(
@@ -767,9 +777,9 @@ fn generate_on<B: Backend>(
     prompt: &[u32],
     options: &GenerateOptions,
     args: &GenerateArgs,
+    pool_json: bool,
 ) -> Result<()> {
     use std::io::Write;
-    tracing::info!(backend = %backend.name(), "generating");
     let Streamed {
         model,
         source,
@@ -841,43 +851,66 @@ fn generate_on<B: Backend>(
         println!();
     }
     if args.stream.stats {
-        // With --max-tokens 0 nothing runs, not even the prefill.
-        let prefill = if stats.prefill_seconds > 0.0 {
-            format!(
-                "prefill {} tokens at {:.1} tok/s",
-                stats.prompt_tokens, stats.prefill_tps
-            )
-        } else {
-            format!("prefill of {} tokens not run", stats.prompt_tokens)
-        };
-        eprintln!(
-            "{prefill}, decode {} tokens at {:.1} tok/s ({}), peak RSS {}",
-            stats.generated_tokens,
-            stats.decode_tps,
-            stats.finish_reason,
-            slotstream::plan::peak_rss().map_or("unknown".into(), slotstream::plan::human)
-        );
-        if let Some(p) = pool_stats.as_ref().filter(|p| p.hits + p.misses == 0) {
-            eprintln!("pool: no expert lookups ({} slots)", p.slots);
-        } else if let Some(p) = &pool_stats {
-            let read = p.demand_bytes + p.speculative_bytes;
+        eprint!("{}", summary(&stats, pool_stats.as_ref()));
+    }
+    finish_pool(&pool, &args.trace, pool_json)
+}
+
+/// The run in words, for `--stats` and the demo: prefill and decode rates, peak RSS, and
+/// with a pool its hit rate, everything read from the disk split by why it was read, and
+/// the share of decode time spent waiting on reads.
+fn summary(stats: &slotstream::generate::GenerateStats, pool: Option<&PoolStats>) -> String {
+    use slotstream::plan::human;
+    // With --max-tokens 0 nothing runs, not even the prefill.
+    let prefill = if stats.prefill_seconds > 0.0 {
+        format!(
+            "prefill {} tokens at {:.1} tok/s",
+            stats.prompt_tokens, stats.prefill_tps
+        )
+    } else {
+        format!("prefill of {} tokens not run", stats.prompt_tokens)
+    };
+    let mut out = format!(
+        "{prefill}, decode {} tokens at {:.1} tok/s ({}), peak RSS {}\n",
+        stats.generated_tokens,
+        stats.decode_tps,
+        stats.finish_reason,
+        slotstream::plan::peak_rss().map_or("unknown".into(), human)
+    );
+    match pool {
+        None => {}
+        Some(p) if p.hits + p.misses == 0 => {
+            out += &format!("pool: no expert lookups ({} slots)\n", p.slots);
+        }
+        Some(p) => {
             let wait_share = if stats.decode_seconds > 0.0 {
                 p.decode_wait_seconds / stats.decode_seconds
             } else {
                 0.0
             };
-            eprintln!(
-                "pool: hit rate {:.3}, {} read ({} speculative, {} prefetches used, {} wasted), {:.0}% of decode time waiting on reads",
+            let parts: Vec<String> = [
+                ("misses", p.demand_bytes),
+                ("lookahead", p.speculative_bytes),
+                ("prefill sweeps", p.sweep_bytes),
+                ("admitted after prefill", p.admitted_bytes),
+                ("n-gram rows", p.range_bytes),
+            ]
+            .into_iter()
+            .filter(|&(_, bytes)| bytes > 0)
+            .map(|(what, bytes)| format!("{} {what}", human(bytes)))
+            .collect();
+            out += &format!(
+                "pool: hit rate {:.3}, {} read from disk ({}), {} prefetches used, {} wasted, {:.0}% of decode time waiting on reads\n",
                 p.hit_rate,
-                slotstream::plan::human(read),
-                slotstream::plan::human(p.speculative_bytes),
+                human(p.bytes_read),
+                parts.join(", "),
                 p.prefetches_used,
                 p.prefetches_wasted,
                 100.0 * wait_share
             );
         }
     }
-    finish_pool(&pool, &args.stream, &args.trace)
+    out
 }
 
 fn devices() -> Result<()> {
@@ -1101,6 +1134,13 @@ fn demo(args: DemoArgs) -> Result<()> {
         );
         slotstream::synth::write_checkpoint(&dir, &preset, preset.layers, true)
             .with_context(|| format!("writing the demo model to {}", dir.display()))?;
+    } else if slotstream::synth::refresh_tokenizer(&dir, &preset)
+        .with_context(|| format!("updating the demo model in {}", dir.display()))?
+    {
+        eprintln!(
+            "updated the tokenizer of the demo model in {} (made by an older slotstream)",
+            dir.display()
+        );
     }
     let cfg = slotstream::config::ModelConfig::load(&dir)?;
     let (layers, experts) = (cfg.moe_layers().len(), cfg.num_experts);
@@ -1112,7 +1152,7 @@ fn demo(args: DemoArgs) -> Result<()> {
     eprintln!(
         "demo: {layers} layers x {experts} experts = {records} records; pool of {slots} slots; weights are random, so the text is noise"
     );
-    generate(GenerateArgs {
+    let args = GenerateArgs {
         model: dir,
         text: None,
         prompt: Some("Explain how experts are streamed from disk.".into()),
@@ -1122,7 +1162,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         template: TemplateArgs::default(),
         max_tokens: args.max_tokens,
         sampling: SamplingArgs::default(),
-        json: false,
+        json: args.json,
         device: args.device,
         stream: StreamArgs {
             pool_slots: Some(slots),
@@ -1135,11 +1175,13 @@ fn demo(args: DemoArgs) -> Result<()> {
                 no_pack: false,
                 placement: None,
             },
-            stats: true,
+            stats: !args.json,
             lookahead: OnOff::On,
         },
         trace: TraceArgs::default(),
-    })
+    };
+    // The summary alone: the pool's counters as JSON come with --json.
+    run_generate(args, false)
 }
 
 fn chat(args: ChatArgs) -> Result<()> {
@@ -1236,13 +1278,13 @@ fn chat_on<B: Backend>(
             );
         }
     }
-    finish_pool(&pool, &args.stream, &args.trace)
+    finish_pool(&pool, &args.trace, args.stream.stats)
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
     use slotstream::engine::{Engine, EngineOptions};
     use slotstream::server::{router, ServerOptions};
-    args.sampling.options().validate()?;
+    let sampling = args.sampling.options()?;
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
     }
@@ -1285,7 +1327,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 queue: args.queue as usize,
                 api_key: args.api_key.clone(),
                 default_max_tokens: args.max_tokens,
-                sampling: args.sampling.options(),
+                sampling,
                 reasoning: args.reasoning_format == ReasoningFormat::Auto,
             },
         );

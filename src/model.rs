@@ -272,6 +272,8 @@ pub struct Model<B: Backend> {
     /// Flash-Next: the columns that copy the embedding into its `hc_count` residual
     /// streams side by side.
     tile: Option<B::Index>,
+    /// The most tokens one sequence may hold ([`Model::context`]).
+    context: usize,
 }
 
 /// Recurrent and attention state of one layer for one sequence.
@@ -733,6 +735,7 @@ impl<B: Backend> Model<B> {
             );
         }
         Ok(Model {
+            context: cfg.max_position_embeddings.unwrap_or(usize::MAX),
             config: cfg,
             experts,
             routing,
@@ -743,6 +746,20 @@ impl<B: Backend> Model<B> {
             layers,
             tile,
         })
+    }
+
+    /// The most tokens, prompt and generated, one sequence may hold: the config's
+    /// `max_position_embeddings` (unbounded without one) unless [`Model::set_context`]
+    /// lowered it. [`crate::generate::generate`] stops there.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Bounds sequences at `requested` tokens, at most the model's own
+    /// ([`crate::context::limit`]); returns the context in effect.
+    pub fn set_context(&mut self, requested: usize) -> usize {
+        self.context = crate::context::limit(requested, &self.config);
+        self.context
     }
 
     /// The PLE layers' n-gram tables (for their counters: [`crate::ngram::total`]).

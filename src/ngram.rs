@@ -36,6 +36,7 @@ pub const ROW_CACHE_ROWS: usize = 65_536;
 /// which case `t_s = eos`. Order `n` mixes `t_0 m_0 ^ t_1 m_1 ^ .. ^ t_{n-1} m_{n-1}`
 /// (wrapping i64 products), and head `j` of that order takes row
 /// `mix mod sizes[j] + offsets[j]`.
+#[allow(clippy::too_many_arguments)] // the hash's inputs, as transformers names them
 pub fn ngram_row_ids(
     history: &[u32],
     new: &[u32],
@@ -155,16 +156,16 @@ impl NgramTable {
         for i in 0..ple.split_parts {
             let module = format!("{base}.ngram_embedding.shard_{i}");
             let w = ckpt.tensor(&format!("{module}.weight"))?;
-            let spec = match cfg.quantization.for_module(&module) {
-                Some(Some(spec)) => spec,
-                _ => cfg.quantization.default.ok_or_else(|| {
-                    Error::bad_tensor(
-                        &module,
-                        "n-gram shards must be quantized (no quantization block in config.json)",
-                    )
-                })?,
-            };
             let rows = w.shape.first().copied().unwrap_or(0);
+            // Always quantized: without `.scales` the global pair stands, and reading the
+            // parts below names the missing one.
+            let spec = ckpt.quant_spec(&module, &[], rows, head_dim)?;
+            let spec = spec.or(cfg.quantization.default).ok_or_else(|| {
+                Error::bad_tensor(
+                    &module,
+                    "n-gram shards must be quantized (no quantization block in config.json)",
+                )
+            })?;
             let (_, scales, _) = ckpt.quantized_parts(&module, spec, &[], rows, head_dim)?;
             let g = (rows, spec, scales.0);
             match geometry {

@@ -96,7 +96,9 @@ pub struct LayerCounts {
 /// Counters of a pool since it was built (or since [`SlotPool::reset_stats`]).
 ///
 /// Invariants: `hits + misses` = lookups; `demand_bytes = misses * record_bytes`;
-/// bytes read = `demand_bytes + speculative_bytes`.
+/// `bytes_read = demand_bytes + speculative_bytes + sweep_bytes + admitted_bytes +
+/// range_bytes`, everything read from the disk through the pool's reader (a packed
+/// record that fails its checksum is read again from the shards and counted once).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PoolStats {
     pub slots: usize,
@@ -106,8 +108,13 @@ pub struct PoolStats {
     /// Lookups that issued a demand read.
     pub misses: u64,
     pub hit_rate: f64,
+    /// Every byte read from the disk: the sum of the `*_bytes` counters below but
+    /// `wasted_bytes` (which is part of `speculative_bytes`).
+    pub bytes_read: u64,
+    /// Bytes read by lookups that missed (prefill chunks through the pool, and decode).
     pub demand_bytes: u64,
     pub speculative_reads: u64,
+    /// Bytes read ahead of their lookup (lookahead).
     pub speculative_bytes: u64,
     /// Prefetched records later asked for.
     pub prefetches_used: u64,
@@ -130,6 +137,8 @@ pub struct PoolStats {
     /// Small reads made for the model besides expert records (n-gram table rows: packed
     /// words, scales and biases), through the same reader.
     pub range_reads: u64,
+    /// Bytes of `range_reads`.
+    pub range_bytes: u64,
     pub per_layer: Vec<LayerCounts>,
     #[serde(skip)]
     in_flight_samples: u64,
@@ -138,6 +147,7 @@ pub struct PoolStats {
 }
 
 /// Where records are read from.
+#[allow(clippy::large_enum_variant)] // one per pool
 pub enum RecordFiles {
     /// Nine `pread`s per record from the checkpoint's stacked tensors; reader file `i`
     /// is shard `i`.
@@ -444,6 +454,8 @@ impl SlotPool {
     pub fn stats(&self) -> PoolStats {
         let inner = self.lock();
         let mut s = inner.stats.clone();
+        s.bytes_read =
+            s.demand_bytes + s.speculative_bytes + s.sweep_bytes + s.admitted_bytes + s.range_bytes;
         let lookups = s.hits + s.misses;
         s.hit_rate = if lookups == 0 {
             0.0
@@ -994,7 +1006,11 @@ impl SlotPool {
         let demand = self.reader.semaphore();
         let share = Arc::new(Semaphore::new((self.reader.queue_depth() / 2).max(1)));
         let runtime = self.runtime.clone();
-        self.lock().stats.range_reads += reads.len() as u64;
+        {
+            let mut inner = self.lock();
+            inner.stats.range_reads += reads.len() as u64;
+            inner.stats.range_bytes += reads.iter().map(|r| r.len as u64).sum::<u64>();
+        }
         futures::future::try_join_all(reads.into_iter().map(|read| {
             let (demand, share, runtime) = (demand.clone(), share.clone(), runtime.clone());
             async move {

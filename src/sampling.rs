@@ -2,6 +2,14 @@
 //! (`mlx_lm/sample_utils.py`): the repetition penalty on the logits of the last
 //! `repetition_context` tokens, log-softmax, then top-p, min-p and top-k filters in that
 //! order, then a draw from `softmax(logprobs / temperature)`; temperature 0 is argmax.
+//!
+//! Logits that are not finite (NaN, +Inf or -Inf: a NaN in a weight is enough) are left
+//! out of every path, as tokens of probability zero: an overflowed +Inf is no more a
+//! prediction than a NaN. A step with no finite logit is an error
+//! ([`Error::NoFiniteLogits`]), never a token chosen from nothing.
+//!
+//! [`SamplingInput`] reads the values users give (flags, request fields) alike for the
+//! command line and the server.
 
 use std::borrow::Cow;
 
@@ -15,9 +23,10 @@ use crate::error::{Error, Result};
 pub struct SamplingOptions {
     /// 0 means greedy (argmax).
     pub temperature: f32,
-    /// Keep the `top_k` most probable tokens (0: off).
+    /// Keep the `top_k` most probable tokens (0: off; 1 keeps the most probable).
     pub top_k: usize,
-    /// Keep the smallest set of most probable tokens whose mass reaches `top_p` (1 or 0: off).
+    /// Keep the smallest set of most probable tokens whose mass reaches `top_p` (1: off;
+    /// 0 keeps the most probable).
     pub top_p: f32,
     /// Drop tokens less probable than `min_p` times the most probable one (0: off).
     pub min_p: f32,
@@ -48,22 +57,76 @@ impl Default for SamplingOptions {
 }
 
 impl SamplingOptions {
-    /// Errors name the first option out of range.
+    /// Errors ([`Error::Sampling`]) name the first option out of range by its request
+    /// field (`top_p`).
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str| Err(Error::InvalidInput(what.to_string()));
+        let bad = |field: &'static str, message: &str| {
+            Err(Error::Sampling {
+                field,
+                message: message.to_string(),
+            })
+        };
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature must be a finite number >= 0");
+            return bad("temperature", "must be a finite number >= 0 (0: greedy)");
         }
         if !(0.0..=1.0).contains(&self.top_p) {
-            return bad("top-p must be in [0, 1]");
+            return bad("top_p", "must be in [0, 1] (1: off)");
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return bad("min-p must be in [0, 1]");
+            return bad("min_p", "must be in [0, 1] (0: off)");
         }
         if !REPETITION_PENALTY.contains(&self.repetition_penalty) {
-            return bad("repetition penalty must be in [0.001, 1000]");
+            return bad("repetition_penalty", "must be in [0.001, 1000] (1: off)");
         }
         Ok(())
+    }
+}
+
+/// Sampling values as a user gives them, on the command line or in a request; an absent
+/// one keeps its default. [`SamplingInput::apply`] reads them the one way both take:
+/// - `top_k` 0 or less is off (vLLM and llama.cpp clients send -1), 1 is greedy;
+/// - `top_p` 1 is off, 0 keeps only the most probable token;
+/// - `seed` is an integer from 0 to 2^64 - 1, or -1 for a random one (llama.cpp's
+///   convention).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingInput {
+    pub temperature: Option<f32>,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<i128>,
+}
+
+impl SamplingInput {
+    /// `defaults` with the given values set and normalized: `top_k <= 0` becomes 0 (off),
+    /// `top_k` 1 makes the draw greedy (temperature 0), seed -1 becomes a random seed.
+    /// Errors ([`Error::Sampling`], naming the field): a value out of range (see
+    /// [`SamplingOptions::validate`]), a seed outside `-1 ..= 2^64 - 1`.
+    pub fn apply(&self, defaults: &SamplingOptions) -> Result<SamplingOptions> {
+        let mut o = defaults.clone();
+        o.temperature = self.temperature.unwrap_or(o.temperature);
+        if let Some(k) = self.top_k {
+            o.top_k = usize::try_from(k.max(0)).unwrap_or(usize::MAX);
+        }
+        o.top_p = self.top_p.unwrap_or(o.top_p);
+        o.min_p = self.min_p.unwrap_or(o.min_p);
+        o.repetition_penalty = self.repetition_penalty.unwrap_or(o.repetition_penalty);
+        o.seed = match self.seed {
+            None => o.seed,
+            Some(-1) => rand::random(),
+            Some(s) => u64::try_from(s).map_err(|_| Error::Sampling {
+                field: "seed",
+                message: format!(
+                    "{s} is not an integer from 0 to 2^64 - 1, or -1 for a random one"
+                ),
+            })?,
+        };
+        o.validate()?;
+        if o.top_k == 1 {
+            o.temperature = 0.0;
+        }
+        Ok(o)
     }
 }
 
@@ -71,6 +134,16 @@ impl SamplingOptions {
 pub struct Sampler {
     options: SamplingOptions,
     rng: StdRng,
+    ignored: NonFinite,
+}
+
+/// Logits left out because they were not finite, over the steps of one sampler.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NonFinite {
+    /// Non-finite logits, summed over the steps.
+    pub logits: u64,
+    /// Steps that had at least one.
+    pub steps: u64,
 }
 
 impl Sampler {
@@ -78,15 +151,39 @@ impl Sampler {
     pub fn new(options: SamplingOptions) -> Result<Self> {
         options.validate()?;
         let rng = StdRng::seed_from_u64(options.seed);
-        Ok(Sampler { options, rng })
+        Ok(Sampler {
+            options,
+            rng,
+            ignored: NonFinite::default(),
+        })
     }
 
-    /// The next token given `logits` (one row, `[vocab]`) and the tokens so far.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// The non-finite logits this sampler has left out so far.
+    pub fn non_finite(&self) -> NonFinite {
+        self.ignored
+    }
+
+    /// The next token given `logits` (one row, `[vocab]`) and the tokens so far; logits
+    /// that are not finite are left out (and counted, [`Sampler::non_finite`]).
+    /// Errors: [`Error::NoFiniteLogits`] when no logit is finite.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
+        let (logits, bad) = finite(logits);
+        if bad > 0 {
+            self.ignored.logits += bad as u64;
+            self.ignored.steps += 1;
+        }
+        if bad == logits.len() {
+            return Err(Error::NoFiniteLogits { vocab: bad });
+        }
+        Ok(self.draw(&logits, history))
+    }
+
+    /// [`Sampler::sample`] on logits that are finite or -inf.
+    fn draw(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         if self.options.temperature == 0.0 {
             return greedy(&self.penalized(logits, history));
         }
-        let logprobs = self.filtered_logprobs(logits, history);
+        let logprobs = self.logprobs(logits, history);
         let t = self.options.temperature;
         // Shift by the maximum before dividing, so a tiny temperature sends the others to
         // -inf instead of overflowing the largest to +inf (which would make NaNs).
@@ -128,15 +225,20 @@ impl Sampler {
         Cow::Owned(logits)
     }
 
-    /// Log-probabilities after the penalty and the filters (filtered entries are -inf).
-    /// This is the distribution a temperature-1 draw samples from.
+    /// Log-probabilities after the penalty and the filters (filtered and non-finite
+    /// entries are -inf). This is the distribution a temperature-1 draw samples from.
     pub fn filtered_logprobs(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
+        self.logprobs(&finite(logits).0, history)
+    }
+
+    /// [`Sampler::filtered_logprobs`] of logits that are finite or -inf.
+    fn logprobs(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
         let o = &self.options;
         let mut lp = log_softmax(&self.penalized(logits, history));
         if o.temperature == 0.0 {
             return lp;
         }
-        if 0.0 < o.top_p && o.top_p < 1.0 {
+        if o.top_p < 1.0 {
             // Keep tokens down to the one at which the mass above it first reaches top_p.
             let mut sorted: Vec<f32> = lp.clone();
             sorted.sort_by(|a, b| a.total_cmp(b));
@@ -179,6 +281,20 @@ impl Sampler {
         }
         lp
     }
+}
+
+/// `logits` with every non-finite value (NaN, +Inf, -Inf) set to -inf, so it drops out of
+/// the softmax, and how many there were; borrowed when all are finite.
+fn finite(logits: &[f32]) -> (Cow<'_, [f32]>, usize) {
+    let bad = logits.iter().filter(|v| !v.is_finite()).count();
+    if bad == 0 {
+        return (Cow::Borrowed(logits), 0);
+    }
+    let masked = logits
+        .iter()
+        .map(|&v| if v.is_finite() { v } else { f32::NEG_INFINITY })
+        .collect();
+    (Cow::Owned(masked), bad)
 }
 
 /// Index of the largest value (the first on ties).
@@ -243,7 +359,12 @@ mod tests {
     }
 
     // probs of [ln .5, ln .25, ln .15, ln .1] = .5 .25 .15 .1
-    const L: [f32; 4] = [-0.693_147_2, -1.386_294_4, -1.897_12, -2.302_585];
+    const L: [f32; 4] = [
+        -std::f32::consts::LN_2,
+        -2.0 * std::f32::consts::LN_2,
+        -1.897_12,
+        -std::f32::consts::LN_10,
+    ];
 
     #[test]
     fn a_tiny_temperature_samples_the_argmax() {
@@ -252,14 +373,14 @@ mod tests {
             .collect();
         let mut s = Sampler::new(opts(|o| o.temperature = 1e-30)).unwrap();
         for _ in 0..10 {
-            assert_eq!(s.sample(&logits, &[]), argmax(&logits));
+            assert_eq!(s.sample(&logits, &[]).unwrap(), argmax(&logits));
         }
     }
 
     #[test]
     fn greedy_is_argmax() {
         let mut s = Sampler::new(SamplingOptions::default()).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[]), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &[]).unwrap(), 1);
     }
 
     /// The shortcut picks what argmax over the log-softmax picks (mlx-lm's greedy), on
@@ -348,7 +469,9 @@ mod tests {
         let o = opts(|o| o.seed = 42);
         let draw = |o: &SamplingOptions| {
             let mut s = Sampler::new(o.clone()).unwrap();
-            (0..4000).map(|_| s.sample(&L, &[])).collect::<Vec<_>>()
+            (0..4000)
+                .map(|_| s.sample(&L, &[]).unwrap())
+                .collect::<Vec<_>>()
         };
         let a = draw(&o);
         assert_eq!(a, draw(&o), "same seed, same draws");
@@ -362,9 +485,241 @@ mod tests {
         }
         // Temperature 0.5 sharpens: p_i proportional to p_i^2 -> .5^2/(sum) = .6135.
         let mut s = Sampler::new(opts(|o| o.temperature = 0.5)).unwrap();
-        let f0 = (0..4000).filter(|_| s.sample(&L, &[]) == 0).count() as f64 / 4000.0;
+        let f0 = (0..4000)
+            .filter(|_| s.sample(&L, &[]).unwrap() == 0)
+            .count() as f64
+            / 4000.0;
         let want = 0.25 / (0.25 + 0.0625 + 0.0225 + 0.01);
         assert!((f0 - want).abs() < 0.03, "{f0} vs {want}");
+    }
+
+    /// Every path (greedy, temperature, top-k, top-p, min-p, repetition penalty, and
+    /// their combination) on fresh random logits with NaN, +Inf and -Inf planted: the
+    /// pick is the one made on the same logits with the planted entries removed (the same
+    /// seed, ids mapped back), never a planted id, and the planted entries are counted.
+    #[test]
+    fn non_finite_logits_are_left_out_of_every_path() {
+        let seed: u64 = rand::random();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let paths: [(&str, fn(&mut SamplingOptions)); 7] = [
+            ("greedy", |o| o.temperature = 0.0),
+            ("temperature", |o| o.temperature = 0.7),
+            ("top-k", |o| o.top_k = 5),
+            ("top-p", |o| o.top_p = 0.6),
+            ("min-p", |o| o.min_p = 0.05),
+            ("repetition penalty", |o| o.repetition_penalty = 1.3),
+            ("all", |o| {
+                o.temperature = 1.3;
+                o.top_k = 40;
+                o.top_p = 0.9;
+                o.min_p = 0.02;
+                o.repetition_penalty = 0.8;
+            }),
+        ];
+        for case in 0..300 {
+            let (name, set) = paths[case % paths.len()];
+            let n = rng.random_range(8..600);
+            let scale = [1.0f32, 8.0][case % 2];
+            let logits: Vec<f32> = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
+            let mut planted = logits.clone();
+            let bad = rng.random_range(1..n / 2);
+            for _ in 0..bad {
+                let at = rng.random_range(0..n);
+                planted[at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][at % 3];
+            }
+            let kept: Vec<usize> = (0..n).filter(|&i| planted[i].is_finite()).collect();
+            let compact: Vec<f32> = kept.iter().map(|&i| logits[i]).collect();
+            // Within the penalty's 20-token window, which removing ids would otherwise shift.
+            let history: Vec<u32> = (0..20).map(|_| rng.random_range(0..n as u32)).collect();
+            let compact_history: Vec<u32> = history
+                .iter()
+                .filter_map(|&h| kept.iter().position(|&k| k == h as usize).map(|p| p as u32))
+                .collect();
+            let o = opts(|o| {
+                o.seed = rng.random();
+                set(o)
+            });
+            let mut s = Sampler::new(o.clone()).unwrap();
+            let mut reference = Sampler::new(o).unwrap();
+            for step in 1..=3u64 {
+                let got = s.sample(&planted, &history).unwrap() as usize;
+                let want = reference.sample(&compact, &compact_history).unwrap() as usize;
+                assert_eq!(
+                    got, kept[want],
+                    "seed {seed}, case {case} ({name}), step {step}"
+                );
+                assert_eq!(
+                    s.non_finite(),
+                    NonFinite {
+                        logits: step * (n - kept.len()) as u64,
+                        steps: step
+                    }
+                );
+            }
+            assert_eq!(reference.non_finite(), NonFinite::default());
+        }
+    }
+
+    /// A step whose logits are all NaN or infinite fails on every path with
+    /// `NoFiniteLogits` (it used to give token 0).
+    #[test]
+    fn no_finite_logit_is_an_error_not_token_zero() {
+        let paths: [fn(&mut SamplingOptions); 3] = [
+            |_| {},
+            |o| o.temperature = 0.0,
+            |o| {
+                o.top_k = 3;
+                o.top_p = 0.5;
+                o.min_p = 0.1;
+                o.repetition_penalty = 1.5;
+            },
+        ];
+        for set in paths {
+            for row in [
+                vec![f32::NAN; 64],
+                (0..64)
+                    .map(|i| [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][i % 3])
+                    .collect(),
+            ] {
+                let mut s = Sampler::new(opts(set)).unwrap();
+                let e = s.sample(&row, &[0, 1, 2]).unwrap_err();
+                assert!(matches!(e, Error::NoFiniteLogits { vocab: 64 }), "{e}");
+                assert!(e.to_string().contains("64"), "{e}");
+            }
+        }
+    }
+
+    /// The command line and the server read edge values through `SamplingInput::apply`:
+    /// top-k 0 or less is off, 1 is greedy; top-p 1 is off and 0 keeps the most probable;
+    /// seed -1 is random, other seeds 0 to 2^64 - 1; out-of-range values name the field.
+    #[test]
+    fn sampling_input_reads_edge_values_alike() {
+        let base = SamplingOptions {
+            temperature: 0.8,
+            ..Default::default()
+        };
+        let apply = |i: SamplingInput| i.apply(&base);
+        for k in [0, -1, -40, i64::MIN] {
+            let o = apply(SamplingInput {
+                top_k: Some(k),
+                ..Default::default()
+            })
+            .unwrap();
+            assert_eq!((o.top_k, o.temperature), (0, 0.8), "top_k {k}");
+        }
+        let o = apply(SamplingInput {
+            top_k: Some(1),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((o.top_k, o.temperature), (1, 0.0), "top_k 1 is greedy");
+        let o = apply(SamplingInput {
+            top_k: Some(7),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((o.top_k, o.temperature), (7, 0.8));
+        // top-p 0 keeps the most probable token; 1 keeps everything.
+        for (p, want) in [(0.0, vec![0]), (1.0, vec![0, 1, 2, 3])] {
+            let o = apply(SamplingInput {
+                top_p: Some(p),
+                ..Default::default()
+            })
+            .unwrap();
+            let s = Sampler::new(SamplingOptions {
+                temperature: 1.0,
+                ..o
+            })
+            .unwrap();
+            assert_eq!(kept(&s, &L), want, "top_p {p}");
+        }
+        for (seed, want) in [(0, 0u64), (42, 42), (u64::MAX as i128, u64::MAX)] {
+            let o = apply(SamplingInput {
+                seed: Some(seed),
+                ..Default::default()
+            })
+            .unwrap();
+            assert_eq!(o.seed, want);
+        }
+        let random: Vec<u64> = (0..4)
+            .map(|_| {
+                apply(SamplingInput {
+                    seed: Some(-1),
+                    ..Default::default()
+                })
+                .unwrap()
+                .seed
+            })
+            .collect();
+        assert!(
+            random.windows(2).any(|w| w[0] != w[1]),
+            "-1 is a fresh seed: {random:?}"
+        );
+        // Absent values keep the defaults.
+        assert_eq!(apply(SamplingInput::default()).unwrap(), base);
+        for (input, field) in [
+            (
+                SamplingInput {
+                    seed: Some(-2),
+                    ..Default::default()
+                },
+                "seed",
+            ),
+            (
+                SamplingInput {
+                    seed: Some(u64::MAX as i128 + 1),
+                    ..Default::default()
+                },
+                "seed",
+            ),
+            (
+                SamplingInput {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingInput {
+                    top_p: Some(f32::NAN),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingInput {
+                    temperature: Some(-0.5),
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingInput {
+                    temperature: Some(f32::INFINITY),
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingInput {
+                    min_p: Some(-0.1),
+                    ..Default::default()
+                },
+                "min_p",
+            ),
+            (
+                SamplingInput {
+                    repetition_penalty: Some(0.0),
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+        ] {
+            match apply(input) {
+                Err(Error::Sampling { field: f, .. }) => assert_eq!(f, field, "{input:?}"),
+                other => panic!("{input:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

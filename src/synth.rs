@@ -767,10 +767,11 @@ impl Preset {
     /// `text_config`, with `layer_types` for the layers kept and no `seed` (transformers'
     /// default 1234 gives the stored multipliers), and a quantization block of 4 bits,
     /// group 64, with a group-`ngram_group_size` override per n-gram shard and no other
-    /// (the unquantized modules have no `.scales`). The vision tower is left out, so
+    /// (the unquantized modules have no `.scales`), keyed as the release keys them:
+    /// `model.layers.1.ple.ple_embedding.ngram_embedding.shard_N`, without the
+    /// `language_model.` prefix its tensor names carry. The vision tower is left out, so
     /// there is no `vision_config` and `language_model_only` is true.
     fn flash_next_config(&self, x: &FlashNextShape, layers: usize) -> serde_json::Value {
-        let prefix = self.family.prefix();
         let mut quant = serde_json::Map::new();
         quant.insert("group_size".into(), json!(self.group_size));
         quant.insert("bits".into(), json!(4));
@@ -778,7 +779,7 @@ impl Preset {
         for s in 0..x.ngram_shards {
             quant.insert(
                 format!(
-                    "{prefix}model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{s}",
+                    "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{s}",
                     x.ple_layer
                 ),
                 json!({"group_size": x.ngram_group_size, "bits": 4}),
@@ -1364,7 +1365,7 @@ pub fn write_checkpoint_with(
         bar.finish_and_clear();
     }
     write_json(dir, "config.json", &preset.config(layers))?;
-    write_tokenizer(dir, preset.special_tokens())?;
+    write_tokenizer(dir, preset)?;
     match routing {
         Some(params) => params.write(dir)?,
         None => {
@@ -1395,9 +1396,18 @@ fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<()> {
     out.commit()
 }
 
-/// A byte-level BPE with no merges: 256 byte tokens, then `<|endoftext|>`,
-/// `<|im_start|>` and `<|im_end|>` at the ids `special` gives.
-fn write_tokenizer(dir: &Path, [eot, start, end]: [usize; 3]) -> Result<()> {
+/// The tokenizer files of a synthetic checkpoint (`tokenizer.json`,
+/// `tokenizer_config.json`, `generation_config.json`), as `(file name, contents)`.
+///
+/// A byte-level BPE without merges: the 256 byte tokens, filler tokens up to the first
+/// special id, then `<|endoftext|>`, `<|im_start|>` and `<|im_end|>` at the ids `special`
+/// gives, which are config.json's (`bos_token_id`, `eos_token_id`). The fillers are
+/// needed because the `tokenizers` crate numbers added tokens from the end of the model's
+/// vocabulary whatever ids tokenizer.json lists (256 to 258 without them). Each filler is
+/// two or more lowercase letters, never produced by encoding (there are no merges), so
+/// text tokenizes byte by byte as before and a random model's fillers print as letters.
+/// generation_config.json lists `<|im_end|>` and `<|endoftext|>` as EOS.
+fn tokenizer_files([eot, start, end]: [usize; 3]) -> [(&'static str, serde_json::Value); 3] {
     // GPT-2's byte-to-unicode table, as the ByteLevel pre-tokenizer expects.
     let mut bytes: Vec<u32> = (b'!' as u32..=b'~' as u32)
         .chain(0xA1..=0xAC)
@@ -1419,6 +1429,9 @@ fn write_tokenizer(dir: &Path, [eot, start, end]: [usize; 3]) -> Result<()> {
         let ch = char::from_u32(*c).unwrap_or('?').to_string();
         model_vocab.insert(ch, json!(*b));
     }
+    for id in 256..eot {
+        model_vocab.insert(filler(id - 256), json!(id));
+    }
     let special = |id: usize, s: &str| json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     let tokenizer = json!({
         "version": "1.0", "truncation": null, "padding": null,
@@ -1431,20 +1444,62 @@ fn write_tokenizer(dir: &Path, [eot, start, end]: [usize; 3]) -> Result<()> {
                   "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                   "vocab": model_vocab, "merges": []},
     });
-    write_json(dir, "tokenizer.json", &tokenizer)?;
-    write_json(
-        dir,
-        "tokenizer_config.json",
-        &json!({
-            "eos_token": "<|im_end|>", "bos_token": null, "pad_token": "<|endoftext|>",
-            "chat_template": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
-        }),
-    )?;
-    write_json(
-        dir,
-        "generation_config.json",
-        &json!({"eos_token_id": [end, eot]}),
-    )
+    [
+        ("tokenizer.json", tokenizer),
+        (
+            "tokenizer_config.json",
+            json!({
+                "eos_token": "<|im_end|>", "bos_token": null, "pad_token": "<|endoftext|>",
+                "chat_template": "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+            }),
+        ),
+        (
+            "generation_config.json",
+            json!({"eos_token_id": [end, eot]}),
+        ),
+    ]
+}
+
+/// The `i`-th filler token: the two-letter strings `aa` to `zz`, then the three-letter
+/// ones, and so on.
+fn filler(mut i: usize) -> String {
+    let mut len = 2;
+    while i >= 26usize.pow(len) {
+        i -= 26usize.pow(len);
+        len += 1;
+    }
+    (0..len)
+        .rev()
+        .map(|d| char::from(b'a' + (i / 26usize.pow(d) % 26) as u8))
+        .collect()
+}
+
+/// Writes the tokenizer files of `preset` ([`tokenizer_files`]) into `dir`.
+fn write_tokenizer(dir: &Path, preset: &Preset) -> Result<()> {
+    for (name, value) in tokenizer_files(preset.special_tokens()) {
+        write_json(dir, name, &value)?;
+    }
+    Ok(())
+}
+
+/// Rewrites the tokenizer files of a `preset` checkpoint in `dir` where they differ from
+/// what this build writes (a checkpoint made by an older build, such as a demo model
+/// left in the cache); the weights stay. Returns whether anything was rewritten.
+/// Errors: a file that cannot be written.
+pub fn refresh_tokenizer(dir: &Path, preset: &Preset) -> Result<bool> {
+    let stale = tokenizer_files(preset.special_tokens())
+        .iter()
+        .any(|(name, want)| {
+            std::fs::read_to_string(dir.join(name))
+                .ok()
+                .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+                .as_ref()
+                != Some(want)
+        });
+    if stale {
+        write_tokenizer(dir, preset)?;
+    }
+    Ok(stale)
 }
 
 #[cfg(test)]
@@ -1556,10 +1611,22 @@ mod tests {
             .iter()
             .enumerate()
             .all(|(l, &k)| (k == LayerKind::FullAttention) == (l % 4 == 3)));
-        let x = cfg.flash_next.unwrap();
+        let x = cfg.flash_next.clone().unwrap();
         assert_eq!(x.ple.unwrap().split_parts, 128);
         assert_eq!(x.indexer.unwrap().budget, 2048);
-        assert_eq!(v["quantization"].as_object().unwrap().len(), 3 + 128);
+        let quant = v["quantization"].as_object().unwrap();
+        assert_eq!(quant.len(), 3 + 128);
+        // Keyed as released, without the tensors' `language_model.` prefix, and found.
+        let shard = "model.layers.1.ple.ple_embedding.ngram_embedding.shard_127";
+        assert_eq!(quant[shard], json!({"group_size": 32, "bits": 4}));
+        assert!(quant.keys().all(|k| !k.starts_with("language_model.")));
+        assert_eq!(
+            cfg.quant_override(&format!("language_model.{shard}")),
+            Some(Some(crate::config::QuantSpec {
+                bits: 4,
+                group_size: 32
+            }))
+        );
         assert_eq!(
             v["text_config"]["rope_parameters"]["mrope_section"],
             json!([11, 11, 10])
@@ -1567,6 +1634,48 @@ mod tests {
         assert!(v["text_config"].get("seed").is_none());
         let two = ModelConfig::from_json(&QWEN38_FLASH_NEXT.config(2), path).unwrap();
         assert_eq!(two.layer_kinds, [LayerKind::LinearAttention; 2]);
+    }
+
+    /// Every preset's tokenizer.json gives `<|endoftext|>`, `<|im_start|>` and
+    /// `<|im_end|>` the ids config.json and generation_config.json use (BOS and EOS),
+    /// loaded by the `tokenizers` crate as the engine loads it (which renumbers added
+    /// tokens that do not follow the model's vocabulary); text still encodes byte by byte.
+    #[test]
+    fn special_token_ids_agree_with_the_configs() {
+        for p in PRESETS {
+            let config = p.config(p.min_layers());
+            let text = config.get("text_config").unwrap_or(&config);
+            let [tok_json, _, generation] = tokenizer_files(p.special_tokens());
+            let tok: tokenizers::Tokenizer = tok_json.1.to_string().parse().unwrap();
+            let id = |t: &str| tok.token_to_id(t).map(|i| i as u64);
+            let (eot, end) = (id("<|endoftext|>"), id("<|im_end|>"));
+            assert_eq!(id("<|im_start|>"), eot.map(|e| e + 1), "{}", p.name);
+            assert_eq!(text["bos_token_id"].as_u64(), eot, "{}: BOS", p.name);
+            let eos = text["eos_token_id"].as_u64();
+            assert!(eos == end || eos == eot, "{}: EOS {eos:?}", p.name);
+            assert_eq!(
+                generation.1["eos_token_id"],
+                json!([end, eot]),
+                "{}",
+                p.name
+            );
+            assert_eq!(
+                tok.get_vocab_size(true) as u64,
+                end.unwrap() + 1,
+                "{}",
+                p.name
+            );
+            assert!(end.unwrap() < p.vocab as u64, "{}", p.name);
+            let enc = tok.encode("hi <|im_end|>", false).unwrap();
+            assert_eq!(
+                enc.get_ids(),
+                [b'h' as u32, b'i' as u32, b' ' as u32, end.unwrap() as u32]
+            );
+        }
+        assert_eq!(
+            [filler(0), filler(25), filler(26), filler(675), filler(676)],
+            ["aa", "az", "ba", "zz", "aaa"]
+        );
     }
 
     /// `--ngram-rows` shrinks the table and its hashing buffers follow; bad values, presets

@@ -176,10 +176,12 @@ impl Tokenizer {
 }
 
 impl Tokenizer {
-    /// Text of `ids`, special tokens included (so a streamed `<|im_end|>` is visible to
-    /// callers that print raw output; generation stops before printing EOS anyway).
+    /// Text of `ids`, special tokens (those tokenizer.json marks `special`, such as
+    /// `<|im_start|>`) left out, as llama.cpp prints output without `--special` and vLLM
+    /// returns it by default: a control token the model emits is not shown as text.
+    /// Tokens such as Qwen3's `<think>` are not marked special and stay.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| self.error(e))
+        self.inner.decode(ids, true).map_err(|e| self.error(e))
     }
 }
 

@@ -2,18 +2,20 @@
 //! checks that `Checkpoint::open` / `Model::load` return an error (never a panic) whose
 //! text names the file, tensor or field at fault.
 
-use std::collections::HashMap;
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use common::{
+    copy_fixture, edit_json, read_json, read_shard, rewrite_shard, shard_of, Owned, INDEX,
+};
+use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::model::Model;
 use slotstream::Error;
-use tempfile::TempDir;
 
 /// One `model.safetensors` plus an index.
 const BF16: &str = "qwen3-next-bf16";
@@ -21,7 +23,6 @@ const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
 /// Qwen3.5-MoE (`qwen3_5_moe`): one `model.safetensors` plus an index, `language_model.` keys.
 const QWEN35: &str = "qwen3_5-moe-bf16";
-const INDEX: &str = "model.safetensors.index.json";
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -40,75 +41,6 @@ fn cpu_logits(dir: &Path) -> Vec<f32> {
     slotstream::score::score(&model, &CpuBackend, &experts, &ids)
         .unwrap()
         .logits
-}
-
-/// Copies fixture `name` into a fresh temporary directory.
-fn copy_fixture(name: &str) -> TempDir {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    for entry in fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
-        }
-    }
-    tmp
-}
-
-/// Which shard of the fixture copy in `dir` holds `tensor`, according to the index.
-fn shard_of(dir: &Path, tensor: &str) -> String {
-    let index = read_json(&dir.join(INDEX));
-    index["weight_map"][tensor]
-        .as_str()
-        .unwrap_or_else(|| panic!("{tensor} not in the fixture index"))
-        .to_string()
-}
-
-/// A tensor copied out of a safetensors file.
-struct Owned {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-/// Reads every tensor of a safetensors file, plus its `__metadata__`.
-fn read_shard(path: &Path) -> (Vec<Owned>, Option<HashMap<String, String>>) {
-    let bytes = fs::read(path).unwrap();
-    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let tensors = st
-        .iter()
-        .map(|(name, v)| Owned {
-            name: name.to_string(),
-            dtype: v.dtype(),
-            shape: v.shape().to_vec(),
-            data: v.data().to_vec(),
-        })
-        .collect();
-    (tensors, meta.metadata().clone())
-}
-
-/// Writes `tensors` as a well-formed safetensors file (dtype x shape must match the bytes).
-fn write_shard(path: &Path, tensors: &[Owned], meta: Option<HashMap<String, String>>) {
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|t| {
-            let v = TensorView::new(t.dtype, t.shape.clone(), &t.data)
-                .unwrap_or_else(|e| panic!("test bug: {}: {e}", t.name));
-            (t.name.clone(), v)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, meta, path).unwrap();
-}
-
-/// Rewrites a shard through the `safetensors` crate after `edit` changes its tensor list.
-fn rewrite_shard(path: &Path, edit: impl FnOnce(&mut Vec<Owned>)) {
-    let (mut tensors, meta) = read_shard(path);
-    edit(&mut tensors);
-    write_shard(path, &tensors, meta);
 }
 
 /// Edits the JSON header of a safetensors file in place, keeping the data bytes as they
@@ -138,16 +70,6 @@ fn write_raw_shard(path: &Path, header: &Value, data_len: usize) {
     out.extend(text);
     out.extend(vec![0u8; data_len]);
     fs::write(path, out).unwrap();
-}
-
-fn read_json(path: &Path) -> Value {
-    serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
-    let mut v = read_json(path);
-    edit(&mut v);
-    fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
 
 /// Drops `tensor` from the shard holding it and from the index.
@@ -502,6 +424,81 @@ fn shared_expert_with_gate_and_up_quantized_differently_loads() {
         err < 1e-5,
         "logits differ from the untouched checkpoint's by {err:e}"
     );
+}
+
+/// Without per-module overrides in config.json, bits and group size come from the stored
+/// shapes: the routers and shared-expert gates are 8-bit (the global pair is 4-bit), and
+/// every fixture family still gives the logits of the untouched checkpoint.
+#[test]
+fn quantization_without_overrides_is_inferred_from_the_shapes() {
+    for name in [BF16, SHARDED, QWEN35] {
+        let want = cpu_logits(copy_fixture(name).path());
+        let tmp = copy_fixture(name);
+        let mut removed = 0;
+        edit_json(&tmp.path().join("config.json"), |v| {
+            let q = match v.get_mut("quantization") {
+                Some(q) => q,
+                None => &mut v["text_config"]["quantization"],
+            };
+            let q = q.as_object_mut().unwrap();
+            let before = q.len();
+            q.retain(|_, entry| !entry.is_object());
+            removed = before - q.len();
+            v.as_object_mut().unwrap().remove("quantization_config");
+        });
+        assert!(removed >= 8, "{name}: {removed} overrides removed");
+        assert!(cpu_logits(tmp.path()) == want, "{name}: logits differ");
+    }
+}
+
+/// Shapes that no supported pair explains are refused, naming the tensor that differs
+/// from what the global pair expects and both stored shapes: scales of group size 16 for
+/// an 8-bit router with its override removed (the 8-bit weight is what differs from the
+/// global 4-bit pair's expectation).
+#[test]
+fn quantization_no_pair_explains_is_refused_with_both_shapes() {
+    let tmp = copy_fixture(BF16);
+    let module = "model.layers.1.mlp.gate";
+    edit_json(&tmp.path().join("config.json"), |v| {
+        v["quantization"].as_object_mut().unwrap().remove(module);
+        v.as_object_mut().unwrap().remove("quantization_config");
+    });
+    let shard = tmp
+        .path()
+        .join(shard_of(tmp.path(), &format!("{module}.weight")));
+    let mut scales = Vec::new();
+    let weight = read_shard(&shard)
+        .0
+        .into_iter()
+        .find(|t| t.name == format!("{module}.weight"))
+        .unwrap()
+        .shape;
+    rewrite_shard(&shard, |ts| {
+        for t in ts.iter_mut() {
+            if t.name == format!("{module}.scales") || t.name == format!("{module}.biases") {
+                // 8-bit words hold 4 values: group size 16 is `inp / 16` groups per row.
+                t.shape[1] = weight[1] * 4 / 16;
+                t.data = vec![0; t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8];
+                scales = t.shape.clone();
+            }
+        }
+    });
+    assert!(!scales.is_empty(), "test bug: {module} not rewritten");
+    let e = load_err(tmp.path());
+    let msg = e.to_string();
+    // The 8-bit weight is not what the global 4-bit pair expects: it is the one named.
+    let name = format!("{module}.weight");
+    assert!(
+        matches!(&e, Error::BadTensor { name: n, .. } if *n == name),
+        "{msg}"
+    );
+    for needle in [
+        format!("`{module}.weight` {weight:?}"),
+        format!("`{module}.scales` {scales:?}"),
+        "no supported quantization".into(),
+    ] {
+        assert!(msg.contains(&needle), "{needle}: {msg}");
+    }
 }
 
 #[test]

@@ -199,8 +199,10 @@ fn two_layer_flash_next_synth_has_the_released_layout_and_runs() {
         (vec![1], 16, 160, 128)
     );
     assert_eq!(x.indexer.as_ref().unwrap().block_top_k(), 512);
+    // Keyed as released, without the prefix, and found for the shard's full name.
+    assert_eq!(cfg.quantization.for_module(&format!("{ple}127")), None);
     assert_eq!(
-        cfg.quantization.for_module(&format!("{ple}127")),
+        cfg.quant_override(&format!("{ple}127")),
         Some(Some(QuantSpec {
             bits: 4,
             group_size: 32

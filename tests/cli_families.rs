@@ -40,16 +40,6 @@ fn ids_arg(ids: &[u32]) -> String {
         .join(",")
 }
 
-/// Copies fixture `name` into a fresh temporary directory.
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in fs::read_dir(fixture_dir(name)).unwrap() {
-        let entry = entry.unwrap();
-        fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
-    }
-    tmp
-}
-
 #[test]
 fn score_cli_matches_mlx_lm_mapped_and_pooled() {
     let tmp = tempfile::tempdir().unwrap();

@@ -113,3 +113,75 @@ async fn chat_input_gets_control_ids_only_from_the_template() {
     }
     assert!(done);
 }
+
+/// The engine bounds a sequence at its context (`source.context`, capped at the model's
+/// `max_position_embeddings`): generation stops there with finish reason `length`, and a
+/// prompt that fills it is refused with the numbers. (EOS ids removed, so only the bound
+/// stops it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generation_stops_at_the_context() {
+    let tmp = copy_fixture(FIXTURES[0]);
+    without_eos(tmp.path());
+    let load = |context: usize| {
+        Engine::load(
+            tmp.path(),
+            EngineOptions {
+                source: SourceOptions {
+                    context,
+                    ..Default::default()
+                },
+                device: Some("cpu".into()),
+                ..Default::default()
+            },
+        )
+    };
+    let engine = load(40).await.unwrap();
+    assert_eq!(engine.context(), 40);
+    let prompt: Vec<u32> = (0..10).map(|i| 7 * i + 3).collect();
+    let mut events = engine.generate(Request {
+        input: Input::Ids(prompt.clone()),
+        max_tokens: 5000,
+        sampling: Default::default(),
+    });
+    let mut tokens = 0;
+    let mut done = None;
+    while let Some(e) = events.next().await {
+        match e.unwrap() {
+            Event::Token { .. } => tokens += 1,
+            Event::Done {
+                output_ids, stats, ..
+            } => done = Some((output_ids, stats)),
+        }
+    }
+    let (ids, stats) = done.expect("a Done event");
+    assert_eq!((tokens, ids.len()), (30, 30));
+    assert_eq!(stats.finish_reason, "length");
+    // A prompt of 40 tokens leaves nothing.
+    let long: Vec<u32> = (0..40).collect();
+    let first = engine
+        .generate(Request {
+            input: Input::Ids(long),
+            max_tokens: 1,
+            sampling: Default::default(),
+        })
+        .next()
+        .await
+        .unwrap();
+    match first {
+        Err(
+            e @ slotstream::Error::ContextFull {
+                prompt: 40,
+                context: 40,
+            },
+        ) => {
+            assert!(e.to_string().contains("40 tokens"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The model's own bound caps a larger context.
+    drop(engine);
+    edit_json(&tmp.path().join("config.json"), |v| {
+        v["max_position_embeddings"] = serde_json::json!(24)
+    });
+    assert_eq!(load(8192).await.unwrap().context(), 24);
+}

@@ -54,7 +54,7 @@ fn ngram_row_ids_equal_transformers_hashing() {
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|row| ints::<u64>(row))
+        .flat_map(ints::<u64>)
         .collect();
     assert_eq!(
         ngram_row_ids(&[], &ids, eos, 3, 8, &m, &sizes, &offsets),
@@ -84,7 +84,7 @@ fn ngram_row_ids_equal_transformers_hashing() {
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|row| ints::<u64>(row))
+        .flat_map(ints::<u64>)
         .collect();
     let got = ngram_row_ids(
         &[],
@@ -102,11 +102,7 @@ fn ngram_row_ids_equal_transformers_hashing() {
 #[test]
 fn centered_and_folded_norms_give_the_same_logits() {
     let src = fixture_dir(QWEN4_EXP);
-    let dir = tempfile::tempdir().unwrap();
-    for f in std::fs::read_dir(&src).unwrap() {
-        let f = f.unwrap();
-        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
-    }
+    let dir = copy_fixture(QWEN4_EXP);
     // Rewrite the norms as the Hugging Face release stores them: w = stored - 1 (exact in
     // bf16 for the fixture's weights).
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
@@ -163,6 +159,65 @@ fn centered_and_folded_norms_give_the_same_logits() {
         .unwrap();
     let e = rel_err(&got, &want);
     assert!(e <= 1e-6, "centered vs folded: relative error {e}");
+}
+
+/// The released Qwen3.8-Flash-Next conversion keys its n-gram shards' overrides without
+/// the `language_model.` prefix its tensors carry (reference-system.md A.8); mlx-lm-made
+/// checkpoints key them with it; a checkpoint may have none (group 32 then comes from the
+/// shards' shapes, against the global group 64). Each loads and matches transformers'
+/// teacher-forced logits within 1e-3 at every position.
+#[test]
+fn overrides_keyed_either_way_or_absent_load_and_match_transformers() {
+    let r = reference(QWEN4_EXP);
+    let keyed: [(&str, fn(&str) -> Option<String>); 3] = [
+        ("prefixed", |k| Some(k.to_string())),
+        ("released, unprefixed", |k| {
+            Some(k.strip_prefix("language_model.").unwrap_or(k).to_string())
+        }),
+        ("absent", |_| None),
+    ];
+    for (what, rekey) in keyed {
+        let tmp = copy_fixture(QWEN4_EXP);
+        let mut shards = 0;
+        edit_json(&tmp.path().join("config.json"), |v| {
+            for field in ["quantization", "quantization_config"] {
+                let Some(q) = v.get_mut(field).and_then(|q| q.as_object_mut()) else {
+                    continue;
+                };
+                let old = std::mem::take(q);
+                for (k, entry) in old {
+                    if !entry.is_object() {
+                        q.insert(k, entry);
+                    } else if let Some(k) = rekey(&k) {
+                        assert!(k.contains(".ngram_embedding.shard_"), "{k}");
+                        shards += 1;
+                        q.insert(k, entry);
+                    }
+                }
+            }
+        });
+        let ckpt = std::sync::Arc::new(Checkpoint::open(tmp.path()).unwrap());
+        let parts = ckpt
+            .config
+            .flash_next
+            .as_ref()
+            .unwrap()
+            .ple
+            .as_ref()
+            .unwrap()
+            .split_parts;
+        // One entry per shard in `quantization` and in `quantization_config`.
+        let want = if what == "absent" { 0 } else { 2 * parts };
+        assert_eq!(shards, want, "{what}");
+        let model = Model::load(&ckpt, &CpuBackend).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let experts = MappedExperts::new(ckpt.clone(), std::sync::Arc::new(model.experts.clone()));
+        let s = slotstream::score::score(&model, &CpuBackend, &experts, &r.scored_ids).unwrap();
+        for t in 0..r.scored_ids.len() {
+            let row = t * r.vocab..(t + 1) * r.vocab;
+            let e = rel_err(&s.logits[row.clone()], &r.logits[row]);
+            assert!(e <= 1e-3, "{what}: position {t}: relative logit error {e}");
+        }
+    }
 }
 
 /// The n-gram rows go through the pool's bounded reader and are counted: a pass over the

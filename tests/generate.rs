@@ -210,11 +210,12 @@ fn bad_input_gives_clear_errors() {
             ],
             "temperature must be",
         ),
+        // Read as the server reads them: top-k -1 is off, but a seed is -1 or 0 to 2^64 - 1.
         (
             &[
-                "generate", "--model", dir, "--prompt", "hi", "--top-k", "-1",
+                "generate", "--model", dir, "--prompt", "hi", "--seed", "-2", "--top-k", "-1",
             ],
-            "invalid value '-1' for '--top-k",
+            "--seed -2 is not an integer from 0 to 2^64 - 1, or -1 for a random one",
         ),
         // A flag where a value belongs is a missing value, not a value.
         (
@@ -300,4 +301,170 @@ fn peak_rss_stays_within_the_planned_budget() {
         "peak RSS {peak} above the planned budget {budget}"
     );
     assert!(v["pool"]["slots"].as_u64().unwrap() > 0);
+}
+
+/// NaN, +Inf and -Inf logits (a row of lm_head's scales each, at random ids the greedy
+/// continuation never picks) are left out: greedy generation gives mlx-lm's tokens (it
+/// used to give token 0 forever), with one warning counting them. With the final norm
+/// NaN no logit is finite: exit 1 naming the fault, no tokens.
+#[test]
+fn non_finite_logits_are_left_out_and_none_finite_fails() {
+    use rand::Rng;
+    let name = FIXTURES[0];
+    let r = reference(name);
+    let want = expected(name);
+    let n = r.greedy_ids.len();
+    let mut rng = rand::rng();
+    let mut rows: Vec<usize> = Vec::new();
+    while rows.len() < 3 {
+        let id = rng.random_range(0..r.vocab);
+        if !r.greedy_ids.contains(&(id as u32)) && !rows.contains(&id) {
+            rows.push(id);
+        }
+    }
+    let tmp = copy_fixture(name);
+    let planted = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+    fill_rows(tmp.path(), "lm_head.scales", |row| {
+        rows.iter().position(|&r| r == row).map(|i| planted[i])
+    });
+    let prompt: Vec<String> = r.prompt_ids.iter().map(|i| i.to_string()).collect();
+    let args = |dir: &std::path::Path| -> Vec<String> {
+        [
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt.join(","),
+            "--max-tokens",
+            &n.to_string(),
+            "--json",
+            "--device",
+            "cpu",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let out = slotstream().args(args(tmp.path())).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "rows {rows:?}: {err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(v["output_ids"].clone()).unwrap();
+    assert_eq!(ids, want, "rows {rows:?}");
+    // One draw per token, and one more for the EOS where the continuation ends with one.
+    let steps = if want.len() < n { want.len() + 1 } else { n };
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("non_finite_logits"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(
+        warnings[0].contains(&format!("non_finite_logits={} steps={steps}", 3 * steps)),
+        "{err}"
+    );
+
+    let tmp = copy_fixture(name);
+    fill_rows(tmp.path(), "model.norm.weight", |_| Some(f32::NAN));
+    let out = slotstream().args(args(tmp.path())).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("none of the 512 logits of a step is finite"),
+        "{err}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Generation stops at the context with finish reason `length`: `--context`, or the
+/// model's `max_position_embeddings` when that is smaller (a larger `--context` is
+/// capped, with a warning); a prompt that fills the context is refused with the numbers,
+/// exit 1. (EOS ids removed, so only the bound stops it.)
+#[test]
+fn generation_stops_at_the_context() {
+    let tmp = copy_fixture(FIXTURES[0]);
+    without_eos(tmp.path());
+    let dir = tmp.path().to_str().unwrap();
+    let ids: Vec<String> = (0..10).map(|i| (7 * i + 3).to_string()).collect();
+    let ids = ids.join(",");
+    let run = |extra: &[&str]| {
+        let base = [
+            "generate",
+            "--model",
+            dir,
+            "--prompt-ids",
+            &ids,
+            "--json",
+            "--device",
+            "cpu",
+        ];
+        slotstream().args(base).args(extra).output().unwrap()
+    };
+    let out = run(&["--max-tokens", "5000", "--context", "40"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 30, "{v}");
+    assert_eq!(v["stats"]["finish_reason"], "length");
+    // The model's own bound, under a larger --context.
+    edit_json(&tmp.path().join("config.json"), |v| {
+        v["max_position_embeddings"] = serde_json::json!(24)
+    });
+    let out = run(&["--max-tokens", "5000", "--context", "8192"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("max_position_embeddings=24"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["output_ids"].as_array().unwrap().len(), 14, "{v}");
+    // A prompt that fills the context.
+    let out = run(&["--context", "10"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the prompt has 10 tokens, which leaves no room in the context of 10 tokens"),
+        "{err}"
+    );
+}
+
+/// One log line says which backend runs and why, whatever picked it (on a machine whose
+/// only adapter is lavapipe the default is the CPU backend, and no GPU is opened first).
+#[test]
+fn one_line_says_which_backend_runs_and_why() {
+    let dir = fixture_dir(FIXTURES[0]);
+    for (device, want) in [
+        (None, "backend: "),
+        (Some("cpu"), "using the CPU backend: --device cpu"),
+        (Some("gpu"), "using the GPU backend: --device gpu"),
+    ] {
+        let mut cmd = slotstream();
+        cmd.env("RUST_LOG", "slotstream=info").args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "1",
+        ]);
+        if let Some(d) = device {
+            cmd.args(["--device", d]);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{device:?}: {err}");
+        let lines: Vec<&str> = err
+            .lines()
+            .filter(|l| l.contains("backend") || l.contains("GPU opened"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{device:?}: {err}");
+        assert!(lines[0].contains(want), "{device:?}: {err}");
+        if device.is_none() && lines[0].contains("CPU backend") {
+            assert!(lines[0].contains("no GPU adapter") || lines[0].contains("CPU emulation"));
+        }
+    }
 }

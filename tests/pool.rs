@@ -24,7 +24,8 @@ use slotstream::pack::{pack, MANIFEST_FILE, PACK_FILE};
 use slotstream::pool::{
     floor_slots, PoolExperts, PoolOptions, RecordFiles, SlotPool, StreamOptions,
 };
-use tempfile::TempDir;
+
+use common::copy_fixture;
 
 const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
@@ -41,19 +42,6 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .expect("tokio runtime")
-}
-
-/// Copies fixture `name` into a fresh temporary directory.
-fn copy_fixture(name: &str) -> TempDir {
-    let src = common::fixture_dir(name);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    for entry in fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
-        }
-    }
-    tmp
 }
 
 fn open(dir: &Path) -> (Arc<Checkpoint>, Arc<ExpertIndex>) {
@@ -154,7 +142,7 @@ fn pool_err(r: slotstream::Result<Arc<SlotPool>>) -> slotstream::Error {
 }
 
 /// A `ReadAt` around a real file that can misbehave: short reads, spurious EINTR, EIO on
-/// a byte range (switchable), and a delay per call. Counts calls.
+/// a byte range (switchable), and a delay per call. Counts calls and the bytes returned.
 struct Faulty {
     inner: DiskFile,
     /// Return at most this many bytes per call.
@@ -168,6 +156,7 @@ struct Faulty {
     failed_at: Mutex<Vec<u64>>,
     delay: Option<Duration>,
     calls: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl Faulty {
@@ -181,6 +170,7 @@ impl Faulty {
             failed_at: Mutex::new(Vec::new()),
             delay: None,
             calls: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
         }
     }
 }
@@ -202,7 +192,9 @@ impl ReadAt for Faulty {
             }
         }
         let n = self.max_chunk.map_or(buf.len(), |m| m.min(buf.len()));
-        self.inner.read_at(&mut buf[..n], offset)
+        let n = self.inner.read_at(&mut buf[..n], offset)?;
+        self.bytes.fetch_add(n as u64, Ordering::SeqCst);
+        Ok(n)
     }
     fn path(&self) -> &Path {
         self.inner.path()
@@ -1298,4 +1290,59 @@ fn a_pool_of_every_record_keeps_layers_together() {
         assert!(held[0][..] == fx.records[&(layer as u32, expert)][..]);
     }
     assert_eq!(pool.stats().misses, index.records() as u64);
+}
+
+/// `bytes_read` accounts for every byte the pool's reader returned during a generation
+/// whose prompt is read outside the pool (sweeps), whose hottest experts are admitted
+/// after it, and whose decode misses and reads ahead: each counted record is one record's
+/// pieces read from the shards. (The demo's summary once left out sweeps and admissions,
+/// a quarter of what it read.)
+#[test]
+fn bytes_read_counts_everything_the_reader_read() {
+    use slotstream::generate::{generate, GenerateOptions};
+    let rt = runtime();
+    let l = common::load_cpu(BF16);
+    let index = Arc::new(l.model.experts.clone());
+    let files: Vec<Arc<Faulty>> = shard_paths(&l.ckpt)
+        .iter()
+        .map(|p| Arc::new(Faulty::new(p, IoMode::Buffered)))
+        .collect();
+    let readers: Vec<Arc<dyn ReadAt>> =
+        files.iter().map(|f| f.clone() as Arc<dyn ReadAt>).collect();
+    let slots = floor_slots(index.num_experts, 8);
+    let pool = shards_pool(&index, readers, 8, slots, 8, &rt);
+    let experts = PoolExperts::new(pool.clone());
+    let r = common::reference(BF16);
+    let options = GenerateOptions {
+        max_tokens: 16,
+        sampling: Default::default(),
+        eos_ids: vec![],
+        cancel: None,
+    };
+    let mut state = l.model.new_state(&CpuBackend);
+    generate(
+        &l.model,
+        &CpuBackend,
+        &experts,
+        &mut state,
+        &r.scored_ids,
+        &options,
+        |_| Ok(true),
+    )
+    .unwrap();
+    let st = pool.stats();
+    for (what, bytes) in [
+        ("sweep", st.sweep_bytes),
+        ("admitted", st.admitted_bytes),
+        ("demand", st.demand_bytes),
+        ("speculative", st.speculative_bytes),
+    ] {
+        assert!(bytes > 0, "no {what} reads: {st:?}");
+    }
+    let layout = &index.layout;
+    assert_eq!(st.bytes_read % layout.record_bytes as u64, 0, "{st:?}");
+    let records = st.bytes_read / layout.record_bytes as u64;
+    let pieces: u64 = layout.lens.iter().map(|&n| n as u64).sum();
+    let read: u64 = files.iter().map(|f| f.bytes.load(Ordering::SeqCst)).sum();
+    assert_eq!(read, records * pieces, "{st:?}");
 }

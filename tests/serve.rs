@@ -25,12 +25,22 @@ struct Server {
 }
 
 async fn start(queue: usize, prompt_cache: usize, api_key: Option<&str>) -> Server {
-    start_on(&fixture_dir(NAME), queue, prompt_cache, api_key, true).await
+    start_on(
+        &fixture_dir(NAME),
+        SourceOptions::default().context,
+        queue,
+        prompt_cache,
+        api_key,
+        true,
+    )
+    .await
 }
 
-/// A server on the model in `dir`; `reasoning`: `--reasoning-format auto` (else none).
+/// A server on the checkpoint in `dir` with a context of `context` tokens; `reasoning`:
+/// `--reasoning-format auto` (else none).
 async fn start_on(
     dir: &std::path::Path,
+    context: usize,
     queue: usize,
     prompt_cache: usize,
     api_key: Option<&str>,
@@ -42,6 +52,7 @@ async fn start_on(
             device: Some("cpu".into()),
             source: SourceOptions {
                 pool: Some(PoolSize::Slots(24)),
+                context,
                 ..Default::default()
             },
             prompt_cache,
@@ -453,7 +464,15 @@ async fn control_tokens_come_only_from_the_template() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tools_and_thinking_with_qwen3s_template() {
     let dir = fixture_with_template(NAME, &qwen3_template());
-    let s = start_on(dir.path(), 16, 0, None, true).await;
+    let s = start_on(
+        dir.path(),
+        SourceOptions::default().context,
+        16,
+        0,
+        None,
+        true,
+    )
+    .await;
     let tools = json!([{ "type": "function", "function": { "name": "get_weather",
         "description": "Weather in a city", "parameters": { "type": "object",
         "properties": { "city": { "type": "string" } }, "required": ["city"] } } }]);
@@ -513,8 +532,24 @@ async fn tools_and_thinking_with_qwen3s_template() {
 async fn reasoning_content_split_and_reasoning_format_none() {
     let thinking = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}";
     let dir = fixture_with_template(NAME, thinking);
-    let auto = start_on(dir.path(), 16, 0, None, true).await;
-    let none = start_on(dir.path(), 16, 0, None, false).await;
+    let auto = start_on(
+        dir.path(),
+        SourceOptions::default().context,
+        16,
+        0,
+        None,
+        true,
+    )
+    .await;
+    let none = start_on(
+        dir.path(),
+        SourceOptions::default().context,
+        16,
+        0,
+        None,
+        false,
+    )
+    .await;
     let body = json!({ "messages": [{ "role": "user", "content": "Tell me about slots." }], "max_tokens": 12 });
     let (_, raw) = none.post("/v1/chat/completions", &body).await;
     let raw_text = raw["choices"][0]["message"]["content"].as_str().unwrap();
@@ -676,4 +711,146 @@ async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
         .await
         .unwrap();
     assert_eq!(stats["engine"]["prefix_hits"], 1);
+}
+
+/// A model whose output has no finite logit (its final norm is NaN) fails the request
+/// with 500 `inference_error`, streaming or not, instead of returning token 0; the server
+/// keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_finite_logit_is_an_inference_error() {
+    let tmp = copy_fixture(NAME);
+    fill_rows(tmp.path(), "model.norm.weight", |_| Some(f32::NAN));
+    let s = start_on(tmp.path(), 4096, 4, 0, None, true).await;
+    for _ in 0..2 {
+        let (status, v) = s
+            .post(
+                "/v1/completions",
+                &json!({ "prompt": [1, 2, 3], "max_tokens": 4 }),
+            )
+            .await;
+        assert_eq!(status, 500, "{v}");
+        assert_eq!(v["error"]["type"], "inference_error", "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("logits"),
+            "{v}"
+        );
+    }
+    // Streaming: the headers are sent, so the error comes as the last event before [DONE].
+    let raw = s
+        .client
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&json!({ "messages": [{ "role": "user", "content": "hi" }], "stream": true }))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events: Vec<&str> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{raw}");
+    let error: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(error["error"]["type"], "inference_error", "{raw}");
+}
+
+/// The server bounds a sequence as the CLI does: without max_tokens a completion stops
+/// at the context (`length`); a prompt that fills it, or max_tokens beyond it, gets 400
+/// `context_length_exceeded` with the numbers. (EOS ids removed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_stop_at_the_context() {
+    let tmp = copy_fixture(NAME);
+    without_eos(tmp.path());
+    let s = start_on(tmp.path(), 40, 4, 0, None, true).await;
+    let prompt: Vec<u32> = (0..10).map(|i| 7 * i + 3).collect();
+    let (status, v) = s
+        .post("/v1/completions", &json!({ "prompt": prompt }))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 30, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    let long: Vec<u32> = (0..40).collect();
+    for (body, needle) in [
+        (json!({ "prompt": long }), "the prompt has 40 tokens"),
+        (
+            json!({ "prompt": prompt, "max_tokens": 31 }),
+            "max_tokens asks for 31",
+        ),
+    ] {
+        let (status, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle) && message.contains("40"), "{v}");
+    }
+}
+
+/// The command line and the server read sampling edge values alike (one function,
+/// `SamplingInput::apply`): top-k below 0 is off, top-k 1 is greedy whatever the
+/// temperature, top-p 1 is off, and a seed gives the same draws in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_and_server_read_sampling_values_alike() {
+    let s = start(4, 0, None).await;
+    let prompt: Vec<u32> = reference(NAME).prompt_ids;
+    let ids: Vec<String> = prompt.iter().map(|i| i.to_string()).collect();
+    let ids = ids.join(",");
+    // (flags, request fields, whether the draw is greedy)
+    let cases: [(&[&str], Value, bool); 3] = [
+        (
+            &[
+                "--top-k",
+                "-5",
+                "--temperature",
+                "0.9",
+                "--top-p",
+                "1",
+                "--seed",
+                "17",
+            ],
+            json!({ "top_k": -5, "temperature": 0.9, "top_p": 1, "seed": 17 }),
+            false,
+        ),
+        (
+            &["--top-k", "1", "--temperature", "1.5", "--seed", "3"],
+            json!({ "top_k": 1, "temperature": 1.5, "seed": 3 }),
+            true,
+        ),
+        (
+            &[
+                "--min-p",
+                "0.1",
+                "--temperature",
+                "1.2",
+                "--seed",
+                "18446744073709551615",
+            ],
+            json!({ "min_p": 0.1, "temperature": 1.2, "seed": 18446744073709551615u64 }),
+            false,
+        ),
+    ];
+    for (flags, fields, greedy) in cases {
+        let cli = cli_generate(&[&["--prompt-ids", &ids, "--max-tokens", "12"], flags].concat());
+        let cli_ids: Vec<u32> = serde_json::from_value(cli["output_ids"].clone()).unwrap();
+        let mut body = json!({ "prompt": prompt, "max_tokens": 12 });
+        body.as_object_mut()
+            .unwrap()
+            .extend(fields.as_object().unwrap().clone());
+        let (status, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            v["choices"][0]["text"],
+            s.engine.decode(&cli_ids).unwrap(),
+            "{flags:?}"
+        );
+        if greedy {
+            let want: Vec<u32> = expected_ids().into_iter().take(12).collect();
+            assert_eq!(cli_ids, want, "top-k 1 is greedy");
+        }
+    }
+    // Out-of-range values name the field on both sides.
+    let (status, v) = s
+        .post("/v1/completions", &json!({ "prompt": prompt, "seed": -2 }))
+        .await;
+    assert_eq!((status, &v["error"]["param"]), (400, &json!("seed")), "{v}");
 }

@@ -24,30 +24,37 @@ pub enum Compute {
 
 /// Opens the backend `device` names: `cpu`; `gpu` (the first GPU adapter of any kind,
 /// an error without one); or part of an adapter's name. `None` takes the first GPU, but
-/// the CPU backend (with a notice) when there is none or when the adapter is itself a CPU
-/// emulation such as lavapipe, which is slower than the CPU backend.
+/// the CPU backend when there is none or when the adapter is itself a CPU emulation such
+/// as lavapipe, which is slower than the CPU backend; then no GPU device is opened.
+///
+/// Logs one line (at info level) saying which backend runs and why; the GPU's settings
+/// are logged at debug level ("GPU opened").
 pub fn open_compute(device: Option<&str>) -> Result<Compute> {
-    let gpu = |adapter: Option<&str>| {
-        gpu::GpuBackend::new(&gpu::GpuOptions {
-            adapter: adapter.map(str::to_string),
-            ..Default::default()
-        })
-        .map(|g| Compute::Gpu(Box::new(g)))
+    let options = |adapter: Option<&str>| gpu::GpuOptions {
+        adapter: adapter.map(str::to_string),
+        ..Default::default()
+    };
+    let gpu = |adapter: Option<&str>, why: &str| -> Result<Compute> {
+        let g = gpu::GpuBackend::new(&options(adapter))?;
+        let a = &g.gpu.adapter;
+        tracing::info!(adapter = %a.name, api = %a.backend, kind = %a.device_type, "using the GPU backend: {why}");
+        Ok(Compute::Gpu(Box::new(g)))
+    };
+    let cpu = |why: String| {
+        tracing::info!("using the CPU backend: {why}");
+        Ok(Compute::Cpu(cpu::CpuBackend))
     };
     match device {
-        Some("cpu") => Ok(Compute::Cpu(cpu::CpuBackend)),
-        Some("gpu") => gpu(None),
-        Some(name) => gpu(Some(name)),
-        None => match gpu(None) {
-            Ok(Compute::Gpu(g)) if g.gpu.adapter.device_type == "Cpu" => {
-                tracing::info!(adapter = %g.gpu.adapter.name, "the only GPU adapter is a CPU emulation; using the CPU backend (--device gpu to use it)");
-                Ok(Compute::Cpu(cpu::CpuBackend))
-            }
-            Ok(c) => Ok(c),
-            Err(e) => {
-                tracing::info!(error = %e, "using the CPU backend");
-                Ok(Compute::Cpu(cpu::CpuBackend))
-            }
+        Some("cpu") => cpu("--device cpu".into()),
+        Some("gpu") => gpu(None, "--device gpu"),
+        Some(name) => gpu(Some(name), "its name matches --device"),
+        None => match gpu::chosen_adapter(&options(None)) {
+            Ok(a) if a.device_type == "Cpu" => cpu(format!(
+                "the only GPU adapter, {}, is a CPU emulation, slower than the CPU backend (--device gpu uses it)",
+                a.name
+            )),
+            Ok(_) => gpu(None, "the first GPU adapter (--device cpu for the CPU backend)"),
+            Err(e) => cpu(format!("no GPU adapter ({e})")),
         },
     }
 }

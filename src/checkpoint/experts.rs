@@ -143,22 +143,21 @@ impl ExpertIndex {
             let mut bases = [(0usize, 0u64); PIECES_PER_RECORD];
             for (p, proj) in Projection::ALL.into_iter().enumerate() {
                 let module = cfg.layer_name(layer, &format!("mlp.switch_mlp.{}", proj.module()));
-                let spec = match cfg.quantization.for_module(&module) {
-                    Some(s) => s,
-                    None => cfg.quantization.default,
-                }
-                .ok_or_else(|| {
+                let (rows, cols) = if proj == Projection::Down {
+                    (d, i)
+                } else {
+                    (i, d)
+                };
+                // Always quantized: without `.scales` the global pair stands, and reading
+                // the pieces below names the missing one.
+                let spec = ckpt.quant_spec(&module, &[e], rows, cols)?;
+                let spec = spec.or(cfg.quantization.default).ok_or_else(|| {
                     Error::bad_tensor(
                         &format!("{module}.weight"),
                         "routed experts must be quantized",
                     )
                 })?;
                 specs[p] = spec;
-                let (rows, cols) = if proj == Projection::Down {
-                    (d, i)
-                } else {
-                    (i, d)
-                };
                 let (_, (sd, _), _) = ckpt.quantized_parts(&module, spec, &[e], rows, cols)?;
                 scale_dtype = sd;
                 for kind in PieceKind::ALL {

@@ -201,23 +201,90 @@ impl LinearWeight {
 }
 
 impl Checkpoint {
-    /// The weight of module `module` (e.g. `model.layers.0.mlp.gate`), expected to be
-    /// `[out, in]` after dequantization.
+    /// How module `module` (its full name, e.g. `language_model.model.layers.0.mlp.gate`)
+    /// of logical shape `lead ++ [out, inp]` is stored: `None` unquantized.
     ///
-    /// The module is quantized iff the config's `quantization` block has an entry for it
-    /// or `<module>.scales` exists (mlx-lm `load_model`); bits and group size come from
-    /// the per-module entry, else the global ones.
+    /// The config's override for the module decides when there is one (found with or
+    /// without the family's prefix, [`crate::config::ModelConfig::quant_override`]).
+    /// Without one the module is quantized iff `<module>.scales` exists (mlx-lm
+    /// `load_model`), and bits and group size are those that explain the stored shapes
+    /// (`.weight` `lead ++ [out, inp * bits / 32]`, `.scales` `lead ++ [out, inp /
+    /// group_size]`): the config's global pair when it does, else the one supported pair
+    /// that does ([`QuantSpec::explaining`]).
+    /// Errors: a missing `.weight`; shapes that no supported pair explains, naming the
+    /// tensor that differs from what the global pair expects (the weight, else the
+    /// scales), both stored shapes and the expected one.
+    pub fn quant_spec(
+        &self,
+        module: &str,
+        lead: &[usize],
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<QuantSpec>> {
+        if let Some(spec) = self.config.quant_override(module) {
+            return Ok(spec);
+        }
+        let Ok(scales) = self.tensor(&format!("{module}.scales")) else {
+            return Ok(None);
+        };
+        let weight = self.tensor(&format!("{module}.weight"))?;
+        let rows = [lead, &[out]].concat();
+        let widths = |t: &super::TensorEntry| match t.shape.split_last() {
+            Some((&last, rest)) if rest == rows => Some(last),
+            _ => None,
+        };
+        let global = self.config.quantization.default;
+        let spec = match (widths(weight), widths(scales)) {
+            (Some(packed), Some(groups)) => QuantSpec::explaining(inp, packed, groups, global),
+            _ => None,
+        };
+        if let Some(spec) = spec {
+            if Some(spec) != global {
+                tracing::debug!(
+                    module,
+                    ?spec,
+                    "quantization inferred from the stored shapes"
+                );
+            }
+            return Ok(Some(spec));
+        }
+        let shape = |width: usize| [&rows[..], &[width]].concat();
+        let (culprit, want) = match global {
+            Some(g) if weight.shape != shape(inp / g.per_word()) => (
+                weight,
+                format!(
+                    ", expected {:?} ({}-bit)",
+                    shape(inp / g.per_word()),
+                    g.bits
+                ),
+            ),
+            Some(g) => (
+                scales,
+                format!(
+                    ", expected {:?} (group size {})",
+                    shape(inp / g.group_size),
+                    g.group_size
+                ),
+            ),
+            None => (weight, String::new()),
+        };
+        Err(Error::bad_tensor(
+            &culprit.name,
+            format!(
+                "shape {:?}{want}: no override in config.json, and no supported quantization \
+                 (4 or 8 bits, group size 32, 64 or 128) explains `{}` {:?} with `{}` {:?} for \
+                 an input of {inp}",
+                culprit.shape, weight.name, weight.shape, scales.name, scales.shape
+            ),
+        ))
+    }
+
+    /// The weight of module `module` (e.g. `model.layers.0.mlp.gate`), expected to be
+    /// `[out, in]` after dequantization, quantized as [`Checkpoint::quant_spec`] finds.
     /// Errors: missing tensors, wrong dtypes or shapes, scales/biases disagreeing.
     pub fn linear(&self, module: &str, out: usize, inp: usize) -> Result<LinearWeight> {
         let weight_name = format!("{module}.weight");
-        let scales_name = format!("{module}.scales");
-        let q = &self.config.quantization;
-        let spec = match q.for_module(module) {
-            Some(spec) => spec,
-            None if self.contains(&scales_name) => q.default,
-            None => None,
-        };
-        let Some(spec) = spec else {
+        let Some(spec) = self.quant_spec(module, &[], out, inp)? else {
             return Ok(LinearWeight::Dense(DenseMatrix {
                 rows: out,
                 cols: inp,

@@ -111,10 +111,19 @@ impl ApiError {
         )
     }
 
-    /// The engine's error: 400 for the request's faults, else 500.
+    /// The status and type of an engine error: 400 for the request's fault (named
+    /// field where there is one, `context_length_exceeded`), 500 `inference_error` when
+    /// the model's output is unusable, 500 `server_error` otherwise.
     pub fn engine(e: &crate::Error) -> Self {
         match e {
             crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
+            crate::Error::Sampling { field, message } => Self::invalid(field, message),
+            crate::Error::NoFiniteLogits { .. } => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "inference_error",
+                None,
+                e.to_string(),
+            ),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
             // A template that refuses the conversation (raise_exception, tools it does not
             // render) refuses the request.

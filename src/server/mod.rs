@@ -297,7 +297,8 @@ pub struct RequestStats {
     pub decode_tps: f64,
     /// Pool hit rate (null when experts are not streamed through a pool).
     pub hit_rate: Option<f64>,
-    /// Expert bytes read from disk (demand, speculative, prefill sweeps, admission).
+    /// Bytes read from disk through the pool (demand, speculative, prefill sweeps,
+    /// admission, n-gram rows: [`crate::pool::PoolStats::bytes_read`]).
     pub bytes_read: u64,
     pub prefetches_used: u64,
     pub prefetches_wasted: u64,
@@ -535,9 +536,7 @@ async fn drive(
                     prefill_tps: stats.prefill_tps,
                     decode_tps: stats.decode_tps,
                     hit_rate: pool.as_ref().map(|p| p.hit_rate),
-                    bytes_read: pool.as_ref().map_or(0, |p| {
-                        p.demand_bytes + p.speculative_bytes + p.sweep_bytes + p.admitted_bytes
-                    }),
+                    bytes_read: pool.as_ref().map_or(0, |p| p.bytes_read),
                     prefetches_used: pool.as_ref().map_or(0, |p| p.prefetches_used),
                     prefetches_wasted: pool.as_ref().map_or(0, |p| p.prefetches_wasted),
                     decode_wait_seconds: pool.as_ref().map_or(0.0, |p| p.decode_wait_seconds),

@@ -10,7 +10,7 @@ use crate::chat_template::{
     set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
 };
 use crate::engine::{Input, Request};
-use crate::sampling::SamplingOptions;
+use crate::sampling::{SamplingInput, SamplingOptions};
 
 /// The longest stop sequence accepted (they are matched against the text after each token).
 const MAX_STOP_BYTES: usize = 256;
@@ -30,7 +30,8 @@ pub struct Common {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    pub seed: Option<i64>,
+    /// An integer from 0 to 2^64 - 1, or -1 for a random one (as `--seed`).
+    pub seed: Option<serde_json::Number>,
     pub stop: Option<Stop>,
     /// `null` counts as absent (false), as OpenAI treats it.
     pub stream: Option<bool>,
@@ -317,47 +318,29 @@ impl Common {
             }
             (None, None) => None,
         };
-        let mut sampling = defaults.clone();
-        if let Some(t) = self.temperature {
-            if !(t.is_finite() && (0.0..=2.0).contains(&t)) {
-                return Err(ApiError::invalid("temperature", "must be in [0, 2]"));
-            }
-            sampling.temperature = t;
-        }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ApiError::invalid("top_p", "must be in (0, 1]"));
-            }
-            sampling.top_p = p;
-        }
-        if let Some(k) = self.top_k {
-            // -1 is how vLLM and llama.cpp clients say "off".
-            sampling.top_k = match k {
-                -1 | 0 => 0,
-                k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
-                _ => return Err(ApiError::invalid("top_k", "must be >= 0 (or -1 for off)")),
-            };
-        }
-        if let Some(p) = self.min_p {
-            if !(0.0..=1.0).contains(&p) {
-                return Err(ApiError::invalid("min_p", "must be in [0, 1]"));
-            }
-            sampling.min_p = p;
-        }
-        if let Some(r) = self.repetition_penalty {
-            if !crate::sampling::REPETITION_PENALTY.contains(&r) {
-                return Err(ApiError::invalid(
-                    "repetition_penalty",
-                    "must be in [0.001, 1000]",
-                ));
-            }
-            sampling.repetition_penalty = r;
-        }
-        // No seed: a fresh one per request, as OpenAI's API behaves.
-        sampling.seed = match self.seed {
-            Some(s) => s as u64,
-            None => rand::random(),
+        // The values read as the command line reads its flags.
+        let seed = match &self.seed {
+            None => None,
+            Some(n) => Some(
+                n.as_u64()
+                    .map(i128::from)
+                    .or_else(|| n.as_i64().map(i128::from))
+                    .ok_or_else(|| ApiError::invalid("seed", "must be an integer"))?,
+            ),
         };
+        let input = SamplingInput {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed,
+        };
+        let mut sampling = input.apply(defaults).map_err(|e| ApiError::engine(&e))?;
+        // No seed: a fresh one per request, as OpenAI's API behaves.
+        if self.seed.is_none() {
+            sampling.seed = rand::random();
+        }
         let stops = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -514,7 +497,8 @@ pub fn request(
     default_max_tokens: usize,
 ) -> Result<Request, ApiError> {
     let prompt_len = prompt.len();
-    let room = context.saturating_sub(prompt_len);
+    let room = crate::context::room(prompt_len, context)
+        .map_err(|e| ApiError::context_length(e.to_string()))?;
     let max_tokens = match params.max_tokens {
         Some(n) if n > room => {
             return Err(ApiError::context_length(format!(

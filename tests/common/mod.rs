@@ -189,11 +189,154 @@ pub fn qwen3_template() -> String {
 
 /// A copy of fixture `name` whose chat template is `template` (chat_template.jinja).
 pub fn fixture_with_template(name: &str, template: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture_dir(name)).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
-    }
+    let tmp = copy_fixture(name);
     std::fs::write(tmp.path().join("chat_template.jinja"), template).unwrap();
     tmp
+}
+
+// ---------------------------------------------------------------------------------------
+// Editable copies of the fixtures
+// ---------------------------------------------------------------------------------------
+
+/// The index file of a sharded (or single-file) fixture.
+pub const INDEX: &str = "model.safetensors.index.json";
+
+/// Copies fixture `name` into a fresh temporary directory.
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    copy_dir(&fixture_dir(name))
+}
+
+/// Copies the files of checkpoint directory `src` into a fresh temporary directory.
+pub fn copy_dir(src: &Path) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for entry in std::fs::read_dir(src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+        }
+    }
+    tmp
+}
+
+/// Which shard of the fixture copy in `dir` holds `tensor`, according to the index.
+pub fn shard_of(dir: &Path, tensor: &str) -> String {
+    let index = read_json(&dir.join(INDEX));
+    index["weight_map"][tensor]
+        .as_str()
+        .unwrap_or_else(|| panic!("{tensor} not in the fixture index"))
+        .to_string()
+}
+
+/// A tensor copied out of a safetensors file.
+pub struct Owned {
+    pub name: String,
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// The `__metadata__` of a safetensors file.
+pub type Metadata = Option<std::collections::HashMap<String, String>>;
+
+/// Reads every tensor of a safetensors file, plus its `__metadata__`.
+pub fn read_shard(path: &Path) -> (Vec<Owned>, Metadata) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors = st
+        .iter()
+        .map(|(name, v)| Owned {
+            name: name.to_string(),
+            dtype: v.dtype(),
+            shape: v.shape().to_vec(),
+            data: v.data().to_vec(),
+        })
+        .collect();
+    (tensors, meta.metadata().clone())
+}
+
+/// Writes `tensors` as a well-formed safetensors file (dtype x shape must match the bytes).
+pub fn write_shard(path: &Path, tensors: &[Owned], meta: Metadata) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|t| {
+            let v = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.data)
+                .unwrap_or_else(|e| panic!("test bug: {}: {e}", t.name));
+            (t.name.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, meta, path).unwrap();
+}
+
+/// Rewrites a shard through the `safetensors` crate after `edit` changes its tensor list.
+pub fn rewrite_shard(path: &Path, edit: impl FnOnce(&mut Vec<Owned>)) {
+    let (mut tensors, meta) = read_shard(path);
+    edit(&mut tensors);
+    write_shard(path, &tensors, meta);
+}
+
+/// Rewrites tensor `name` of the checkpoint copy in `dir` in its shard; `edit` gets its
+/// bytes, dtype and shape as stored.
+pub fn edit_tensor(dir: &Path, name: &str, edit: impl FnOnce(&mut Owned)) {
+    let shard = dir.join(shard_of(dir, name));
+    rewrite_shard(&shard, |tensors| {
+        let t = tensors
+            .iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("test bug: {name} not in {}", shard.display()));
+        edit(t);
+    });
+}
+
+pub fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+pub fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v = read_json(path);
+    edit(&mut v);
+    std::fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+/// Sets every value of the rows of bf16 tensor `name` (in the checkpoint copy in `dir`)
+/// for which `value(row)` gives one: how tests plant NaN or infinite weights.
+pub fn fill_rows(dir: &Path, name: &str, value: impl Fn(usize) -> Option<f32>) {
+    edit_tensor(dir, name, |t| {
+        assert_eq!(
+            t.dtype,
+            safetensors::Dtype::BF16,
+            "test bug: {name} is not bf16"
+        );
+        let row = t.data.len() / t.shape[0];
+        for (r, bytes) in t.data.chunks_exact_mut(row).enumerate() {
+            if let Some(v) = value(r) {
+                let v = half::bf16::from_f32(v).to_le_bytes();
+                bytes
+                    .chunks_exact_mut(2)
+                    .for_each(|b| b.copy_from_slice(&v));
+            }
+        }
+    });
+}
+
+/// Removes every end-of-sequence id of the checkpoint copy in `dir` (config.json,
+/// generation_config.json, tokenizer_config.json's `eos_token`), so generation runs to
+/// its token limit or the context.
+pub fn without_eos(dir: &Path) {
+    edit_json(&dir.join("config.json"), |v| {
+        v["eos_token_id"] = serde_json::json!([]);
+        if let Some(text) = v.get_mut("text_config") {
+            text["eos_token_id"] = serde_json::json!([]);
+        }
+    });
+    for (file, key) in [
+        ("generation_config.json", "eos_token_id"),
+        ("tokenizer_config.json", "eos_token"),
+    ] {
+        if dir.join(file).exists() {
+            edit_json(&dir.join(file), |v| {
+                v.as_object_mut().unwrap().remove(key);
+            });
+        }
+    }
 }

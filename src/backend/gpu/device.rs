@@ -207,6 +207,36 @@ pub fn list_adapters() -> Vec<AdapterSummary> {
         .collect()
 }
 
+/// The adapter [`Gpu::open`] would open with `options`, without opening a device (so the
+/// caller can decide on its kind first). Errors: as [`Gpu::open`]'s.
+pub fn chosen_adapter(options: &GpuOptions) -> Result<AdapterSummary> {
+    choose_adapter(&instance(), options).map(|a| summarize(&a))
+}
+
+/// The adapter whose name contains `options.adapter` (else `WGPU_ADAPTER_NAME`), or
+/// wgpu's high-performance default. Errors: none found, or none whose name matches.
+fn choose_adapter(inst: &wgpu::Instance, options: &GpuOptions) -> Result<wgpu::Adapter> {
+    let wanted = options
+        .adapter
+        .clone()
+        .or_else(|| std::env::var("WGPU_ADAPTER_NAME").ok())
+        .filter(|s| !s.is_empty());
+    match &wanted {
+        Some(name) => {
+            let lower = name.to_lowercase();
+            pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()))
+                .into_iter()
+                .find(|a| a.get_info().name.to_lowercase().contains(&lower))
+                .ok_or_else(|| Error::Gpu(format!("no GPU adapter matches `{name}` (see `slotstream devices`)")))
+        }
+        None => pollster::block_on(inst.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))
+        .map_err(|e| Error::Gpu(format!("no GPU adapter found ({e}); install a Vulkan or Metal driver (on Linux without a GPU: Mesa's lavapipe, package mesa-vulkan-drivers)"))),
+    }
+}
+
 fn summarize(a: &wgpu::Adapter) -> AdapterSummary {
     let info = a.get_info();
     let subgroup_sizes = a
@@ -563,27 +593,7 @@ impl Gpu {
     /// (which cap a storage binding at 128 MiB).
     /// Errors: no adapter, or none whose name matches.
     pub fn open(options: &GpuOptions) -> Result<Self> {
-        let inst = instance();
-        let wanted = options
-            .adapter
-            .clone()
-            .or_else(|| std::env::var("WGPU_ADAPTER_NAME").ok())
-            .filter(|s| !s.is_empty());
-        let adapters = pollster::block_on(inst.enumerate_adapters(wgpu::Backends::all()));
-        let adapter = match &wanted {
-            Some(name) => {
-                let lower = name.to_lowercase();
-                adapters
-                    .into_iter()
-                    .find(|a| a.get_info().name.to_lowercase().contains(&lower))
-                    .ok_or_else(|| Error::Gpu(format!("no GPU adapter matches `{name}` (see `slotstream devices`)")))?
-            }
-            None => pollster::block_on(inst.request_adapter(&wgpu::RequestAdapterOptions {
-                power_preference: wgpu::PowerPreference::HighPerformance,
-                ..Default::default()
-            }))
-            .map_err(|e| Error::Gpu(format!("no GPU adapter found ({e}); install a Vulkan or Metal driver (on Linux without a GPU: Mesa's lavapipe, package mesa-vulkan-drivers)")))?,
-        };
+        let adapter = choose_adapter(&instance(), options)?;
         let limits = adapter.limits();
         let profile = env_switch("SLOTSTREAM_GPU_PROFILE", &[], false);
         let profile = profile && {
@@ -660,7 +670,8 @@ impl Gpu {
         };
         let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
         let all_checks = env_switch("SLOTSTREAM_GPU_CHECKS", &["all"], false);
-        tracing::info!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, tiled, all_checks, profile, "GPU opened");
+        // At debug level: `open_compute` logs the one line saying which backend runs.
+        tracing::debug!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, tiled, all_checks, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
         let mut gpu = Gpu {
             device,

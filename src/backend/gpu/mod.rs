@@ -25,7 +25,8 @@ mod router;
 use std::sync::{Arc, Mutex};
 
 pub use device::{
-    list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions, TILE_WORKGROUP_BYTES,
+    chosen_adapter, list_adapters, AdapterSummary, DeviceBuffer, Gpu, GpuCounters, GpuOptions,
+    TILE_WORKGROUP_BYTES,
 };
 
 use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert};
