@@ -236,3 +236,50 @@ fn routed_experts_match_scalar() {
         }
     }
 }
+
+#[test]
+fn gated_delta_matches_scalar() {
+    use slotstream::backend::DeltaDims;
+    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    // Qwen3-Next's heads (Dk = Dv = 128, two value heads per key head), and widths that
+    // are not a multiple of the 16 lanes.
+    for (key_heads, value_heads, dk, dv) in [(2, 4, 128, 128), (1, 3, 20, 12)] {
+        let dims = DeltaDims {
+            key_heads,
+            value_heads,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let width = 2 * key_heads * dk + value_heads * dv;
+        let upload = |n: usize, rows: usize| simd.upload(&random(n * rows), rows, n);
+        let (a_log, dt_bias) = (upload(value_heads, 1), upload(value_heads, 1));
+        let init = random(value_heads * dv * dk);
+        let mut states = [
+            simd.upload(&init, value_heads, dv * dk),
+            simd.upload(&init, value_heads, dv * dk),
+        ];
+        // A token at a time, as decode runs, then a chunk of five, as prefill does.
+        for t in [1, 1, 1, 5] {
+            let (qkv, ba) = (upload(width, t), upload(2 * value_heads, t));
+            let [s_simd, s_scalar] = &mut states;
+            let got = simd.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_simd, dims);
+            let want = scalar.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_scalar, dims);
+            let e = common::rel_err(&s_simd.data, &s_scalar.data);
+            assert!(e <= 1e-5, "Dk={dk} Dv={dv} T={t}: state error {e:.2e}");
+            // y[i] = S[i] q with q normalized to 1 / sqrt(Dk): its rounding scales with
+            // sum_j |S[i, j]| |q[j]| <= ||S[i]|| / sqrt(Dk).
+            for (i, (g, w)) in got.data[(t - 1) * value_heads * dv..]
+                .iter()
+                .zip(&want.data[(t - 1) * value_heads * dv..])
+                .enumerate()
+            {
+                let row = &s_scalar.data[i * dk..(i + 1) * dk];
+                let bound = row.iter().map(|v| v * v).sum::<f32>().sqrt() / (dk as f32).sqrt();
+                assert!(
+                    (g - w).abs() <= 1e-5 * bound,
+                    "Dk={dk} Dv={dv} T={t}: y[{i}] {g} against {w} (bound {bound})"
+                );
+            }
+        }
+    }
+}

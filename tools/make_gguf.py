@@ -46,7 +46,7 @@ def tensors(layers):
         else:
             out += [(b + "attn_qkv.weight", [HIDDEN, 2 * key + value], Q4),
                     (b + "attn_gate.weight", [HIDDEN, value], Q4),
-                    (b + "ssm_beta_alpha.weight", [HIDDEN, 2 * VALUE_HEADS], Q4),
+                    (b + "ssm_ba.weight", [HIDDEN, 2 * VALUE_HEADS], Q4),
                     (b + "ssm_conv1d.weight", [CONV, 2 * key + value], F32),
                     (b + "ssm_dt.bias", [VALUE_HEADS], F32),
                     (b + "ssm_a", [VALUE_HEADS], F32),

@@ -42,7 +42,49 @@ setup() {
   [ -f "$gguf" ] || PYTHONPATH=$dir/llama.cpp/gguf-py venv/bin/python "$repo/tools/make_gguf.py" "$gguf" "$layers"
 }
 
+run() {
+  local slot=${SLOTSTREAM:-$repo/target/release/slotstream}
+  [ -x "$bench" ] && [ -f "$gguf" ] || { echo "no llama-bench or GGUF in $dir: run setup first" >&2; exit 1; }
+  [ -x "$slot" ] || { echo "no $slot: cargo build --release first" >&2; exit 1; }
+  [ -f "$synth/config.json" ] || "$slot" synth --preset qwen3-next-80b-a3b --layers "$layers" --out "$synth"
+  local commit out
+  commit=$(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD || echo -dirty)
+  out=$dir/results-$commit
+  mkdir -p "$out"
+  {
+    echo "machine: $(nproc) cores ($(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)), $(free -g | awk '/Mem/{print $2}') GiB"
+    echo "slotstream: $commit; llama.cpp: llama-cpp-python 0.3.36's vendored tree, GGML_NATIVE"
+    echo "threads: $threads each; layers: $layers; rounds: $rounds"
+  } > "$out/machine.txt"
+  for i in $(seq "$rounds"); do
+    # The load average before each run shows whether others were using the machine.
+    echo "round $i: load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
+    "$bench" -m "$gguf" -t "$threads" -p 64 -n 16 -o json > "$out/llama-$i.json"
+    RAYON_NUM_THREADS=$threads "$slot" bench --model "$synth" --device cpu --budgets all --json \
+      > "$out/slotstream-$i.json" 2> "$out/slotstream-$i.log"
+  done
+  python3 - "$out" "$rounds" <<'PY' | tee "$out/summary.md"
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+print(open(f"{out}/machine.txt").read())
+print("| round | llama.cpp pp64 tok/s | slotstream prefill tok/s | ratio | llama.cpp tg16 tok/s | slotstream decode tok/s | ratio |")
+print("|---:|---:|---:|---:|---:|---:|---:|")
+ratios = {"prefill": [], "decode": []}
+for i in range(1, rounds + 1):
+    peer = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in json.load(open(f"{out}/llama-{i}.json"))}
+    ours = json.load(open(f"{out}/slotstream-{i}.json"))["rows"][0]
+    pre, dec = ours["prefill_tps"] / peer["pp"], ours["decode_tps"] / peer["tg"]
+    ratios["prefill"].append(pre)
+    ratios["decode"].append(dec)
+    print(f"| {i} | {peer['pp']:.1f} | {ours['prefill_tps']:.1f} | {pre:.2f} | {peer['tg']:.1f} | {ours['decode_tps']:.1f} | {dec:.2f} |")
+for k, v in ratios.items():
+    print(f"\n{k} ratio: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}", end="")
+print()
+PY
+}
+
 case $what in
   setup) setup ;;
+  run) run ;;
   *) echo "usage: $0 setup|run [DIR]" >&2; exit 2 ;;
 esac

@@ -3,7 +3,9 @@
 //! read once per tile of those tokens, and every (expert, block of rows) pair is a task of
 //! its own, so a decode step's ten experts spread over all threads.
 
-use super::matmul::{lane_order, row_bytes, rows_into, rows_per_task, transpose, wants_lane_order};
+use std::ops::Range;
+
+use super::matmul::{lane_order, row_bytes, rows_into, rows_per_task, wants_lane_order};
 use super::{record_view, silu, Rows};
 use crate::backend::Routing;
 use crate::checkpoint::{Projection, RecordLayout};
@@ -14,6 +16,11 @@ use rayon::prelude::*;
 struct Uses<'a> {
     record: &'a [u8],
     routes: Vec<usize>,
+}
+
+/// Projection `proj` of `u`'s record.
+fn view<'a>(u: &Uses<'a>, layout: &RecordLayout, proj: Projection) -> Rows<'a> {
+    Rows::Quant(record_view(u.record, layout, proj))
 }
 
 /// `[t, d]` sum over each token's routes `j` of `weights[j] * down(silu(gate(x)) * up(x))`
@@ -46,16 +53,10 @@ pub fn moe_experts<'a>(
     }
 
     // Gate and up: every expert's tokens gathered in each projection's lane order, then
-    // (expert, projection, row block) tasks writing disjoint parts of one buffer, laid out
-    // per expert as [gate | up] each `[inter, n]`.
-    fn view<'a>(u: &Uses<'a>, layout: &RecordLayout, proj: Projection) -> Rows<'a> {
-        Rows::Quant(record_view(u.record, layout, proj))
-    }
+    // (expert, projection, row block) tasks, each writing its part of the expert's
+    // `[gate | up]` outputs, `[inter, n]` each.
     let views = |u: &Uses<'a>, proj| view(u, layout, proj);
-    let ordered = |proj| {
-        let rows = views(&uses[0], proj);
-        wants_lane_order(&rows).then(|| lane_order(x))
-    };
+    let ordered = |proj| wants_lane_order(&views(&uses[0], proj)).then(|| lane_order(x));
     let (x_gate, x_up) = (ordered(Projection::Gate), ordered(Projection::Up));
     let gather = |ordered: &Option<Vec<f32>>, u: &Uses<'_>| -> Vec<f32> {
         let x = ordered.as_deref().unwrap_or(x);
@@ -69,28 +70,22 @@ pub fn moe_experts<'a>(
         .par_iter()
         .map(|u| [gather(&x_gate, u), gather(&x_up, u)])
         .collect();
-    let per_task = rows_per_task(inter, row_bytes(&views(&uses[0], Projection::Gate)));
     let mut gate_up = vec![0.0f32; 2 * inter * routing.ids.len()];
-    let mut tasks = Vec::new();
-    let mut rest = &mut gate_up[..];
-    for (e, u) in uses.iter().enumerate() {
-        let n = u.routes.len();
-        for p in 0..2 {
-            for r0 in (0..inter).step_by(per_task) {
-                let r1 = (r0 + per_task).min(inter);
-                let (part, tail) = rest.split_at_mut((r1 - r0) * n);
-                rest = tail;
-                tasks.push((e, p, r0..r1, part));
-            }
-        }
-    }
-    tasks.into_par_iter().for_each(|(e, p, rows, out)| {
-        let proj = [Projection::Gate, Projection::Up][p];
-        let n = uses[e].routes.len();
-        rows_into(&views(&uses[e], proj), rows, &inputs[e][p], n, out)
-    });
+    let gate_row = row_bytes(&views(&uses[0], Projection::Gate));
+    run_tasks(
+        &mut gate_up,
+        &uses,
+        [Projection::Gate, Projection::Up],
+        inter,
+        gate_row,
+        |e, p, rows, out| {
+            let n = uses[e].routes.len();
+            rows_into(&views(&uses[e], p), rows, &inputs[e][p.index()], n, out)
+        },
+    );
 
     // SwiGLU per expert, token-major in down's lane order.
+    let down_ordered = wants_lane_order(&views(&uses[0], Projection::Down));
     let mut at = 0;
     let hidden: Vec<Vec<f32>> = uses
         .iter()
@@ -104,49 +99,79 @@ pub fn moe_experts<'a>(
                     h[i * inter + r] = silu(g[i]) * u[i];
                 }
             }
-            h
+            if down_ordered {
+                lane_order(&h)
+            } else {
+                h
+            }
         })
         .collect();
-    let down_ordered = wants_lane_order(&views(&uses[0], Projection::Down));
-    let hidden: Vec<Vec<f32>> = if down_ordered {
-        hidden.iter().map(|h| lane_order(h)).collect()
-    } else {
-        hidden
-    };
 
-    // Down and the weighted sum: tasks over blocks of output rows, each running every
-    // expert's rows of the block and summing each token's routes in slot order.
-    let routes = routing.ids.len();
+    // Down: (expert, row block) tasks into each expert's `[d, n]` outputs.
+    let mut down = vec![0.0f32; d * routing.ids.len()];
     let down_row = row_bytes(&views(&uses[0], Projection::Down));
-    let per_task = rows_per_task(d, down_row * uses.len());
-    let mut out = vec![0.0f32; d * t];
-    out.par_chunks_mut(per_task * t.max(1))
-        .enumerate()
-        .for_each(|(b, o)| {
-            let r0 = b * per_task;
-            let rows = r0..r0 + o.len() / t.max(1);
-            let m = rows.len();
-            let mut y = vec![0.0f32; routes * m];
-            let mut part = Vec::new();
-            for (u, h) in uses.iter().zip(&hidden) {
-                let n = u.routes.len();
-                part.resize(m * n, 0.0);
-                rows_into(&views(u, Projection::Down), rows.clone(), h, n, &mut part);
-                for (i, &j) in u.routes.iter().enumerate() {
-                    for r in 0..m {
-                        y[j * m + r] = part[r * n + i];
-                    }
-                }
+    run_tasks(
+        &mut down,
+        &uses,
+        [Projection::Down],
+        d,
+        down_row,
+        |e, _, rows, out| {
+            let n = uses[e].routes.len();
+            rows_into(&views(&uses[e], Projection::Down), rows, &hidden[e], n, out)
+        },
+    );
+
+    // Each token's routes weighted and summed in slot order, tokens in parallel.
+    let mut at = 0;
+    let mut of_route = vec![(0usize, 0usize, 0usize); routing.ids.len()];
+    for u in &uses {
+        for (i, &j) in u.routes.iter().enumerate() {
+            of_route[j] = (at, i, u.routes.len());
+        }
+        at += d * u.routes.len();
+    }
+    let mut out = vec![0.0f32; t * d];
+    out.par_chunks_mut(d).enumerate().for_each(|(tok, o)| {
+        for j in tok * k..(tok + 1) * k {
+            let (base, i, n) = of_route[j];
+            let w = routing.weights[j];
+            for (r, o) in o.iter_mut().enumerate() {
+                *o += w * down[base + r * n + i];
             }
-            for r in 0..m {
-                for tok in 0..t {
-                    let mut sum = 0.0f32;
-                    for j in tok * k..(tok + 1) * k {
-                        sum += routing.weights[j] * y[j * m + r];
-                    }
-                    o[r * t + tok] = sum;
-                }
+        }
+    });
+    out
+}
+
+/// Runs `task(expert, projection, rows, out)` for every expert of `uses`, projection of
+/// `projections` (each of `rows` rows of `row_bytes`) and block of rows, in parallel: `buf`
+/// holds, expert after expert, each projection's `[rows, n]` outputs for the expert's `n`
+/// routes, and each task gets its block's part.
+fn run_tasks(
+    buf: &mut [f32],
+    uses: &[Uses<'_>],
+    projections: impl AsRef<[Projection]>,
+    rows: usize,
+    row_bytes: usize,
+    task: impl Fn(usize, Projection, Range<usize>, &mut [f32]) + Sync,
+) {
+    let projections = projections.as_ref();
+    let per_task = rows_per_task(rows, row_bytes, uses.len() * projections.len());
+    let mut tasks = Vec::new();
+    let mut rest = buf;
+    for (e, u) in uses.iter().enumerate() {
+        let n = u.routes.len();
+        for &p in projections {
+            for r0 in (0..rows).step_by(per_task) {
+                let r1 = (r0 + per_task).min(rows);
+                let (part, tail) = rest.split_at_mut((r1 - r0) * n);
+                rest = tail;
+                tasks.push((e, p, r0..r1, part));
             }
-        });
-    transpose(out, d, t)
+        }
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(e, p, rows, out)| task(e, p, rows, out));
 }

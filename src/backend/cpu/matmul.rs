@@ -23,6 +23,7 @@ use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
+use super::lanes::{madd, F32x16};
 use super::Rows;
 
 /// Tokens whose dot products share one unpacking of a weight chunk (prefill). Four keep
@@ -64,12 +65,13 @@ pub fn supports(w: &Rows<'_>) -> bool {
     }
 }
 
-/// Rows per parallel task for a weight of `rows` rows of `row_bytes` bytes: about
-/// [`TASK_BYTES`] each, and at least eight tasks per thread where the rows allow, so a
-/// thread slowed by other work on the machine leaves its share to the others.
-pub fn rows_per_task(rows: usize, row_bytes: usize) -> usize {
+/// Rows per parallel task for `matrices` weights of `rows` rows of `row_bytes` bytes
+/// computed in one parallel pass: about [`TASK_BYTES`] each, and at least eight tasks per
+/// thread in all where the rows allow, so a thread slowed by other work on the machine
+/// leaves its share to the others.
+pub fn rows_per_task(rows: usize, row_bytes: usize, matrices: usize) -> usize {
     let by_bytes = (TASK_BYTES / row_bytes.max(1)).max(1);
-    let by_threads = rows.div_ceil(8 * rayon::current_num_threads()).max(1);
+    let by_threads = (rows * matrices).div_ceil(8 * rayon::current_num_threads());
     by_bytes.min(by_threads).clamp(1, rows.max(1))
 }
 
@@ -104,7 +106,7 @@ pub fn matmul(x: &[f32], t: usize, w: &Rows<'_>) -> Vec<f32> {
 /// `[rows, t]` outputs of `x W^T` (`x` already in `w`'s lane order), rows in parallel.
 pub fn rows_parallel(w: &Rows<'_>, x: &[f32], t: usize) -> Vec<f32> {
     let rows = w.shape().0;
-    let per_task = rows_per_task(rows, row_bytes(w));
+    let per_task = rows_per_task(rows, row_bytes(w), 1);
     let mut out = vec![0.0f32; rows * t];
     if t == 0 {
         return out;
@@ -132,57 +134,106 @@ pub fn transpose(m: Vec<f32>, rows: usize, t: usize) -> Vec<f32> {
     out
 }
 
-/// `a b + c`, fused where the target has FMA.
-#[inline(always)]
-fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FUSED {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
-/// The sum of `a`'s lanes, pairwise.
-#[inline(always)]
-fn hsum<const W: usize>(mut a: [f32; W]) -> f32 {
-    let mut w = W;
-    while w > 1 {
-        w /= 2;
-        for i in 0..w {
-            a[i] += a[i + w];
-        }
-    }
-    a[0]
-}
-
 /// One chunk of 32 weights as two vectors of [`LANES`].
-type Chunk = ([f32; LANES], [f32; LANES]);
+type Chunk = (F32x16, F32x16);
 
-/// Dot products of one weight row with `N` tokens: `chunk(c)` gives the row's 32-weight
-/// chunk `c` (of `chunks`) in the activations' lane order. With one token the two halves
-/// of a chunk accumulate apart, two independent FMA chains per lane; with more, the
-/// tokens are the independent chains.
+/// A weight row read 32 columns at a time, in its activations' lane order. (A trait rather
+/// than a closure: its methods can be forced inline, and a call per chunk would spill every
+/// accumulator.)
+trait RowChunks {
+    /// Chunk `c`, dequantized.
+    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk;
+}
+
+/// A 4-bit row: byte `j` of a 16-byte chunk holds columns `2j` (low nibble) and `2j + 1`.
+struct Q4Row<'a> {
+    packed: &'a [[u8; 16]],
+    scales: &'a [f32],
+    biases: &'a [f32],
+    /// log2 of the chunks per group.
+    shift: u32,
+}
+
+impl RowChunks for Q4Row<'_> {
+    #[inline(always)]
+    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
+        let bytes = &self.packed[c];
+        let (s, b) = (self.scales[c >> self.shift], self.biases[c >> self.shift]);
+        let mut lo = [0.0f32; LANES];
+        let mut hi = [0.0f32; LANES];
+        for j in 0..LANES {
+            lo[j] = madd::<FUSED>((bytes[j] & 15) as f32, s, b);
+            hi[j] = madd::<FUSED>((bytes[j] >> 4) as f32, s, b);
+        }
+        (F32x16(lo), F32x16(hi))
+    }
+}
+
+/// An 8-bit row: a byte per column.
+struct Q8Row<'a> {
+    packed: &'a [[u8; 32]],
+    scales: &'a [f32],
+    biases: &'a [f32],
+    shift: u32,
+}
+
+impl RowChunks for Q8Row<'_> {
+    #[inline(always)]
+    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
+        let bytes = &self.packed[c];
+        let (s, b) = (self.scales[c >> self.shift], self.biases[c >> self.shift]);
+        let mut lo = [0.0f32; LANES];
+        let mut hi = [0.0f32; LANES];
+        for j in 0..LANES {
+            lo[j] = madd::<FUSED>(bytes[j] as f32, s, b);
+            hi[j] = madd::<FUSED>(bytes[LANES + j] as f32, s, b);
+        }
+        (F32x16(lo), F32x16(hi))
+    }
+}
+
+/// A dense f32 row.
+struct DenseRow<'a>(&'a [[f32; 32]]);
+
+impl RowChunks for DenseRow<'_> {
+    #[inline(always)]
+    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
+        let (lo, hi) = self.0[c].split_at(LANES);
+        (
+            F32x16(lo.try_into().unwrap()),
+            F32x16(hi.try_into().unwrap()),
+        )
+    }
+}
+
+/// Dot products of one weight row with `N` tokens, `xs[i]` token `i`'s chunks. With one
+/// token the two halves of a chunk accumulate apart, two independent FMA chains per lane;
+/// with more, the tokens are the independent chains.
 #[inline(always)]
 fn row_dot<const N: usize, const FUSED: bool>(
-    chunks: usize,
-    chunk: impl Fn(usize) -> Chunk,
-    xs: [&[f32]; N],
+    row: &impl RowChunks,
+    xs: [&[[f32; 32]]; N],
 ) -> [f32; N] {
-    let hi_at = if N == 1 { LANES } else { 0 };
-    let mut acc = [[0.0f32; 2 * LANES]; N];
-    for c in 0..chunks {
-        let (lo, hi) = chunk(c);
+    let mut acc = [F32x16::ZERO; N];
+    let mut acc_hi = F32x16::ZERO;
+    for c in 0..xs[0].len() {
+        let (lo, hi) = row.chunk::<FUSED>(c);
         for (a, x) in acc.iter_mut().zip(xs) {
-            let x: &[f32; 2 * LANES] = x[32 * c..32 * c + 32].try_into().unwrap();
-            for i in 0..LANES {
-                a[i] = madd::<FUSED>(lo[i], x[i], a[i]);
-            }
-            for i in 0..LANES {
-                a[hi_at + i] = madd::<FUSED>(hi[i], x[LANES + i], a[hi_at + i]);
+            let (x_lo, x_hi) = x[c].split_at(LANES);
+            let x_lo = F32x16(x_lo.try_into().unwrap());
+            let x_hi = F32x16(x_hi.try_into().unwrap());
+            if N == 1 {
+                *a = lo.madd::<FUSED>(x_lo, *a);
+                acc_hi = hi.madd::<FUSED>(x_hi, acc_hi);
+            } else {
+                *a = hi.madd::<FUSED>(x_hi, lo.madd::<FUSED>(x_lo, *a));
             }
         }
     }
-    acc.map(hsum)
+    if N == 1 {
+        acc[0] = acc[0].add(acc_hi);
+    }
+    acc.map(F32x16::sum)
 }
 
 /// Output rows `rows` of `x W^T` for `t` tokens `x` `[t, cols]` in `w`'s lane order, into
@@ -195,86 +246,72 @@ fn row_dot<const N: usize, const FUSED: bool>(
 pub fn rows_into(w: &Rows<'_>, rows: Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     const FUSED: bool = target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"));
     let cols = w.shape().1;
+    let x = x.as_chunks::<32>().0;
     let chunks = cols / 32;
-    // The tile's dot products of one row, for a tile of each size up to TILE.
-    macro_rules! tiles {
-        ($row:expr, $chunk:expr, $t0:expr, $n:expr) => {{
-            let xs = |i: usize| &x[($t0 + i) * cols..($t0 + i + 1) * cols];
-            let o = &mut out[$row * t + $t0..$row * t + $t0 + $n];
-            match $n {
-                1 => o.copy_from_slice(&row_dot::<1, FUSED>(chunks, $chunk, [xs(0)])),
-                2 => o.copy_from_slice(&row_dot::<2, FUSED>(chunks, $chunk, [xs(0), xs(1)])),
-                3 => o.copy_from_slice(&row_dot::<3, FUSED>(chunks, $chunk, [xs(0), xs(1), xs(2)])),
-                _ => o.copy_from_slice(&row_dot::<4, FUSED>(
-                    chunks,
-                    $chunk,
-                    [xs(0), xs(1), xs(2), xs(3)],
-                )),
-            }
-        }};
-    }
-    match w {
+    let xs = |i: usize| &x[i * chunks..(i + 1) * chunks];
+    // The block's scales and biases, widened once for every tile.
+    let params = match w {
         Rows::Quant(q) => {
-            let groups = cols / q.spec.group_size;
-            // Chunks per group is a power of two (groups of 32, 64 or 128 columns).
-            let shift = (q.spec.group_size / 32).trailing_zeros();
-            let mut scales = vec![0.0f32; rows.len() * groups];
-            let mut biases = vec![0.0f32; rows.len() * groups];
-            q.scales.read_into(rows.start * groups, &mut scales);
-            q.biases.read_into(rows.start * groups, &mut biases);
-            let row_bytes = cols * q.spec.bits as usize / 8;
-            for t0 in (0..t).step_by(TILE) {
-                let n = TILE.min(t - t0);
-                for (i, r) in rows.clone().enumerate() {
+            let n = rows.len() * cols / q.spec.group_size;
+            let (mut scales, mut biases) = (vec![0.0f32; n], vec![0.0f32; n]);
+            q.scales
+                .read_into(rows.start * cols / q.spec.group_size, &mut scales);
+            q.biases
+                .read_into(rows.start * cols / q.spec.group_size, &mut biases);
+            (scales, biases)
+        }
+        Rows::Dense { .. } => Default::default(),
+    };
+    for t0 in (0..t).step_by(TILE) {
+        let n = TILE.min(t - t0);
+        for (i, r) in rows.clone().enumerate() {
+            let o = &mut out[i * t + t0..i * t + t0 + n];
+            macro_rules! dot {
+                ($row:expr) => {
+                    match n {
+                        1 => o.copy_from_slice(&row_dot::<1, FUSED>($row, [xs(t0)])),
+                        2 => o.copy_from_slice(&row_dot::<2, FUSED>($row, [xs(t0), xs(t0 + 1)])),
+                        3 => o.copy_from_slice(&row_dot::<3, FUSED>(
+                            $row,
+                            [xs(t0), xs(t0 + 1), xs(t0 + 2)],
+                        )),
+                        _ => o.copy_from_slice(&row_dot::<4, FUSED>(
+                            $row,
+                            [xs(t0), xs(t0 + 1), xs(t0 + 2), xs(t0 + 3)],
+                        )),
+                    }
+                };
+            }
+            match w {
+                Rows::Quant(q) => {
+                    let groups = cols / q.spec.group_size;
+                    let shift = (q.spec.group_size / 32).trailing_zeros();
+                    let row_bytes = cols * q.spec.bits as usize / 8;
                     let packed = &q.packed[r * row_bytes..(r + 1) * row_bytes];
-                    let (s, b) = (
-                        &scales[i * groups..(i + 1) * groups],
-                        &biases[i * groups..(i + 1) * groups],
+                    let (scales, biases) = (
+                        &params.0[i * groups..(i + 1) * groups],
+                        &params.1[i * groups..(i + 1) * groups],
                     );
                     if q.spec.bits == 4 {
-                        let chunk = |c: usize| {
-                            let bytes: &[u8; 16] = packed[16 * c..16 * c + 16].try_into().unwrap();
-                            let (s, b) = (s[c >> shift], b[c >> shift]);
-                            let mut lo = [0.0f32; LANES];
-                            let mut hi = [0.0f32; LANES];
-                            for j in 0..LANES {
-                                lo[j] = madd::<FUSED>((bytes[j] & 15) as f32, s, b);
-                                hi[j] = madd::<FUSED>((bytes[j] >> 4) as f32, s, b);
-                            }
-                            (lo, hi)
+                        let row = Q4Row {
+                            packed: packed.as_chunks().0,
+                            scales,
+                            biases,
+                            shift,
                         };
-                        tiles!(i, chunk, t0, n);
+                        dot!(&row)
                     } else {
-                        let chunk = |c: usize| {
-                            let bytes: &[u8; 32] = packed[32 * c..32 * c + 32].try_into().unwrap();
-                            let (s, b) = (s[c >> shift], b[c >> shift]);
-                            let mut lo = [0.0f32; LANES];
-                            let mut hi = [0.0f32; LANES];
-                            for j in 0..LANES {
-                                lo[j] = madd::<FUSED>(bytes[j] as f32, s, b);
-                                hi[j] = madd::<FUSED>(bytes[LANES + j] as f32, s, b);
-                            }
-                            (lo, hi)
+                        let row = Q8Row {
+                            packed: packed.as_chunks().0,
+                            scales,
+                            biases,
+                            shift,
                         };
-                        tiles!(i, chunk, t0, n);
+                        dot!(&row)
                     }
                 }
-            }
-        }
-        Rows::Dense { data, .. } => {
-            for t0 in (0..t).step_by(TILE) {
-                let n = TILE.min(t - t0);
-                for (i, r) in rows.clone().enumerate() {
-                    let row = &data[r * cols..(r + 1) * cols];
-                    let chunk = |c: usize| {
-                        let v: &[f32; 32] = row[32 * c..32 * c + 32].try_into().unwrap();
-                        let mut lo = [0.0f32; LANES];
-                        let mut hi = [0.0f32; LANES];
-                        lo.copy_from_slice(&v[..LANES]);
-                        hi.copy_from_slice(&v[LANES..]);
-                        (lo, hi)
-                    };
-                    tiles!(i, chunk, t0, n);
+                Rows::Dense { data, .. } => {
+                    dot!(&DenseRow(data[r * cols..(r + 1) * cols].as_chunks().0))
                 }
             }
         }

@@ -4,6 +4,8 @@
 //! (scalar.rs), the reference the SIMD and GPU kernels are tested against.
 
 mod experts;
+mod gated_delta;
+mod lanes;
 mod matmul;
 mod scalar;
 
@@ -377,6 +379,11 @@ impl Backend for CpuBackend {
         let k = self.rms_norm(&columns(kd, kd), None, dk, eps, k_scale);
         let v = columns(2 * kd, value_heads * dv);
         let group = value_heads / key_heads;
+        let step = if self.scalar {
+            scalar::delta_step
+        } else {
+            gated_delta::delta_step
+        };
         let per_head: Vec<Vec<f32>> = state
             .data
             .par_chunks_mut(dv * dk)
@@ -392,14 +399,7 @@ impl Backend for CpuBackend {
                     let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
                     let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
                     let vt = &v.row(t)[h * dv..(h + 1) * dv];
-                    for (i, srow) in s.chunks_exact_mut(dk).enumerate() {
-                        srow.iter_mut().for_each(|x| *x *= g);
-                        let delta = (vt[i] - dot(srow, kt)) * beta;
-                        srow.iter_mut()
-                            .zip(kt)
-                            .for_each(|(x, &kj)| *x += kj * delta);
-                        y[t * dv + i] = dot(srow, qt);
-                    }
+                    step(s, kt, qt, vt, g, beta, &mut y[t * dv..(t + 1) * dv]);
                 }
                 y
             })
@@ -642,13 +642,18 @@ impl Backend for CpuBackend {
             let sum: f32 = exps.iter().sum();
             let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
             let mut order: Vec<u32> = (0..row.len() as u32).collect();
-            // Highest probability first; ties keep the lower id first.
-            order.sort_by(|&x, &y| {
-                probs[y as usize]
-                    .total_cmp(&probs[x as usize])
-                    .then(x.cmp(&y))
-            });
-            let top = &order[..k];
+            // Highest probability first; ties keep the lower id first. A total order, so
+            // selecting the k first and sorting those is the full sort's prefix.
+            let first = |x: &u32, y: &u32| {
+                probs[*y as usize]
+                    .total_cmp(&probs[*x as usize])
+                    .then(x.cmp(y))
+            };
+            if k > 0 && k < order.len() {
+                order.select_nth_unstable_by(k - 1, first);
+            }
+            let top = &mut order[..k];
+            top.sort_by(first);
             let norm = if renormalize {
                 top.iter().map(|&e| probs[e as usize]).sum::<f32>()
             } else {

@@ -104,3 +104,22 @@ pub fn moe_experts(
     }
     out
 }
+
+/// One token of the gated delta rule on one head's state `s` `[Dv, Dk]` (row `i` belongs
+/// to value dim `i`): `S = g S; S += k (beta (v - S k))^T; y = S q`, a row at a time.
+pub fn delta_step(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    g: f32,
+    beta: f32,
+    y: &mut [f32],
+) {
+    for (i, srow) in s.chunks_exact_mut(k.len()).enumerate() {
+        srow.iter_mut().for_each(|x| *x *= g);
+        let delta = (v[i] - dot(srow, k)) * beta;
+        srow.iter_mut().zip(k).for_each(|(x, &kj)| *x += kj * delta);
+        y[i] = dot(srow, q);
+    }
+}
