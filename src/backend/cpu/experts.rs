@@ -133,9 +133,11 @@ pub fn moe_experts<'a>(
     }
     let mut out = vec![0.0f32; t * d];
     out.par_chunks_mut(d).enumerate().for_each(|(tok, o)| {
-        for j in tok * k..(tok + 1) * k {
-            let (base, i, n) = of_route[j];
-            let w = routing.weights[j];
+        let routes = tok * k..(tok + 1) * k;
+        for (&(base, i, n), &w) in of_route[routes.clone()]
+            .iter()
+            .zip(&routing.weights[routes])
+        {
             for (r, o) in o.iter_mut().enumerate() {
                 *o += w * down[base + r * n + i];
             }

@@ -38,9 +38,9 @@ impl F32x16 {
     /// `self b + c` lane by lane.
     #[inline(always)]
     pub fn madd<const FUSED: bool>(self, b: F32x16, c: F32x16) -> F32x16 {
-        let mut out = [0.0f32; 16];
-        for i in 0..16 {
-            out[i] = madd::<FUSED>(self.0[i], b.0[i], c.0[i]);
+        let mut out = c.0;
+        for ((o, a), b) in out.iter_mut().zip(self.0).zip(b.0) {
+            *o = madd::<FUSED>(a, b, *o);
         }
         F32x16(out)
     }
