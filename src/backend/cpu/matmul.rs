@@ -11,9 +11,11 @@
 //! blocks computed in parallel on rayon's pool, whose threads stay alive between calls.
 //!
 //! SIMD: `multiversion` compiles [`rows_into`] for AVX-512, for AVX2 with FMA and for the
-//! baseline, and picks one at run time (once, then an atomic load per call); on aarch64
-//! NEON and FMA are baseline, so the one build has them. The kernel is plain Rust over
-//! fixed-size arrays that LLVM vectorizes for each target. `pulp`'s portable vectors were
+//! baseline, and picks one at run time (once, then an atomic load per call; the AVX-512
+//! build needs Ice Lake's extensions too, as multiversion asks, so older AVX-512 parts that
+//! slow their clock for it take the AVX2 one); on aarch64 NEON and FMA are baseline, so
+//! the one build has them. The kernel is plain Rust over fixed-size arrays that LLVM
+//! vectorizes for each target. `pulp`'s portable vectors were
 //! the alternative, but they have no widening of bytes to 32-bit lanes, which the
 //! unpacking is made of, so they would have meant intrinsics per target after all.
 
