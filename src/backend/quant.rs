@@ -39,6 +39,35 @@ impl<'a> Floats<'a> {
             _ => 0.0,
         }
     }
+
+    /// Elements `start .. start + out.len()` widened to f32 into `out`, as [`Floats::get`]
+    /// reads them one at a time (the dtype is matched once, not per element).
+    pub fn read_into(&self, start: usize, out: &mut [f32]) {
+        let width = match self.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
+            _ => return out.fill(0.0),
+        };
+        let bytes = &self.bytes[width * start..width * (start + out.len())];
+        match self.dtype {
+            Dtype::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            // bf16 is the top half of an f32.
+            Dtype::BF16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
+            _ => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+        }
+    }
 }
 
 /// A borrowed quantized matrix `[rows, cols]`: packed words as bytes, scales and biases

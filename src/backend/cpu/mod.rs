@@ -1,5 +1,13 @@
-//! The CPU backend: plain Rust in f32, parallel over output rows, heads and experts
-//! with rayon. It is the reference every other backend is tested against.
+//! The CPU backend: Rust in f32, parallel over output rows, heads and experts with rayon.
+//! Matmuls (resident projections, head, routed experts) run on SIMD kernels picked for the
+//! CPU at run time (matmul.rs, experts.rs); [`CpuBackend::scalar`] keeps the plain kernels
+//! (scalar.rs), the reference the SIMD and GPU kernels are tested against.
+
+mod experts;
+mod gated_delta;
+mod lanes;
+mod matmul;
+mod scalar;
 
 use super::{
     dequantize_row, AttnDims, Backend, DeltaDims, Floats, KeyMask, QuantView, Routing, SharedExpert,
@@ -52,9 +60,52 @@ pub struct CpuKvCache {
     values: Vec<f32>,
 }
 
-/// The CPU backend. Stateless; cheap to construct.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
+/// The CPU backend: which kernels it runs, nothing else; cheap to copy.
+///
+/// `CpuBackend` is also a constant, the SIMD backend, so that code written when this was a
+/// unit struct (`Model::load(&ckpt, &CpuBackend)`) keeps working.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuBackend {
+    scalar: bool,
+}
+
+/// The CPU backend with the SIMD kernels (see [`CpuBackend`]).
+#[allow(non_upper_case_globals)]
+pub const CpuBackend: CpuBackend = CpuBackend::simd();
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend::simd()
+    }
+}
+
+impl CpuBackend {
+    /// The SIMD kernels for the instruction sets this CPU has (AVX-512, AVX2 with FMA,
+    /// NEON, else the baseline), chosen at run time.
+    pub const fn simd() -> Self {
+        CpuBackend { scalar: false }
+    }
+
+    /// The plain kernels (a row dequantized into a buffer, then dot products): the oracle
+    /// the SIMD kernels and the GPU's are tested against.
+    pub const fn scalar() -> Self {
+        CpuBackend { scalar: true }
+    }
+
+    /// Whether this backend runs the plain kernels.
+    pub fn is_scalar(&self) -> bool {
+        self.scalar
+    }
+
+    /// `x W^T` for `x` `[t, in]`: `[t, out]`, on this backend's kernels.
+    fn matmul_rows(&self, x: &[f32], t: usize, w: &Rows<'_>) -> Vec<f32> {
+        if self.scalar || !matmul::supports(w) {
+            scalar::matmul(x, t, w, true)
+        } else {
+            matmul::matmul(x, t, w)
+        }
+    }
+}
 
 /// Rows of a weight matrix, produced one at a time into a scratch buffer.
 enum Rows<'a> {
@@ -92,9 +143,8 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// f32 dot product with eight partial sums (lets the compiler vectorize).
+/// `a . b` in f32, summed in 8 lanes (lets the compiler vectorize).
 #[inline]
-/// `a . b` in f32, summed in 8 lanes.
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -125,43 +175,6 @@ fn silu(x: f32) -> f32 {
 #[inline]
 fn softplus(x: f32) -> f32 {
     x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
-
-/// `x W^T` for `x` `[t, in]`: `[t, out]`. Output rows are split into blocks computed in
-/// parallel when `parallel`; each weight row is dequantized once and used for all tokens.
-fn matmul_rows(x: &[f32], t: usize, w: &Rows<'_>, parallel: bool) -> Vec<f32> {
-    const BLOCK: usize = 32;
-    let (out_dim, in_dim) = w.shape();
-    assert_eq!(x.len(), t * in_dim, "matmul input width");
-    let block = |b: usize| -> Vec<f32> {
-        let r0 = b * BLOCK;
-        let r1 = (r0 + BLOCK).min(out_dim);
-        let mut buf = vec![0.0f32; in_dim];
-        let mut local = vec![0.0f32; t * (r1 - r0)];
-        for r in r0..r1 {
-            let row = w.row(r, &mut buf);
-            for ti in 0..t {
-                local[ti * (r1 - r0) + (r - r0)] = dot(&x[ti * in_dim..(ti + 1) * in_dim], row);
-            }
-        }
-        local
-    };
-    let nblocks = out_dim.div_ceil(BLOCK);
-    let blocks: Vec<Vec<f32>> = if parallel {
-        (0..nblocks).into_par_iter().map(block).collect()
-    } else {
-        (0..nblocks).map(block).collect()
-    };
-    let mut out = vec![0.0f32; t * out_dim];
-    for (b, local) in blocks.iter().enumerate() {
-        let r0 = b * BLOCK;
-        let width = local.len() / t.max(1);
-        for ti in 0..t {
-            out[ti * out_dim + r0..ti * out_dim + r0 + width]
-                .copy_from_slice(&local[ti * width..(ti + 1) * width]);
-        }
-    }
-    out
 }
 
 /// A projection of an expert record as a quantized view.
@@ -245,7 +258,7 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &CpuTensor, w: &LinearWeight) -> CpuTensor {
         let rows = Rows::of(w);
         let out = rows.shape().0;
-        CpuTensor::new(x.rows, out, matmul_rows(&x.data, x.rows, &rows, true))
+        CpuTensor::new(x.rows, out, self.matmul_rows(&x.data, x.rows, &rows))
     }
 
     fn gather_columns(&self, x: &CpuTensor, idx: &Vec<u32>) -> CpuTensor {
@@ -366,6 +379,11 @@ impl Backend for CpuBackend {
         let k = self.rms_norm(&columns(kd, kd), None, dk, eps, k_scale);
         let v = columns(2 * kd, value_heads * dv);
         let group = value_heads / key_heads;
+        let step = if self.scalar {
+            scalar::delta_step
+        } else {
+            gated_delta::delta_step
+        };
         let per_head: Vec<Vec<f32>> = state
             .data
             .par_chunks_mut(dv * dk)
@@ -381,14 +399,7 @@ impl Backend for CpuBackend {
                     let kt = &k.row(t)[kh * dk..(kh + 1) * dk];
                     let qt = &q.row(t)[kh * dk..(kh + 1) * dk];
                     let vt = &v.row(t)[h * dv..(h + 1) * dv];
-                    for (i, srow) in s.chunks_exact_mut(dk).enumerate() {
-                        srow.iter_mut().for_each(|x| *x *= g);
-                        let delta = (vt[i] - dot(srow, kt)) * beta;
-                        srow.iter_mut()
-                            .zip(kt)
-                            .for_each(|(x, &kj)| *x += kj * delta);
-                        y[t * dv + i] = dot(srow, qt);
-                    }
+                    step(s, kt, qt, vt, g, beta, &mut y[t * dv..(t + 1) * dv]);
                 }
                 y
             })
@@ -631,13 +642,18 @@ impl Backend for CpuBackend {
             let sum: f32 = exps.iter().sum();
             let probs: Vec<f32> = exps.iter().map(|e| e / sum).collect();
             let mut order: Vec<u32> = (0..row.len() as u32).collect();
-            // Highest probability first; ties keep the lower id first.
-            order.sort_by(|&x, &y| {
-                probs[y as usize]
-                    .total_cmp(&probs[x as usize])
-                    .then(x.cmp(&y))
-            });
-            let top = &order[..k];
+            // Highest probability first; ties keep the lower id first. A total order, so
+            // selecting the k first and sorting those is the full sort's prefix.
+            let first = |x: &u32, y: &u32| {
+                probs[*y as usize]
+                    .total_cmp(&probs[*x as usize])
+                    .then(x.cmp(y))
+            };
+            if k > 0 && k < order.len() {
+                order.select_nth_unstable_by(k - 1, first);
+            }
+            let top = &mut order[..k];
+            top.sort_by(first);
             let norm = if renormalize {
                 top.iter().map(|&e| probs[e as usize]).sum::<f32>()
             } else {
@@ -666,60 +682,13 @@ impl Backend for CpuBackend {
             routing.ids.len(),
             "one record per routed (token, expert)"
         );
-        let (d, k) = (x.cols, routing.top_k);
-        // Group the (token, slot) pairs by expert so each expert's weights are dequantized once.
-        let experts = routing.distinct();
-        let per_expert: Vec<(Vec<usize>, Vec<f32>)> = experts
-            .par_iter()
-            .map(|&e| {
-                let uses: Vec<usize> = (0..routing.ids.len())
-                    .filter(|&j| routing.ids[j] == e)
-                    .collect();
-                let record = records[uses[0]].bytes;
-                let xs: Vec<f32> = uses
-                    .iter()
-                    .flat_map(|&j| x.row(j / k).iter().copied())
-                    .collect();
-                let n = uses.len();
-                let gate = matmul_rows(
-                    &xs,
-                    n,
-                    &Rows::Quant(record_view(record, layout, Projection::Gate)),
-                    false,
-                );
-                let up = matmul_rows(
-                    &xs,
-                    n,
-                    &Rows::Quant(record_view(record, layout, Projection::Up)),
-                    false,
-                );
-                let h: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-                let y = matmul_rows(
-                    &h,
-                    n,
-                    &Rows::Quant(record_view(record, layout, Projection::Down)),
-                    false,
-                );
-                (uses, y)
-            })
-            .collect();
-        // y_j for every routed (token, slot) j, then summed per token in slot order.
-        let mut ys = vec![0.0f32; routing.ids.len() * d];
-        for (uses, y) in &per_expert {
-            for (i, &j) in uses.iter().enumerate() {
-                ys[j * d..(j + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
-            }
-        }
-        let mut out = vec![0.0f32; x.rows * d];
-        for t in 0..x.rows {
-            let o = &mut out[t * d..(t + 1) * d];
-            for j in t * k..(t + 1) * k {
-                let w = routing.weights[j];
-                o.iter_mut()
-                    .zip(&ys[j * d..(j + 1) * d])
-                    .for_each(|(o, &y)| *o += w * y);
-            }
-        }
+        let d = x.cols;
+        assert_eq!(d, layout.hidden, "moe_experts: input width");
+        let mut out = if self.scalar {
+            scalar::moe_experts(&x.data, x.rows, routing, records, layout)
+        } else {
+            experts::moe_experts(&x.data, x.rows, routing, records, layout)
+        };
         if let Some(s) = shared {
             s.check_shapes(self, x.rows, d);
             let gated = self.mul_sigmoid(s.y, s.gate);

@@ -1,0 +1,285 @@
+//! The CPU backend's SIMD kernels against its plain ones (`CpuBackend::scalar()`, the
+//! oracle the GPU kernels are tested against too), on fresh random inputs: every bit width,
+//! group size and scale dtype, odd shapes (row counts that do not fill a task, token counts
+//! that do not fill a tile), dense weights, and routed experts with tokens sharing experts.
+
+mod common;
+
+use rand::Rng;
+use safetensors::Dtype;
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::{Backend, Routing};
+use slotstream::checkpoint::{
+    DenseMatrix, LinearWeight, PieceKind, Projection, QuantizedMatrix, RecordLayout,
+};
+use slotstream::config::QuantSpec;
+use slotstream::experts::ExpertRecord;
+
+const DTYPES: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
+
+/// `n` values of `dtype`, little-endian, uniform in `range`.
+fn random_floats(n: usize, dtype: Dtype, range: std::ops::Range<f32>) -> Vec<u8> {
+    let mut rng = rand::rng();
+    (0..n)
+        .flat_map(|_| {
+            let v = rng.random_range(range.clone());
+            match dtype {
+                Dtype::F32 => v.to_le_bytes().to_vec(),
+                Dtype::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// A random MLX-quantized `[rows, cols]` matrix: every packed bit random, scales and
+/// biases of a trained model's magnitudes.
+fn random_matrix(rows: usize, cols: usize, spec: QuantSpec, dtype: Dtype) -> QuantizedMatrix {
+    let groups = rows * cols / spec.group_size;
+    QuantizedMatrix {
+        spec,
+        rows,
+        cols,
+        packed: (0..rows * cols / spec.per_word())
+            .map(|_| rand::random())
+            .collect(),
+        scale_dtype: dtype,
+        scales: random_floats(groups, dtype, 0.001..0.05),
+        biases: random_floats(groups, dtype, -0.2..0.2),
+    }
+}
+
+fn random(n: usize) -> Vec<f32> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+}
+
+/// `sum_c |W[r, c] x[t, c]|` for every output: the scale of a dot product's rounding error,
+/// from the scalar backend's dequantized rows.
+fn abs_products(w: &LinearWeight, x: &[f32], t: usize) -> Vec<f32> {
+    let (rows, cols) = w.shape();
+    let cpu = CpuBackend::scalar();
+    let ids: Vec<u32> = (0..rows as u32).collect();
+    let dense = cpu.embed(w, &ids).unwrap().data;
+    let mut out = Vec::with_capacity(t * rows);
+    for xt in x.chunks_exact(cols) {
+        for row in dense.chunks_exact(cols) {
+            out.push(row.iter().zip(xt).map(|(w, x)| (w * x).abs()).sum());
+        }
+    }
+    out
+}
+
+/// Asserts every `got[i]` is within `1e-5 * bound[i]` of `want[i]`: the two summation
+/// orders' rounding, each a few ulps of the sum of the terms' magnitudes.
+fn assert_within(name: &str, got: &[f32], want: &[f32], bound: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * b,
+            "{name}: output {i}: {g} against {w} (|W||x| {b})"
+        );
+    }
+}
+
+#[test]
+fn quantized_matmul_matches_scalar_for_every_format() {
+    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    assert!(!simd.is_scalar() && scalar.is_scalar());
+    for bits in [4, 8] {
+        for group_size in [32, 64, 128] {
+            for dtype in DTYPES {
+                let spec = QuantSpec { bits, group_size };
+                // One group; three (an odd count of chunk pairs); a model's width. Rows that
+                // are not a multiple of any task size; token counts 1 to 9 cover the tile of
+                // four and its remainders.
+                for (rows, cols, tokens) in [
+                    (1, group_size, 1),
+                    (37, 3 * group_size, 5),
+                    (129, 2048, 1),
+                    (67, 1024, 9),
+                    (5, 256, 2),
+                    (3, 256, 3),
+                ] {
+                    let w = LinearWeight::Quantized(random_matrix(rows, cols, spec, dtype));
+                    let x = random(tokens * cols);
+                    let xt = simd.upload(&x, tokens, cols);
+                    let got = simd.matmul(&xt, &w);
+                    let want = scalar.matmul(&xt, &w);
+                    assert_eq!((got.rows, got.cols), (tokens, rows));
+                    assert_within(
+                        &format!("{bits}-bit g{group_size} {dtype:?} {rows}x{cols} T={tokens}"),
+                        &got.data,
+                        &want.data,
+                        &abs_products(&w, &x, tokens),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_matmul_matches_scalar() {
+    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    // Whole 32-column chunks take the SIMD kernel; 40 columns the plain one.
+    for (rows, cols, tokens) in [(33, 64, 1), (70, 2048, 6), (9, 40, 3)] {
+        let w = LinearWeight::Dense(DenseMatrix {
+            rows,
+            cols,
+            data: random(rows * cols),
+        });
+        let x = random(tokens * cols);
+        let xt = simd.upload(&x, tokens, cols);
+        assert_within(
+            &format!("dense {rows}x{cols} T={tokens}"),
+            &simd.matmul(&xt, &w).data,
+            &scalar.matmul(&xt, &w).data,
+            &abs_products(&w, &x, tokens),
+        );
+    }
+}
+
+/// A record layout for experts of `hidden` x `inter` with each projection's own spec, the
+/// pieces in record order at 16-byte boundaries, and `count` random records in it.
+fn random_records(
+    hidden: usize,
+    inter: usize,
+    specs: [QuantSpec; 3],
+    dtype: Dtype,
+    count: usize,
+) -> (RecordLayout, Vec<Vec<u8>>) {
+    let shape = |p: Projection| match p {
+        Projection::Down => (hidden, inter),
+        _ => (inter, hidden),
+    };
+    let scale_bytes = if dtype == Dtype::F32 { 4 } else { 2 };
+    let (mut offsets, mut lens, mut at) = ([0usize; 9], [0usize; 9], 0);
+    for p in Projection::ALL {
+        let ((r, c), s) = (shape(p), specs[p.index()]);
+        for kind in PieceKind::ALL {
+            let i = RecordLayout::piece(p, kind);
+            lens[i] = match kind {
+                PieceKind::Weight => r * c * s.bits as usize / 8,
+                _ => r * c / s.group_size * scale_bytes,
+            };
+            offsets[i] = at;
+            at = (at + lens[i]).next_multiple_of(16);
+        }
+    }
+    let layout = RecordLayout {
+        offsets,
+        lens,
+        record_bytes: at,
+        specs,
+        scale_dtype: dtype,
+        hidden,
+        intermediate: inter,
+    };
+    let records = (0..count)
+        .map(|_| {
+            let mut bytes = vec![0u8; at];
+            for p in Projection::ALL {
+                let (r, c) = shape(p);
+                let q = random_matrix(r, c, specs[p.index()], dtype);
+                let parts: [&[u8]; 3] = [bytemuck::cast_slice(&q.packed), &q.scales, &q.biases];
+                for (kind, part) in PieceKind::ALL.into_iter().zip(parts) {
+                    let i = RecordLayout::piece(p, kind);
+                    bytes[offsets[i]..offsets[i] + lens[i]].copy_from_slice(part);
+                }
+            }
+            bytes
+        })
+        .collect();
+    (layout, records)
+}
+
+#[test]
+fn routed_experts_match_scalar() {
+    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    let mut rng = rand::rng();
+    let spec = |bits, group_size| QuantSpec { bits, group_size };
+    for (specs, dtype) in [
+        ([spec(4, 64); 3], Dtype::BF16),
+        ([spec(8, 32), spec(4, 128), spec(8, 64)], Dtype::F16),
+        ([spec(4, 32), spec(4, 64), spec(4, 128)], Dtype::F32),
+    ] {
+        let (hidden, inter, experts) = (384, 128, 6);
+        let (layout, records) = random_records(hidden, inter, specs, dtype, experts);
+        // Five tokens of three routes over six experts: most experts serve several tokens.
+        for (t, k) in [(1, 3), (5, 3), (9, 2)] {
+            let ids: Vec<u32> = (0..t)
+                .flat_map(|_| rand::seq::index::sample(&mut rng, experts, k).into_vec())
+                .map(|e| e as u32)
+                .collect();
+            let routing = Routing {
+                top_k: k,
+                weights: (0..t * k).map(|_| rng.random_range(0.05f32..0.6)).collect(),
+                ids,
+            };
+            let held: Vec<ExpertRecord<'_>> = routing
+                .ids
+                .iter()
+                .map(|&e| ExpertRecord {
+                    bytes: &records[e as usize],
+                    slot: None,
+                })
+                .collect();
+            let x = simd.upload(&random(t * hidden), t, hidden);
+            let got = simd.moe_experts(&x, &routing, &held, &layout, None).data;
+            let want = scalar.moe_experts(&x, &routing, &held, &layout, None).data;
+            let e = common::rel_err(&got, &want);
+            assert!(
+                e <= 1e-5,
+                "{specs:?} {dtype:?} T={t} k={k}: relative error {e:.2e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gated_delta_matches_scalar() {
+    use slotstream::backend::DeltaDims;
+    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    // Qwen3-Next's heads (Dk = Dv = 128, two value heads per key head), and widths that
+    // are not a multiple of the 16 lanes.
+    for (key_heads, value_heads, dk, dv) in [(2, 4, 128, 128), (1, 3, 20, 12)] {
+        let dims = DeltaDims {
+            key_heads,
+            value_heads,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let width = 2 * key_heads * dk + value_heads * dv;
+        let upload = |n: usize, rows: usize| simd.upload(&random(n * rows), rows, n);
+        let (a_log, dt_bias) = (upload(value_heads, 1), upload(value_heads, 1));
+        let init = random(value_heads * dv * dk);
+        let mut states = [
+            simd.upload(&init, value_heads, dv * dk),
+            simd.upload(&init, value_heads, dv * dk),
+        ];
+        // A token at a time, as decode runs, then a chunk of five, as prefill does.
+        for t in [1, 1, 1, 5] {
+            let (qkv, ba) = (upload(width, t), upload(2 * value_heads, t));
+            let [s_simd, s_scalar] = &mut states;
+            let got = simd.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_simd, dims);
+            let want = scalar.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_scalar, dims);
+            let e = common::rel_err(&s_simd.data, &s_scalar.data);
+            assert!(e <= 1e-5, "Dk={dk} Dv={dv} T={t}: state error {e:.2e}");
+            // y[i] = S[i] q with q normalized to 1 / sqrt(Dk): its rounding scales with
+            // sum_j |S[i, j]| |q[j]| <= ||S[i]|| / sqrt(Dk).
+            for (i, (g, w)) in got.data[(t - 1) * value_heads * dv..]
+                .iter()
+                .zip(&want.data[(t - 1) * value_heads * dv..])
+                .enumerate()
+            {
+                let row = &s_scalar.data[i * dk..(i + 1) * dk];
+                let bound = row.iter().map(|v| v * v).sum::<f32>().sqrt() / (dk as f32).sqrt();
+                assert!(
+                    (g - w).abs() <= 1e-5 * bound,
+                    "Dk={dk} Dv={dv} T={t}: y[{i}] {g} against {w} (bound {bound})"
+                );
+            }
+        }
+    }
+}
