@@ -426,18 +426,107 @@ fn gemm_rows(t: GemmTile, i: u32) -> vec2<u32> {
     return vec2<u32>(t.first + i, t.first + i);
 }
 
-// The tile's activations at columns k0 .. k0 + GK: consecutive invocations read
-// consecutive vectors of a token's row.
-fn gemm_load_x(li: u32, t: GemmTile, k0: u32) {
-    for (var i = li; i < GM * GK / 4u; i += GEMM_WG) {
-        let tok = i / (GK / 4u);
-        let cv = i % (GK / 4u);
-        var x = vec4<f32>(0.0);
-        let c = k0 + cv * 4u;
-        if (tok < t.count && c < p.cols) {
-            x = act4[(gemm_rows(t, tok).x * p.cols + c) / 4u];
-        }
-        tile_x[i] = x;
+// One invocation's share of a step's tiles, read from memory one step ahead so that the
+// loads run while the step before computes: four vectors of activations (GM * GK / 4 of
+// them over GEMM_WG invocations; consecutive invocations read consecutive vectors of a
+// token's row) and up to two 16-byte vectors of packed weights with their group's scale
+// and bias (GN rows of GK / span vectors: one at 4 bits, two at 8; consecutive
+// invocations read consecutive vectors of a row, whole 32-byte sectors).
+struct GemmFetch {
+    x0: vec4<f32>,
+    x1: vec4<f32>,
+    x2: vec4<f32>,
+    x3: vec4<f32>,
+    q0: vec4<u32>,
+    q1: vec4<u32>,
+    // (scale, bias) of q0 and q1
+    sb0: vec2<f32>,
+    sb1: vec2<f32>,
+}
+
+// Activation vector i of the tile (token i / (GK / 4)) at columns k0 ...
+fn gemm_fetch_x(t: GemmTile, k0: u32, i: u32) -> vec4<f32> {
+    let tok = i / (GK / 4u);
+    let c = k0 + (i % (GK / 4u)) * 4u;
+    if (tok < t.count && c < p.cols) {
+        return act4[(gemm_rows(t, tok).x * p.cols + c) / 4u];
+    }
+    return vec4<f32>(0.0);
+}
+
+// Packed-weight vector i of the tile (row i / per_row) at columns k0 ..., with its
+// group's (scale, bias); zeros past the rows or columns.
+fn gemm_fetch_q(base: u32, row0: u32, k0: u32, swiglu: bool, i: u32) -> GemmQ {
+    let span = 128u / p.bits;
+    let per_row = GK / span;
+    let wr = gemm_weight_row(i / per_row, row0, swiglu);
+    let c = k0 + (i % per_row) * span;
+    if (i >= GN * per_row || wr.x >= p.rows || c >= p.cols) {
+        return GemmQ(vec4<u32>(0u), vec2<f32>(0.0));
+    }
+    let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
+    let g = wr.x * (p.cols / p.group_size) + (c >> countTrailingZeros(p.group_size));
+    let s0 = base * elems_per_word();
+    return GemmQ(
+        w4[(base + offs.x) / 4u + wr.x * (p.cols / span) + c / span],
+        vec2<f32>(scale4(s0 + offs.y + g), scale4(s0 + offs.z + g)),
+    );
+}
+
+struct GemmQ {
+    q: vec4<u32>,
+    sb: vec2<f32>,
+}
+
+fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool) -> GemmFetch {
+    var f: GemmFetch;
+    f.x0 = gemm_fetch_x(t, k0, li);
+    f.x1 = gemm_fetch_x(t, k0, li + GEMM_WG);
+    f.x2 = gemm_fetch_x(t, k0, li + 2u * GEMM_WG);
+    f.x3 = gemm_fetch_x(t, k0, li + 3u * GEMM_WG);
+    if (p.bits != 0u) {
+        let a = gemm_fetch_q(t.base, row0, k0, swiglu, li);
+        let b = gemm_fetch_q(t.base, row0, k0, swiglu, li + GEMM_WG);
+        f.q0 = a.q;
+        f.sb0 = a.sb;
+        f.q1 = b.q;
+        f.sb1 = b.sb;
+    }
+    return f;
+}
+
+// A fetched share into the tiles, the weights dequantized as scale * q + bias (dense f32
+// weights are read here, not fetched ahead).
+fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool) {
+    tile_x[li] = f.x0;
+    tile_x[li + GEMM_WG] = f.x1;
+    tile_x[li + 2u * GEMM_WG] = f.x2;
+    tile_x[li + 3u * GEMM_WG] = f.x3;
+    if (p.bits == 0u) {
+        gemm_load_dense(li, row0, k0);
+        return;
+    }
+    let per_row = GK / (128u / p.bits);
+    gemm_put_q(li, per_row, f.q0, f.sb0);
+    if (li + GEMM_WG < GN * per_row) {
+        gemm_put_q(li + GEMM_WG, per_row, f.q1, f.sb1);
+    }
+}
+
+// Packed-weight vector i of the tile, dequantized into its tile row's columns.
+fn gemm_put_q(i: u32, per_row: u32, q: vec4<u32>, sb: vec2<f32>) {
+    let j = i / per_row;
+    let col = (i % per_row) * (128u / p.bits);
+    if (p.bits == 4u) {
+        gemm_store_nibbles(col, j, q.x, sb.x, sb.y);
+        gemm_store_nibbles(col + 8u, j, q.y, sb.x, sb.y);
+        gemm_store_nibbles(col + 16u, j, q.z, sb.x, sb.y);
+        gemm_store_nibbles(col + 24u, j, q.w, sb.x, sb.y);
+    } else {
+        gemm_store_w(col, j, gemm_bytes(q.x) * sb.x + sb.y);
+        gemm_store_w(col + 4u, j, gemm_bytes(q.y) * sb.x + sb.y);
+        gemm_store_w(col + 8u, j, gemm_bytes(q.z) * sb.x + sb.y);
+        gemm_store_w(col + 12u, j, gemm_bytes(q.w) * sb.x + sb.y);
     }
 }
 
@@ -450,59 +539,21 @@ fn gemm_weight_row(j: u32, row0: u32, swiglu: bool) -> vec2<u32> {
     return vec2<u32>(row0 + j, 0u);
 }
 
-// The weight tile at columns k0 .. k0 + GK, dequantized as scale * q + bias. Written out
-// per bit width with constant shifts, and without arrays indexed by a loop variable: a
-// driver that leaves such a loop rolled would keep the array in local memory.
-fn gemm_load_w(li: u32, base: u32, row0: u32, k0: u32, swiglu: bool) {
-    if (p.bits == 0u) {
-        // Dense f32: a vec4 of four columns of one row.
-        for (var i = li; i < GN * GK / 4u; i += GEMM_WG) {
-            let j = i / (GK / 4u);
-            let cv = i % (GK / 4u);
-            let row = row0 + j;
-            let c = k0 + cv * 4u;
-            var v = vec4<f32>(0.0);
-            if (row < p.rows && c < p.cols) {
-                v = bitcast<vec4<f32>>(w4[(row * p.cols + c) / 4u]);
-            }
-            gemm_store_w(cv * 4u, j, v);
+// A dense f32 weight's tile at columns k0 .. k0 + GK, a vec4 of four columns of one row
+// per read (zeros past the rows or columns). Quantized tiles are written out per bit
+// width with constant shifts, and without arrays indexed by a loop variable: a driver
+// that leaves such a loop rolled would keep the array in local memory.
+fn gemm_load_dense(li: u32, row0: u32, k0: u32) {
+    for (var i = li; i < GN * GK / 4u; i += GEMM_WG) {
+        let j = i / (GK / 4u);
+        let cv = i % (GK / 4u);
+        let row = row0 + j;
+        let c = k0 + cv * 4u;
+        var v = vec4<f32>(0.0);
+        if (row < p.rows && c < p.cols) {
+            v = bitcast<vec4<f32>>(w4[(row * p.cols + c) / 4u]);
         }
-        return;
-    }
-    // Columns per 16-byte vector of packed words: within one group (check_vec4).
-    let span = 128u / p.bits;
-    let per_row = GK / span;
-    let vecs_per_row = p.cols / span;
-    let groups = p.cols / p.group_size;
-    let group_shift = countTrailingZeros(p.group_size);
-    // Consecutive invocations take consecutive vectors of a row (whole 32-byte sectors).
-    for (var i = li; i < GN * per_row; i += GEMM_WG) {
-        let j = i / per_row;
-        let v = i % per_row;
-        let wr = gemm_weight_row(j, row0, swiglu);
-        let c = k0 + v * span;
-        var q = vec4<u32>(0u);
-        var scale = 0.0;
-        var bias = 0.0;
-        if (wr.x < p.rows && c < p.cols) {
-            let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
-            q = w4[(base + offs.x) / 4u + wr.x * vecs_per_row + c / span];
-            let g = wr.x * groups + (c >> group_shift);
-            scale = scale4(base * elems_per_word() + offs.y + g);
-            bias = scale4(base * elems_per_word() + offs.z + g);
-        }
-        let col = v * span;
-        if (p.bits == 4u) {
-            gemm_store_nibbles(col, j, q.x, scale, bias);
-            gemm_store_nibbles(col + 8u, j, q.y, scale, bias);
-            gemm_store_nibbles(col + 16u, j, q.z, scale, bias);
-            gemm_store_nibbles(col + 24u, j, q.w, scale, bias);
-        } else {
-            gemm_store_w(col, j, gemm_bytes(q.x) * scale + bias);
-            gemm_store_w(col + 4u, j, gemm_bytes(q.y) * scale + bias);
-            gemm_store_w(col + 8u, j, gemm_bytes(q.z) * scale + bias);
-            gemm_store_w(col + 12u, j, gemm_bytes(q.w) * scale + bias);
-        }
+        gemm_store_w(cv * 4u, j, v);
     }
 }
 
@@ -547,10 +598,13 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmAcc {
     // the arithmetic (a whole warp of them costs nothing) but still load and wait.
     let busy = tt * 4u < t.count;
     let x0 = tt * 4u * (GK / 4u);
+    var next = gemm_fetch(li, t, row0, 0u, swiglu);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
-        gemm_load_x(li, t, k0);
-        gemm_load_w(li, t.base, row0, k0, swiglu);
+        gemm_put(li, next, t.base, row0, k0, swiglu);
         workgroupBarrier();
+        if (k0 + GK < p.cols) {
+            next = gemm_fetch(li, t, row0, k0 + GK, swiglu);
+        }
         if (busy) {
             for (var c4 = 0u; c4 < GK / 4u; c4++) {
                 // Tokens 4 tt .. 4 tt + 3 at columns 4 c4 .. 4 c4 + 3, and the tile's rows
