@@ -479,6 +479,19 @@ impl RoutingModel {
         forecast: bool,
     ) -> crate::Result<ChunkRouting> {
         let (m, context) = self.layer_state(state, layer)?;
+        Ok(self.route_layer(m, context, layer, start, tokens, forecast))
+    }
+
+    /// [`RoutingModel::route_chunk`] on `layer`'s tables `m` and its `context`.
+    fn route_layer(
+        &self,
+        m: &LayerModel,
+        context: &mut [f32],
+        layer: usize,
+        start: u64,
+        tokens: &[u32],
+        forecast: bool,
+    ) -> ChunkRouting {
         let mut ids = Vec::with_capacity(tokens.len() * self.top_k);
         let mut guesses = Vec::new();
         for (i, &token) in tokens.iter().enumerate() {
@@ -506,21 +519,30 @@ impl RoutingModel {
         }
         guesses.sort_unstable();
         guesses.dedup();
-        Ok(ChunkRouting {
+        ChunkRouting {
             ids,
             forecast: guesses,
-        })
+        }
     }
 
-    /// `layer`'s tables and its context in `state`. Errors: `layer` beyond the model's
-    /// layers, or a state made by another model.
+    /// `layer`'s tables and its context in `state`. Errors: as [`RoutingModel::layer_context`].
     fn layer_state<'s>(
         &self,
         state: &'s mut RoutingState,
         layer: usize,
     ) -> crate::Result<(&LayerModel, &'s mut [f32])> {
+        self.layer_context(layer, state.context.get_mut(layer))
+    }
+
+    /// `layer`'s tables with its `context` (the state's, if it has the layer). Errors:
+    /// `layer` beyond the model's layers, or a state made by another model.
+    fn layer_context<'s>(
+        &self,
+        layer: usize,
+        context: Option<&'s mut Vec<f32>>,
+    ) -> crate::Result<(&LayerModel, &'s mut [f32])> {
         let m = self.layer(layer)?;
-        match state.context.get_mut(layer) {
+        match context {
             Some(c) if c.len() == m.experts.len() => Ok((m, c)),
             _ => Err(crate::Error::InvalidInput(format!(
                 "routing state has no layer {layer} (made by another model)"
@@ -549,7 +571,10 @@ impl RoutingModel {
     }
 }
 
-/// One chunk's synthetic routing for every MoE layer, computed ahead on a helper thread
+/// Tokens from which [`StepRoutes`] routes a chunk's layers on several threads.
+const PARALLEL_MIN_TOKENS: usize = 64;
+
+/// One chunk's synthetic routing for every MoE layer, computed ahead on helper threads
 /// ([`StepRoutes::spawn`]) while the forward pass records the layers: the model's steps
 /// cost the host tens of microseconds a layer, which would otherwise sit between a layer's
 /// dispatches (a real model's router runs on the device). The forward pass takes each
@@ -575,14 +600,47 @@ impl StepRoutes {
         let (tx, rx) = std::sync::mpsc::channel();
         let num_layers = layers.iter().max().map_or(0, |&l| l + 1);
         scope.spawn(move || {
-            for layer in layers {
-                let routed = model.route_chunk(state, layer, start, tokens, forecast);
+            // Each layer's context is its own, so layers route in parallel; the workers take
+            // them in order, so the first layers the forward pass asks for come first. A
+            // long chunk costs each layer milliseconds (2,048 tokens x 512 experts); a
+            // short one is not worth a thread.
+            let mut contexts: Vec<Option<&mut Vec<f32>>> =
+                state.context.iter_mut().map(Some).collect();
+            let jobs: Vec<_> = layers
+                .into_iter()
+                .map(|l| {
+                    (
+                        l,
+                        model.layer_context(l, contexts.get_mut(l).and_then(Option::take)),
+                    )
+                })
+                .collect();
+            let workers = if tokens.len() >= PARALLEL_MIN_TOKENS {
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            } else {
+                1
+            };
+            let queue = std::sync::Mutex::new(jobs.into_iter());
+            let work = |tx: std::sync::mpsc::Sender<_>| loop {
+                let Some((layer, job)) = queue.lock().unwrap_or_else(|p| p.into_inner()).next()
+                else {
+                    return;
+                };
+                let routed =
+                    job.map(|(m, c)| model.route_layer(m, c, layer, start, tokens, forecast));
                 let failed = routed.is_err();
                 // A closed channel: the forward pass stopped early (its own error).
                 if tx.send((layer, routed)).is_err() || failed {
                     return;
                 }
-            }
+            };
+            std::thread::scope(|workers_scope| {
+                for _ in 1..workers {
+                    let tx = tx.clone();
+                    workers_scope.spawn(|| work(tx));
+                }
+                work(tx);
+            });
         });
         StepRoutes {
             rx,
