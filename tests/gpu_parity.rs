@@ -354,3 +354,39 @@ fn inputs_longer_than_a_gpu_prefill_chunk_match_the_cpu() {
         "{name}: {n} tokens in chunks of {chunk}: worst GPU vs CPU relative error {worst:.3e}"
     );
 }
+
+/// A prefill chunk's dispatches do not grow with its tokens: every matmul, the grouped
+/// expert GEMM, the gated delta recurrence and attention take a whole chunk per dispatch,
+/// so 32 tokens (the fewest that prefill as a chunk rather than token by token) and 256
+/// tokens issue the same number, on each fixture.
+#[test]
+fn prefill_dispatches_do_not_grow_with_the_chunk() {
+    use rand::Rng;
+    let g = gpu();
+    let mut rng = rand::rng();
+    for name in FIXTURES {
+        let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
+        let model = Model::load(&ckpt, &g).unwrap();
+        assert!(model.prefill_chunk(&g, Logits::Last) >= 256, "{name}");
+        let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+        let vocab = model.config.vocab_size as u32;
+        let mut dispatches = |n: usize| {
+            let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab)).collect();
+            let mut state = model.new_state(&g);
+            let before = g.gpu.counters();
+            model
+                .forward(&g, &mut state, &ids, &mapped, Logits::Last)
+                .unwrap();
+            (g.gpu.counters() - before).dispatches
+        };
+        // The first pass also compiles the kernels; counts come from the second.
+        dispatches(slotstream::model::SWEEP_MIN_TOKENS);
+        let short = dispatches(slotstream::model::SWEEP_MIN_TOKENS);
+        let long = dispatches(256);
+        assert_eq!(
+            short, long,
+            "{name}: {short} dispatches for 32 tokens, {long} for 256"
+        );
+        eprintln!("{name}: {short} dispatches for a chunk of 32 or 256 tokens");
+    }
+}
