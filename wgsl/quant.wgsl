@@ -137,9 +137,16 @@ fn out_cols() -> u32 {
     return select(p.out_cols, p.rows, p.out_cols == 0u);
 }
 
-// What one invocation of a qmatmul entry computes: output row `row` of route (or token)
-// `z`, as lane `lane` of the row, from the record at word `base` with input row `t`;
-// `computed` is 0 for a row past the end or a route this dispatch leaves to another.
+// Output rows per lane group of the quantized entries: each lane computes its share of
+// ROWS consecutive rows, so one load of x serves ROWS rows' weights (a matvec that loads
+// x once per row is bound by those loads, 8 bytes of x per byte of 4-bit weights, not by
+// the weights). matmul_dense keeps one row per lane group.
+const ROWS: u32 = 4u;
+
+// What one invocation of a matmul entry computes: output rows `row ..` (`per` of them) of
+// route (or token) `z`, as lane `lane` of its lane group, from the record at word `base`
+// with input row `t`; `computed` is 0 for rows past the end or a route this dispatch
+// leaves to another.
 struct Job {
     z: u32,
     lane: u32,
@@ -149,9 +156,9 @@ struct Job {
     computed: u32,
 }
 
-fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> Job {
+fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>, per: u32) -> Job {
     let n = lanes();
-    let row = (wid.x + wid.y * nwg.x) * (WG / n) + li / n;
+    let row = ((wid.x + wid.y * nwg.x) * (WG / n) + li / n) * per;
     let r = route_of(wid.z);
     let computed = select(0u, 1u, r.z == 1u && row < p.rows);
     return Job(wid.z, li % n, row, r.x, r.y, computed);
@@ -184,67 +191,116 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-// This lane's share of dequant(W)[row, :] . x[t, :], W's words, scales and biases at
-// (w_off, s_off, b_off) from the record base, quantized at `bits` (4 or 8) in groups of
-// `gs`; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv accumulates it).
-fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row: u32, t: u32, lane: u32) -> f32 {
+// One packed 4-bit word against its 8 activations: xa for the low 16 bits, xc the high.
+fn dot_nibbles(word: u32, xa: vec4<f32>, xc: vec4<f32>) -> f32 {
+    let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+    let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+    return dot(lo, xa) + dot(hi, xc);
+}
+
+// One packed 8-bit word against its 4 activations.
+fn dot_bytes(word: u32, xa: vec4<f32>) -> f32 {
+    return dot(vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu)), xa);
+}
+
+// A 16-byte vector of packed 4-bit words against its 32 activations x0 .. x7.
+fn dot_q4(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>,
+          x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
+    return dot_nibbles(q.x, x0, x1) + dot_nibbles(q.y, x2, x3) + dot_nibbles(q.z, x4, x5)
+        + dot_nibbles(q.w, x6, x7);
+}
+
+// A 16-byte vector of packed 8-bit words against its 16 activations x0 .. x3.
+fn dot_q8(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> f32 {
+    return dot_bytes(q.x, x0) + dot_bytes(q.y, x1) + dot_bytes(q.z, x2) + dot_bytes(q.w, x3);
+}
+
+// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < ROWS, W's words, scales
+// and biases at (w_off, s_off, b_off) from the record base, quantized at `bits` (4 or 8)
+// in groups of `gs`; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv
+// accumulates it). A row past the last is computed as the last (its loads stay in the
+// weight) and left unwritten by the caller.
+fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, lane: u32) -> vec4<f32> {
     // Columns per 16-byte vector of packed words.
     let span = 128u / bits;
     let vecs_per_row = p.cols / span;
     let groups = p.cols / gs;
-    let v0 = (base + offs.x) / 4u + row * vecs_per_row;
-    let sbase = base * elems_per_word() + offs.y + row * groups;
-    let bbase = base * elems_per_word() + offs.z + row * groups;
-    let x0 = t * p.cols / 4u;
+    let last = p.rows - 1u;
+    let rows = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    let v0 = vec4<u32>((base + offs.x) / 4u) + rows * vecs_per_row;
+    let sbase = vec4<u32>(base * elems_per_word() + offs.y) + rows * groups;
+    let bbase = vec4<u32>(base * elems_per_word() + offs.z) + rows * groups;
+    let xrow = t * p.cols / 4u;
     // Groups are a power of two wide: a shift, not a division, in the loop.
     let group_shift = countTrailingZeros(gs);
-    var acc = 0.0;
+    var acc = vec4<f32>(0.0);
     for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
-        let q = w4[v0 + vi];
         let g = (vi * span) >> group_shift;
-        let xb = x0 + vi * (span / 4u);
-        var qx = 0.0;
-        var sx = 0.0;
+        let xb = xrow + vi * (span / 4u);
+        // This vector's activations, loaded once for the ROWS rows.
+        let one = vec4<f32>(1.0);
+        var qx: vec4<f32>;
+        var sx: f32;
         if (bits == 4u) {
-            for (var k = 0u; k < 4u; k++) {
-                let word = q[k];
-                let xa = act4[xb + 2u * k];
-                let xc = act4[xb + 2u * k + 1u];
-                let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
-                let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
-                qx += dot(lo, xa) + dot(hi, xc);
-                sx += dot(xa + xc, vec4<f32>(1.0));
-            }
+            let x0 = act4[xb];
+            let x1 = act4[xb + 1u];
+            let x2 = act4[xb + 2u];
+            let x3 = act4[xb + 3u];
+            let x4 = act4[xb + 4u];
+            let x5 = act4[xb + 5u];
+            let x6 = act4[xb + 6u];
+            let x7 = act4[xb + 7u];
+            sx = dot(x0 + x1, one) + dot(x2 + x3, one) + dot(x4 + x5, one) + dot(x6 + x7, one);
+            qx = vec4<f32>(dot_q4(w4[v0.x + vi], x0, x1, x2, x3, x4, x5, x6, x7),
+                           dot_q4(w4[v0.y + vi], x0, x1, x2, x3, x4, x5, x6, x7),
+                           dot_q4(w4[v0.z + vi], x0, x1, x2, x3, x4, x5, x6, x7),
+                           dot_q4(w4[v0.w + vi], x0, x1, x2, x3, x4, x5, x6, x7));
         } else {
-            for (var k = 0u; k < 4u; k++) {
-                let word = q[k];
-                let xa = act4[xb + k];
-                let v = vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
-                qx += dot(v, xa);
-                sx += dot(xa, vec4<f32>(1.0));
-            }
+            let x0 = act4[xb];
+            let x1 = act4[xb + 1u];
+            let x2 = act4[xb + 2u];
+            let x3 = act4[xb + 3u];
+            sx = dot(x0, one) + dot(x1, one) + dot(x2, one) + dot(x3, one);
+            qx = vec4<f32>(dot_q8(w4[v0.x + vi], x0, x1, x2, x3), dot_q8(w4[v0.y + vi], x0, x1, x2, x3),
+                           dot_q8(w4[v0.z + vi], x0, x1, x2, x3), dot_q8(w4[v0.w + vi], x0, x1, x2, x3));
         }
-        acc += scale4(sbase + g) * qx + scale4(bbase + g) * sx;
+        let s = vec4<f32>(scale4(sbase.x + g), scale4(sbase.y + g), scale4(sbase.z + g), scale4(sbase.w + g));
+        let b = vec4<f32>(scale4(bbase.x + g), scale4(bbase.y + g), scale4(bbase.z + g), scale4(bbase.w + g));
+        acc += s * qx + b * sx;
     }
     return acc;
 }
 
-// What a qmatmul invocation computed: its job and, in lane 0 of a row, the row's dot
-// product.
-struct RowDot {
-    j: Job,
-    total: f32,
+// Sums of a lane group's four row accumulators, in every lane; every invocation of the
+// workgroup must call it.
+fn row_sums(li: u32, acc: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(row_sum(li, acc.x), row_sum(li, acc.y), row_sum(li, acc.z), row_sum(li, acc.w));
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for 256 / lanes rows per workgroup, as
-// far as the lanes' sum; every invocation of the workgroup must call it.
+// What a qmatmul invocation computed: its job and the sums of its ROWS rows.
+struct RowDot {
+    j: Job,
+    total: vec4<f32>,
+}
+
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS * 256 / lanes rows per
+// workgroup, as far as the lanes' sums; every invocation of the workgroup must call it.
 fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
-    let j = job(li, wid, nwg);
-    var acc = 0.0;
+    let j = job(li, wid, nwg, ROWS);
+    var acc = vec4<f32>(0.0);
     if (j.computed == 1u) {
         acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
     }
-    return RowDot(j, row_sum(li, acc));
+    return RowDot(j, row_sums(li, acc));
+}
+
+// Which of a lane group's ROWS rows this lane stores (lane i stores row i, after the
+// sums reach every lane): the row, or none past the end or in a route not computed here.
+fn stored_row(j: Job) -> u32 {
+    if (j.computed == 0u || j.lane >= ROWS || j.row + j.lane >= p.rows) {
+        return 0xffffffffu;
+    }
+    return j.row + j.lane;
 }
 
 @compute @workgroup_size(256)
@@ -252,8 +308,9 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
             @builtin(workgroup_id) wid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
     let r = row_dot(li, wid, nwg);
-    if (r.j.lane == 0u && r.j.computed == 1u) {
-        out[r.j.z * out_cols() + p.out_first + r.j.row] = r.total;
+    let row = stored_row(r.j);
+    if (row != 0xffffffffu) {
+        out[r.j.z * out_cols() + p.out_first + row] = r.total[r.j.lane];
     }
 }
 
@@ -270,22 +327,23 @@ fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
                  @builtin(workgroup_id) wid: vec3<u32>,
                  @builtin(num_workgroups) nwg: vec3<u32>) {
     let r = row_dot(li, wid, nwg);
-    if (r.j.lane != 0u || r.j.computed == 0u) {
+    let row = stored_row(r.j);
+    if (row == 0xffffffffu) {
         return;
     }
     let z = r.j.z;
-    let row = r.j.row;
+    let v = r.total[r.j.lane];
     let a = p.part_end_a;
     let b = p.part_end_b;
     let c = p.part_end_c;
     if (row < a) {
-        out[z * a + row] = r.total;
+        out[z * a + row] = v;
     } else if (row < b) {
-        out_b[z * (b - a) + row - a] = r.total;
+        out_b[z * (b - a) + row - a] = v;
     } else if (row < c) {
-        out_c[z * (c - b) + row - b] = r.total;
+        out_c[z * (c - b) + row - b] = v;
     } else {
-        out_d[z * (p.rows - c) + row - c] = r.total;
+        out_d[z * (p.rows - c) + row - c] = v;
     }
 }
 
@@ -295,18 +353,19 @@ fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
 fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
                    @builtin(workgroup_id) wid: vec3<u32>,
                    @builtin(num_workgroups) nwg: vec3<u32>) {
-    let j = job(li, wid, nwg);
-    var acc = vec2<f32>(0.0);
+    let j = job(li, wid, nwg, ROWS);
+    var gate = vec4<f32>(0.0);
+    var up = vec4<f32>(0.0);
     if (j.computed == 1u) {
-        acc = vec2<f32>(
-            lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane),
-            lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane),
-        );
+        gate = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
+        up = lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane);
     }
-    let gate = row_sum(li, acc.x);
-    let up = row_sum(li, acc.y);
-    if (j.lane == 0u && j.computed == 1u) {
-        out[j.z * out_cols() + p.out_first + j.row] = gate * sigmoid(gate) * up;
+    gate = row_sums(li, gate);
+    up = row_sums(li, up);
+    let row = stored_row(j);
+    if (row != 0xffffffffu) {
+        let g = gate[j.lane];
+        out[j.z * out_cols() + p.out_first + row] = g * sigmoid(g) * up[j.lane];
     }
 }
 
@@ -317,7 +376,7 @@ fn matmul_dense(@builtin(local_invocation_index) li: u32,
                 @builtin(workgroup_id) wid: vec3<u32>,
                 @builtin(num_workgroups) nwg: vec3<u32>) {
     // Not routed (p.routed = 0): the token is z.
-    let j = job(li, wid, nwg);
+    let j = job(li, wid, nwg, 1u);
     var acc = 0.0;
     if (j.computed == 1u) {
         for (var c = j.lane; c < p.cols; c += lanes()) {

@@ -70,6 +70,9 @@ const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
 const COMBINE: Kernel = matmul_kernel("moe_combine");
 /// Invocations per qmatmul workgroup (`WG` in the shader).
 const WG: usize = 256;
+/// Output rows each lane group of a quantized matmul computes (`ROWS` in the shader), so
+/// one load of the activations serves that many rows' weights.
+const QMATMUL_ROWS: usize = 4;
 /// Invocations a qmatmul dispatch aims for: a decode step's matrices of few rows (a
 /// router's 512, a gate's 1) get more lanes per row rather than leave the GPU idle.
 /// `SLOTSTREAM_GPU_INVOCATIONS` overrides it (for tuning on another GPU).
@@ -201,7 +204,9 @@ impl Params {
             lanes *= 2;
         }
         self.lanes = lanes as u32;
-        let [x, y] = grid(rows.div_ceil(WG / lanes) as u32);
+        // A lane group computes QMATMUL_ROWS rows of a quantized weight, one of a dense.
+        let per_group = if bits == 0 { 1 } else { QMATMUL_ROWS };
+        let [x, y] = grid(rows.div_ceil(WG / lanes * per_group) as u32);
         (kernel, self.words(), [x, y, z as u32])
     }
 
