@@ -121,7 +121,9 @@ fn quantized_matmul_matches_cpu() {
             group_size: group,
         };
         // Lanes per row follow the dispatch's size (16 to 256): the few-row, wide shapes
-        // take 128 and 256 (a workgroup of one or two rows). From 16 tokens the product
+        // take 128 and 256 (a workgroup of one or two rows). A large matrix (4,099 x 1,024
+        // at 2 tokens) takes four rows per lane group, the last group partial. From 16
+        // tokens the product
         // runs in tiles where the adapter has them: partial tiles of tokens, rows and
         // columns (384 is not a multiple of the 64-column step).
         for (rows, cols, t) in [
@@ -135,6 +137,7 @@ fn quantized_matmul_matches_cpu() {
             (200, 512, 70),
             (130, 2048, 33),
             (5, 128, 16),
+            (4099, 1024, 2),
         ] {
             let w = random_quantized(rows, cols, spec, dtype);
             let x = random(t * cols);
@@ -168,10 +171,11 @@ fn matmul_parts_match_cpu_columns() {
         .iter()
         .flat_map(|g| (2..=5).map(move |parts| (g, parts)))
     {
-        for t in [1, 7, 40] {
-            let widths: Vec<usize> = (0..parts).map(|_| rng.random_range(1..300)).collect();
+        // The last case is large enough (rows x tokens x 16-byte vectors of a row) for the
+        // matvec's four rows per lane group.
+        for (t, cols, least) in [(1, 512, 1), (7, 512, 1), (40, 512, 1), (9, 4096, 128)] {
+            let widths: Vec<usize> = (0..parts).map(|_| rng.random_range(least..300)).collect();
             let rows = widths.iter().sum();
-            let cols = 512;
             for w in [
                 random_quantized(rows, cols, spec, Dtype::BF16),
                 LinearWeight::Dense(DenseMatrix {
@@ -420,7 +424,14 @@ fn matmul_swiglu_matches_cpu() {
             bits: 12 - bits,
             group_size: 64,
         };
-        for (inter, cols, t) in [(96, 256, 1), (300, 512, 5), (8, 4096, 1), (77, 256, 45)] {
+        // 1,030 x 2,048 at 4 tokens: four rows per lane group at 4 and 8 bits.
+        for (inter, cols, t) in [
+            (96, 256, 1),
+            (300, 512, 5),
+            (8, 4096, 1),
+            (77, 256, 45),
+            (1030, 2048, 4),
+        ] {
             let gate = random_quantized(inter, cols, spec, dtype);
             for (what, up) in [
                 ("alike", random_quantized(inter, cols, spec, dtype)),

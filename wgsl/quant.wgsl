@@ -64,6 +64,8 @@ struct Params {
     part_end_c: u32,
     // gemm entries, routed = 4: tiles in the tile list that leads `aux` (see gemm_tile).
     tiles: u32,
+    // qmatmul entries: output rows per lane group, 1 or ROWS (see ROWS).
+    row_group: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -137,10 +139,11 @@ fn out_cols() -> u32 {
     return select(p.out_cols, p.rows, p.out_cols == 0u);
 }
 
-// Output rows per lane group of the quantized entries: each lane computes its share of
-// ROWS consecutive rows, so one load of x serves ROWS rows' weights (a matvec that loads
-// x once per row is bound by those loads, 8 bytes of x per byte of 4-bit weights, not by
-// the weights). matmul_dense keeps one row per lane group.
+// Output rows per lane group of the quantized entries on a large matrix (p.row_group):
+// each lane computes its share of ROWS consecutive rows, so one load of x serves ROWS
+// rows' weights (a matvec that loads x once per row is bound by those loads, 8 bytes of x
+// per byte of 4-bit weights, not by the weights). A small matrix keeps one row per lane
+// group, where the latency of fewer, longer invocations would cost more than the loads.
 const ROWS: u32 = 4u;
 
 // What one invocation of a matmul entry computes: output rows `row ..` (`per` of them) of
@@ -215,7 +218,7 @@ fn dot_q8(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f3
     return dot_bytes(q.x, x0) + dot_bytes(q.y, x1) + dot_bytes(q.z, x2) + dot_bytes(q.w, x3);
 }
 
-// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < ROWS, W's words, scales
+// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < p.row_group, W's words, scales
 // and biases at (w_off, s_off, b_off) from the record base, quantized at `bits` (4 or 8)
 // in groups of `gs`; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv
 // accumulates it). A row past the last is computed as the last (its loads stay in the
@@ -234,12 +237,13 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, l
     // Groups are a power of two wide: a shift, not a division, in the loop.
     let group_shift = countTrailingZeros(gs);
     var acc = vec4<f32>(0.0);
+    let four = p.row_group == ROWS;
     for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
         let g = (vi * span) >> group_shift;
         let xb = xrow + vi * (span / 4u);
-        // This vector's activations, loaded once for the ROWS rows.
+        // This vector's activations, loaded once for the rows.
         let one = vec4<f32>(1.0);
-        var qx: vec4<f32>;
+        var qx = vec4<f32>(0.0);
         var sx: f32;
         if (bits == 4u) {
             let x0 = act4[xb];
@@ -251,42 +255,56 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, l
             let x6 = act4[xb + 6u];
             let x7 = act4[xb + 7u];
             sx = dot(x0 + x1, one) + dot(x2 + x3, one) + dot(x4 + x5, one) + dot(x6 + x7, one);
-            qx = vec4<f32>(dot_q4(w4[v0.x + vi], x0, x1, x2, x3, x4, x5, x6, x7),
-                           dot_q4(w4[v0.y + vi], x0, x1, x2, x3, x4, x5, x6, x7),
-                           dot_q4(w4[v0.z + vi], x0, x1, x2, x3, x4, x5, x6, x7),
-                           dot_q4(w4[v0.w + vi], x0, x1, x2, x3, x4, x5, x6, x7));
+            qx.x = dot_q4(w4[v0.x + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+            if (four) {
+                qx.y = dot_q4(w4[v0.y + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+                qx.z = dot_q4(w4[v0.z + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+                qx.w = dot_q4(w4[v0.w + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+            }
         } else {
             let x0 = act4[xb];
             let x1 = act4[xb + 1u];
             let x2 = act4[xb + 2u];
             let x3 = act4[xb + 3u];
             sx = dot(x0, one) + dot(x1, one) + dot(x2, one) + dot(x3, one);
-            qx = vec4<f32>(dot_q8(w4[v0.x + vi], x0, x1, x2, x3), dot_q8(w4[v0.y + vi], x0, x1, x2, x3),
-                           dot_q8(w4[v0.z + vi], x0, x1, x2, x3), dot_q8(w4[v0.w + vi], x0, x1, x2, x3));
+            qx.x = dot_q8(w4[v0.x + vi], x0, x1, x2, x3);
+            if (four) {
+                qx.y = dot_q8(w4[v0.y + vi], x0, x1, x2, x3);
+                qx.z = dot_q8(w4[v0.z + vi], x0, x1, x2, x3);
+                qx.w = dot_q8(w4[v0.w + vi], x0, x1, x2, x3);
+            }
         }
-        let s = vec4<f32>(scale4(sbase.x + g), scale4(sbase.y + g), scale4(sbase.z + g), scale4(sbase.w + g));
-        let b = vec4<f32>(scale4(bbase.x + g), scale4(bbase.y + g), scale4(bbase.z + g), scale4(bbase.w + g));
+        var s = vec4<f32>(scale4(sbase.x + g), 0.0, 0.0, 0.0);
+        var b = vec4<f32>(scale4(bbase.x + g), 0.0, 0.0, 0.0);
+        if (four) {
+            s = vec4<f32>(s.x, scale4(sbase.y + g), scale4(sbase.z + g), scale4(sbase.w + g));
+            b = vec4<f32>(b.x, scale4(bbase.y + g), scale4(bbase.z + g), scale4(bbase.w + g));
+        }
         acc += s * qx + b * sx;
     }
     return acc;
 }
 
-// Sums of a lane group's four row accumulators, in every lane; every invocation of the
-// workgroup must call it.
+// Sums of a lane group's row accumulators (p.row_group of them), in every lane; every
+// invocation of the workgroup must call it.
 fn row_sums(li: u32, acc: vec4<f32>) -> vec4<f32> {
-    return vec4<f32>(row_sum(li, acc.x), row_sum(li, acc.y), row_sum(li, acc.z), row_sum(li, acc.w));
+    var total = vec4<f32>(row_sum(li, acc.x), 0.0, 0.0, 0.0);
+    if (p.row_group == ROWS) {
+        total = vec4<f32>(total.x, row_sum(li, acc.y), row_sum(li, acc.z), row_sum(li, acc.w));
+    }
+    return total;
 }
 
-// What a qmatmul invocation computed: its job and the sums of its ROWS rows.
+// What a qmatmul invocation computed: its job and the sums of its rows.
 struct RowDot {
     j: Job,
     total: vec4<f32>,
 }
 
-// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for ROWS * 256 / lanes rows per
+// y[z, row] = sum_c dequant(W)[row, c] * x[t, c] for row_group * 256 / lanes rows per
 // workgroup, as far as the lanes' sums; every invocation of the workgroup must call it.
 fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
-    let j = job(li, wid, nwg, ROWS);
+    let j = job(li, wid, nwg, p.row_group);
     var acc = vec4<f32>(0.0);
     if (j.computed == 1u) {
         acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
@@ -294,10 +312,10 @@ fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
     return RowDot(j, row_sums(li, acc));
 }
 
-// Which of a lane group's ROWS rows this lane stores (lane i stores row i, after the
-// sums reach every lane): the row, or none past the end or in a route not computed here.
+// Which of a lane group's rows this lane stores (lane i stores row i, after the sums
+// reach every lane): the row, or none past the end or in a route not computed here.
 fn stored_row(j: Job) -> u32 {
-    if (j.computed == 0u || j.lane >= ROWS || j.row + j.lane >= p.rows) {
+    if (j.computed == 0u || j.lane >= p.row_group || j.row + j.lane >= p.rows) {
         return 0xffffffffu;
     }
     return j.row + j.lane;
@@ -353,7 +371,7 @@ fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
 fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
                    @builtin(workgroup_id) wid: vec3<u32>,
                    @builtin(num_workgroups) nwg: vec3<u32>) {
-    let j = job(li, wid, nwg, ROWS);
+    let j = job(li, wid, nwg, p.row_group);
     var gate = vec4<f32>(0.0);
     var up = vec4<f32>(0.0);
     if (j.computed == 1u) {

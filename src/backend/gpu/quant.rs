@@ -70,9 +70,16 @@ const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
 const COMBINE: Kernel = matmul_kernel("moe_combine");
 /// Invocations per qmatmul workgroup (`WG` in the shader).
 const WG: usize = 256;
-/// Output rows each lane group of a quantized matmul computes (`ROWS` in the shader), so
-/// one load of the activations serves that many rows' weights.
+/// Output rows each lane group of a large quantized matvec computes (`ROWS` in the
+/// shader), so one load of the activations serves that many rows' weights.
 const QMATMUL_ROWS: usize = 4;
+/// 16-byte vectors of packed weights (rows x tokens or routes x vectors per row) from
+/// which a matvec takes [`QMATMUL_ROWS`] rows per lane group. Measured on the H200
+/// (BENCHMARKS.md): 4 rows made lm_head (151,936 x 2,048) 2.4x faster and every matrix
+/// of 4,096 x 2,048 or more (and the routed experts, 10 routes) faster, but matrices of
+/// 32,768 to 65,536 vectors (the shared expert, the router) 1.4-1.9x slower: with a
+/// quarter of the invocations, their latency shows.
+const QMATMUL_ROWS_MIN_VECTORS: usize = 1 << 18;
 /// Invocations a qmatmul dispatch aims for: a decode step's matrices of few rows (a
 /// router's 512, a gate's 1) get more lanes per row rather than leave the GPU idle.
 /// `SLOTSTREAM_GPU_INVOCATIONS` overrides it (for tuning on another GPU).
@@ -135,6 +142,9 @@ struct Params {
     part_ends: [u32; 3],
     /// gemm entries, routed = 4: tiles in the tile list (see `wgsl/quant.wgsl`).
     tiles: u32,
+    /// Quantized matvec entries: output rows per lane group, 1 or [`QMATMUL_ROWS`] (set
+    /// by [`Params::launch`]).
+    row_group: u32,
     /// Whether the output is split into parts ([`QMATMUL_PARTS`]; not a uniform word).
     parts: bool,
 }
@@ -173,7 +183,7 @@ impl Params {
     ///
     /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
     /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
-    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 26], [u32; 3]) {
+    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 27], [u32; 3]) {
         if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
             self.tokens = z as u32;
             return self.launch_tiled(z.div_ceil(TILE_TOKENS));
@@ -204,8 +214,11 @@ impl Params {
             lanes *= 2;
         }
         self.lanes = lanes as u32;
-        // A lane group computes QMATMUL_ROWS rows of a quantized weight, one of a dense.
-        let per_group = if bits == 0 { 1 } else { QMATMUL_ROWS };
+        // A lane group computes QMATMUL_ROWS rows of a large quantized weight, one row of
+        // a small one or a dense one.
+        let large = rows * z.max(1) * units >= QMATMUL_ROWS_MIN_VECTORS;
+        let per_group = if bits != 0 && large { QMATMUL_ROWS } else { 1 };
+        self.row_group = per_group as u32;
         let [x, y] = grid(rows.div_ceil(WG / lanes * per_group) as u32);
         (kernel, self.words(), [x, y, z as u32])
     }
@@ -228,7 +241,7 @@ impl Params {
     /// [`TILE_TOKENS`] each) or of routes (routed = 4, the tile list's), and its grid:
     /// `gemm_parts` for an output in parts, `gemm_swiglu` with an up projection, else
     /// `gemm`. The parameters must be [`Params::tileable`].
-    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 26], [u32; 3]) {
+    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 27], [u32; 3]) {
         let rows = self.rows as usize;
         let (kernel, per_tile) = if self.parts {
             (&GEMM_PARTS, TILE_ROWS)
@@ -276,7 +289,7 @@ impl Params {
         Some((params, data))
     }
 
-    fn words(&self) -> [u32; 26] {
+    fn words(&self) -> [u32; 27] {
         [
             self.rows,
             self.cols,
@@ -304,6 +317,7 @@ impl Params {
             self.part_ends[1],
             self.part_ends[2],
             self.tiles,
+            self.row_group,
         ]
     }
 
