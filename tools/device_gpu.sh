@@ -8,7 +8,7 @@ set -uo pipefail
 if [ "${1:-}" = "--stage" ]; then
   set -e
   mkdir -p .devbin
-  for t in gpu_kernels_a gpu_kernels_b gpu_kernels_c gpu_quant gpu_parity; do
+  for t in gpu; do
     exe=$(cargo test --release --test "$t" --no-run --message-format=json 2>/dev/null \
       | jq -r 'select(.executable != null and .target.name == "'"$t"'") | .executable' | tail -1)
     cp "$exe" ".devbin/$t" && strip ".devbin/$t"
@@ -26,7 +26,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out" target
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 status=0
-for t in gpu_kernels_a gpu_kernels_b gpu_kernels_c gpu_quant gpu_parity; do
+for t in gpu; do
   echo "== $t"
   .devbin/$t --test-threads=1 2>&1 | grep -v XDG_RUNTIME | tee "$out/test-$t.txt" | grep -E "^test |test result" || status=1
 done

@@ -2,11 +2,9 @@
 //! experts from the mapped checkpoint and streamed through slot pools from the floor to
 //! every record (mirrored into device arenas). Fails (never skips) without an adapter.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use slotstream::backend::gpu::{GpuBackend, Placement};
 use slotstream::backend::Backend;
 use slotstream::checkpoint::Checkpoint;

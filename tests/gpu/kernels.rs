@@ -2,11 +2,9 @@
 //! the router's softmax + top-k. Requires a GPU adapter (lavapipe will do): without one
 //! these tests fail rather than skip.
 
-mod common;
-
 use std::sync::OnceLock;
 
-use common::random;
+use crate::common::random;
 
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -25,7 +23,7 @@ fn gpu() -> &'static GpuBackend {
 /// that reduce (norms, top-k).
 fn gpus() -> &'static [GpuBackend; 2] {
     static GPUS: OnceLock<[GpuBackend; 2]> = OnceLock::new();
-    GPUS.get_or_init(common::gpus)
+    GPUS.get_or_init(crate::common::gpus)
 }
 
 /// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
@@ -430,7 +428,7 @@ fn router_top_k_rejects_k_beyond_experts() {
 #[test]
 fn reused_output_buffers_keep_results_and_stop_allocating() {
     let cpu = CpuBackend;
-    let gpu = common::gpu(); // its own device, so other tests do not move its counters
+    let gpu = crate::common::gpu(); // its own device, so other tests do not move its counters
     let (t, cols) = (3, 1000);
     let (a, b) = (random(t * cols, -2.0, 2.0), random(t * cols, -2.0, 2.0));
     let (ca, cb) = (cpu.upload(&a, t, cols), cpu.upload(&b, t, cols));
@@ -475,7 +473,7 @@ fn reused_output_buffers_keep_results_and_stop_allocating() {
 #[test]
 fn bind_groups_do_not_keep_dropped_buffers_alive() {
     use slotstream::backend::AttnDims;
-    let gpu = common::gpu();
+    let gpu = crate::common::gpu();
     let (t, cols) = (2, 300);
     let a = gpu.upload(&random(t * cols, -1.0, 1.0), t, cols);
     let b = gpu.upload(&random(t * cols, -1.0, 1.0), t, cols);

@@ -7,8 +7,7 @@
 //! relative to the scale of its rounding error, see `delta_output_bound`), with no NaN
 //! (new GPU output buffers are NaN-filled, so an element a kernel forgets to write fails).
 
-mod common;
-use common::{gpu, random};
+use crate::common::{gpu, random};
 
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
 use slotstream::backend::gpu::{GpuBackend, GpuTensor};

@@ -1,8 +1,6 @@
 //! Quantized matmul, embedding and routed-expert kernels on the GPU against the CPU
 //! backend, on fresh random inputs. Fails (never skips) without a GPU adapter.
 
-mod common;
-
 use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
@@ -51,7 +49,7 @@ fn check(name: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
         gpu.iter().all(|v| v.is_finite()),
         "{name}: NaN or untouched output"
     );
-    let e = common::rel_err(gpu, cpu);
+    let e = crate::common::rel_err(gpu, cpu);
     assert!(e <= bound, "{name}: relative error {e:.3e} > {bound:e}");
 }
 
@@ -106,7 +104,7 @@ fn norm(v: &[f32]) -> f64 {
 #[test]
 fn quantized_matmul_matches_cpu() {
     let cpu = CpuBackend;
-    for (g, (bits, group, dtype)) in common::gpus().iter().flat_map(|g| {
+    for (g, (bits, group, dtype)) in crate::common::gpus().iter().flat_map(|g| {
         [
             (4, 64, Dtype::BF16),
             (4, 32, Dtype::F16),
@@ -167,7 +165,7 @@ fn matmul_parts_match_cpu_columns() {
         bits: 4,
         group_size: 64,
     };
-    for (g, parts) in common::gpus()
+    for (g, parts) in crate::common::gpus()
         .iter()
         .flat_map(|g| (2..=5).map(move |parts| (g, parts)))
     {
@@ -223,7 +221,7 @@ fn matmul_parts_match_cpu_columns() {
 
 #[test]
 fn dense_matmul_and_embedding_match_cpu() {
-    let g = common::gpu();
+    let g = crate::common::gpu();
     let cpu = CpuBackend;
     let (rows, cols) = (300, 96);
     let dense = LinearWeight::Dense(DenseMatrix {
@@ -318,11 +316,11 @@ fn dense_matmul_and_embedding_match_cpu() {
 #[test]
 fn routed_experts_match_cpu() {
     // Real records from both fixtures (bf16 g64 and f32 g32), random routing.
-    let g = common::gpu();
+    let g = crate::common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
-    for name in common::FIXTURES {
-        let l = common::load_cpu(name);
+    for name in crate::common::FIXTURES {
+        let l = crate::common::load_cpu(name);
         let layout = &l.model.experts.layout;
         let (e, k) = (
             l.model.config.num_experts as u32,
@@ -408,7 +406,7 @@ fn routed_experts_match_cpu() {
 #[test]
 fn matmul_swiglu_matches_cpu() {
     let cpu = CpuBackend;
-    for (g, (bits, group, dtype)) in common::gpus().iter().flat_map(|g| {
+    for (g, (bits, group, dtype)) in crate::common::gpus().iter().flat_map(|g| {
         [
             (4, 64, Dtype::BF16),
             (8, 32, Dtype::F32),
@@ -483,7 +481,7 @@ fn matmul_swiglu_matches_cpu() {
 #[test]
 fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
     use slotstream::checkpoint::{PieceKind, Projection, RecordLayout};
-    let g = common::gpu();
+    let g = crate::common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
     let (hidden, inter) = (256usize, 192usize);
@@ -590,7 +588,7 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
 /// refused. The limit is lowered to 64 KiB here so that small weights split.
 #[test]
 fn weights_past_the_binding_limit_are_split_into_row_ranges() {
-    let mut g = common::gpu();
+    let mut g = crate::common::gpu();
     let limit = 64 << 10;
     g.gpu.limits.max_storage_buffer_binding_size = limit;
     let cpu = CpuBackend;

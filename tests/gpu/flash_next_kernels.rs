@@ -7,8 +7,7 @@
 //! widths that are not multiples of the workgroup size; outputs must match the CPU within
 //! 1e-5 norm-wise relative error with no NaN (new GPU buffers are NaN-filled).
 
-mod common;
-use common::{gpu, random};
+use crate::common::{gpu, random};
 
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::gpu::{GpuBackend, GpuTensor};
