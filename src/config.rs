@@ -472,7 +472,7 @@ impl ModelConfig {
         let num_attention_heads = f.usize("num_attention_heads")?;
         let head_dim = f.usize_or("head_dim", Some(hidden_size / num_attention_heads.max(1)))?;
         let rotary_dim = (head_dim as f64 * partial) as usize;
-        if rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(f.err(
                 "partial_rotary_factor",
                 format!("gives {rotary_dim} rotary dims of {head_dim}"),
@@ -676,7 +676,10 @@ impl ModelConfig {
                 format!("{bad} is outside the vocabulary of {}", self.vocab_size),
             ));
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return Err(err(
                 "num_key_value_heads",
@@ -687,7 +690,9 @@ impl ModelConfig {
             ));
         }
         if self.linear_num_key_heads == 0
-            || self.linear_num_value_heads % self.linear_num_key_heads != 0
+            || !self
+                .linear_num_value_heads
+                .is_multiple_of(self.linear_num_key_heads)
         {
             return Err(err(
                 "linear_num_value_heads",
@@ -816,7 +821,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, i: usize) -> bool {
         !self.mlp_only_layers.contains(&i)
             && self.num_experts > 0
-            && (i + 1) % self.decoder_sparse_step == 0
+            && (i + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// Indices of the layers that have routed experts, ascending.
@@ -884,7 +889,7 @@ fn flash_next(f: &Fields<'_>, layers: usize, hidden: usize) -> Result<FlashNext>
         };
         if ple.ngram_size < 2
             || ple.heads_per_ngram == 0
-            || ple.embed_dim % ple.heads() != 0
+            || !ple.embed_dim.is_multiple_of(ple.heads())
             || ple.embed_dim == 0
         {
             return Err(f.err(

@@ -308,7 +308,9 @@ impl RangeRead {
 /// range into scratch memory and copy the piece out.
 pub fn read_range(file: &dyn ReadAt, offset: u64, dst: &mut [u8]) -> Result<()> {
     let a = ALIGN as u64;
-    let aligned = offset % a == 0 && dst.len() % ALIGN == 0 && (dst.as_ptr() as usize) % ALIGN == 0;
+    let aligned = offset.is_multiple_of(a)
+        && dst.len().is_multiple_of(ALIGN)
+        && (dst.as_ptr() as usize).is_multiple_of(ALIGN);
     if !file.direct() || aligned {
         read_exact_at(file, dst, offset)?;
     } else {

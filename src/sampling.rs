@@ -501,7 +501,8 @@ mod tests {
     fn non_finite_logits_are_left_out_of_every_path() {
         let seed: u64 = rand::random();
         let mut rng = StdRng::seed_from_u64(seed);
-        let paths: [(&str, fn(&mut SamplingOptions)); 7] = [
+        type Path = (&'static str, fn(&mut SamplingOptions));
+        let paths: [Path; 7] = [
             ("greedy", |o| o.temperature = 0.0),
             ("temperature", |o| o.temperature = 0.7),
             ("top-k", |o| o.top_k = 5),

@@ -336,7 +336,7 @@ fn int64(out: &mut Vec<TensorSpec>, name: String, values: Vec<i64>) {
 
 impl Preset {
     fn is_full_attention(&self, layer: usize) -> bool {
-        (layer + 1) % 4 == 0
+        (layer + 1).is_multiple_of(4)
     }
 
     /// config.json for `layers` layers, as mlx-lm's `save_config` writes it; for

@@ -51,7 +51,7 @@ fn edit_header(path: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
     let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     edit(header.as_object_mut().unwrap());
     let mut text = serde_json::to_vec(&header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -63,7 +63,7 @@ fn edit_header(path: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
 /// Replaces the header of `path` with `header` followed by `data_len` zero bytes.
 fn write_raw_shard(path: &Path, header: &Value, data_len: usize) {
     let mut text = serde_json::to_vec(header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -328,7 +328,8 @@ fn qwen35_config_with_qwen3_next_projection_names_the_missing_split_tensor() {
 #[test]
 fn qwen35_keys_in_other_spellings_load_as_mlx_lm_renames_them() {
     let want = cpu_logits(copy_fixture(QWEN35).path());
-    let respell: [(&str, fn(&str) -> String); 2] = [
+    type Respelling = (&'static str, fn(&str) -> String);
+    let respell: [Respelling; 2] = [
         ("unprefixed", |n| {
             n.strip_prefix("language_model.").unwrap().to_string()
         }),

@@ -169,7 +169,8 @@ fn centered_and_folded_norms_give_the_same_logits() {
 #[test]
 fn overrides_keyed_either_way_or_absent_load_and_match_transformers() {
     let r = reference(QWEN4_EXP);
-    let keyed: [(&str, fn(&str) -> Option<String>); 3] = [
+    type Keying = (&'static str, fn(&str) -> Option<String>);
+    let keyed: [Keying; 3] = [
         ("prefixed", |k| Some(k.to_string())),
         ("released, unprefixed", |k| {
             Some(k.strip_prefix("language_model.").unwrap_or(k).to_string())

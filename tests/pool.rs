@@ -181,7 +181,7 @@ impl ReadAt for Faulty {
         if let Some(d) = self.delay {
             std::thread::sleep(d);
         }
-        if self.eintr && call % 2 == 0 {
+        if self.eintr && call.is_multiple_of(2) {
             return Err(std::io::Error::from(std::io::ErrorKind::Interrupted));
         }
         if let Some(r) = &self.fail {

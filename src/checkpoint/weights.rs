@@ -320,7 +320,7 @@ impl Checkpoint {
         let w = self.tensor(&format!("{module}.weight"))?;
         let s = self.tensor(&format!("{module}.scales"))?;
         let b = self.tensor(&format!("{module}.biases"))?;
-        if inp % spec.group_size != 0 {
+        if !inp.is_multiple_of(spec.group_size) {
             return Err(Error::bad_tensor(
                 &w.name,
                 format!(

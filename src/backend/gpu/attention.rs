@@ -67,7 +67,7 @@ pub(super) fn rope(
     start: usize,
 ) -> GpuTensor {
     assert!(
-        head_dim > 0 && x.cols % head_dim == 0,
+        head_dim > 0 && x.cols.is_multiple_of(head_dim),
         "rope: {} columns are not whole heads of {head_dim}",
         x.cols
     );

@@ -33,6 +33,9 @@ use wgpu::util::DeviceExt;
 use super::profile::Profiler;
 use crate::error::{Error, Result};
 
+/// A kernel's compute pipeline and the layout of its bind group.
+type CompiledKernel = (wgpu::ComputePipeline, wgpu::BindGroupLayout);
+
 /// How a kernel uses one storage binding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
@@ -252,7 +255,7 @@ fn summarize(a: &wgpu::Adapter) -> AdapterSummary {
             .trim()
             .to_string(),
         max_buffer_size: l.max_buffer_size,
-        max_storage_buffer_binding_size: l.max_storage_buffer_binding_size as u64,
+        max_storage_buffer_binding_size: l.max_storage_buffer_binding_size,
         max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
         max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
         max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
@@ -283,9 +286,7 @@ pub struct Gpu {
     /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
     all_checks: bool,
     poison: bool,
-    pipelines: Mutex<
-        HashMap<(&'static str, &'static str), Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>>,
-    >,
+    pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<CompiledKernel>>>,
     recording: Mutex<Recording>,
     /// The uniform blocks of the recorded dispatches, one per `uniform_stride` bytes,
     /// uploaded just before the encoder is submitted (one buffer instead of one each).
@@ -828,7 +829,7 @@ impl Gpu {
         a.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn pipeline(&self, k: &Kernel) -> Arc<(wgpu::ComputePipeline, wgpu::BindGroupLayout)> {
+    fn pipeline(&self, k: &Kernel) -> Arc<CompiledKernel> {
         let mut cache = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
         cache
             .entry((k.file, k.entry))
@@ -1203,7 +1204,7 @@ impl Gpu {
     /// A storage buffer holding `bytes` (padded with zeros to a multiple of 4).
     pub fn buffer_with(&self, bytes: &[u8]) -> wgpu::Buffer {
         let mut padded;
-        let contents = if bytes.len() % 4 == 0 && !bytes.is_empty() {
+        let contents = if bytes.len().is_multiple_of(4) && !bytes.is_empty() {
             bytes
         } else {
             padded = bytes.to_vec();

@@ -86,7 +86,7 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
     let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut ext_props);
     instance.get_physical_device_properties2(hal.raw_physical_device(), &mut props2);
     let align = ext_props.min_imported_host_pointer_alignment.max(1);
-    if (ptr as u64) % align != 0 || len % align != 0 {
+    if !(ptr as u64).is_multiple_of(align) || !len.is_multiple_of(align) {
         return Err(Error::Gpu(format!(
             "host memory at {ptr:p} of {len} bytes is not aligned to {align} bytes"
         )));
@@ -116,7 +116,7 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
         .create_buffer(&info, None)
         .map_err(|e| gpu_err("vkCreateBuffer", e))?;
     let req = raw.get_buffer_memory_requirements(buffer);
-    if req.size > len || (ptr as u64) % req.alignment.max(1) != 0 {
+    if req.size > len || !(ptr as u64).is_multiple_of(req.alignment.max(1)) {
         raw.destroy_buffer(buffer, None);
         return Err(Error::Gpu(format!(
             "the driver needs {} bytes aligned to {} for a {len}-byte buffer",

@@ -67,7 +67,7 @@ pub(super) fn hyper_mix(
 ) -> GpuTensor {
     assert_eq!((n.rows, n.cols), (mix.rows, mix.cols), "hyper_mix shapes");
     assert!(
-        streams > 0 && n.cols % streams == 0,
+        streams > 0 && n.cols.is_multiple_of(streams),
         "hyper_mix: {} columns in {streams} streams",
         n.cols
     );
@@ -123,7 +123,7 @@ pub(super) fn ple_gate(
         "ple_gate shapes"
     );
     assert!(
-        width > 0 && key.cols % width == 0 && key.rows == value.rows,
+        width > 0 && key.cols.is_multiple_of(width) && key.rows == value.rows,
         "ple_gate: value shape"
     );
     let streams = key.cols / width;

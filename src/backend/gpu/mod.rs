@@ -149,7 +149,9 @@ impl Mirror {
     /// and then each layer's routed experts take one dispatch per projection, not two
     /// where a layer would straddle arenas).
     fn slots_per_arena(gpu: &Gpu, stride: usize, layer_records: usize) -> usize {
-        let mut max = (gpu.limits.max_storage_buffer_binding_size as u64)
+        let mut max = gpu
+            .limits
+            .max_storage_buffer_binding_size
             .min(gpu.limits.max_buffer_size)
             .min(1 << 31);
         if gpu.arena_limit() > 0 {

@@ -46,7 +46,7 @@ fn layout(
 ) -> ([u32; 9], [u32; 3]) {
     let n = x.rows * x.cols;
     assert!(
-        group > 0 && n % group == 0,
+        group > 0 && n.is_multiple_of(group),
         "rms_norm: group {group} does not divide [{}, {}]",
         x.rows,
         x.cols

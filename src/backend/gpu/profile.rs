@@ -124,7 +124,7 @@ impl Profiler {
     /// The totals since the last call, most time first: (kernel, dispatches, nanoseconds).
     pub fn take(&mut self) -> Vec<(&'static str, u64, u64)> {
         let mut all: Vec<_> = self.totals.drain().map(|(k, (n, ns))| (k, n, ns)).collect();
-        all.sort_by(|a, b| b.2.cmp(&a.2));
+        all.sort_by_key(|&(_, _, ns)| std::cmp::Reverse(ns));
         all
     }
 }

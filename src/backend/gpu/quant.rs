@@ -159,10 +159,10 @@ impl Params {
         let span = 128 / self.bits.max(1);
         assert!(
             matches!(self.bits, 4 | 8)
-                && self.cols % span == 0
+                && self.cols.is_multiple_of(span)
                 && self.group_size.is_power_of_two()
-                && self.group_size % span == 0
-                && self.w_off % 4 == 0,
+                && self.group_size.is_multiple_of(span)
+                && self.w_off.is_multiple_of(4),
             "quantized matmul: {} bits, {} columns, groups of {}, words at {}",
             self.bits,
             self.cols,
@@ -228,13 +228,13 @@ impl Params {
     /// SwiGLU's two projections quantized alike.
     fn tileable(&self) -> bool {
         if self.bits == 0 {
-            return self.cols % 4 == 0;
+            return self.cols.is_multiple_of(4);
         }
         self.check_vec4();
         self.bits2 == 0
             || (self.bits2 == self.bits
                 && self.group_size2 == self.group_size
-                && self.w_off2 % 4 == 0)
+                && self.w_off2.is_multiple_of(4))
     }
 
     /// The tiled entry for these parameters over `tiles` tiles of tokens (routed = 0,
@@ -404,7 +404,7 @@ const MIRROR_WRITE_BATCH: usize = 256 << 20;
 /// Packed words, scales and biases in one buffer (each part starting on a 4-byte
 /// boundary, the whole padded to 16 bytes), as the kernels read them.
 pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight> {
-    let max = b.gpu.limits.max_storage_buffer_binding_size as u64;
+    let max = b.gpu.limits.max_storage_buffer_binding_size;
     let (rows, cols) = w.shape();
     // Bytes per row as laid out below, and the padding a part may add.
     let row_bytes = match &w {
@@ -698,7 +698,7 @@ pub(super) fn mirror_places(b: &GpuBackend, records: &[ExpertRecord<'_>]) -> Opt
         .and_then(|r| r.slot)
         .filter(|_| records.iter().all(|r| r.slot.is_some()))?;
     let mut guard = b.mirror.lock().unwrap_or_else(|p| p.into_inner());
-    if !guard.as_ref().is_some_and(|m| m.pool == tag.pool) {
+    if guard.as_ref().is_none_or(|m| m.pool != tag.pool) {
         if guard.is_some() {
             // The old mirror's buffers may still be in use by recorded work.
             let _ = b.gpu.sync();
@@ -989,7 +989,7 @@ fn combine(
     shared: Option<SharedExpert<'_, GpuTensor>>,
 ) -> GpuTensor {
     assert!(
-        k > 0 && y.rows % k == 0,
+        k > 0 && y.rows.is_multiple_of(k),
         "combine: {} routes of top-{k}",
         y.rows
     );
