@@ -427,11 +427,26 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
         &b.data[at..at + b.row_bytes]
     });
     let xs: [&[f32]; T] = std::array::from_fn(|j| &x.x[(t0 + j) * cols..(t0 + j + 1) * cols]);
-    assert!(b.row_bytes == cols * F::BITS / 8 && b.group % chunk_cols == 0);
+    assert!(b.row_bytes == cols * F::BITS / 8 && b.group.is_multiple_of(chunk_cols));
+    // A row is short (1 KiB at 2,048 4-bit columns), too short for the hardware prefetcher
+    // to pick up each of the tile's streams before it ends: the kernel stalled on its loads
+    // at a fifth of memory speed. So while this tile reads its `R` rows, it asks for the
+    // next tile's, `R row_bytes` bytes further, spread over its chunks: `R chunk_bytes` a
+    // chunk, one line or more. (Beyond the block's end these are hints to the next
+    // block's rows or to no address at all, which a prefetch allows.) Only for one token:
+    // tiles of more are bound by their FMAs, and there the extra instructions cost more
+    // (BENCHMARKS.md: on the shared machine, no change to +17% at T = 1, -12% at T = 4).
+    let next = b.data.as_ptr().wrapping_add((r0 + R) * b.row_bytes);
+    let ahead = R * chunk_bytes;
     let mut tot = [[s.zero(); T]; R];
     for g in 0..groups {
         let mut acc = [[s.zero(); T]; R];
         for c in g * per_group..(g + 1) * per_group {
+            if T == 1 {
+                for line in (0..ahead).step_by(64) {
+                    s.prefetch(next.wrapping_add(c * ahead + line));
+                }
+            }
             for (acc, row) in acc.iter_mut().zip(rows) {
                 // SAFETY: chunk `c < cols / chunk_cols` lies within the row's
                 // `cols * BITS / 8` bytes (asserted above).

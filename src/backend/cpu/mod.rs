@@ -247,15 +247,17 @@ impl Backend for CpuBackend {
         }
     }
 
-    /// The slots are read in place; their memory is asked for huge pages before records
-    /// land in it (memory.rs).
+    /// The slots are read in place; their memory is moved to huge pages (memory.rs). The
+    /// pool zeroes its memory when it allocates it, which faults it in as 4 KiB pages, so
+    /// advice for later faults alone would leave it there: measured, 0.4 of 4.7 GB on huge
+    /// pages at 4 layers of Qwen3-Next shapes. Collapsing copies it once, at load.
     fn attach_pool(
         &self,
         pool: &std::sync::Arc<crate::pool::SlotPool>,
         _placement: Option<super::gpu::Placement>,
     ) -> Result<()> {
         let (ptr, len) = pool.memory();
-        memory::advise_huge_pages(ptr, len, false);
+        memory::advise_huge_pages(ptr, len, true);
         Ok(())
     }
 

@@ -109,6 +109,9 @@ pub trait Simd: Copy {
     /// `LANES` bytes from `p` split into nibbles and widened to f32: lane `i` of the first
     /// vector is byte `i`'s low nibble, of the second its high nibble.
     unsafe fn nibbles(self, p: *const u8) -> (Self::F, Self::F);
+    /// Asks for the cache line holding `p` ahead of its use (a hint: any address, valid or
+    /// not, is allowed, and the portable path does nothing).
+    fn prefetch(self, p: *const u8);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -176,6 +179,11 @@ mod x86 {
                 (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi))
             }
         }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
     }
 
     /// AVX2 with FMA: `__m256`, 8 lanes.
@@ -237,6 +245,11 @@ mod x86 {
                 (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi))
             }
         }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
     }
 }
 
@@ -292,4 +305,6 @@ impl Simd for Portable {
         let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
         (b.map(|v| f32::from(v & 15)), b.map(|v| f32::from(v >> 4)))
     }
+    #[inline(always)]
+    fn prefetch(self, _p: *const u8) {}
 }
