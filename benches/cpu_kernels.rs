@@ -1,48 +1,24 @@
 //! CPU kernel bandwidth: the quantized matmul at lm_head size (151,936 x 2,048, group 64,
-//! bf16 scales; 4-bit, and 8-bit on a quarter of the rows) for one token (decode) and a
-//! tile of four (prefill), on every instruction set this CPU runs, against a streaming
-//! read of memory measured in the same run (`Backend::read_bandwidth`: every thread of the
-//! pool, huge pages). Throughput counts the bytes the kernel must read (weights, scales,
-//! biases; the activations are negligible). Weights go through `upload_weight`, as a
+//! bf16 scales, benches/common; 4-bit, and 8-bit on a quarter of the rows) for one token
+//! (decode) and a tile of four (prefill), on every instruction set this CPU runs, against
+//! a streaming read of memory measured in the same run (`Backend::read_bandwidth`: every
+//! thread of the pool, huge pages). Throughput counts the bytes the kernel must read
+//! (weights, scales, biases; the activations are negligible). Weights go through `upload_weight`, as a
 //! model's do, so they sit on huge pages too.
 //!
 //! Run: `cargo bench --bench cpu_kernels` (`RAYON_NUM_THREADS=N` sets the threads). The
 //! read bandwidth prints first; criterion then prints each kernel's time and GiB/s.
 
+mod common;
+
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use rand::Rng;
-use safetensors::Dtype;
 use slotstream::backend::cpu::{CpuBackend, Isa};
 use slotstream::backend::Backend;
-use slotstream::checkpoint::{LinearWeight, QuantizedMatrix};
-use slotstream::config::QuantSpec;
+use slotstream::checkpoint::LinearWeight;
 
-/// A random `[rows, cols]` matrix of `bits`, group 64, bf16 scales and biases.
-fn quantized(rows: usize, cols: usize, bits: u32) -> QuantizedMatrix {
-    let mut rng = rand::rng();
-    let groups = rows * cols / 64;
-    let floats = |rng: &mut rand::rngs::ThreadRng, range: std::ops::Range<f32>| -> Vec<u8> {
-        (0..groups)
-            .flat_map(|_| half::bf16::from_f32(rng.random_range(range.clone())).to_le_bytes())
-            .collect()
-    };
-    QuantizedMatrix {
-        spec: QuantSpec {
-            bits,
-            group_size: 64,
-        },
-        rows,
-        cols,
-        packed: (0..rows * cols * bits as usize / 32)
-            .map(|_| rng.random())
-            .collect(),
-        scale_dtype: Dtype::BF16,
-        scales: floats(&mut rng, 0.001..0.05),
-        biases: floats(&mut rng, -0.2..0.2),
-    }
-}
+use common::{bytes_of, quantized};
 
 fn kernels(c: &mut Criterion) {
     let read = CpuBackend.read_bandwidth().expect("read bandwidth");
@@ -54,7 +30,7 @@ fn kernels(c: &mut Criterion) {
     let cols = 2048;
     for (bits, rows) in [(4, 151_936), (8, 151_936 / 4)] {
         let q = quantized(rows, cols, bits);
-        let bytes = q.packed.len() * 4 + q.scales.len() + q.biases.len();
+        let bytes = bytes_of(&q);
         let w = CpuBackend
             .upload_weight(LinearWeight::Quantized(q))
             .expect("upload");
