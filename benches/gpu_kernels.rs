@@ -17,6 +17,8 @@
 //! Run: `cargo bench --bench gpu_kernels` (set `WGPU_ADAPTER_NAME` to pick an adapter).
 //! Prints the tables and writes them to `target/gpu_kernels.md`.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -24,34 +26,11 @@ use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::gpu::{GpuBackend, GpuOptions};
 use slotstream::backend::{Backend, Routing};
-use slotstream::checkpoint::{LinearWeight, QuantizedMatrix, RecordLayout};
+use slotstream::checkpoint::{LinearWeight, RecordLayout};
 use slotstream::config::QuantSpec;
 use slotstream::experts::ExpertRecord;
 
-fn quantized(rows: usize, cols: usize, bits: u32) -> QuantizedMatrix {
-    let mut rng = rand::rng();
-    let spec = QuantSpec {
-        bits,
-        group_size: 64,
-    };
-    let groups = rows * cols / 64;
-    let half = |v: f32| half::bf16::from_f32(v).to_le_bytes();
-    QuantizedMatrix {
-        spec,
-        rows,
-        cols,
-        packed: (0..rows * cols * bits as usize / 32)
-            .map(|_| rng.random())
-            .collect(),
-        scale_dtype: Dtype::BF16,
-        scales: (0..groups).flat_map(|_| half(0.01)).collect(),
-        biases: (0..groups).flat_map(|_| half(-0.05)).collect(),
-    }
-}
-
-fn bytes_of(q: &QuantizedMatrix) -> usize {
-    q.packed.len() * 4 + q.scales.len() + q.biases.len()
-}
+use common::{bytes_of, quantized};
 
 /// Mean seconds per call of `f` over enough calls to fill `budget`, after one warm-up.
 fn time(g: &GpuBackend, budget: Duration, mut f: impl FnMut()) -> f64 {

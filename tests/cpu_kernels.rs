@@ -1,13 +1,15 @@
 //! The CPU backend's SIMD kernels against its plain ones (`CpuBackend::scalar()`, the
-//! oracle the GPU kernels are tested against too), on fresh random inputs: every bit width,
-//! group size and scale dtype, odd shapes (row counts that do not fill a task, token counts
-//! that do not fill a tile), dense weights, and routed experts with tokens sharing experts.
+//! oracle the GPU kernels are tested against too), on fresh random inputs, for every
+//! instruction set this CPU runs (AVX-512, AVX2 and the portable kernels on an AVX-512
+//! machine): every bit width, group size and scale dtype, odd shapes (row counts that do
+//! not fill a tile of rows or a task, token counts that do not fill a tile of tokens),
+//! dense weights, and routed experts with tokens sharing experts.
 
 mod common;
 
 use rand::Rng;
 use safetensors::Dtype;
-use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::cpu::{CpuBackend, Isa};
 use slotstream::backend::{Backend, Routing};
 use slotstream::checkpoint::{
     DenseMatrix, LinearWeight, PieceKind, Projection, QuantizedMatrix, RecordLayout,
@@ -49,6 +51,20 @@ fn random_matrix(rows: usize, cols: usize, spec: QuantSpec, dtype: Dtype) -> Qua
     }
 }
 
+/// The SIMD backend for every instruction set this CPU runs.
+fn simd_backends() -> Vec<CpuBackend> {
+    let isas = Isa::available();
+    assert_eq!(isas.first(), Some(&Isa::detect()), "fastest first");
+    assert_eq!(
+        isas.last(),
+        Some(&Isa::Portable),
+        "the portable kernels run anywhere"
+    );
+    isas.into_iter()
+        .map(|isa| CpuBackend::with_isa(isa).unwrap())
+        .collect()
+}
+
 fn random(n: usize) -> Vec<f32> {
     let mut rng = rand::rng();
     (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
@@ -84,35 +100,45 @@ fn assert_within(name: &str, got: &[f32], want: &[f32], bound: &[f32]) {
 
 #[test]
 fn quantized_matmul_matches_scalar_for_every_format() {
-    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
-    assert!(!simd.is_scalar() && scalar.is_scalar());
-    for bits in [4, 8] {
-        for group_size in [32, 64, 128] {
-            for dtype in DTYPES {
-                let spec = QuantSpec { bits, group_size };
-                // One group; three (an odd count of chunk pairs); a model's width. Rows that
-                // are not a multiple of any task size; token counts 1 to 9 cover the tile of
-                // four and its remainders.
-                for (rows, cols, tokens) in [
-                    (1, group_size, 1),
-                    (37, 3 * group_size, 5),
-                    (129, 2048, 1),
-                    (67, 1024, 9),
-                    (5, 256, 2),
-                    (3, 256, 3),
-                ] {
-                    let w = LinearWeight::Quantized(random_matrix(rows, cols, spec, dtype));
-                    let x = random(tokens * cols);
-                    let xt = simd.upload(&x, tokens, cols);
-                    let got = simd.matmul(&xt, &w);
-                    let want = scalar.matmul(&xt, &w);
-                    assert_eq!((got.rows, got.cols), (tokens, rows));
-                    assert_within(
-                        &format!("{bits}-bit g{group_size} {dtype:?} {rows}x{cols} T={tokens}"),
-                        &got.data,
-                        &want.data,
-                        &abs_products(&w, &x, tokens),
-                    );
+    let scalar = CpuBackend::scalar();
+    assert!(!CpuBackend.is_scalar() && scalar.is_scalar() && scalar.isa().is_none());
+    assert_eq!(CpuBackend.isa(), Some(Isa::detect()));
+    for simd in simd_backends() {
+        let isa = simd.isa().unwrap();
+        for bits in [4, 8] {
+            for group_size in [32, 64, 128] {
+                for dtype in DTYPES {
+                    let spec = QuantSpec { bits, group_size };
+                    // One group; three (an odd count of chunk pairs); a model's width. Row
+                    // counts that fill tiles of four rows and that leave one to three over, and
+                    // are not a multiple of any task size; token counts 1 to 9 cover the tile of
+                    // four and its remainders.
+                    for (rows, cols, tokens) in [
+                        (1, group_size, 1),
+                        (37, 3 * group_size, 5),
+                        (129, 2048, 1),
+                        (64, 512, 1),
+                        (67, 1024, 9),
+                        (5, 256, 2),
+                        (8, 256, 4),
+                        (3, 256, 3),
+                        (11, 384, 7),
+                    ] {
+                        let w = LinearWeight::Quantized(random_matrix(rows, cols, spec, dtype));
+                        let x = random(tokens * cols);
+                        let xt = simd.upload(&x, tokens, cols);
+                        let got = simd.matmul(&xt, &w);
+                        let want = scalar.matmul(&xt, &w);
+                        assert_eq!((got.rows, got.cols), (tokens, rows));
+                        assert_within(
+                            &format!(
+                            "{isa}: {bits}-bit g{group_size} {dtype:?} {rows}x{cols} T={tokens}"
+                        ),
+                            &got.data,
+                            &want.data,
+                            &abs_products(&w, &x, tokens),
+                        );
+                    }
                 }
             }
         }
@@ -121,22 +147,24 @@ fn quantized_matmul_matches_scalar_for_every_format() {
 
 #[test]
 fn dense_matmul_matches_scalar() {
-    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    let scalar = CpuBackend::scalar();
     // Whole 32-column chunks take the SIMD kernel; 40 columns the plain one.
-    for (rows, cols, tokens) in [(33, 64, 1), (70, 2048, 6), (9, 40, 3)] {
-        let w = LinearWeight::Dense(DenseMatrix {
-            rows,
-            cols,
-            data: random(rows * cols),
-        });
-        let x = random(tokens * cols);
-        let xt = simd.upload(&x, tokens, cols);
-        assert_within(
-            &format!("dense {rows}x{cols} T={tokens}"),
-            &simd.matmul(&xt, &w).data,
-            &scalar.matmul(&xt, &w).data,
-            &abs_products(&w, &x, tokens),
-        );
+    for simd in simd_backends() {
+        for (rows, cols, tokens) in [(33, 64, 1), (70, 2048, 6), (9, 40, 3), (6, 96, 2)] {
+            let w = LinearWeight::Dense(DenseMatrix {
+                rows,
+                cols,
+                data: random(rows * cols),
+            });
+            let x = random(tokens * cols);
+            let xt = simd.upload(&x, tokens, cols);
+            assert_within(
+                &format!("{}: dense {rows}x{cols} T={tokens}", simd.isa().unwrap()),
+                &simd.matmul(&xt, &w).data,
+                &scalar.matmul(&xt, &w).data,
+                &abs_products(&w, &x, tokens),
+            );
+        }
     }
 }
 
@@ -196,7 +224,7 @@ fn random_records(
 
 #[test]
 fn routed_experts_match_scalar() {
-    let (simd, scalar) = (CpuBackend, CpuBackend::scalar());
+    let scalar = CpuBackend::scalar();
     let mut rng = rand::rng();
     let spec = |bits, group_size| QuantSpec { bits, group_size };
     for (specs, dtype) in [
@@ -207,7 +235,10 @@ fn routed_experts_match_scalar() {
         let (hidden, inter, experts) = (384, 128, 6);
         let (layout, records) = random_records(hidden, inter, specs, dtype, experts);
         // Five tokens of three routes over six experts: most experts serve several tokens.
-        for (t, k) in [(1, 3), (5, 3), (9, 2)] {
+        for (simd, (t, k)) in simd_backends()
+            .into_iter()
+            .flat_map(|b| [(b, (1, 3)), (b, (5, 3)), (b, (9, 2))])
+        {
             let ids: Vec<u32> = (0..t)
                 .flat_map(|_| rand::seq::index::sample(&mut rng, experts, k).into_vec())
                 .map(|e| e as u32)
@@ -231,7 +262,8 @@ fn routed_experts_match_scalar() {
             let e = common::rel_err(&got, &want);
             assert!(
                 e <= 1e-5,
-                "{specs:?} {dtype:?} T={t} k={k}: relative error {e:.2e}"
+                "{}: {specs:?} {dtype:?} T={t} k={k}: relative error {e:.2e}",
+                simd.isa().unwrap()
             );
         }
     }

@@ -3,9 +3,11 @@
 //! read once per tile of those tokens, and every (expert, block of rows) pair is a task of
 //! its own, so a decode step's ten experts spread over all threads.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
-use super::matmul::{lane_order, row_bytes, rows_into, rows_per_task, wants_lane_order};
+use super::matmul::{row_bytes, rows_into, rows_per_task, Prepared};
+use super::simd::Isa;
 use super::{record_view, silu, Rows};
 use crate::backend::Routing;
 use crate::checkpoint::{Projection, RecordLayout};
@@ -25,8 +27,9 @@ fn view<'a>(u: &Uses<'a>, layout: &RecordLayout, proj: Projection) -> Rows<'a> {
 
 /// `[t, d]` sum over each token's routes `j` of `weights[j] * down(silu(gate(x)) * up(x))`
 /// with route `j`'s expert from `records[j]` (laid out by `layout`), summed in slot order.
-/// `x` is `[t, d]`, `d == layout.hidden`.
+/// `x` is `[t, d]`, `d == layout.hidden`; the kernels are `isa`'s (which this CPU runs).
 pub fn moe_experts<'a>(
+    isa: Isa,
     x: &[f32],
     t: usize,
     routing: &Routing,
@@ -52,23 +55,29 @@ pub fn moe_experts<'a>(
         u.routes.push(j);
     }
 
-    // Gate and up: every expert's tokens gathered in each projection's lane order, then
-    // (expert, projection, row block) tasks, each writing its part of the expert's
-    // `[gate | up]` outputs, `[inter, n]` each.
+    // Gate and up: the input prepared for each projection's kernel (once when they share
+    // a format), each expert's tokens gathered from it (the one token of a decode step is
+    // every expert's), then (expert, projection, row block) tasks, each writing its part of
+    // the expert's `[gate | up]` outputs, `[inter, n]` each.
     let views = |u: &Uses<'a>, proj| view(u, layout, proj);
-    let ordered = |proj| wants_lane_order(&views(&uses[0], proj)).then(|| lane_order(x));
-    let (x_gate, x_up) = (ordered(Projection::Gate), ordered(Projection::Up));
-    let gather = |ordered: &Option<Vec<f32>>, u: &Uses<'_>| -> Vec<f32> {
-        let x = ordered.as_deref().unwrap_or(x);
-        u.routes
-            .iter()
-            .flat_map(|&j| &x[j / k * d..(j / k + 1) * d])
-            .copied()
-            .collect()
+    let x_gate = Prepared::new(isa, &views(&uses[0], Projection::Gate), x, t);
+    let x_up_own;
+    let x_up = if layout.specs[Projection::Gate.index()] == layout.specs[Projection::Up.index()] {
+        &x_gate
+    } else {
+        x_up_own = Prepared::new(isa, &views(&uses[0], Projection::Up), x, t);
+        &x_up_own
     };
-    let inputs: Vec<[Vec<f32>; 2]> = uses
+    fn gather<'p>(prepared: &'p Prepared, u: &Uses<'_>, k: usize) -> Cow<'p, Prepared> {
+        if prepared.t == 1 {
+            Cow::Borrowed(prepared)
+        } else {
+            Cow::Owned(prepared.gather(u.routes.iter().map(|&j| j / k)))
+        }
+    }
+    let inputs: Vec<[Cow<'_, Prepared>; 2]> = uses
         .par_iter()
-        .map(|u| [gather(&x_gate, u), gather(&x_up, u)])
+        .map(|u| [gather(&x_gate, u, k), gather(x_up, u, k)])
         .collect();
     let mut gate_up = vec![0.0f32; 2 * inter * routing.ids.len()];
     let gate_row = row_bytes(&views(&uses[0], Projection::Gate));
@@ -78,16 +87,12 @@ pub fn moe_experts<'a>(
         [Projection::Gate, Projection::Up],
         inter,
         gate_row,
-        |e, p, rows, out| {
-            let n = uses[e].routes.len();
-            rows_into(&views(&uses[e], p), rows, &inputs[e][p.index()], n, out)
-        },
+        |e, p, rows, out| rows_into(isa, &views(&uses[e], p), rows, &inputs[e][p.index()], out),
     );
 
-    // SwiGLU per expert, token-major in down's lane order.
-    let down_ordered = wants_lane_order(&views(&uses[0], Projection::Down));
+    // SwiGLU per expert, token-major, prepared for down's kernel.
     let mut at = 0;
-    let hidden: Vec<Vec<f32>> = uses
+    let hidden: Vec<Prepared> = uses
         .iter()
         .map(|u| {
             let n = u.routes.len();
@@ -99,11 +104,7 @@ pub fn moe_experts<'a>(
                     h[i * inter + r] = silu(g[i]) * u[i];
                 }
             }
-            if down_ordered {
-                lane_order(&h)
-            } else {
-                h
-            }
+            Prepared::new(isa, &views(u, Projection::Down), &h, n)
         })
         .collect();
 
@@ -117,8 +118,13 @@ pub fn moe_experts<'a>(
         d,
         down_row,
         |e, _, rows, out| {
-            let n = uses[e].routes.len();
-            rows_into(&views(&uses[e], Projection::Down), rows, &hidden[e], n, out)
+            rows_into(
+                isa,
+                &views(&uses[e], Projection::Down),
+                rows,
+                &hidden[e],
+                out,
+            )
         },
     );
 

@@ -1,39 +1,42 @@
 //! `x W^T` for quantized and dense weights in SIMD: the CPU backend's hot path, for the
 //! resident projections, the head and the routed experts alike.
 //!
-//! A weight row is read 32 columns at a time and unpacked in registers into two vectors of
-//! 16 f32 lanes (4-bit: 16 bytes, byte `i` holding columns `2i` and `2i + 1` since MLX
-//! packs LSB first; 8-bit: 32 bytes; dense: 32 floats), dequantized as `s q + b` (MLX
-//! affine, quant.rs), and multiplied into every token of a tile of up to [`TILE`] tokens
-//! with f32 FMA: a weight is read and dequantized once per tile, not once per token. The
-//! activations are put in the order the unpacking yields once per call ([`lane_order`]:
-//! for 4-bit, the even columns of each 32 then the odd ones). Output rows are split into
-//! blocks computed in parallel on rayon's pool, whose threads stay alive between calls.
+//! MLX affine quantization stores `W[r, c] = s q[r, c] + b` with one scale `s` and bias
+//! `b` per group of columns (quant.rs), so a row's dot product with `x` is
+//! `sum_g (s_g sum_{c in g} q[r, c] x[c] + b_g sum_{c in g} x[c])`: the kernel multiplies
+//! the unpacked integers `q` into `x` (f32 FMA), scales each group's partial sums once, and
+//! adds `b . sum_g(x)` from group sums of `x` computed once per call ([`Prepared`]). No
+//! weight is dequantized; this is how llama.cpp's and MLX's CPU kernels avoid it too.
 //!
-//! SIMD: `multiversion` compiles [`rows_into`] for AVX-512, for AVX2 with FMA and for the
-//! baseline, and picks one at run time (once, then an atomic load per call; the AVX-512
-//! build needs Ice Lake's extensions too, as multiversion asks, so older AVX-512 parts that
-//! slow their clock for it take the AVX2 one); on aarch64 NEON and FMA are baseline, so
-//! the one build has them. The kernel is plain Rust over fixed-size arrays that LLVM
-//! vectorizes for each target. `pulp`'s portable vectors were
-//! the alternative, but they have no widening of bytes to 32-bit lanes, which the
-//! unpacking is made of, so they would have meant intrinsics per target after all.
+//! A row is read in chunks of `2 L` columns (`L` f32 lanes: 16 on AVX-512, 8 on AVX2 and
+//! the portable path), each unpacked into two vectors: 4-bit, `L` bytes split into low and
+//! high nibbles (byte `i` holds columns `2i` and `2i + 1`, MLX packing LSB first), so the
+//! activations are put in that order once per call ([`lane_order`]); 8-bit, `2 L` bytes
+//! widened; dense, `2 L` floats. A tile of `R` rows by `T` tokens keeps `R T` accumulators
+//! in registers: one token (decode) takes four rows, so four independent FMA chains hide
+//! the FMA latency and each chunk of `x` is loaded once for four rows; more tokens (prefill)
+//! take fewer rows, and each weight is unpacked once per tile of up to [`TILE`] tokens.
+//! Output rows are split into blocks computed in parallel on rayon's pool, whose threads
+//! stay alive between calls.
+//!
+//! The vector operations come from [`Simd`] (simd.rs): `std::arch` intrinsics for AVX-512
+//! and AVX2 on x86-64, picked at run time, else plain Rust that LLVM vectorizes (NEON on
+//! aarch64). Each instruction set gets the same kernel, instantiated inside a function
+//! compiled for it (`#[target_feature]`).
 
+use std::cell::RefCell;
 use std::ops::Range;
 
-use multiversion::multiversion;
-use multiversion::target::target_cfg_f;
 use rayon::prelude::*;
 
-use super::lanes::{madd, F32x16};
-use super::Rows;
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512};
+use super::simd::{Isa, Portable, Simd};
+use super::{dot, Rows};
 
 /// Tokens whose dot products share one unpacking of a weight chunk (prefill). Four keep
 /// the accumulators and the unpacked chunk in AVX2's sixteen registers.
 pub const TILE: usize = 4;
-
-/// f32 lanes of one unpacked half-chunk (16 weights).
-const LANES: usize = 16;
 
 /// Weights and scale/bias bytes a parallel task aims at: its rows stay in L2 while every
 /// token tile passes over them.
@@ -44,15 +47,19 @@ pub fn wants_lane_order(w: &Rows<'_>) -> bool {
     matches!(w, Rows::Quant(q) if q.spec.bits == 4)
 }
 
-/// `x` (rows of a multiple of 32 columns) with every 32 consecutive values reordered as
-/// the 4-bit kernel unpacks a 16-byte chunk: the 16 even columns, then the 16 odd ones.
-pub fn lane_order(x: &[f32]) -> Vec<f32> {
-    assert_eq!(x.len() % 32, 0, "lane order of a partial chunk");
+/// `x` (rows of a multiple of `2 lanes` columns) with every `2 lanes` consecutive values
+/// reordered as the 4-bit kernel unpacks `lanes` bytes: the `lanes` even columns, then the
+/// odd ones.
+pub fn lane_order(x: &[f32], lanes: usize) -> Vec<f32> {
+    assert_eq!(x.len() % (2 * lanes), 0, "lane order of a partial chunk");
     let mut out = vec![0.0; x.len()];
-    for (o, c) in out.chunks_exact_mut(32).zip(x.chunks_exact(32)) {
-        for i in 0..LANES {
+    for (o, c) in out
+        .chunks_exact_mut(2 * lanes)
+        .zip(x.chunks_exact(2 * lanes))
+    {
+        for i in 0..lanes {
             o[i] = c[2 * i];
-            o[LANES + i] = c[2 * i + 1];
+            o[lanes + i] = c[2 * i + 1];
         }
     }
     out
@@ -62,7 +69,7 @@ pub fn lane_order(x: &[f32]) -> Vec<f32> {
 /// groups of at least 32), dense ones whose rows are whole 32-column chunks.
 pub fn supports(w: &Rows<'_>) -> bool {
     match w {
-        Rows::Quant(_) => true,
+        Rows::Quant(q) => q.spec.group_size % 32 == 0 && matches!(q.spec.bits, 4 | 8),
         Rows::Dense { cols, .. } => cols % 32 == 0,
     }
 }
@@ -89,25 +96,90 @@ pub fn row_bytes(w: &Rows<'_>) -> usize {
     }
 }
 
-/// `x W^T` for `x` `[t, in]` in natural column order: `[t, out]`, row-major. Panics unless
-/// [`supports`]`(w)` and `x` has `t * in` values.
-pub fn matmul(x: &[f32], t: usize, w: &Rows<'_>) -> Vec<f32> {
-    let (rows, cols) = w.shape();
-    assert_eq!(x.len(), t * cols, "matmul input width");
-    let ordered;
-    let x = if wants_lane_order(w) {
-        ordered = lane_order(x);
-        &ordered[..]
-    } else {
-        x
-    };
-    let out = rows_parallel(w, x, t);
-    transpose(out, rows, t)
+/// Activations prepared for one weight's kernel: `t` tokens of `cols` values in its lane
+/// order, and for a quantized weight each token's sums over its quantization groups,
+/// `[t, groups]` (for the `b sum(x)` terms; empty for a dense weight).
+#[derive(Clone, Debug, Default)]
+pub struct Prepared {
+    pub x: Vec<f32>,
+    pub sums: Vec<f32>,
+    pub t: usize,
+    cols: usize,
+    groups: usize,
 }
 
-/// `[rows, t]` outputs of `x W^T` (`x` already in `w`'s lane order), rows in parallel.
-pub fn rows_parallel(w: &Rows<'_>, x: &[f32], t: usize) -> Vec<f32> {
-    let rows = w.shape().0;
+impl Prepared {
+    /// `x` `[t, cols]` in natural column order prepared for `w` on `isa`'s kernel. Panics
+    /// unless `x` has `t` rows of `w`'s columns.
+    pub fn new(isa: Isa, w: &Rows<'_>, x: &[f32], t: usize) -> Prepared {
+        let cols = w.shape().1;
+        assert_eq!(x.len(), t * cols, "matmul input width");
+        let x = if wants_lane_order(w) {
+            lane_order(x, isa.lanes())
+        } else {
+            x.to_vec()
+        };
+        let group = match w {
+            Rows::Quant(q) => q.spec.group_size,
+            Rows::Dense { .. } => 0,
+        };
+        let sums = match group {
+            0 => Vec::new(),
+            g => x.chunks_exact(g).map(sum).collect(),
+        };
+        Prepared {
+            x,
+            sums,
+            t,
+            cols,
+            groups: cols.checked_div(group).unwrap_or(0),
+        }
+    }
+
+    /// The prepared rows of `tokens`, in that order.
+    pub fn gather(&self, tokens: impl Iterator<Item = usize> + Clone) -> Prepared {
+        let pick = |v: &[f32], width: usize| -> Vec<f32> {
+            tokens
+                .clone()
+                .flat_map(|i| &v[i * width..(i + 1) * width])
+                .copied()
+                .collect()
+        };
+        Prepared {
+            x: pick(&self.x, self.cols),
+            sums: pick(&self.sums, self.groups),
+            t: tokens.clone().count(),
+            cols: self.cols,
+            groups: self.groups,
+        }
+    }
+}
+
+/// `sum(x)` in eight lanes (vectorizes; the order differs from a sequential sum's by
+/// rounding only).
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// `x W^T` for `x` `[t, in]` in natural column order: `[t, out]`, row-major. Panics unless
+/// [`supports`]`(w)`, `x` has `t * in` values and `isa` is supported.
+pub fn matmul(isa: Isa, x: &[f32], t: usize, w: &Rows<'_>) -> Vec<f32> {
+    let input = Prepared::new(isa, w, x, t);
+    let out = rows_parallel(isa, w, &input);
+    transpose(out, w.shape().0, t)
+}
+
+/// `[rows, t]` outputs of `x W^T` for `x` prepared for `w`, rows in parallel.
+pub fn rows_parallel(isa: Isa, w: &Rows<'_>, x: &Prepared) -> Vec<f32> {
+    let (rows, t) = (w.shape().0, x.t);
     let per_task = rows_per_task(rows, row_bytes(w), 1);
     let mut out = vec![0.0f32; rows * t];
     if t == 0 {
@@ -117,7 +189,7 @@ pub fn rows_parallel(w: &Rows<'_>, x: &[f32], t: usize) -> Vec<f32> {
         .enumerate()
         .for_each(|(i, o)| {
             let r0 = i * per_task;
-            rows_into(w, r0..r0 + o.len() / t, x, t, o)
+            rows_into(isa, w, r0..r0 + o.len() / t, x, o)
         });
     out
 }
@@ -136,186 +208,284 @@ pub fn transpose(m: Vec<f32>, rows: usize, t: usize) -> Vec<f32> {
     out
 }
 
-/// One chunk of 32 weights as two vectors of [`LANES`].
-type Chunk = (F32x16, F32x16);
-
-/// A weight row read 32 columns at a time, in its activations' lane order. (A trait rather
-/// than a closure: its methods can be forced inline, and a call per chunk would spill every
-/// accumulator.)
-trait RowChunks {
-    /// Chunk `c`, dequantized.
-    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk;
+/// A worker thread's buffers for a block's scales and biases widened to f32, kept between
+/// calls (no allocation per task once they have grown).
+#[derive(Default)]
+struct Scratch {
+    scales: Vec<f32>,
+    biases: Vec<f32>,
 }
 
-/// A 4-bit row: byte `j` of a 16-byte chunk holds columns `2j` (low nibble) and `2j + 1`.
-struct Q4Row<'a> {
-    packed: &'a [[u8; 16]],
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// One block of rows of a weight as the kernel reads it.
+struct Block<'a> {
+    /// The block's rows, `row_bytes` each: packed integers or f32 bytes.
+    data: &'a [u8],
+    row_bytes: usize,
+    rows: usize,
+    cols: usize,
+    /// Columns per scale and bias (the row, for dense weights).
+    group: usize,
+    /// `[rows, cols / group]` scales and biases (empty for dense weights).
     scales: &'a [f32],
     biases: &'a [f32],
-    /// log2 of the chunks per group.
-    shift: u32,
 }
 
-impl RowChunks for Q4Row<'_> {
-    #[inline(always)]
-    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
-        let bytes = &self.packed[c];
-        let (s, b) = (self.scales[c >> self.shift], self.biases[c >> self.shift]);
-        let mut lo = [0.0f32; LANES];
-        let mut hi = [0.0f32; LANES];
-        for j in 0..LANES {
-            lo[j] = madd::<FUSED>((bytes[j] & 15) as f32, s, b);
-            hi[j] = madd::<FUSED>((bytes[j] >> 4) as f32, s, b);
+/// Output rows `rows` of `x W^T` for `x` prepared for `w` on `isa`, into `out`
+/// `[rows.len(), x.t]`: token tiles outermost, so a block's weights come from memory once
+/// and from cache for the other tiles. Panics unless [`supports`]`(w)`, the shapes agree
+/// and `isa` runs on this CPU.
+pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: &mut [f32]) {
+    let (all_rows, cols) = w.shape();
+    assert!(supports(w), "the SIMD kernel cannot take this weight");
+    assert!(isa.is_supported(), "{isa} kernels on a CPU without {isa}");
+    assert!(rows.end <= all_rows && x.cols == cols, "matmul shapes");
+    assert_eq!(x.x.len(), x.t * cols, "matmul input");
+    assert_eq!(out.len(), rows.len() * x.t, "matmul output");
+    SCRATCH.with_borrow_mut(|scratch| {
+        let block = match w {
+            Rows::Quant(q) => {
+                let row_bytes = cols * q.spec.bits as usize / 8;
+                let groups = cols / q.spec.group_size;
+                assert_eq!(x.sums.len(), x.t * groups, "matmul input sums");
+                let n = rows.len() * groups;
+                scratch.scales.resize(n, 0.0);
+                scratch.biases.resize(n, 0.0);
+                q.scales.read_into(rows.start * groups, &mut scratch.scales);
+                q.biases.read_into(rows.start * groups, &mut scratch.biases);
+                Block {
+                    data: &q.packed[rows.start * row_bytes..rows.end * row_bytes],
+                    row_bytes,
+                    rows: rows.len(),
+                    cols,
+                    group: q.spec.group_size,
+                    scales: &scratch.scales,
+                    biases: &scratch.biases,
+                }
+            }
+            Rows::Dense { data, .. } => Block {
+                data: bytemuck::cast_slice(&data[rows.start * cols..rows.end * cols]),
+                row_bytes: 4 * cols,
+                rows: rows.len(),
+                cols,
+                group: cols,
+                scales: &[],
+                biases: &[],
+            },
+        };
+        let bits = match w {
+            Rows::Quant(q) => q.spec.bits,
+            Rows::Dense { .. } => 32,
+        };
+        match isa {
+            // SAFETY: `isa` runs on this CPU (asserted above).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { block_avx512(&block, bits, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { block_avx2(&block, bits, x, out) },
+            _ => block_for(Portable, &block, bits, x, out),
         }
-        (F32x16(lo), F32x16(hi))
-    }
+    })
 }
 
-/// An 8-bit row: a byte per column.
-struct Q8Row<'a> {
-    packed: &'a [[u8; 32]],
-    scales: &'a [f32],
-    biases: &'a [f32],
-    shift: u32,
+/// [`block_for`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn block_avx512(b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    block_for(unsafe { Avx512::new() }, b, bits, x, out)
 }
 
-impl RowChunks for Q8Row<'_> {
+/// [`block_for`] compiled for AVX2 with FMA.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_avx2(b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    block_for(unsafe { Avx2::new() }, b, bits, x, out)
+}
+
+/// How a row stores a chunk of `2 L` columns.
+trait Format {
+    /// Bits a weight takes.
+    const BITS: usize;
+    /// Quantized (groups with a scale and a bias) rather than f32.
+    const QUANT: bool;
+    /// The chunk at `p` as the two vectors the activations' lane order pairs with
+    /// `x[0..L]` and `x[L..2 L]` of the chunk.
+    ///
+    /// # Safety
+    /// `p` is valid for `2 L BITS / 8` bytes.
+    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F);
+}
+
+/// 4-bit: `L` bytes, low nibbles then high nibbles ([`lane_order`]).
+struct Q4;
+/// 8-bit: `2 L` bytes in column order.
+struct Q8;
+/// f32: `2 L` floats.
+struct F32;
+
+impl Format for Q4 {
+    const BITS: usize = 4;
+    const QUANT: bool = true;
     #[inline(always)]
-    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
-        let bytes = &self.packed[c];
-        let (s, b) = (self.scales[c >> self.shift], self.biases[c >> self.shift]);
-        let mut lo = [0.0f32; LANES];
-        let mut hi = [0.0f32; LANES];
-        for j in 0..LANES {
-            lo[j] = madd::<FUSED>(bytes[j] as f32, s, b);
-            hi[j] = madd::<FUSED>(bytes[LANES + j] as f32, s, b);
-        }
-        (F32x16(lo), F32x16(hi))
+    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+        unsafe { s.nibbles(p) }
     }
 }
 
-/// A dense f32 row.
-struct DenseRow<'a>(&'a [[f32; 32]]);
-
-impl RowChunks for DenseRow<'_> {
+impl Format for Q8 {
+    const BITS: usize = 8;
+    const QUANT: bool = true;
     #[inline(always)]
-    fn chunk<const FUSED: bool>(&self, c: usize) -> Chunk {
-        let (lo, hi) = self.0[c].split_at(LANES);
-        (
-            F32x16(lo.try_into().unwrap()),
-            F32x16(hi.try_into().unwrap()),
-        )
+    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+        unsafe { (s.bytes(p), s.bytes(p.add(S::LANES))) }
     }
 }
 
-/// Dot products of one weight row with `N` tokens, `xs[i]` token `i`'s chunks. With one
-/// token the two halves of a chunk accumulate apart, two independent FMA chains per lane;
-/// with more, the tokens are the independent chains.
+impl Format for F32 {
+    const BITS: usize = 32;
+    const QUANT: bool = false;
+    #[inline(always)]
+    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+        let p = p.cast::<f32>();
+        unsafe { (s.load(p), s.load(p.add(S::LANES))) }
+    }
+}
+
+/// Every token tile of `b`'s rows, for weights of `bits`.
 #[inline(always)]
-fn row_dot<const N: usize, const FUSED: bool>(
-    row: &impl RowChunks,
-    xs: [&[[f32; 32]]; N],
-) -> [f32; N] {
-    let mut acc = [F32x16::ZERO; N];
-    let mut acc_hi = F32x16::ZERO;
-    for c in 0..xs[0].len() {
-        let (lo, hi) = row.chunk::<FUSED>(c);
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let (x_lo, x_hi) = x[c].split_at(LANES);
-            let x_lo = F32x16(x_lo.try_into().unwrap());
-            let x_hi = F32x16(x_hi.try_into().unwrap());
-            if N == 1 {
-                *a = lo.madd::<FUSED>(x_lo, *a);
-                acc_hi = hi.madd::<FUSED>(x_hi, acc_hi);
-            } else {
-                *a = hi.madd::<FUSED>(x_hi, lo.madd::<FUSED>(x_lo, *a));
-            }
-        }
+fn block_for<S: Simd>(s: S, b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
+    match bits {
+        4 => tiles::<S, Q4>(s, b, x, out),
+        8 => tiles::<S, Q8>(s, b, x, out),
+        _ => tiles::<S, F32>(s, b, x, out),
     }
-    if N == 1 {
-        acc[0] = acc[0].add(acc_hi);
-    }
-    acc.map(F32x16::sum)
 }
 
-/// Output rows `rows` of `x W^T` for `t` tokens `x` `[t, cols]` in `w`'s lane order, into
-/// `out` `[rows.len(), t]`: token tiles outermost, so a block's weights come from memory
-/// once and from cache for the other tiles.
-#[multiversion(targets(
-    "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+avx+fma+f16c",
-    "x86_64+avx2+avx+fma+f16c"
-))]
-pub fn rows_into(w: &Rows<'_>, rows: Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
-    const FUSED: bool = target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"));
-    let cols = w.shape().1;
-    let x = x.as_chunks::<32>().0;
-    let chunks = cols / 32;
-    let xs = |i: usize| &x[i * chunks..(i + 1) * chunks];
-    // The block's scales and biases, widened once for every tile.
-    let params = match w {
-        Rows::Quant(q) => {
-            let n = rows.len() * cols / q.spec.group_size;
-            let (mut scales, mut biases) = (vec![0.0f32; n], vec![0.0f32; n]);
-            q.scales
-                .read_into(rows.start * cols / q.spec.group_size, &mut scales);
-            q.biases
-                .read_into(rows.start * cols / q.spec.group_size, &mut biases);
-            (scales, biases)
+#[inline(always)]
+fn tiles<S: Simd, F: Format>(s: S, b: &Block<'_>, x: &Prepared, out: &mut [f32]) {
+    for t0 in (0..x.t).step_by(TILE) {
+        // Rows by tokens: four independent accumulator chains per tile at least where the
+        // tokens allow, within AVX2's sixteen registers.
+        match TILE.min(x.t - t0) {
+            1 => row_tiles::<S, F, 4, 1>(s, b, x, t0, out),
+            2 => row_tiles::<S, F, 2, 2>(s, b, x, t0, out),
+            3 => row_tiles::<S, F, 1, 3>(s, b, x, t0, out),
+            _ => row_tiles::<S, F, 1, 4>(s, b, x, t0, out),
         }
-        Rows::Dense { .. } => Default::default(),
-    };
-    for t0 in (0..t).step_by(TILE) {
-        let n = TILE.min(t - t0);
-        for (i, r) in rows.clone().enumerate() {
-            let o = &mut out[i * t + t0..i * t + t0 + n];
-            macro_rules! dot {
-                ($row:expr) => {
-                    match n {
-                        1 => o.copy_from_slice(&row_dot::<1, FUSED>($row, [xs(t0)])),
-                        2 => o.copy_from_slice(&row_dot::<2, FUSED>($row, [xs(t0), xs(t0 + 1)])),
-                        3 => o.copy_from_slice(&row_dot::<3, FUSED>(
-                            $row,
-                            [xs(t0), xs(t0 + 1), xs(t0 + 2)],
-                        )),
-                        _ => o.copy_from_slice(&row_dot::<4, FUSED>(
-                            $row,
-                            [xs(t0), xs(t0 + 1), xs(t0 + 2), xs(t0 + 3)],
-                        )),
-                    }
-                };
-            }
-            match w {
-                Rows::Quant(q) => {
-                    let groups = cols / q.spec.group_size;
-                    let shift = (q.spec.group_size / 32).trailing_zeros();
-                    let row_bytes = cols * q.spec.bits as usize / 8;
-                    let packed = &q.packed[r * row_bytes..(r + 1) * row_bytes];
-                    let (scales, biases) = (
-                        &params.0[i * groups..(i + 1) * groups],
-                        &params.1[i * groups..(i + 1) * groups],
-                    );
-                    if q.spec.bits == 4 {
-                        let row = Q4Row {
-                            packed: packed.as_chunks().0,
-                            scales,
-                            biases,
-                            shift,
-                        };
-                        dot!(&row)
-                    } else {
-                        let row = Q8Row {
-                            packed: packed.as_chunks().0,
-                            scales,
-                            biases,
-                            shift,
-                        };
-                        dot!(&row)
-                    }
+    }
+}
+
+/// Tokens `t0 .. t0 + T` for every row of `b`, `R` rows at a time, then the rows left.
+#[inline(always)]
+fn row_tiles<S: Simd, F: Format, const R: usize, const T: usize>(
+    s: S,
+    b: &Block<'_>,
+    x: &Prepared,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let mut r = 0;
+    while r + R <= b.rows {
+        tile::<S, F, R, T>(s, b, r, x, t0, out);
+        r += R;
+    }
+    while r < b.rows {
+        tile::<S, F, 1, T>(s, b, r, x, t0, out);
+        r += 1;
+    }
+}
+
+/// Rows `r0 .. r0 + R` of `b` against tokens `t0 .. t0 + T` of `x`, into `out`.
+#[inline(always)]
+fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
+    s: S,
+    b: &Block<'_>,
+    r0: usize,
+    x: &Prepared,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let (cols, lanes) = (b.cols, S::LANES);
+    let chunk_cols = 2 * lanes;
+    let chunk_bytes = chunk_cols * F::BITS / 8;
+    let groups = cols / b.group;
+    let per_group = b.group / chunk_cols;
+    // Bounds are checked here, once; the loop's pointer reads stay within these slices.
+    let rows: [&[u8]; R] = std::array::from_fn(|i| {
+        let at = (r0 + i) * b.row_bytes;
+        &b.data[at..at + b.row_bytes]
+    });
+    let xs: [&[f32]; T] = std::array::from_fn(|j| &x.x[(t0 + j) * cols..(t0 + j + 1) * cols]);
+    assert!(b.row_bytes == cols * F::BITS / 8 && b.group.is_multiple_of(chunk_cols));
+    // A row is short (1 KiB at 2,048 4-bit columns), too short for the hardware prefetcher
+    // to pick up each of the tile's streams before it ends: the kernel stalled on its loads
+    // at a fifth of memory speed. So while this tile reads its `R` rows, it asks for the
+    // next tile's, `R row_bytes` bytes further, spread over its chunks: `R chunk_bytes` a
+    // chunk, one line or more. (Beyond the block's end these are hints to the next
+    // block's rows or to no address at all, which a prefetch allows.) Only for one token:
+    // tiles of more are bound by their FMAs, and there the extra instructions cost more
+    // (BENCHMARKS.md: on the shared machine, no change to +17% at T = 1, -12% at T = 4).
+    let next = b.data.as_ptr().wrapping_add((r0 + R) * b.row_bytes);
+    let ahead = R * chunk_bytes;
+    let mut tot = [[s.zero(); T]; R];
+    for g in 0..groups {
+        let mut acc = [[s.zero(); T]; R];
+        for c in g * per_group..(g + 1) * per_group {
+            if T == 1 {
+                for line in (0..ahead).step_by(64) {
+                    s.prefetch(next.wrapping_add(c * ahead + line));
                 }
-                Rows::Dense { data, .. } => {
-                    dot!(&DenseRow(data[r * cols..(r + 1) * cols].as_chunks().0))
+            }
+            for (acc, row) in acc.iter_mut().zip(rows) {
+                // SAFETY: chunk `c < cols / chunk_cols` lies within the row's
+                // `cols * BITS / 8` bytes (asserted above).
+                let (lo, hi) = unsafe { F::chunk(s, row.as_ptr().add(c * chunk_bytes)) };
+                for (a, xt) in acc.iter_mut().zip(xs) {
+                    // SAFETY: the chunk's `2 L` inputs lie within the token's `cols`.
+                    let (x_lo, x_hi) = unsafe {
+                        let p = xt.as_ptr().add(c * chunk_cols);
+                        (s.load(p), s.load(p.add(lanes)))
+                    };
+                    *a = s.fma(hi, x_hi, s.fma(lo, x_lo, *a));
                 }
             }
+        }
+        for (i, (tot, acc)) in tot.iter_mut().zip(acc).enumerate() {
+            if F::QUANT {
+                let scale = s.splat(b.scales[(r0 + i) * groups + g]);
+                for (t, a) in tot.iter_mut().zip(acc) {
+                    *t = s.fma(a, scale, *t);
+                }
+            } else {
+                for (t, a) in tot.iter_mut().zip(acc) {
+                    *t = s.add(*t, a);
+                }
+            }
+        }
+    }
+    for (i, tot) in tot.iter().enumerate() {
+        let r = r0 + i;
+        for (j, &t) in tot.iter().enumerate() {
+            let bias = if F::QUANT {
+                dot(
+                    &b.biases[r * groups..(r + 1) * groups],
+                    &x.sums[(t0 + j) * groups..(t0 + j + 1) * groups],
+                )
+            } else {
+                0.0
+            };
+            out[r * x.t + t0 + j] = s.sum(t) + bias;
         }
     }
 }

@@ -1,13 +1,18 @@
 //! The CPU backend: Rust in f32, parallel over output rows, heads and experts with rayon.
-//! Matmuls (resident projections, head, routed experts) run on SIMD kernels picked for the
-//! CPU at run time (matmul.rs, experts.rs); [`CpuBackend::scalar`] keeps the plain kernels
-//! (scalar.rs), the reference the SIMD and GPU kernels are tested against.
+//! Matmuls (resident projections, head, routed experts) run on SIMD kernels for the CPU's
+//! instruction set, picked at run time (simd.rs, matmul.rs, experts.rs);
+//! [`CpuBackend::scalar`] keeps the plain kernels (scalar.rs), the reference the SIMD and
+//! GPU kernels are tested against.
 
 mod experts;
 mod gated_delta;
 mod lanes;
 mod matmul;
+mod memory;
 mod scalar;
+mod simd;
+
+pub use simd::Isa;
 
 use super::{
     dequantize_row, AttnDims, Backend, DeltaDims, Floats, KeyMask, QuantView, Routing, SharedExpert,
@@ -66,7 +71,17 @@ pub struct CpuKvCache {
 /// unit struct (`Model::load(&ckpt, &CpuBackend)`) keeps working.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuBackend {
-    scalar: bool,
+    kernels: Kernels,
+}
+
+/// Which kernels a [`CpuBackend`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernels {
+    /// The plain kernels (scalar.rs).
+    Scalar,
+    /// The SIMD kernels for an instruction set this CPU runs, or for the fastest one
+    /// ([`Isa::detect`], at each call: std caches the detection) when `None`.
+    Simd(Option<Isa>),
 }
 
 /// The CPU backend with the SIMD kernels (see [`CpuBackend`]).
@@ -80,29 +95,51 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// The SIMD kernels for the instruction sets this CPU has (AVX-512, AVX2 with FMA,
-    /// NEON, else the baseline), chosen at run time.
+    /// The SIMD kernels for the fastest instruction set this CPU has (AVX-512, AVX2 with
+    /// FMA, else the portable kernels: NEON on aarch64), chosen at run time.
     pub const fn simd() -> Self {
-        CpuBackend { scalar: false }
+        CpuBackend {
+            kernels: Kernels::Simd(None),
+        }
+    }
+
+    /// The SIMD kernels for `isa` (for tests and benchmarks of each instruction set).
+    /// Errors: [`Error::InvalidInput`] when this CPU does not run `isa`.
+    pub fn with_isa(isa: Isa) -> Result<Self> {
+        if !isa.is_supported() {
+            return Err(Error::InvalidInput(format!("this CPU does not run {isa}")));
+        }
+        Ok(CpuBackend {
+            kernels: Kernels::Simd(Some(isa)),
+        })
     }
 
     /// The plain kernels (a row dequantized into a buffer, then dot products): the oracle
     /// the SIMD kernels and the GPU's are tested against.
     pub const fn scalar() -> Self {
-        CpuBackend { scalar: true }
+        CpuBackend {
+            kernels: Kernels::Scalar,
+        }
     }
 
     /// Whether this backend runs the plain kernels.
     pub fn is_scalar(&self) -> bool {
-        self.scalar
+        self.kernels == Kernels::Scalar
+    }
+
+    /// The instruction set of the SIMD kernels (`None` for the plain ones).
+    pub fn isa(&self) -> Option<Isa> {
+        match self.kernels {
+            Kernels::Scalar => None,
+            Kernels::Simd(isa) => Some(isa.unwrap_or_else(Isa::detect)),
+        }
     }
 
     /// `x W^T` for `x` `[t, in]`: `[t, out]`, on this backend's kernels.
     fn matmul_rows(&self, x: &[f32], t: usize, w: &Rows<'_>) -> Vec<f32> {
-        if self.scalar || !matmul::supports(w) {
-            scalar::matmul(x, t, w, true)
-        } else {
-            matmul::matmul(x, t, w)
+        match self.isa() {
+            Some(isa) if matmul::supports(w) => matmul::matmul(isa, x, t, w),
+            _ => scalar::matmul(x, t, w, true),
         }
     }
 }
@@ -203,10 +240,42 @@ impl Backend for CpuBackend {
     type KvCache = CpuKvCache;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        let threads = rayon::current_num_threads();
+        match self.isa() {
+            Some(isa) => format!("cpu ({threads} threads, {isa})"),
+            None => format!("cpu ({threads} threads, plain kernels)"),
+        }
     }
 
+    /// The slots are read in place; their memory is moved to huge pages (memory.rs). The
+    /// pool zeroes its memory when it allocates it, which faults it in as 4 KiB pages, so
+    /// advice for later faults alone would leave it there: measured, 0.4 of 4.7 GB on huge
+    /// pages at 4 layers of Qwen3-Next shapes. Collapsing copies it once, at load.
+    fn attach_pool(
+        &self,
+        pool: &std::sync::Arc<crate::pool::SlotPool>,
+        _placement: Option<super::gpu::Placement>,
+    ) -> Result<()> {
+        let (ptr, len) = pool.memory();
+        memory::advise_huge_pages(ptr, len, true);
+        Ok(())
+    }
+
+    /// A streaming read of 512 MiB on huge pages by every thread (memory.rs).
+    fn read_bandwidth(&self) -> Result<f64> {
+        Ok(memory::read_bandwidth(512 << 20))
+    }
+
+    /// The weight stays where it is, moved to huge pages (memory.rs).
     fn upload_weight(&self, w: LinearWeight) -> Result<LinearWeight> {
+        match &w {
+            LinearWeight::Quantized(q) => {
+                memory::advise_slice(&q.packed);
+                memory::advise_slice(&q.scales);
+                memory::advise_slice(&q.biases);
+            }
+            LinearWeight::Dense(d) => memory::advise_slice(&d.data),
+        }
         Ok(w)
     }
 
@@ -379,7 +448,7 @@ impl Backend for CpuBackend {
         let k = self.rms_norm(&columns(kd, kd), None, dk, eps, k_scale);
         let v = columns(2 * kd, value_heads * dv);
         let group = value_heads / key_heads;
-        let step = if self.scalar {
+        let step = if self.is_scalar() {
             scalar::delta_step
         } else {
             gated_delta::delta_step
@@ -684,10 +753,9 @@ impl Backend for CpuBackend {
         );
         let d = x.cols;
         assert_eq!(d, layout.hidden, "moe_experts: input width");
-        let mut out = if self.scalar {
-            scalar::moe_experts(&x.data, x.rows, routing, records, layout)
-        } else {
-            experts::moe_experts(&x.data, x.rows, routing, records, layout)
+        let mut out = match self.isa() {
+            Some(isa) => experts::moe_experts(isa, &x.data, x.rows, routing, records, layout),
+            None => scalar::moe_experts(&x.data, x.rows, routing, records, layout),
         };
         if let Some(s) = shared {
             s.check_shapes(self, x.rows, d);
