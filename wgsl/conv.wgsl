@@ -2,10 +2,11 @@
 //
 // in = [state; x] is [(K-1)*d + T, C]; out[t, c] = silu(sum_j w[c, j] * in[t + j*d, c])
 // (dilation d) and the state becomes the last (K-1)*d rows of `in`, in place. One
-// invocation per channel, 256 per workgroup (the grid may be 2-D, device::grid): it
-// computes its channel's outputs for every token, then shifts its channel's state rows,
-// so no invocation reads a state value another has replaced, and the state keeps its
-// buffer from step to step.
+// invocation per channel and block of `block` tokens (workgroup_id.z), 256 channels per
+// workgroup (the grid may be 2-D, device::grid). Only block 0 reads the state: the host
+// makes a block at least (K-1)*d tokens long, so every later block's inputs lie in x. So
+// block 0 alone shifts the state, after its own reads: no invocation reads a state value
+// another has replaced, and the state keeps its buffer from step to step.
 
 struct Params {
     // Tokens T.
@@ -16,6 +17,8 @@ struct Params {
     k: u32,
     // Dilation d (>= 1).
     d: u32,
+    // Tokens per invocation: all T in one block, or at least (K-1)*d.
+    block: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -44,12 +47,16 @@ fn causal_conv1d_silu(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgr
     if (ch >= p.c) {
         return;
     }
-    for (var t = 0u; t < p.t; t++) {
+    let t0 = wid.z * p.block;
+    for (var t = t0; t < min(t0 + p.block, p.t); t++) {
         var acc = 0.0;
         for (var j = 0u; j < p.k; j++) {
             acc += w[ch * p.k + j] * input(t + j * p.d, ch);
         }
         out[t * p.c + ch] = acc * sigmoid(acc);
+    }
+    if (wid.z != 0u) {
+        return;
     }
     // New row r is old row T + r of `in`. In ascending r, a state row read (T + r > r)
     // is never one this loop has already rewritten.

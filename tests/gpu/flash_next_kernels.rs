@@ -165,14 +165,15 @@ fn rms_norm_with_a_weight_per_column_and_sigmoid_gate_match_cpu() {
 #[test]
 fn dilated_causal_conv_with_state_matches_cpu() {
     let g = gpu();
-    // (channels, kernel, dilation) and a sequence of calls (prefill, decodes, a second prefill).
+    // (channels, kernel, dilation) and a sequence of calls (prefill, decodes, a second
+    // prefill, a long one in three blocks of tokens).
     for (c, k, d) in [(320, 4, 3), (100, 4, 1), (33, 3, 2)] {
         let w = random(c * k, -0.5, 0.5);
         let (cw, gw) = (CpuBackend.upload(&w, c, k), g.upload(&w, c, k));
         let keep = (k - 1) * d;
         let mut cs = CpuBackend.zeros(keep, c);
         let mut gs = g.zeros(keep, c);
-        for (i, t) in [5usize, 1, 1, 12, 1].into_iter().enumerate() {
+        for (i, t) in [5usize, 1, 1, 12, 1, 140].into_iter().enumerate() {
             let x = random(t * c, -2.0, 2.0);
             let want = CpuBackend.causal_conv1d_silu(&CpuBackend.upload(&x, t, c), &cw, &mut cs, d);
             let got = g.causal_conv1d_silu(&g.upload(&x, t, c), &gw, &mut gs, d);

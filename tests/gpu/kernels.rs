@@ -279,7 +279,15 @@ fn causal_conv1d_silu_matches_cpu_with_carried_state() {
     let (cpu, gpu) = (CpuBackend, gpu());
     for &c in &[1usize, 7, 129, 2051] {
         for &k in &[1usize, 2, 4] {
-            for &(t1, t2) in &[(1usize, 1usize), (5, 1), (64, 5), (1, 64)] {
+            // 150 tokens: three blocks of tokens, only the first reading the state.
+            for &(t1, t2) in &[
+                (1usize, 1usize),
+                (5, 1),
+                (64, 5),
+                (1, 64),
+                (150, 3),
+                (2, 150),
+            ] {
                 let w = random(c * k, -1.0, 1.0);
                 let s0 = random((k - 1) * c, -2.0, 2.0);
                 let (cw, gw) = (cpu.upload(&w, c, k), gpu.upload(&w, c, k));

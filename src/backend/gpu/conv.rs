@@ -8,6 +8,9 @@ use super::{GpuBackend, GpuTensor};
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/conv.wgsl`).
 const WG: usize = 256;
+/// Tokens each invocation convolves in a long input: a prompt's chunk runs as blocks of
+/// channels x tokens, not one sequential loop over its tokens per channel.
+const TOKEN_BLOCK: usize = 64;
 
 const CONV: Kernel = Kernel::new(
     "conv.wgsl",
@@ -44,11 +47,14 @@ pub(super) fn causal_conv1d_silu(
     let out = b.empty(t, c);
     u32::try_from(t.max(keep) * c).expect("conv: tensor too large for u32 indexing");
     let [gx, gy] = grid(c.div_ceil(WG) as u32);
+    // Only the first block may read the state (see wgsl/conv.wgsl): later blocks start at
+    // least `keep` tokens in.
+    let block = TOKEN_BLOCK.max(keep);
     b.gpu.dispatch(
         &CONV,
-        &[t as u32, c as u32, k as u32, dilation as u32],
+        &[t as u32, c as u32, k as u32, dilation as u32, block as u32],
         &[&x.buf, &w.buf, &state.buf, &out.buf],
-        [gx, gy, 1],
+        [gx, gy, t.div_ceil(block) as u32],
     );
     out
 }
