@@ -102,8 +102,7 @@ struct PromptCacheArgs {
     /// --memory-budget it is one of the plan's terms.
     #[arg(long)]
     prompt_cache: Option<CacheSize>,
-    /// Tokens between snapshots of a long prefill, rounded up to a multiple of the
-    /// backend's prefill chunk (0: only at the ends of prompts).
+    /// Tokens between snapshots of a long prefill (0: only at the ends of prompts).
     #[arg(long, default_value_t = 1024)]
     prompt_cache_every: usize,
     /// Also write snapshots to this directory (created if missing), to reuse them after a

@@ -5,7 +5,9 @@
 //! the point where two prompts part. [`PromptCache::generate`] takes a [`Snapshot`]
 //! ([`crate::model`]) of the sequence:
 //! - every `every` tokens of a long prefill (at multiples of `every` from the sequence's
-//!   start, itself a multiple of the backend's prefill chunk so that no chunk is split);
+//!   start; a prefill chunk that spans one is cut there, so that the boundaries do not
+//!   depend on the backend's chunk: 256 tokens on the CPU, up to 2,048 on a GPU, where
+//!   rounding up would leave a 1,800-token shared prefix no snapshot within it);
 //! - before the prompt's last token: the last token is run on its own, so that the same
 //!   prompt again restores this snapshot and runs one token for its logits;
 //! - after generating (the prompt and every reply token but the last, which was sampled
@@ -40,7 +42,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::experts::ExpertSource;
 use crate::generate::{generate_with, GenerateOptions, GenerateStats, PrefillStops};
-use crate::model::{Logits, Model, SequenceState, Snapshot};
+use crate::model::{Model, SequenceState, Snapshot};
 
 use disk::DiskCache;
 
@@ -50,8 +52,7 @@ pub struct PromptCacheOptions {
     /// Bytes of snapshots kept in memory (their own state and the KV rows they keep
     /// alive); 0 turns prompt reuse off.
     pub memory: u64,
-    /// Tokens between snapshots of a long prefill, rounded up to a multiple of the
-    /// backend's prefill chunk; 0: only at the end of prompts.
+    /// Tokens between snapshots of a long prefill (0: only at the end of prompts).
     pub every: usize,
     /// A directory where snapshots are written to be found after a restart.
     pub dir: Option<PathBuf>,
@@ -141,7 +142,6 @@ impl<B: Backend> PromptCache<B> {
         backend: &B,
         options: &PromptCacheOptions,
     ) -> Result<Self> {
-        let chunk = model.prefill_chunk(backend, Logits::Last).max(1);
         let disk = match &options.dir {
             Some(_) if options.memory == 0 => {
                 return Err(Error::InvalidInput(
@@ -157,7 +157,7 @@ impl<B: Backend> PromptCache<B> {
         };
         let mut cache = PromptCache {
             memory: options.memory,
-            every: options.every.next_multiple_of(chunk),
+            every: options.every,
             kv_bytes_per_token: model.kv_bytes_per_token(),
             entries: Vec::new(),
             clock: 0,
@@ -168,7 +168,7 @@ impl<B: Backend> PromptCache<B> {
         Ok(cache)
     }
 
-    /// Tokens between snapshots of a long prefill as used (0: none).
+    /// Tokens between snapshots of a long prefill (0: none).
     pub fn every(&self) -> usize {
         self.every
     }
