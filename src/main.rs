@@ -241,8 +241,9 @@ struct PlanArgs {
     /// Reads in flight.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
-    /// Memory for prompt-reuse snapshots, as `chat` and `serve` take it (default: 10% of
-    /// the budget).
+    /// Memory for prompt-reuse snapshots to plan for, as `chat` and `serve` take it
+    /// (they default to 10% of the budget). Default 0: `generate` without
+    /// --prompt-cache-dir and `score` keep no snapshots.
     #[arg(long)]
     prompt_cache: Option<CacheSize>,
     /// Print the plan as JSON.
@@ -1488,7 +1489,10 @@ fn plan(args: PlanArgs) -> Result<()> {
         args.context,
         args.queue_depth,
         slotstream::plan::PREFILL_CHUNK,
-        CacheSize::bytes(args.prompt_cache, Some(args.memory_budget))?,
+        CacheSize::bytes(
+            Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
+            Some(args.memory_budget),
+        )?,
     )?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
