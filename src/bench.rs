@@ -12,6 +12,10 @@
 //! tokens after a warm-up (default 32), while the pool fills. With every record resident,
 //! prefill is timed after one untimed pass over the prompt, as llama-bench warms up. Each
 //! row starts with a new pool and, for Flash-Next, an empty n-gram row cache.
+//!
+//! With a reuse tail ([`BenchOptions::reuse_tail`]), each row also times the first token
+//! of the prompt with prompt reuse ([`crate::prompt_cache`]): cold, repeated, and with its
+//! last tokens replaced (a shared prefix), counting the tokens each runs.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,6 +37,7 @@ use crate::ngram::{self, NgramCounts};
 use crate::pack::PACK_FILE;
 use crate::plan::{human, parse_size, peak_rss, resident_tensors, Plan};
 use crate::pool::{check_floor, floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
+use crate::prompt_cache::{PromptCache, PromptCacheOptions};
 
 /// One pool size to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -96,6 +101,78 @@ pub struct BenchOptions {
     pub source: SourceOptions,
     /// Seed of the prompt's ids.
     pub seed: u64,
+    /// Also time prompt reuse, with this many tokens at the end of the prompt replaced
+    /// for the shared-prefix prompt ([`ReuseRow`]).
+    pub reuse_tail: Option<usize>,
+}
+
+/// Time to the first token of a prompt (from the request to its first sampled id,
+/// snapshot lookup and restore included) with prompt reuse, and the prompt tokens run.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReuseRow {
+    pub prompt_tokens: usize,
+    /// Tokens at the end replaced for the shared-prefix prompt.
+    pub tail_tokens: usize,
+    /// Tokens between snapshots of a long prefill ([`PromptCache::every`]).
+    pub every: usize,
+    /// The prompt with an empty cache.
+    pub cold_seconds: f64,
+    /// The same prompt again.
+    pub repeat_seconds: f64,
+    pub repeat_run: usize,
+    /// The shared-prefix prompt with an empty cache.
+    pub shared_cold_seconds: f64,
+    /// The shared-prefix prompt after the first.
+    pub shared_seconds: f64,
+    pub shared_run: usize,
+}
+
+/// Measures a [`ReuseRow`] for `prompt` and the same with its last `tail` ids redrawn.
+fn reuse_row<B: Backend, E: ExpertSource>(
+    ckpt: &Checkpoint,
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    prompt: &[u32],
+    tail: usize,
+    rng: &mut impl Rng,
+) -> Result<ReuseRow> {
+    let tail = tail.clamp(1, prompt.len());
+    let mut shared = prompt[..prompt.len() - tail].to_vec();
+    shared.extend((0..tail).map(|_| rng.random_range(0..model.config.vocab_size as u32)));
+    let options = GenerateOptions {
+        max_tokens: 1,
+        sampling: Default::default(),
+        eos_ids: Vec::new(),
+        cancel: None,
+    };
+    let open = || PromptCache::open(ckpt, model, backend, &PromptCacheOptions::default());
+    // Seconds to the first token and prompt tokens run.
+    let first_token = |cache: &mut PromptCache<B>, prompt: &[u32]| -> Result<(f64, usize)> {
+        let start = Instant::now();
+        let mut first = 0.0;
+        let g = cache.generate(model, backend, experts, prompt, &options, |_| {
+            first = start.elapsed().as_secs_f64();
+            Ok(true)
+        })?;
+        Ok((first, g.stats.prompt_tokens))
+    };
+    let mut cache = open()?;
+    let (cold_seconds, _) = first_token(&mut cache, prompt)?;
+    let (repeat_seconds, repeat_run) = first_token(&mut cache, prompt)?;
+    let (shared_seconds, shared_run) = first_token(&mut cache, &shared)?;
+    let (shared_cold_seconds, _) = first_token(&mut open()?, &shared)?;
+    Ok(ReuseRow {
+        prompt_tokens: prompt.len(),
+        tail_tokens: tail,
+        every: cache.every(),
+        cold_seconds,
+        repeat_seconds,
+        repeat_run,
+        shared_cold_seconds,
+        shared_seconds,
+        shared_run,
+    })
 }
 
 /// One measured row. Decode figures cover the tokens after the warm-up.
@@ -132,6 +209,8 @@ pub struct BenchRow {
     pub limit_tps: Option<f64>,
     /// The n-gram table's row lookups and reads while decoding (models with a PLE layer).
     pub ngram: Option<NgramCounts>,
+    /// Prompt reuse, when asked for.
+    pub reuse: Option<ReuseRow>,
 }
 
 /// The whole run: what was measured against, and the rows.
@@ -211,6 +290,7 @@ pub fn run<B: Backend>(
                     options.source.context,
                     options.source.queue_depth,
                     crate::plan::prefill_chunk(backend, cfg, false),
+                    options.source.prompt_cache,
                 )
                 .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
             }
@@ -314,6 +394,21 @@ pub fn run<B: Backend>(
             let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
             let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
             let all = pool.slots() >= records;
+            let reuse = match options.reuse_tail {
+                Some(tail) => {
+                    progress("timing prompt reuse");
+                    Some(reuse_row(
+                        ckpt,
+                        &model,
+                        backend,
+                        &opened.experts,
+                        &prompt,
+                        tail,
+                        &mut rng,
+                    )?)
+                }
+                None => None,
+            };
             tracing::info!(
                 prefill_tps = stats.prefill_tps,
                 decode_tps = decode_tokens as f64 / seconds,
@@ -354,6 +449,7 @@ pub fn run<B: Backend>(
                     None
                 },
                 ngram: end.2.zip(n0).map(|(n1, n0)| n1 - n0),
+                reuse,
             });
         }
     }
@@ -453,6 +549,33 @@ impl BenchReport {
                     n.bytes_read as f64 / 1e3 / r.decode_tokens.max(1) as f64
                 );
             }
+        }
+        let reuse: Vec<_> = self
+            .rows
+            .iter()
+            .filter_map(|r| Some((r, r.reuse.as_ref()?)))
+            .collect();
+        if let Some((_, first)) = reuse.first() {
+            s += &format!(
+                "\nTime to first token of the {}-token prompt with prompt reuse (snapshots every {} tokens); \
+                 the shared-prefix prompt replaces its last {} tokens:\n\n",
+                first.prompt_tokens, first.every, first.tail_tokens
+            );
+            s += "| budget | lookahead | cold s | repeated s (tokens run) | shared prefix, cold s | shared prefix s (tokens run) |\n";
+            s += "|---|---|---:|---:|---:|---:|\n";
+        }
+        for (r, u) in reuse {
+            s += &format!(
+                "| {} | {} | {:.3} | {:.3} ({}) | {:.3} | {:.3} ({}) |\n",
+                r.budget,
+                if r.lookahead { "on" } else { "off" },
+                u.cold_seconds,
+                u.repeat_seconds,
+                u.repeat_run,
+                u.shared_cold_seconds,
+                u.shared_seconds,
+                u.shared_run
+            );
         }
         s
     }

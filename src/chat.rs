@@ -1,34 +1,36 @@
-//! Multi-turn chat that keeps the conversation's model state between turns: a new turn
-//! feeds only the tokens after what the state has already seen, instead of re-reading
-//! the whole conversation.
+//! Multi-turn chat that reuses the conversation's model state between turns: a new turn
+//! runs only the tokens after what the prompt cache holds, instead of re-reading the
+//! whole conversation.
 //!
 //! Earlier replies are kept as the exact ids that were generated (as the reference system
 //! splices them, reference-system.md B.5): a new turn renders the whole conversation
-//! with the chat template, and only the text after what the state has seen (the
-//! end-of-turn marker and the new message) is tokenized and run. When the rendering does
-//! not extend the previous one (a template that rewrites history), the conversation is
-//! tokenized and read again from the start.
+//! with the chat template, and only the text after what was rendered before (the
+//! end-of-turn marker and the new message) is tokenized and appended to those ids. When
+//! the rendering does not extend the previous one (a template that rewrites history), the
+//! conversation is tokenized again from the start. Either way the turn continues from the
+//! longest snapshot of the [`PromptCache`] that starts its ids: the end of the last
+//! reply, or an earlier turn's prompt.
 
 use crate::backend::Backend;
 use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::experts::ExpertSource;
-use crate::generate::{generate, GenerateOptions, GenerateStats};
-use crate::model::{Model, SequenceState};
+use crate::generate::{GenerateOptions, GenerateStats};
+use crate::model::Model;
+use crate::prompt_cache::PromptCache;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
-/// One conversation with its model state.
+/// One conversation with the prompt cache that holds its states.
 pub struct Conversation<B: Backend> {
     /// The messages so far, with the template's variables (and tools).
     pub chat: Chat,
     /// How many of `chat.messages` the conversation started with (a system prompt):
     /// [`Conversation::reset`] goes back to them.
     start: usize,
-    state: SequenceState<B>,
+    pub cache: PromptCache<B>,
     /// The rendered conversation so far (the template's output plus replies).
     text: Rendered,
-    /// Its ids: prompts as tokenized, replies as generated. The state has run all of
-    /// them but possibly the last reply token (sampled, not yet run).
+    /// Its ids: prompts as tokenized, replies as generated.
     history: Vec<u32>,
 }
 
@@ -39,7 +41,7 @@ pub struct Turn {
     /// The conversation's ids the reply was generated from.
     pub input_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
-    /// Prompt tokens taken from the kept state rather than re-read.
+    /// Prompt tokens taken from a snapshot rather than re-read.
     pub reused_tokens: usize,
     /// Prompt tokens run through the model for this turn.
     pub prompt_tokens: usize,
@@ -48,29 +50,29 @@ pub struct Turn {
 
 impl<B: Backend> Conversation<B> {
     /// A conversation starting from `chat` (usually no messages, or a system prompt, and
-    /// the template's variables such as `enable_thinking`).
-    pub fn new(model: &Model<B>, backend: &B, chat: Chat) -> Self {
+    /// the template's variables such as `enable_thinking`), its states kept in `cache`.
+    pub fn new(chat: Chat, cache: PromptCache<B>) -> Self {
         Conversation {
             start: chat.messages.len(),
             chat,
-            state: model.new_state(backend),
+            cache,
             text: Rendered::default(),
             history: Vec::new(),
         }
     }
 
-    /// Forgets the turns (keeping the messages the conversation started with) and the
-    /// model state.
-    pub fn reset(&mut self, model: &Model<B>, backend: &B) {
+    /// Forgets the turns, keeping the messages the conversation started with (and the
+    /// cache's snapshots: the next turn reuses the system prompt's).
+    pub fn reset(&mut self) {
         self.chat.messages.truncate(self.start);
-        self.state = model.new_state(backend);
         self.text = Rendered::default();
         self.history.clear();
     }
 
-    /// Adds the user's `text`, generates the reply (streamed to `on_text`) and keeps it.
+    /// Adds the user's `text`, generates the reply (streamed to `on_text`) and keeps it,
+    /// then saves the turn's snapshots when the cache has a directory.
     /// Errors: a template or forward-pass error; the conversation is unchanged by a turn
-    /// that failed before generating.
+    /// that failed.
     #[allow(clippy::too_many_arguments)]
     pub fn turn<E: ExpertSource>(
         &mut self,
@@ -86,95 +88,42 @@ impl<B: Backend> Conversation<B> {
         let mut chat = self.chat.clone();
         chat.messages.push(Message::new("user", text));
         let rendered = template.render(tokenizer, &chat)?;
-        let (ids, reused) = match rendered.strip_prefix(&self.text) {
-            Some(new_text)
-                if !self.text.is_empty() && self.history.starts_with(&self.state.tokens) =>
-            {
+        let ids = match rendered.strip_prefix(&self.text) {
+            Some(new_text) if !self.text.is_empty() => {
                 let mut ids = self.history.clone();
                 ids.extend(new_text.encode(tokenizer)?);
-                (ids, self.state.tokens.len())
+                ids
             }
-            _ => {
-                self.state = model.new_state(backend);
-                (rendered.encode(tokenizer)?, 0)
-            }
+            _ => rendered.encode(tokenizer)?,
         };
-        let result = self.run_turn(
-            model,
-            backend,
-            experts,
-            tokenizer,
-            options,
-            &ids,
-            reused,
-            &mut on_text,
-        );
-        let (reply, output_ids, stats) = match result {
-            Ok(r) => r,
-            Err(e) => {
-                // The state may be part-way through the turn: the next turn re-reads.
-                self.state = model.new_state(backend);
-                self.text = Rendered::default();
-                self.history.clear();
-                return Err(e);
-            }
-        };
-        let prompt_tokens = ids.len() - reused;
+        let mut decoder = StreamDecoder::new();
+        let mut reply = String::new();
+        let generated = self
+            .cache
+            .generate(model, backend, experts, &ids, options, |id| {
+                let piece = decoder.push(tokenizer, id)?;
+                on_text(&piece);
+                reply.push_str(&piece);
+                Ok(true)
+            })?;
+        let tail = decoder.finish(tokenizer)?;
+        on_text(&tail);
+        reply.push_str(&tail);
         chat.messages.push(Message::new("assistant", &reply));
         self.chat = chat;
         self.text = rendered;
         self.text.push_data(tokenizer, &reply);
         self.history = ids.clone();
-        self.history.extend_from_slice(&output_ids);
+        self.history.extend_from_slice(&generated.output_ids);
+        self.cache.save(model, backend);
         Ok(Turn {
             reply,
-            input_ids: ids.clone(),
-            output_ids,
-            reused_tokens: reused,
-            prompt_tokens,
-            stats,
+            input_ids: ids,
+            output_ids: generated.output_ids,
+            reused_tokens: generated.reused_tokens,
+            prompt_tokens: generated.stats.prompt_tokens,
+            stats: generated.stats,
         })
-    }
-
-    /// Generates from `ids[reused..]` after the kept state.
-    #[allow(clippy::too_many_arguments)]
-    fn run_turn<E: ExpertSource>(
-        &mut self,
-        model: &Model<B>,
-        backend: &B,
-        experts: &E,
-        tokenizer: &Tokenizer,
-        options: &GenerateOptions,
-        ids: &[u32],
-        reused: usize,
-        on_text: &mut impl FnMut(&str),
-    ) -> Result<(String, Vec<u32>, GenerateStats)> {
-        let prompt = &ids[reused..];
-        if prompt.is_empty() {
-            return Err(Error::InvalidInput(
-                "the rendered conversation adds no tokens".into(),
-            ));
-        }
-        let mut decoder = StreamDecoder::new();
-        let mut reply = String::new();
-        let (output_ids, stats) = generate(
-            model,
-            backend,
-            experts,
-            &mut self.state,
-            prompt,
-            options,
-            |id| {
-                let piece = decoder.push(tokenizer, id)?;
-                on_text(&piece);
-                reply.push_str(&piece);
-                Ok(true)
-            },
-        )?;
-        let tail = decoder.finish(tokenizer)?;
-        on_text(&tail);
-        reply.push_str(&tail);
-        Ok((reply, output_ids, stats))
     }
 }
 

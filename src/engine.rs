@@ -19,10 +19,9 @@
 //! order (the model's state and the slot pool serve one sequence at a time). Dropping the
 //! event stream cancels its request at the next token and releases its pins.
 //!
-//! Prefix reuse: the engine keeps the model state of its last few sequences. A request
-//! whose prompt ids start with every id a kept state has run continues from that state
-//! and runs only the rest (an exact token-prefix match: the recurrent layers' state
-//! cannot be rewound to a shorter prefix).
+//! Prompt reuse: the engine keeps snapshots of its sequences' states at prefix boundaries
+//! ([`crate::prompt_cache`]); a request continues from the longest snapshot whose tokens
+//! start its prompt and runs only the rest.
 
 use std::path::Path;
 use std::pin::Pin;
@@ -40,9 +39,10 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
-use crate::model::{Model, SequenceState};
+use crate::model::Model;
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::pool::{PoolStats, SlotPool};
+use crate::prompt_cache::{PromptCache, PromptCacheOptions, PromptCacheStats};
 use crate::sampling::SamplingOptions;
 use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
@@ -55,18 +55,19 @@ pub struct EngineOptions {
     /// most tokens (prompt and generated) one sequence may hold, at most the model's
     /// `max_position_embeddings` ([`crate::context`]).
     pub source: SourceOptions,
-    /// Sequence states kept for prefix reuse (0 turns reuse off).
-    pub prompt_cache: usize,
+    /// Snapshots kept for prompt reuse (in memory, and on disk with a directory); a
+    /// memory plan counts their bound (`source.prompt_cache` is set from it).
+    pub prompt_cache: PromptCacheOptions,
 }
 
 impl Default for EngineOptions {
     /// The default device, experts read from the memory-mapped checkpoint, a context of
-    /// 4096 tokens and 4 kept states.
+    /// 4096 tokens and the default prompt cache ([`PromptCacheOptions::default`]).
     fn default() -> Self {
         EngineOptions {
             device: None,
             source: SourceOptions::default(),
-            prompt_cache: 4,
+            prompt_cache: PromptCacheOptions::default(),
         }
     }
 }
@@ -118,7 +119,7 @@ pub enum Event {
     Done {
         output_ids: Vec<u32>,
         tail: String,
-        /// Prompt tokens taken from a kept state instead of being run
+        /// Prompt tokens taken from a snapshot instead of being run
         /// (`stats.prompt_tokens` counts those that were run).
         reused_tokens: usize,
         stats: GenerateStats,
@@ -131,13 +132,9 @@ pub enum Event {
 pub struct EngineStats {
     /// Requests that ran (completed, stopped or failed after starting).
     pub requests: u64,
-    /// Requests that continued from a kept state.
-    pub prefix_hits: u64,
-    pub prefix_misses: u64,
-    /// Prompt tokens not run thanks to kept states.
-    pub reused_tokens: u64,
-    /// States kept now.
-    pub kept_states: usize,
+    /// Prompt reuse: snapshot hits and misses, reused tokens, bytes in memory and on disk
+    /// (as of the end of the last request).
+    pub prompt_cache: PromptCacheStats,
 }
 
 /// A loaded model, shareable across tasks.
@@ -173,15 +170,16 @@ trait Runner: Send + Sync {
 
     /// The model's n-gram tables ([`Model::ngram_tables`]).
     fn ngram_tables(&self) -> Vec<Arc<NgramTable>>;
+
+    /// The prompt cache's counters.
+    fn prompt_cache_stats(&self) -> PromptCacheStats;
 }
 
 struct Loaded<B: Backend> {
     backend: B,
     model: Model<B>,
     experts: AnyExperts,
-    /// Kept sequence states, least recently used first.
-    kept: Mutex<Vec<SequenceState<B>>>,
-    prompt_cache: usize,
+    cache: Mutex<PromptCache<B>>,
 }
 
 impl Engine {
@@ -208,6 +206,10 @@ impl Engine {
                     }
                 };
             let ngram = runner.ngram_tables();
+            let stats = EngineStats {
+                requests: 0,
+                prompt_cache: runner.prompt_cache_stats(),
+            };
             let tokenizer = Tokenizer::load(&dir)?;
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
@@ -223,7 +225,7 @@ impl Engine {
                 vocab: ckpt.config.vocab_size,
                 pool,
                 ngram,
-                stats: Mutex::new(EngineStats::default()),
+                stats: Mutex::new(stats),
             })
         })
         .await
@@ -406,62 +408,29 @@ fn load_on<B: Backend + 'static>(
         &backend,
         ckpt,
         Arc::new(model.experts.clone()),
-        &options.source,
+        &SourceOptions {
+            prompt_cache: options.prompt_cache.memory,
+            ..options.source.clone()
+        },
         runtime,
     )?;
+    let cache = PromptCache::open(ckpt, &model, &backend, &options.prompt_cache)?;
     let loaded = Loaded {
         backend,
         model,
         experts: source.experts,
-        kept: Mutex::new(Vec::new()),
-        prompt_cache: options.prompt_cache,
+        cache: Mutex::new(cache),
     };
     Ok((loaded, source.pool))
-}
-
-impl<B: Backend> Loaded<B> {
-    /// The kept state with the longest run of ids that `prompt` starts with (leaving at
-    /// least one id to run), taken out of the cache, or a fresh state.
-    fn take_state(&self, prompt: &[u32]) -> SequenceState<B> {
-        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-        let best = kept
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| {
-                !s.tokens.is_empty()
-                    && s.tokens.len() < prompt.len()
-                    && prompt.starts_with(&s.tokens)
-            })
-            .max_by_key(|(_, s)| s.tokens.len())
-            .map(|(i, _)| i);
-        match best {
-            Some(i) => kept.remove(i),
-            None => self.model.new_state(&self.backend),
-        }
-    }
-
-    fn keep_state(&self, state: SequenceState<B>, shared: &Shared) {
-        if self.prompt_cache == 0 {
-            return;
-        }
-        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-        // A retry of the same request replaces its twin rather than evicting another.
-        kept.retain(|k| k.tokens != state.tokens);
-        kept.push(state);
-        if kept.len() > self.prompt_cache {
-            kept.remove(0);
-        }
-        shared
-            .stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .kept_states = kept.len();
-    }
 }
 
 impl<B: Backend> Runner for Loaded<B> {
     fn ngram_tables(&self) -> Vec<Arc<NgramTable>> {
         self.model.ngram_tables()
+    }
+
+    fn prompt_cache_stats(&self) -> PromptCacheStats {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats()
     }
 
     fn run(
@@ -471,47 +440,45 @@ impl<B: Backend> Runner for Loaded<B> {
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
     ) -> Result<()> {
-        let mut state = self.take_state(prompt);
-        let reused = state.tokens.len();
-        {
-            let mut s = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
-            s.requests += 1;
-            if reused > 0 {
-                s.prefix_hits += 1;
-                s.reused_tokens += reused as u64;
-            } else {
-                s.prefix_misses += 1;
-            }
-            s.kept_states = self.kept.lock().unwrap_or_else(|e| e.into_inner()).len();
-        }
+        // Requests run one at a time (the engine's runner lock): this never waits.
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(pool) = &shared.pool {
             pool.reset_stats();
         }
         let mut decoder = StreamDecoder::new();
-        let (output_ids, stats) = crate::generate::generate(
+        let generated = cache.generate(
             &self.model,
             &self.backend,
             &self.experts,
-            &mut state,
-            &prompt[reused..],
+            prompt,
             options,
             |id| {
                 let text = decoder.push(&shared.tokenizer, id)?;
                 // A closed channel means the caller dropped the stream: stop.
                 Ok(events.send(Ok(Event::Token { id, text })).is_ok())
             },
-        )?;
-        // A failed generation returned above and its state (possibly part-way through
-        // a step) is dropped; a finished or stopped one is consistent and kept.
-        self.keep_state(state, shared);
+        );
+        {
+            let mut s = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
+            s.requests += 1;
+            s.prompt_cache = cache.stats();
+        }
+        let generated = generated?;
         let tail = decoder.finish(&shared.tokenizer)?;
         let _ = events.send(Ok(Event::Done {
-            output_ids,
+            output_ids: generated.output_ids,
             tail,
-            reused_tokens: reused,
-            stats,
+            reused_tokens: generated.reused_tokens,
+            stats: generated.stats,
             pool: shared.pool.as_ref().map(|p| p.stats()),
         }));
+        // After the reply: a client does not wait for the disk.
+        cache.save(&self.model, &self.backend);
+        shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .prompt_cache = cache.stats();
         Ok(())
     }
 }

@@ -281,11 +281,14 @@ pub struct SourceOptions {
     pub placement: Option<Placement>,
     /// Record every lookup ([`SlotPool::take_trace`]).
     pub trace: bool,
+    /// Bytes a memory budget sets aside for prompt-cache snapshots (the engine sets it
+    /// from its [`crate::prompt_cache::PromptCacheOptions::memory`]).
+    pub prompt_cache: u64,
 }
 
 impl Default for SourceOptions {
     /// No pool; 4096 tokens of context, queue depth 32, direct I/O, pack if valid,
-    /// lookahead on.
+    /// lookahead on, no prompt cache.
     fn default() -> Self {
         SourceOptions {
             pool: None,
@@ -296,6 +299,7 @@ impl Default for SourceOptions {
             lookahead: true,
             placement: None,
             trace: false,
+            prompt_cache: 0,
         }
     }
 }
@@ -335,6 +339,7 @@ pub fn open_source<B: Backend>(
                 options.context,
                 options.queue_depth,
                 chunk,
+                options.prompt_cache,
             )?;
             tracing::info!(slots = p.slots, pool = %crate::plan::human(p.pool), "memory plan");
             let slots = p.slots;

@@ -65,6 +65,37 @@ pub fn generate<B: Backend, E: ExpertSource>(
     state: &mut SequenceState<B>,
     prompt: &[u32],
     options: &GenerateOptions,
+    on_token: impl FnMut(u32) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    let stops = PrefillStops {
+        at: &[],
+        on_stop: |_: &SequenceState<B>| Ok(()),
+    };
+    generate_with(
+        model, backend, experts, state, prompt, options, stops, on_token,
+    )
+}
+
+/// Where a prefill pauses so that the caller can look at the state (the prompt cache
+/// takes its snapshots there): after `at[i]` tokens of the prompt (ascending, each below
+/// the prompt's length), `on_stop` is called with the state.
+pub struct PrefillStops<'a, F> {
+    pub at: &'a [usize],
+    pub on_stop: F,
+}
+
+/// [`generate`], pausing the prefill at `stops`. The prompt runs in chunks of
+/// [`Model::prefill_chunk`] between stops. Errors: as [`generate`], stops that are not
+/// ascending or not inside the prompt, and what `on_stop` returns.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut SequenceState<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    mut stops: PrefillStops<'_, impl FnMut(&SequenceState<B>) -> Result<()>>,
     mut on_token: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
@@ -72,6 +103,13 @@ pub fn generate<B: Backend, E: ExpertSource>(
         return Err(Error::InvalidInput(
             "the prompt is empty (nothing to continue from)".into(),
         ));
+    }
+    if stops.at.windows(2).any(|w| w[0] >= w[1]) || stops.at.last() >= Some(&prompt.len()) {
+        return Err(Error::Internal(format!(
+            "prefill stops {:?} in a prompt of {} tokens",
+            stops.at,
+            prompt.len()
+        )));
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
     let max_tokens = options.max_tokens.min(room);
@@ -92,15 +130,21 @@ pub fn generate<B: Backend, E: ExpertSource>(
         // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
         let mut logits = Vec::new();
         let mut done = 0;
-        for chunk in prompt.chunks(model.prefill_chunk(backend, Logits::Last)) {
-            logits = model.forward(backend, state, chunk, experts, Logits::Last)?;
-            done += chunk.len();
-            if options.cancelled() {
-                experts.end_prefill(false);
-                stats.finish_reason = "stopped".into();
-                stats.prefill_seconds = start.elapsed().as_secs_f64();
-                stats.prefill_tps = rate(done, stats.prefill_seconds);
-                return Ok((out, stats));
+        let chunk = model.prefill_chunk(backend, Logits::Last);
+        for end in stops.at.iter().copied().chain([prompt.len()]) {
+            for piece in prompt[done..end].chunks(chunk) {
+                logits = model.forward(backend, state, piece, experts, Logits::Last)?;
+                done += piece.len();
+                if options.cancelled() {
+                    experts.end_prefill(false);
+                    stats.finish_reason = "stopped".into();
+                    stats.prefill_seconds = start.elapsed().as_secs_f64();
+                    stats.prefill_tps = rate(done, stats.prefill_seconds);
+                    return Ok((out, stats));
+                }
+            }
+            if end < prompt.len() {
+                (stops.on_stop)(state)?;
             }
         }
         experts.end_prefill(true);

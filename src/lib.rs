@@ -15,9 +15,9 @@
 //! - [`tokenizer`], [`chat_template`], [`reply`]: tokenizing, rendering conversations so
 //!   that control tokens come only from the template, and reading reasoning and tool
 //!   calls out of a reply.
-//! - [`generate`], [`chat`], [`engine`]: generation, multi-turn chat, and the async
-//!   library API with prefix reuse; [`sampling`] picks each token and [`context`]
-//!   bounds a sequence.
+//! - [`generate`], [`prompt_cache`], [`chat`], [`engine`]: generation, snapshots of
+//!   sequence states for prompt reuse (in memory and on disk), multi-turn chat, and the
+//!   async library API; [`sampling`] picks each token and [`context`] bounds a sequence.
 //! - [`server`]: the OpenAI-compatible HTTP API on the engine.
 
 pub mod atomic_file;
@@ -39,6 +39,7 @@ pub mod ngram;
 pub mod pack;
 pub mod plan;
 pub mod pool;
+pub mod prompt_cache;
 pub mod reply;
 pub mod routing_model;
 pub mod sampling;

@@ -18,6 +18,7 @@ use slotstream::io::IoMode;
 use slotstream::model::Model;
 use slotstream::plan::Plan;
 use slotstream::pool::{PoolStats, SlotPool};
+use slotstream::prompt_cache::{PromptCache, PromptCacheOptions};
 use slotstream::sampling::{SamplingInput, SamplingOptions};
 use slotstream::score::Score;
 use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
@@ -87,7 +88,106 @@ struct ChatArgs {
     #[command(flatten)]
     stream: StreamArgs,
     #[command(flatten)]
+    prompt_cache: PromptCacheArgs,
+    #[command(flatten)]
     trace: TraceArgs,
+}
+
+/// Prompt reuse (`chat`, `serve`, and `generate` with a directory): snapshots of the
+/// sequence states at prefix boundaries.
+#[derive(Args)]
+struct PromptCacheArgs {
+    /// Memory for prompt-reuse snapshots: a size (2GiB), a share of --memory-budget
+    /// (10%), or 0 (off). Default: 10% of --memory-budget, else 2GiB. With
+    /// --memory-budget it is one of the plan's terms.
+    #[arg(long)]
+    prompt_cache: Option<CacheSize>,
+    /// Tokens between snapshots of a long prefill (0: only at the ends of prompts).
+    #[arg(long, default_value_t = 1024)]
+    prompt_cache_every: usize,
+    /// Also write snapshots to this directory (created if missing), to reuse them after a
+    /// restart.
+    #[arg(long)]
+    prompt_cache_dir: Option<PathBuf>,
+    /// Most bytes the snapshot files in --prompt-cache-dir may take (every model's); the
+    /// least recently used go first.
+    #[arg(long, default_value = "16GiB", value_parser = slotstream::plan::parse_size)]
+    prompt_cache_disk: u64,
+}
+
+impl Default for PromptCacheArgs {
+    /// As the flags' defaults.
+    fn default() -> Self {
+        let o = PromptCacheOptions::default();
+        PromptCacheArgs {
+            prompt_cache: None,
+            prompt_cache_every: o.every,
+            prompt_cache_dir: None,
+            prompt_cache_disk: o.disk,
+        }
+    }
+}
+
+impl PromptCacheArgs {
+    /// The library's options, a share taken of `memory_budget`. Errors: a share without
+    /// a budget.
+    fn options(&self, memory_budget: Option<u64>) -> Result<PromptCacheOptions> {
+        Ok(PromptCacheOptions {
+            memory: CacheSize::bytes(self.prompt_cache, memory_budget)?,
+            every: self.prompt_cache_every,
+            dir: self.prompt_cache_dir.clone(),
+            disk: self.prompt_cache_disk,
+        })
+    }
+}
+
+/// `--prompt-cache`: bytes, or a share of the memory budget.
+#[derive(Clone, Copy, Debug)]
+enum CacheSize {
+    Bytes(u64),
+    Share(f64),
+}
+
+/// The share of a memory budget the prompt cache gets by default.
+const DEFAULT_CACHE_SHARE: f64 = 0.10;
+
+impl CacheSize {
+    /// Bytes of `size` (by default 10% of the budget, else the library's default) within
+    /// `memory_budget`. Errors: a share without a budget.
+    fn bytes(size: Option<CacheSize>, memory_budget: Option<u64>) -> Result<u64> {
+        let size = size.unwrap_or(match memory_budget {
+            Some(_) => CacheSize::Share(DEFAULT_CACHE_SHARE),
+            None => CacheSize::Bytes(PromptCacheOptions::default().memory),
+        });
+        match (size, memory_budget) {
+            (CacheSize::Bytes(n), _) => Ok(n),
+            (CacheSize::Share(share), Some(budget)) => Ok((share * budget as f64) as u64),
+            (CacheSize::Share(_), None) => {
+                bail!(
+                    "--prompt-cache as a share (%) needs --memory-budget; give a size such as 2GiB"
+                )
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for CacheSize {
+    type Err = String;
+
+    /// `0`, a size (`2GiB`) or a share (`10%`, 0 to 100).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        if t == "0" {
+            return Ok(CacheSize::Bytes(0));
+        }
+        match t.strip_suffix('%') {
+            Some(pct) => match pct.trim().parse::<f64>() {
+                Ok(p) if (0.0..=100.0).contains(&p) => Ok(CacheSize::Share(p / 100.0)),
+                _ => Err(format!("`{s}` is not a share from 0% to 100%")),
+            },
+            None => slotstream::plan::parse_size(t).map(CacheSize::Bytes),
+        }
+    }
 }
 
 /// Chat template variables (`generate` with the template, `chat`).
@@ -141,6 +241,11 @@ struct PlanArgs {
     /// Reads in flight.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
+    /// Memory for prompt-reuse snapshots to plan for, as `chat` and `serve` take it
+    /// (they default to 10% of the budget). Default 0: `generate` without
+    /// --prompt-cache-dir and `score` keep no snapshots.
+    #[arg(long)]
+    prompt_cache: Option<CacheSize>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -226,6 +331,10 @@ struct BenchArgs {
     /// Seed of the prompt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also time the first token with prompt reuse: the prompt cold, again, and with its
+    /// last N tokens replaced (a shared prefix), with the tokens each runs.
+    #[arg(long, value_name = "N")]
+    reuse_tail: Option<usize>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -265,9 +374,8 @@ struct ServeArgs {
     /// Requests running or waiting at once; more get 503 with Retry-After.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     queue: u32,
-    /// Conversation states kept for prefix reuse (0: off).
-    #[arg(long, default_value_t = 4)]
-    prompt_cache: usize,
+    #[command(flatten)]
+    prompt_cache: PromptCacheArgs,
     /// New tokens when a request does not give max_tokens.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
@@ -342,6 +450,9 @@ struct GenerateArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    /// Reuse across runs needs --prompt-cache-dir (without it nothing outlives the run).
+    #[command(flatten)]
+    prompt_cache: PromptCacheArgs,
     #[command(flatten)]
     trace: TraceArgs,
 }
@@ -623,19 +734,23 @@ impl StreamArgs {
 }
 
 /// A model and the expert source the stream flags ask for (the memory-mapped checkpoint,
-/// or a slot pool attached to the backend, tracing if asked), with the runtime its reads
-/// run on. Fields drop in order: the pool before its runtime.
+/// or a slot pool attached to the backend, tracing if asked), its prompt cache, with the
+/// runtime its reads run on. Fields drop in order: the pool before its runtime.
 struct Streamed<B: Backend> {
     model: Model<B>,
     source: OpenedSource,
+    cache: PromptCache<B>,
     _runtime: tokio::runtime::Runtime,
 }
 
+/// Loads as [`Streamed`] says; a memory budget sets `cache.memory` aside for the prompt
+/// cache.
 fn load_streamed<B: Backend>(
     backend: &B,
     ckpt: &Arc<Checkpoint>,
     a: &StreamArgs,
     trace: &TraceArgs,
+    cache: &PromptCacheOptions,
 ) -> Result<Streamed<B>> {
     let mut model = Model::load(ckpt, backend).context("loading weights")?;
     let mut options = a.source();
@@ -644,10 +759,13 @@ fn load_streamed<B: Backend>(
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let index = Arc::new(model.experts.clone());
     options.trace = trace.trace.is_some();
+    options.prompt_cache = cache.memory;
     let source = open_source(backend, ckpt, index, &options, runtime.handle().clone())?;
+    let cache = PromptCache::open(ckpt, &model, backend, cache).context("the prompt cache")?;
     Ok(Streamed {
         model,
         source,
+        cache,
         _runtime: runtime,
     })
 }
@@ -673,7 +791,11 @@ fn score_on<B: Backend>(
     a: &StreamArgs,
     trace: &TraceArgs,
 ) -> Result<Score> {
-    let m = load_streamed(backend, ckpt, a, trace)?;
+    let off = PromptCacheOptions {
+        memory: 0,
+        ..Default::default()
+    };
+    let m = load_streamed(backend, ckpt, a, trace, &off)?;
     let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
     finish_pool(&m.source.pool, trace, a.stats)?;
     Ok(s)
@@ -780,17 +902,22 @@ fn generate_on<B: Backend>(
     pool_json: bool,
 ) -> Result<()> {
     use std::io::Write;
+    let mut cache_options = args.prompt_cache.options(args.stream.memory_budget)?;
+    if cache_options.dir.is_none() {
+        // Nothing outlives the run: no snapshots to take.
+        cache_options.memory = 0;
+    }
     let Streamed {
         model,
         source,
+        mut cache,
         _runtime,
-    } = load_streamed(backend, ckpt, &args.stream, &args.trace)?;
+    } = load_streamed(backend, ckpt, &args.stream, &args.trace, &cache_options)?;
     let OpenedSource {
         experts,
         pool,
         plan,
     } = source;
-    let mut state = model.new_state(backend);
     let mut decoder = StreamDecoder::new();
     let mut text = String::new();
     let mut stdout = std::io::stdout();
@@ -813,35 +940,31 @@ fn generate_on<B: Backend>(
         cancel: Some(interrupted.clone()),
         ..options.clone()
     };
-    let (ids, stats) = slotstream::generate::generate(
-        &model,
-        backend,
-        &experts,
-        &mut state,
-        prompt,
-        &options,
-        |id| {
-            let piece = decoder.push(tokenizer, id)?;
-            if !args.json {
-                print!("{piece}");
-                let _ = stdout.flush();
-            }
-            text.push_str(&piece);
-            Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
-        },
-    )?;
+    let generated = cache.generate(&model, backend, &experts, prompt, &options, |id| {
+        let piece = decoder.push(tokenizer, id)?;
+        if !args.json {
+            print!("{piece}");
+            let _ = stdout.flush();
+        }
+        text.push_str(&piece);
+        Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
+    })?;
+    let (ids, stats) = (&generated.output_ids, &generated.stats);
     let tail = decoder.finish(tokenizer)?;
     if !args.json {
         print!("{tail}");
     }
     text.push_str(&tail);
     let pool_stats = pool.as_ref().map(|p| p.stats());
+    cache.save(&model, backend);
     if args.json {
         let out = serde_json::json!({
             "prompt_ids": prompt,
             "output_ids": ids,
             "text": text,
             "stats": stats,
+            "reused_tokens": generated.reused_tokens,
+            "prompt_cache": cache.stats(),
             "pool": pool_stats,
             "plan": plan,
             "peak_rss_bytes": slotstream::plan::peak_rss(),
@@ -851,20 +974,29 @@ fn generate_on<B: Backend>(
         println!();
     }
     if args.stream.stats {
-        eprint!("{}", summary(&stats, pool_stats.as_ref()));
+        eprint!(
+            "{}",
+            summary(stats, generated.reused_tokens, pool_stats.as_ref())
+        );
+        eprintln!("prompt cache: {}", serde_json::to_string(&cache.stats())?);
     }
     finish_pool(&pool, &args.trace, pool_json)
 }
 
-/// The run in words, for `--stats` and the demo: prefill and decode rates, peak RSS, and
+/// The run in words, for `--stats` and the demo: prefill and decode rates (with the prompt
+/// tokens a snapshot spared, `reused`), peak RSS, and
 /// with a pool its hit rate, everything read from the disk split by why it was read, and
 /// the share of decode time spent waiting on reads.
-fn summary(stats: &slotstream::generate::GenerateStats, pool: Option<&PoolStats>) -> String {
+fn summary(
+    stats: &slotstream::generate::GenerateStats,
+    reused: usize,
+    pool: Option<&PoolStats>,
+) -> String {
     use slotstream::plan::human;
     // With --max-tokens 0 nothing runs, not even the prefill.
     let prefill = if stats.prefill_seconds > 0.0 {
         format!(
-            "prefill {} tokens at {:.1} tok/s",
+            "prefill {} tokens at {:.1} tok/s ({reused} reused)",
             stats.prompt_tokens, stats.prefill_tps
         )
     } else {
@@ -1164,6 +1296,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         sampling: SamplingArgs::default(),
         json: args.json,
         device: args.device,
+        prompt_cache: PromptCacheArgs::default(),
         stream: StreamArgs {
             pool_slots: Some(slots),
             experts_per_layer: None,
@@ -1215,11 +1348,13 @@ fn chat_on<B: Backend>(
 ) -> Result<()> {
     use slotstream::chat::{read_input, ChatInput};
     use std::io::Write;
+    let cache_options = args.prompt_cache.options(args.stream.memory_budget)?;
     let Streamed {
         model,
         source,
+        cache,
         _runtime,
-    } = load_streamed(backend, ckpt, &args.stream, &args.trace)?;
+    } = load_streamed(backend, ckpt, &args.stream, &args.trace, &cache_options)?;
     let OpenedSource { experts, pool, .. } = source;
     let mut start = Chat {
         kwargs: args.template.kwargs()?,
@@ -1228,7 +1363,7 @@ fn chat_on<B: Backend>(
     if let Some(system) = &args.system {
         start.messages.push(Message::new("system", system));
     }
-    let mut conversation = slotstream::chat::Conversation::new(&model, backend, start);
+    let mut conversation = slotstream::chat::Conversation::new(start, cache);
     let mut stdin = std::io::stdin().lock();
     let mut stdout = std::io::stdout();
     eprintln!(
@@ -1240,7 +1375,7 @@ fn chat_on<B: Backend>(
         let text = match input {
             ChatInput::Exit => break,
             ChatInput::Reset => {
-                conversation.reset(&model, backend);
+                conversation.reset();
                 eprintln!("(conversation reset)");
                 continue;
             }
@@ -1278,6 +1413,12 @@ fn chat_on<B: Backend>(
             );
         }
     }
+    if args.stream.stats {
+        eprintln!(
+            "prompt cache: {}",
+            serde_json::to_string(&conversation.cache.stats())?
+        );
+    }
     finish_pool(&pool, &args.trace, args.stream.stats)
 }
 
@@ -1313,7 +1454,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         let options = EngineOptions {
             device: args.device.clone(),
             source: args.stream.source(),
-            prompt_cache: args.prompt_cache,
+            prompt_cache: args.prompt_cache.options(args.stream.memory_budget)?,
         };
         let engine = Engine::load(&args.model, options)
             .await
@@ -1361,6 +1502,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         warmup: args.warmup,
         source: args.io.source(),
         seed: args.seed,
+        reuse_tail: args.reuse_tail,
     };
     if args.prompt_len == 0 {
         bail!("--prompt-len must be at least 1");
@@ -1398,6 +1540,10 @@ fn plan(args: PlanArgs) -> Result<()> {
         args.context,
         args.queue_depth,
         slotstream::plan::PREFILL_CHUNK,
+        CacheSize::bytes(
+            Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
+            Some(args.memory_budget),
+        )?,
     )?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);

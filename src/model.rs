@@ -18,7 +18,12 @@
 //! `1 + w`; a checkpoint may store them centered (the Hugging Face release) or with the
 //! `+1` folded in (MLX conversions): [`NormConvention`] tells them apart.
 
-use std::sync::Arc;
+mod snapshot;
+
+use std::sync::{Arc, Mutex};
+
+use snapshot::{lock_kv, SharedKv, Writer};
+pub use snapshot::{ImageTensor, Snapshot, StateImage};
 
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
 use crate::backend::{
@@ -285,7 +290,9 @@ enum LayerState<B: Backend> {
         ple_conv: Option<B::Tensor>,
     },
     Attention {
-        kv: B::KvCache,
+        /// Shared with the sequence's prompt-cache snapshots, which keep a prefix of it
+        /// ([`Snapshot`]).
+        kv: SharedKv<B>,
         /// The QSA indexer's keys, on a layer that has one.
         index: Option<IndexKeys<B>>,
     },
@@ -303,7 +310,8 @@ struct IndexKeys<B: Backend> {
 }
 
 /// Everything one sequence carries between forward calls: per-layer conv and recurrent
-/// states, KV caches, and the tokens consumed so far.
+/// states, KV caches, and the tokens consumed so far. [`SequenceState::snapshot`] keeps a
+/// copy to continue from later.
 pub struct SequenceState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// Tokens already processed, in order.
@@ -313,6 +321,8 @@ pub struct SequenceState<B: Backend> {
     /// Set while a forward call runs: a call that failed part-way leaves some layers
     /// advanced and others not, so the state must not be used again.
     broken: bool,
+    /// This sequence appends to its KV caches, which snapshots may share.
+    writer: Writer,
 }
 
 impl<B: Backend> SequenceState<B> {
@@ -794,7 +804,9 @@ impl<B: Backend> Model<B> {
                     },
                 },
                 LayerKind::FullAttention => LayerState::Attention {
-                    kv: backend.new_kv_cache(cfg.num_key_value_heads * cfg.head_dim),
+                    kv: Arc::new(Mutex::new(
+                        backend.new_kv_cache(cfg.num_key_value_heads * cfg.head_dim),
+                    )),
                     index: match &layer.mixer {
                         Mixer::Attention(Attention {
                             indexer: Some(_), ..
@@ -814,6 +826,7 @@ impl<B: Backend> Model<B> {
             tokens: Vec::new(),
             routing: self.routing.as_ref().map(RoutingModel::new_state),
             broken: false,
+            writer: Writer::new_line(),
         }
     }
 
@@ -951,7 +964,7 @@ impl<B: Backend> Model<B> {
                         },
                     ) => self.delta_net(backend, w, &x, conv, recurrent),
                     (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
-                        self.attention(backend, w, &x, kv, index.as_mut())?
+                        self.attention(backend, w, &x, &mut lock_kv(kv), index.as_mut())?
                     }
                     _ => unreachable!("state layout follows the model's layer kinds"),
                 };

@@ -3,7 +3,7 @@
 //! system's Plan.swift splits its budget the same way, reference-system.md B.3).
 //!
 //! budget = resident weights + KV cache and recurrent state for the context
-//!        + activations and workspaces + read staging + runtime + pool
+//!        + activations and workspaces + read staging + runtime + prompt cache + pool
 
 use serde::Serialize;
 
@@ -67,6 +67,8 @@ pub struct Plan {
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
     pub runtime: u64,
+    /// Snapshots of the prompt cache (its memory bound, [`crate::prompt_cache`]).
+    pub prompt_cache: u64,
     /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
     /// What the budget leaves beyond the pool (slots cannot outnumber records).
@@ -79,9 +81,10 @@ pub struct Plan {
 
 impl Plan {
     /// Plans `budget` bytes for `ckpt` with room for `context` tokens, `queue_depth`
-    /// reads in flight and prefill passes of `chunk` tokens (the backend's
-    /// `Model::prefill_chunk`; [`PREFILL_CHUNK`] on the CPU). Errors: a budget that leaves
-    /// less than the pool's floor (the message gives every term).
+    /// reads in flight, prefill passes of `chunk` tokens (the backend's
+    /// `Model::prefill_chunk`; [`PREFILL_CHUNK`] on the CPU) and `prompt_cache` bytes of
+    /// prompt-cache snapshots. Errors: a budget that leaves less than the pool's floor (the
+    /// message gives every term).
     pub fn new(
         ckpt: &Checkpoint,
         index: &ExpertIndex,
@@ -89,6 +92,7 @@ impl Plan {
         context: usize,
         queue_depth: usize,
         chunk: usize,
+        prompt_cache: u64,
     ) -> Result<Self> {
         let cfg = &ckpt.config;
         let resident_weights: u64 = resident_tensors(ckpt).map(|(_, held)| held).sum();
@@ -122,7 +126,8 @@ impl Plan {
             + 2 * index.num_experts as u64 * slot_bytes;
         let staging = queue_depth as u64 * slot_bytes;
         let runtime = RUNTIME_BYTES;
-        let fixed = resident_weights + context_state + workspaces + staging + runtime;
+        let fixed =
+            resident_weights + context_state + workspaces + staging + runtime + prompt_cache;
         let left = budget.saturating_sub(fixed);
         let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
         let records = index.records();
@@ -137,6 +142,7 @@ impl Plan {
             workspaces,
             staging,
             runtime,
+            prompt_cache,
             pool,
             unused,
             slot_bytes,
@@ -162,13 +168,14 @@ impl Plan {
 
     fn terms(&self) -> String {
         format!(
-            "resident weights {}, context state for {} tokens {}, workspaces {}, staging {}, runtime {}",
+            "resident weights {}, context state for {} tokens {}, workspaces {}, staging {}, runtime {}, prompt cache {}",
             human(self.resident_weights),
             self.context,
             human(self.context_state),
             human(self.workspaces),
             human(self.staging),
-            human(self.runtime)
+            human(self.runtime),
+            human(self.prompt_cache)
         )
     }
 
@@ -180,6 +187,7 @@ impl Plan {
             ("workspaces", self.workspaces),
             ("read staging", self.staging),
             ("runtime", self.runtime),
+            ("prompt cache", self.prompt_cache),
             ("slot pool", self.pool),
             ("unused", self.unused),
         ];

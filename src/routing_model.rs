@@ -264,6 +264,18 @@ pub struct RoutingState {
     context: Vec<Vec<f32>>,
 }
 
+impl RoutingState {
+    /// Each layer's context vector (for a prompt-cache snapshot on disk).
+    pub fn contexts(&self) -> &[Vec<f32>] {
+        &self.context
+    }
+
+    /// The same, to restore a snapshot's values (each vector keeps its length).
+    pub(crate) fn contexts_mut(&mut self) -> &mut [Vec<f32>] {
+        &mut self.context
+    }
+}
+
 /// One layer's routing of a chunk of tokens ([`RoutingModel::route_chunk`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChunkRouting {

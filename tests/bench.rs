@@ -300,6 +300,7 @@ fn bench_report_has_every_field_and_consistent_counts() {
         warmup: 4,
         source: SourceOptions::default(),
         seed: rand::random(),
+        reuse_tail: Some(10),
     };
     let report = run(&backend, &ckpt, &options, &runtime, |_| {}).unwrap();
     let index = ExpertIndex::build(&ckpt).unwrap();
@@ -333,6 +334,12 @@ fn bench_report_has_every_field_and_consistent_counts() {
         );
         assert!((0.0..=1.0).contains(&r.hit_rate) && r.decode_tps > 0.0 && r.prefill_tps > 0.0);
         assert_eq!(r.prefill_tokens, 40);
+        // Prompt reuse: the repeated prompt runs one token, the one with a new tail at most
+        // the tail and the tokens after the last snapshot interval.
+        let u = r.reuse.as_ref().unwrap();
+        assert_eq!((u.prompt_tokens, u.tail_tokens, u.repeat_run), (40, 10, 1));
+        assert!(u.shared_run <= 10 + u.every, "{u:?}");
+        assert!(u.cold_seconds > 0.0 && u.shared_cold_seconds > 0.0, "{u:?}");
         if !r.lookahead {
             assert_eq!(
                 (r.prefetches_used, r.prefetches_wasted, r.speculative_bytes),
@@ -413,6 +420,7 @@ fn a_budget_below_the_floor_is_refused_before_any_row_runs() {
         warmup: 2,
         source: SourceOptions::default(),
         seed: rand::random(),
+        reuse_tail: None,
     };
     let mut steps = Vec::new();
     let err = run(

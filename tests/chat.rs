@@ -1,5 +1,7 @@
 //! Multi-turn chat keeps the model state between turns: later turns read only the new
-//! tokens, and give the same tokens as re-reading the whole conversation. Chat templates
+//! tokens, and give the same tokens as re-reading the whole conversation; a reset
+//! conversation reuses its first prompt's snapshot, also after a restart with a snapshot
+//! directory. Chat templates
 //! render as transformers renders them (the real Qwen3 and Qwen3-Coder templates, token
 //! for token), and a message's special-token texts come out as plain text.
 
@@ -12,6 +14,7 @@ use slotstream::chat::Conversation;
 use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message, ToolChoice};
 use slotstream::engine::Input;
 use slotstream::generate::GenerateOptions;
+use slotstream::prompt_cache::{PromptCache, PromptCacheOptions};
 use slotstream::server::openai::{ApiRequest, ChatRequest};
 use slotstream::tokenizer::Tokenizer;
 
@@ -30,21 +33,30 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         cancel: None,
     };
     let turns = ["the cat sat on the mat", "and then what", "tell me more"];
-    let mut kept = Conversation::new(&l.model, &CpuBackend, Chat::default());
+    let snapshots = tempfile::tempdir().unwrap();
+    let cache_options = PromptCacheOptions {
+        dir: Some(snapshots.path().to_path_buf()),
+        ..Default::default()
+    };
+    let cache = || PromptCache::open(&l.ckpt, &l.model, &CpuBackend, &cache_options).unwrap();
+    let turn = |c: &mut Conversation<CpuBackend>, text: &str| {
+        c.turn(
+            &l.model,
+            &CpuBackend,
+            &l.experts,
+            &tok,
+            &template,
+            text,
+            &options,
+            |_| {},
+        )
+        .unwrap()
+    };
+    let mut kept = Conversation::new(Chat::default(), cache());
     let mut reused_any = false;
+    let mut first = None;
     for (i, text) in turns.iter().enumerate() {
-        let t = kept
-            .turn(
-                &l.model,
-                &CpuBackend,
-                &l.experts,
-                &tok,
-                &template,
-                text,
-                &options,
-                |_| {},
-            )
-            .unwrap();
+        let t = turn(&mut kept, text);
         if i > 0 {
             reused_any |= t.reused_tokens > 0;
         }
@@ -71,8 +83,23 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
                 "turn {i}: reuse must read only the new tokens"
             );
         }
+        first.get_or_insert(t);
     }
     assert!(reused_any, "no turn reused the kept state");
+    // The first turn again, after a reset and after a restart: all but the prompt's
+    // last token come from the snapshot taken at the end of the first turn's prompt.
+    let first = first.unwrap();
+    let mut after_reset = kept;
+    after_reset.reset();
+    for mut conversation in [after_reset, Conversation::new(Chat::default(), cache())] {
+        let t = turn(&mut conversation, turns[0]);
+        assert_eq!(t.input_ids, first.input_ids);
+        assert_eq!(
+            (t.reused_tokens, t.prompt_tokens),
+            (first.input_ids.len() - 1, 1)
+        );
+        assert_eq!(t.output_ids, first.output_ids);
+    }
 }
 
 /// The chat endpoint's conversation for an OpenAI request body.

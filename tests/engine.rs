@@ -1,14 +1,28 @@
 //! The library API: an `Engine` shared by concurrent tasks gives each the same greedy
 //! tokens as mlx-lm, dropping a stream cancels its request without leaving pins, and chat
-//! input gets control tokens only from the template.
+//! input gets control tokens only from the template. Prompt reuse: warm runs from
+//! snapshots give a cold run's greedy ids at prefix lengths around chunk and snapshot
+//! edges (CPU and GPU, every model family and synthetic routing), concurrent requests
+//! share a prefix, a small memory bound evicts the least recently used snapshots, and
+//! snapshot files survive a restart while corrupt, truncated and foreign ones are skipped.
+//! The backends' KV cache copies agree with each other.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::*;
 use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::{AttnDims, Backend};
 use slotstream::chat_template::{Chat, Message};
+use slotstream::checkpoint::Checkpoint;
 use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
-use slotstream::experts::{PoolSize, SourceOptions};
+use slotstream::experts::{ExpertSource, MappedExperts, PoolSize, SourceOptions};
+use slotstream::generate::{generate, GenerateOptions};
+use slotstream::model::Model;
+use slotstream::prompt_cache::{Generated, PromptCache, PromptCacheOptions};
 
 fn expected(name: &str) -> Vec<u32> {
     reference(name)
@@ -184,4 +198,500 @@ async fn generation_stops_at_the_context() {
         v["max_position_embeddings"] = serde_json::json!(24)
     });
     assert_eq!(load(8192).await.unwrap().context(), 24);
+}
+
+/// Generation options for the reuse tests: `n` tokens, greedy, no EOS (every run is `n`
+/// long).
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: n,
+        sampling: Default::default(),
+        eos_ids: vec![],
+        cancel: None,
+    }
+}
+
+/// Greedy ids of `prompt` from a fresh state, without the prompt cache.
+fn cold<B: Backend, E: ExpertSource>(m: &Model<B>, b: &B, e: &E, prompt: &[u32]) -> Vec<u32> {
+    let mut state = m.new_state(b);
+    generate(m, b, e, &mut state, prompt, &greedy(4), |_| Ok(true))
+        .unwrap()
+        .0
+}
+
+fn warm<B: Backend, E: ExpertSource>(
+    cache: &mut PromptCache<B>,
+    m: &Model<B>,
+    b: &B,
+    e: &E,
+    prompt: &[u32],
+) -> Generated {
+    cache
+        .generate(m, b, e, prompt, &greedy(4), |_| Ok(true))
+        .unwrap()
+}
+
+/// `n` random ids below `vocab` from `rng`.
+fn ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// For each `l` of `reused`: a prompt of `l + 1` tokens run twice (the second run
+/// continues from the snapshot before its last token: `l` reused, one run), a prompt of
+/// the same `l` tokens and another tail, the first prompt's follow-up (prompt, reply and
+/// one more token: from the state after the reply), and the first prompt again (its
+/// snapshot's KV line was taken over by the follow-up). Every run's greedy ids equal a
+/// cold run's.
+fn warm_equals_cold<B: Backend>(ckpt: &Checkpoint, model: &Model<B>, b: &B, reused: &[usize]) {
+    let e = MappedExperts::new(
+        Arc::new(Checkpoint::open(&ckpt.dir).unwrap()),
+        Arc::new(model.experts.clone()),
+    );
+    let vocab = model.config.vocab_size;
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let longest = reused.iter().max().unwrap() + 1;
+    let base = ids(&mut rng, longest, vocab);
+    let what = format!("{} on {}, seed {seed}", ckpt.dir.display(), b.name());
+    for &l in reused {
+        let mut cache = PromptCache::open(ckpt, model, b, &PromptCacheOptions::default()).unwrap();
+        let p = &base[..l + 1];
+        let first = warm(&mut cache, model, b, &e, p);
+        assert_eq!(first.reused_tokens, 0, "{what}: {l}");
+        assert_eq!(first.output_ids, cold(model, b, &e, p), "{what}: {l} cold");
+        let again = warm(&mut cache, model, b, &e, p);
+        assert_eq!(
+            (again.reused_tokens, again.stats.prompt_tokens),
+            (l, 1),
+            "{what}: {l} repeated"
+        );
+        assert_eq!(again.output_ids, first.output_ids, "{what}: {l} repeated");
+        let mut other = base[..l].to_vec();
+        other.extend([
+            (base[l] + 1) % vocab as u32,
+            rng.random_range(0..vocab as u32),
+        ]);
+        let r = warm(&mut cache, model, b, &e, &other);
+        assert_eq!(r.reused_tokens, l, "{what}: {l} other tail");
+        assert_eq!(
+            r.output_ids,
+            cold(model, b, &e, &other),
+            "{what}: {l} other tail"
+        );
+        let mut follow_up = p.to_vec();
+        follow_up.extend(&first.output_ids);
+        follow_up.push(rng.random_range(0..vocab as u32));
+        let r = warm(&mut cache, model, b, &e, &follow_up);
+        assert_eq!(r.reused_tokens, l + 4, "{what}: {l} follow-up");
+        assert_eq!(
+            r.output_ids,
+            cold(model, b, &e, &follow_up),
+            "{what}: {l} follow-up"
+        );
+        let r = warm(&mut cache, model, b, &e, p);
+        assert_eq!(r.reused_tokens, l, "{what}: {l} once more");
+        assert_eq!(r.output_ids, first.output_ids, "{what}: {l} once more");
+        let s = cache.stats();
+        assert_eq!((s.hits, s.misses), (4, 1), "{what}: {l}");
+    }
+}
+
+/// Prefix lengths around the prefill chunk (256 on the CPU) and snapshot interval (1,024)
+/// edges.
+const EDGES: [usize; 10] = [1, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025];
+
+#[test]
+fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges_on_the_cpu() {
+    for name in [FIXTURES[0], QWEN35, QWEN4_EXP] {
+        let l = load_cpu(name);
+        warm_equals_cold(&l.ckpt, &l.model, &CpuBackend, &EDGES);
+    }
+    // The synthetic routing model's state is part of the snapshot.
+    let dir = tempfile::tempdir().unwrap();
+    let params = slotstream::routing_model::RoutingParams {
+        seed: rand::random(),
+        ..slotstream::routing_model::RoutingParams::calibrated()
+    };
+    slotstream::synth::write_checkpoint_with(dir.path(), &TINY, TINY.layers, false, Some(&params))
+        .unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    assert!(model.routing.is_some());
+    warm_equals_cold(&ckpt, &model, &CpuBackend, &EDGES);
+}
+
+#[test]
+fn warm_runs_equal_cold_runs_on_the_gpu() {
+    let g = gpu();
+    for (name, reused) in [(FIXTURES[0], [1, 257]), (QWEN4_EXP, [64, 1025])] {
+        let ckpt = Checkpoint::open(&fixture_dir(name)).unwrap();
+        let model = Model::load(&ckpt, &g).unwrap();
+        warm_equals_cold(&ckpt, &model, &g, &reused);
+    }
+}
+
+/// Snapshots every 200 tokens of a 1,100-token prompt (not a multiple of the CPU's
+/// 256-token chunk: chunks are cut at snapshot boundaries): a prompt that shares its first
+/// `l` tokens continues from the last multiple of 200 within them (longest first, so that
+/// the snapshots the earlier prompts leave are no prefix).
+#[test]
+fn a_shared_prefix_continues_from_the_last_snapshot_within_it() {
+    let l = load_cpu(FIXTURES[0]);
+    let options = PromptCacheOptions {
+        every: 200,
+        ..Default::default()
+    };
+    let mut cache = PromptCache::open(&l.ckpt, &l.model, &CpuBackend, &options).unwrap();
+    assert_eq!(cache.every(), 200, "whatever the chunk");
+    let vocab = l.model.config.vocab_size;
+    let mut rng = rand::rng();
+    let base = ids(&mut rng, 1100, vocab);
+    warm(&mut cache, &l.model, &CpuBackend, &l.experts, &base);
+    for shared in EDGES.into_iter().rev() {
+        let mut p = base[..shared].to_vec();
+        p.push((base[shared] + 1) % vocab as u32);
+        let r = warm(&mut cache, &l.model, &CpuBackend, &l.experts, &p);
+        assert_eq!(r.reused_tokens, shared / 200 * 200, "{shared}");
+        assert_eq!(
+            r.output_ids,
+            cold(&l.model, &CpuBackend, &l.experts, &p),
+            "{shared}"
+        );
+    }
+}
+
+/// A fixture's snapshot bytes: its own state (conv and recurrent states of the DeltaNet
+/// layers, f32) and token ids, without KV.
+fn own_bytes(m: &Model<CpuBackend>, tokens: usize) -> u64 {
+    let c = &m.config;
+    let delta = c
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == slotstream::config::LayerKind::LinearAttention)
+        .count();
+    let per_layer = (c.linear_conv_kernel_dim - 1) * c.conv_dim()
+        + c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim;
+    ((delta * per_layer + tokens) * 4) as u64
+}
+
+#[test]
+fn a_small_memory_bound_evicts_the_least_recently_used_snapshots() {
+    let l = load_cpu(FIXTURES[0]);
+    let (m, e) = (&l.model, &l.experts);
+    let mut rng = rand::rng();
+    let vocab = m.config.vocab_size;
+    let [a, b, c] = std::array::from_fn(|_| ids(&mut rng, 40, vocab));
+    // One prompt of 40 tokens and 4 generated: the snapshot before its last token (39
+    // tokens) and the final state (43), sharing a line of 43 KV rows.
+    let one = own_bytes(m, 39) + own_bytes(m, 43) + 43 * m.kv_bytes_per_token();
+    let mut cache = PromptCache::open(&l.ckpt, m, &CpuBackend, &Default::default()).unwrap();
+    warm(&mut cache, m, &CpuBackend, e, &a);
+    assert_eq!(cache.stats().memory_bytes, one);
+    // Room for two prompts' snapshots, not three.
+    let bound = 2 * one + one / 2;
+    let options = PromptCacheOptions {
+        memory: bound,
+        ..Default::default()
+    };
+    let mut cache = PromptCache::open(&l.ckpt, m, &CpuBackend, &options).unwrap();
+    let want: Vec<Vec<u32>> = [&a, &b, &c].map(|p| cold(m, &CpuBackend, e, p)).into();
+    for (p, reused) in [(&a, 0), (&b, 0), (&a, 39), (&c, 0)] {
+        let r = warm(&mut cache, m, &CpuBackend, e, p);
+        assert_eq!(r.reused_tokens, reused);
+        assert!(cache.stats().memory_bytes <= bound, "{:?}", cache.stats());
+    }
+    assert!(cache.stats().evictions >= 2, "{:?}", cache.stats());
+    // b was the least recently used: gone; a (used again) and c stay.
+    for (i, p, reused) in [(0, &a, 39), (2, &c, 39), (1, &b, 0)] {
+        let r = warm(&mut cache, m, &CpuBackend, e, p);
+        assert_eq!(r.reused_tokens, reused, "prompt {i}");
+        assert_eq!(r.output_ids, want[i], "prompt {i}");
+        assert!(cache.stats().memory_bytes <= bound);
+    }
+    // A bound smaller than one snapshot keeps nothing and still generates.
+    let options = PromptCacheOptions {
+        memory: 1,
+        ..Default::default()
+    };
+    let mut cache = PromptCache::open(&l.ckpt, m, &CpuBackend, &options).unwrap();
+    for _ in 0..2 {
+        let r = warm(&mut cache, m, &CpuBackend, e, &a);
+        assert_eq!((r.reused_tokens, &r.output_ids), (0, &want[0]));
+        assert_eq!(cache.stats().snapshots, 0);
+    }
+}
+
+/// No prompt reuse: every run is cold.
+const NO_REUSE: PromptCacheOptions = PromptCacheOptions {
+    memory: 0,
+    every: 0,
+    dir: None,
+    disk: 0,
+};
+
+async fn engine_on(dir: &std::path::Path, prompt_cache: PromptCacheOptions) -> Engine {
+    Engine::load(
+        dir,
+        EngineOptions {
+            device: Some("cpu".into()),
+            prompt_cache,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// Runs `prompt` to the end of its stream (after which its snapshots are on disk):
+/// output ids and reused tokens.
+async fn finish(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, usize) {
+    let mut events = engine.generate(Request {
+        input: Input::Ids(prompt.to_vec()),
+        max_tokens: 4,
+        sampling: Default::default(),
+    });
+    let mut done = None;
+    while let Some(e) = events.next().await {
+        if let Event::Done {
+            output_ids,
+            reused_tokens,
+            ..
+        } = e.unwrap()
+        {
+            done = Some((output_ids, reused_tokens));
+        }
+    }
+    done.expect("a Done event")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_sharing_a_prefix_reuse_it_and_match_cold_runs() {
+    let dir = fixture_dir(FIXTURES[0]);
+    let options = PromptCacheOptions {
+        every: 256,
+        ..Default::default()
+    };
+    let (warm, cold) = (
+        engine_on(&dir, options).await,
+        engine_on(&dir, NO_REUSE).await,
+    );
+    let mut rng = rand::rng();
+    let shared = ids(&mut rng, 300, 500);
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            let mut p = shared.clone();
+            p.extend([500 + i, rng.random_range(0..500), 7]);
+            p
+        })
+        .collect();
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (engine, p) = (warm.clone(), p.clone());
+            tokio::spawn(async move { finish(&engine, &p).await })
+        })
+        .collect();
+    let mut reused = Vec::new();
+    for (t, p) in tasks.into_iter().zip(&prompts) {
+        let (ids, r) = t.await.unwrap();
+        assert_eq!(ids, finish(&cold, p).await.0);
+        reused.push(r);
+    }
+    reused.sort();
+    // The first to run reads everything; the others continue from its snapshot at 256.
+    assert_eq!(reused, [0, 256, 256, 256]);
+    let s = warm.stats();
+    assert_eq!(
+        (s.requests, s.prompt_cache.hits, s.prompt_cache.misses),
+        (4, 3, 1)
+    );
+    assert_eq!(s.prompt_cache.reused_tokens, 3 * 256);
+    assert_eq!(cold.stats().prompt_cache.snapshots, 0);
+}
+
+/// The snapshot files of `dir`.
+fn snapshot_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "slotsnap"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_on_disk_survive_a_restart_and_bad_files_are_skipped() {
+    let model = fixture_dir(FIXTURES[0]);
+    let tmp = tempfile::tempdir().unwrap();
+    let options = PromptCacheOptions {
+        dir: Some(tmp.path().join("snapshots")),
+        ..Default::default()
+    };
+    let files = || snapshot_files(&tmp.path().join("snapshots"));
+    let mut rng = rand::rng();
+    let prompt = ids(&mut rng, 300, 500);
+    let cold = finish(&engine_on(&model, NO_REUSE).await, &prompt).await.0;
+    {
+        let engine = engine_on(&model, options.clone()).await;
+        assert_eq!(finish(&engine, &prompt).await, (cold.clone(), 0));
+        let s = engine.stats().prompt_cache;
+        // Before the last prompt token, and after the reply.
+        assert_eq!(s.disk_snapshots, 2, "{s:?}");
+        assert_eq!(
+            s.disk_bytes,
+            files()
+                .iter()
+                .map(|f| f.metadata().unwrap().len())
+                .sum::<u64>()
+        );
+    }
+    let first_model = files();
+    assert_eq!(first_model.len(), 2);
+    // A restart: the same prompt runs its last token only.
+    {
+        let engine = engine_on(&model, options.clone()).await;
+        assert_eq!(finish(&engine, &prompt).await, (cold.clone(), 299));
+        let s = engine.stats().prompt_cache;
+        assert_eq!((s.disk_hits, s.disk_skipped), (1, 0), "{s:?}");
+    }
+    // Another model's engine on the same directory: every file skipped and left alone.
+    {
+        let other = fixture_dir(QWEN35);
+        let engine = engine_on(&other, options.clone()).await;
+        let want = finish(&engine_on(&other, NO_REUSE).await, &prompt).await;
+        assert_eq!(engine.stats().prompt_cache.disk_skipped, 2);
+        assert_eq!(finish(&engine, &prompt).await, want);
+        // Its own two files join the first model's.
+        assert_eq!(files().len(), 4);
+    }
+    // One flipped bit in the values of each of the first model's files: the checksum
+    // catches it when the file is loaded; the file is removed and the run is cold.
+    for f in &first_model {
+        let mut bytes = std::fs::read(f).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(f, bytes).unwrap();
+    }
+    {
+        let engine = engine_on(&model, options.clone()).await;
+        assert_eq!(finish(&engine, &prompt).await, (cold.clone(), 0));
+        let s = engine.stats().prompt_cache;
+        assert!(s.disk_skipped >= 1, "{s:?}");
+    }
+    // A truncated file is skipped (and removed) when the directory is opened.
+    let before = files();
+    for f in &before {
+        let len = f.metadata().unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(f)
+            .unwrap()
+            .set_len(len - 100)
+            .unwrap();
+    }
+    {
+        let engine = engine_on(&model, options.clone()).await;
+        assert_eq!(
+            engine.stats().prompt_cache.disk_skipped,
+            before.len() as u64
+        );
+        assert_eq!(finish(&engine, &prompt).await, (cold.clone(), 0));
+    }
+    // A disk budget of one file's size keeps one file.
+    let one = files()
+        .iter()
+        .map(|f| f.metadata().unwrap().len())
+        .max()
+        .unwrap();
+    {
+        let engine = engine_on(
+            &model,
+            PromptCacheOptions {
+                disk: one + one / 2,
+                ..options.clone()
+            },
+        )
+        .await;
+        let other = ids(&mut rng, 300, 500);
+        finish(&engine, &other).await;
+        assert!(engine.stats().prompt_cache.disk_bytes <= one + one / 2);
+    }
+    assert_eq!(files().len(), 1);
+}
+
+/// Attention outputs of `q` over `cache` after appending `k`, `v` (`[t, 8]`, one head).
+fn attend<B: Backend>(b: &B, cache: &mut B::KvCache, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+    let t = q.len() / 8;
+    let dims = AttnDims {
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: 8,
+        scale: 0.35,
+    };
+    let out = b.attention(
+        &b.upload(q, t, 8),
+        &b.upload(k, t, 8),
+        &b.upload(v, t, 8),
+        cache,
+        dims,
+        None,
+    );
+    b.download(&out).unwrap()
+}
+
+/// kv_prefix, kv_truncate, kv_read and kv_from keep exactly the rows they say, and a cache
+/// continued after each attends as one built by appending the same rows; the GPU's
+/// outputs agree with the CPU's.
+fn kv_copies<B: Backend>(b: &B, keys: &[f32], values: &[f32], q: &[f32]) -> Vec<Vec<f32>> {
+    let mut cache = b.new_kv_cache(8);
+    attend(b, &mut cache, &q[..40], &keys[..40], &values[..40]);
+    assert_eq!(b.kv_len(&cache), 5);
+    assert_eq!(
+        b.kv_read(&cache, 5).unwrap(),
+        (keys[..40].to_vec(), values[..40].to_vec())
+    );
+    let mut prefix = b.kv_prefix(&cache, 3);
+    assert_eq!(b.kv_len(&prefix), 3);
+    assert_eq!(b.kv_len(&cache), 5, "the source keeps its rows");
+    assert_eq!(
+        b.kv_read(&prefix, 3).unwrap(),
+        (keys[..24].to_vec(), values[..24].to_vec())
+    );
+    let mut loaded = b.kv_from(8, &keys[..24], &values[..24]);
+    assert_eq!(
+        b.kv_read(&loaded, 3).unwrap(),
+        b.kv_read(&prefix, 3).unwrap()
+    );
+    b.kv_truncate(&mut cache, 3);
+    assert_eq!(b.kv_len(&cache), 3);
+    // Each continues with rows 3..6 where the original had rows 3..5.
+    let (k, v, q) = (&keys[24..48], &values[24..48], &q[24..48]);
+    let outs = vec![
+        attend(b, &mut cache, q, k, v),
+        attend(b, &mut prefix, q, k, v),
+        attend(b, &mut loaded, q, k, v),
+    ];
+    assert_eq!(b.kv_read(&prefix, 6).unwrap().0, keys[..48].to_vec());
+    let mut whole = b.new_kv_cache(8);
+    attend(b, &mut whole, &[0.0; 24], &keys[..24], &values[..24]);
+    let want = attend(b, &mut whole, q, k, v);
+    for out in &outs {
+        assert_eq!(out, &want);
+    }
+    outs
+}
+
+#[test]
+fn kv_caches_copy_truncate_read_and_load_alike_on_both_backends() {
+    let (keys, values, q) = (
+        random(48, -1.0, 1.0),
+        random(48, -1.0, 1.0),
+        random(48, -1.0, 1.0),
+    );
+    let cpu = kv_copies(&CpuBackend, &keys, &values, &q);
+    let gpu = kv_copies(&gpu(), &keys, &values, &q);
+    for (g, c) in gpu.iter().zip(&cpu) {
+        assert!(rel_err(g, c) < 1e-6, "{}", rel_err(g, c));
+    }
 }

@@ -300,6 +300,7 @@ fn bench_reports_ngram_rows() {
         warmup: 2,
         source: Default::default(),
         seed: rand::random(),
+        reuse_tail: None,
     };
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();

@@ -4,39 +4,20 @@
 //! routing file with a message that names it. The calibration itself is a unit test of
 //! `slotstream::routing_model`.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
+use common::TINY;
+
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
-use slotstream::config::Family;
 use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
-use slotstream::synth::{write_checkpoint_with, Preset};
-
-/// A Qwen3-Next body small enough to write in milliseconds: 4 layers (one full attention),
-/// 32 experts, top-4.
-const TINY: Preset = Preset {
-    name: "tiny",
-    family: Family::Qwen3Next,
-    hidden: 128,
-    layers: 4,
-    vocab: 320,
-    heads: 2,
-    kv_heads: 1,
-    head_dim: 64,
-    linear_key_heads: 2,
-    linear_value_heads: 4,
-    linear_head_dim: 32,
-    experts: 32,
-    top_k: 4,
-    intermediate: 64,
-    group_size: 64,
-    rope_theta: 1e7,
-    flash_next: None,
-};
+use slotstream::synth::write_checkpoint_with;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible server on loopback: outputs equal `slotstream generate`'s and
 //! mlx-lm's, concurrent clients, disconnects, bad input, the queue bound, the API key,
-//! prefix reuse, model names, control tokens only from the template, template variables,
+//! prompt reuse (a repeated prompt runs one token; `generate` reuses across runs with a
+//! snapshot directory), model names, control tokens only from the template, template variables,
 //! reasoning and tool calls.
 
 mod common;
@@ -12,6 +13,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use slotstream::engine::{Engine, EngineOptions};
 use slotstream::experts::{PoolSize, SourceOptions};
+use slotstream::prompt_cache::PromptCacheOptions;
 use slotstream::server::{router, ServerOptions};
 
 const NAME: &str = "qwen3-next-bf16";
@@ -24,7 +26,8 @@ struct Server {
     client: reqwest::Client,
 }
 
-async fn start(queue: usize, prompt_cache: usize, api_key: Option<&str>) -> Server {
+/// A server on the fixture; `prompt_cache`: bytes of snapshots kept (0: no reuse).
+async fn start(queue: usize, prompt_cache: u64, api_key: Option<&str>) -> Server {
     start_on(
         &fixture_dir(NAME),
         SourceOptions::default().context,
@@ -42,7 +45,7 @@ async fn start_on(
     dir: &std::path::Path,
     context: usize,
     queue: usize,
-    prompt_cache: usize,
+    prompt_cache: u64,
     api_key: Option<&str>,
     reasoning: bool,
 ) -> Server {
@@ -55,7 +58,10 @@ async fn start_on(
                 context,
                 ..Default::default()
             },
-            prompt_cache,
+            prompt_cache: PromptCacheOptions {
+                memory: prompt_cache,
+                ..Default::default()
+            },
         },
     )
     .await
@@ -673,7 +679,7 @@ async fn a_full_queue_answers_503_with_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
-    let warm = start(16, 4, None).await;
+    let warm = start(16, 1 << 30, None).await;
     let cold = start(16, 0, None).await;
     let r = reference(NAME);
     let first = json!({ "prompt": r.prompt_ids, "max_tokens": 8, "slotstream_stats": true });
@@ -700,7 +706,7 @@ async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
     let (_, v3) = cold.post("/v1/completions", &body).await;
     assert_eq!(v3["slotstream_stats"]["reused_prompt_tokens"], 0);
     assert_eq!(v2["choices"][0]["text"], v3["choices"][0]["text"]);
-    assert_eq!(warm.engine.stats().prefix_hits, 1);
+    assert_eq!(warm.engine.stats().prompt_cache.hits, 1);
     let stats: Value = warm
         .client
         .get(format!("{}/stats", warm.base))
@@ -710,7 +716,50 @@ async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
         .json()
         .await
         .unwrap();
-    assert_eq!(stats["engine"]["prefix_hits"], 1);
+    assert_eq!(stats["engine"]["prompt_cache"]["hits"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_runs_one_token() {
+    let s = start(16, 1 << 30, None).await;
+    let prompt: Vec<u32> = random(500, 0.0, 500.0).iter().map(|&x| x as u32).collect();
+    let body = json!({ "prompt": prompt, "max_tokens": 6, "slotstream_stats": true });
+    let (_, first) = s.post("/v1/completions", &body).await;
+    let (_, again) = s.post("/v1/completions", &body).await;
+    assert_eq!(first["slotstream_stats"]["reused_prompt_tokens"], 0);
+    assert_eq!(again["slotstream_stats"]["reused_prompt_tokens"], 499);
+    assert_eq!(again["slotstream_stats"]["prefill_tokens"], 1);
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    let stats = s.engine.stats().prompt_cache;
+    assert_eq!((stats.hits, stats.misses, stats.reused_tokens), (1, 1, 499));
+    assert!(stats.memory_bytes > 0 && stats.snapshots >= 2, "{stats:?}");
+}
+
+#[test]
+fn generate_reuses_snapshots_across_runs_with_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<String> = random(300, 0.0, 500.0)
+        .iter()
+        .map(|&x| (x as u32).to_string())
+        .collect();
+    let args = [
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-tokens",
+        "6",
+        "--prompt-cache-dir",
+        dir.path().to_str().unwrap(),
+    ];
+    let cold = cli_generate(&args[..4]);
+    let first = cli_generate(&args);
+    let second = cli_generate(&args);
+    assert_eq!(first["output_ids"], cold["output_ids"]);
+    assert_eq!(second["output_ids"], cold["output_ids"]);
+    assert_eq!(first["reused_tokens"], 0);
+    assert_eq!(second["reused_tokens"], 299);
+    assert_eq!(second["stats"]["prompt_tokens"], 1);
+    assert_eq!(second["prompt_cache"]["disk_hits"], 1);
+    assert_eq!(cold["prompt_cache"]["disk_snapshots"], 0);
 }
 
 /// A model whose output has no finite logit (its final norm is NaN) fails the request

@@ -433,6 +433,21 @@ pub trait Backend: Send + Sync {
     fn new_kv_cache(&self, kv_dim: usize) -> Self::KvCache;
     /// Number of positions held in a KV cache.
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// A new cache holding a copy of the first `len` positions of `cache`: a sequence that
+    /// continues from a prompt-cache snapshot taken on another sequence's cache gets its
+    /// own rows, and the other's stay as they are. Panics if `len` exceeds the cache.
+    fn kv_prefix(&self, cache: &Self::KvCache, len: usize) -> Self::KvCache;
+    /// Drops the positions from `len` on (the next append writes at `len`). The CPU frees
+    /// their memory; a GPU keeps its buffers for the next appends. Panics if `len`
+    /// exceeds the cache.
+    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
+    /// Keys and values of the first `len` positions, `[len, kv_dim]` each, row-major (to
+    /// write a snapshot to disk). Panics if `len` exceeds the cache. Errors: a lost device.
+    fn kv_read(&self, cache: &Self::KvCache, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
+    /// A cache of `keys.len() / kv_dim` positions holding `keys` and `values`
+    /// (`[len, kv_dim]` each, as [`Backend::kv_read`] gives them). Panics unless both are
+    /// the same whole number of rows.
+    fn kv_from(&self, kv_dim: usize, keys: &[f32], values: &[f32]) -> Self::KvCache;
     /// Appends `k`, `v` `[T, kv_dim]` to the cache and returns causal softmax attention of
     /// `q` `[T, q_heads*head_dim]` over all cached positions; query head `h` reads kv head
     /// `h / (q_heads / kv_heads)`. With a `mask` (covering the cache after the append),

@@ -73,6 +73,28 @@ pub fn reference(name: &str) -> Reference {
     }
 }
 
+/// A Qwen3-Next body small enough for `slotstream::synth` to write in milliseconds: 4
+/// layers (one full attention), 32 experts, top-4.
+pub const TINY: slotstream::synth::Preset = slotstream::synth::Preset {
+    name: "tiny",
+    family: slotstream::config::Family::Qwen3Next,
+    hidden: 128,
+    layers: 4,
+    vocab: 320,
+    heads: 2,
+    kv_heads: 1,
+    head_dim: 64,
+    linear_key_heads: 2,
+    linear_value_heads: 4,
+    linear_head_dim: 32,
+    experts: 32,
+    top_k: 4,
+    intermediate: 64,
+    group_size: 64,
+    rope_theta: 1e7,
+    flash_next: None,
+};
+
 /// A fixture loaded on the CPU backend with experts read from the mapped checkpoint.
 pub struct Loaded {
     pub ckpt: Arc<Checkpoint>,

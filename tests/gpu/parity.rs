@@ -225,28 +225,8 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
 /// device with the layer's step, and the logits equal the mapped path's.
 #[test]
 fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
-    use slotstream::config::Family;
     use slotstream::routing_model::RoutingParams;
-    use slotstream::synth::{write_checkpoint_with, Preset};
-    const TINY: Preset = Preset {
-        name: "tiny",
-        family: Family::Qwen3Next,
-        hidden: 128,
-        layers: 4,
-        vocab: 320,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 64,
-        linear_key_heads: 2,
-        linear_value_heads: 4,
-        linear_head_dim: 32,
-        experts: 32,
-        top_k: 4,
-        intermediate: 64,
-        group_size: 64,
-        rope_theta: 1e7,
-        flash_next: None,
-    };
+    use slotstream::synth::write_checkpoint_with;
     let g = gpu();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

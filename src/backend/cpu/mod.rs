@@ -233,6 +233,13 @@ fn record_view<'a>(record: &'a [u8], layout: &RecordLayout, proj: Projection) ->
     }
 }
 
+/// Values (keys or values alike) in the first `len` positions of `cache`; panics past its end.
+fn kv_values(b: &CpuBackend, cache: &CpuKvCache, len: usize) -> usize {
+    let held = b.kv_len(cache);
+    assert!(len <= held, "KV prefix of {len} positions of {held}");
+    len * cache.kv_dim
+}
+
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = LinearWeight;
@@ -513,6 +520,44 @@ impl Backend for CpuBackend {
 
     fn kv_len(&self, cache: &CpuKvCache) -> usize {
         cache.keys.len() / cache.kv_dim.max(1)
+    }
+
+    fn kv_prefix(&self, cache: &CpuKvCache, len: usize) -> CpuKvCache {
+        let n = kv_values(self, cache, len);
+        CpuKvCache {
+            kv_dim: cache.kv_dim,
+            keys: cache.keys[..n].to_vec(),
+            values: cache.values[..n].to_vec(),
+        }
+    }
+
+    fn kv_truncate(&self, cache: &mut CpuKvCache, len: usize) {
+        let n = kv_values(self, cache, len);
+        for rows in [&mut cache.keys, &mut cache.values] {
+            if rows.len() > n {
+                rows.truncate(n);
+                rows.shrink_to_fit();
+            }
+        }
+    }
+
+    fn kv_read(&self, cache: &CpuKvCache, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let n = kv_values(self, cache, len);
+        Ok((cache.keys[..n].to_vec(), cache.values[..n].to_vec()))
+    }
+
+    fn kv_from(&self, kv_dim: usize, keys: &[f32], values: &[f32]) -> CpuKvCache {
+        assert!(
+            keys.len() == values.len() && keys.len().is_multiple_of(kv_dim.max(1)),
+            "kv_from: {} keys and {} values of width {kv_dim}",
+            keys.len(),
+            values.len()
+        );
+        CpuKvCache {
+            kv_dim,
+            keys: keys.to_vec(),
+            values: values.to_vec(),
+        }
     }
 
     fn attention(

@@ -13,7 +13,7 @@
 
 use super::device::{grid, Access, Bind, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
-use crate::backend::{AttnDims, KeyMask};
+use crate::backend::{AttnDims, Backend, KeyMask};
 
 const ROPE: Kernel = Kernel::new(
     "attention.wgsl",
@@ -135,6 +135,78 @@ fn reserve(b: &GpuBackend, cache: &mut GpuKvCache, need: usize) {
     cache.keys = Some(keys);
     cache.values = Some(values);
     cache.capacity = cap;
+}
+
+/// A cache holding a copy of the first `len` positions of `cache` (device copies).
+pub(super) fn kv_prefix(b: &GpuBackend, cache: &GpuKvCache, len: usize) -> GpuKvCache {
+    let bytes = kv_bytes(cache, len);
+    let mut out = b.new_kv_cache(cache.kv_dim);
+    if len == 0 {
+        return out;
+    }
+    reserve(b, &mut out, len);
+    for (src, dst) in [(&cache.keys, &out.keys), (&cache.values, &out.values)] {
+        let (src, dst) = (src.as_ref().expect("held"), dst.as_ref().expect("reserved"));
+        b.gpu.copy(src, 0, dst, 0, bytes);
+    }
+    out.len = len;
+    out
+}
+
+/// Keys and values of the first `len` positions, read back in one wait.
+pub(super) fn kv_read(
+    b: &GpuBackend,
+    cache: &GpuKvCache,
+    len: usize,
+) -> crate::error::Result<(Vec<f32>, Vec<f32>)> {
+    let bytes = kv_bytes(cache, len);
+    let (Some(keys), Some(values)) = (&cache.keys, &cache.values) else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    let mut read = b
+        .gpu
+        .read_many(&[(keys, 0, bytes), (values, 0, bytes)])?
+        .into_iter()
+        .map(|v| bytemuck::pod_collect_to_vec::<u8, f32>(&v));
+    Ok((
+        read.next().unwrap_or_default(),
+        read.next().unwrap_or_default(),
+    ))
+}
+
+/// A cache holding `keys` and `values` `[len, kv_dim]`.
+pub(super) fn kv_from(b: &GpuBackend, kv_dim: usize, keys: &[f32], values: &[f32]) -> GpuKvCache {
+    assert!(
+        keys.len() == values.len() && keys.len().is_multiple_of(kv_dim.max(1)),
+        "kv_from: {} keys and {} values of width {kv_dim}",
+        keys.len(),
+        values.len()
+    );
+    let mut out = b.new_kv_cache(kv_dim);
+    let len = keys.len() / kv_dim.max(1);
+    if len == 0 {
+        return out;
+    }
+    reserve(b, &mut out, len);
+    for (src, dst) in [(keys, &out.keys), (values, &out.values)] {
+        b.gpu.write(
+            dst.as_ref().expect("reserved"),
+            0,
+            bytemuck::cast_slice(src),
+        );
+    }
+    out.len = len;
+    out
+}
+
+/// Bytes of the first `len` positions of `cache`; panics past its end.
+fn kv_bytes(cache: &GpuKvCache, len: usize) -> u64 {
+    assert!(
+        len <= cache.len,
+        "KV prefix of {len} positions of {}",
+        cache.len
+    );
+    (len * cache.kv_dim * 4) as u64
 }
 
 pub(super) fn attention(

@@ -611,6 +611,27 @@ impl Backend for GpuBackend {
         cache.len
     }
 
+    fn kv_prefix(&self, cache: &GpuKvCache, len: usize) -> GpuKvCache {
+        attention::kv_prefix(self, cache, len)
+    }
+
+    fn kv_truncate(&self, cache: &mut GpuKvCache, len: usize) {
+        assert!(
+            len <= cache.len,
+            "KV prefix of {len} positions of {}",
+            cache.len
+        );
+        cache.len = len;
+    }
+
+    fn kv_read(&self, cache: &GpuKvCache, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        attention::kv_read(self, cache, len)
+    }
+
+    fn kv_from(&self, kv_dim: usize, keys: &[f32], values: &[f32]) -> GpuKvCache {
+        attention::kv_from(self, kv_dim, keys, values)
+    }
+
     fn attention(
         &self,
         q: &GpuTensor,
