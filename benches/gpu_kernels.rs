@@ -75,7 +75,7 @@ fn bench(c: &mut Criterion) {
     // Copy ceiling: 1 GiB, or as much as one binding allows.
     let len = (1u64 << 30)
         .min(g.gpu.limits.max_buffer_size / 2)
-        .min(g.gpu.limits.max_storage_buffer_binding_size as u64);
+        .min(g.gpu.limits.max_storage_buffer_binding_size);
     let (src, dst) = (g.gpu.zeroed(len), g.gpu.zeroed(len));
     let secs = time(&g, budget, || g.gpu.copy(&src, 0, &dst, 0, len));
     let copy_gbps = 2.0 * len as f64 / secs / 1e9;

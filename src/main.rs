@@ -978,7 +978,6 @@ fn generate_on<B: Backend>(
             "{}",
             summary(stats, generated.reused_tokens, pool_stats.as_ref())
         );
-        eprintln!("prompt cache: {}", serde_json::to_string(&cache.stats())?);
     }
     finish_pool(&pool, &args.trace, pool_json)
 }

@@ -918,8 +918,9 @@ impl SlotPool {
         }
         // Plain threads, as the callers are synchronous; each takes the next run.
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let results: Vec<Mutex<Option<Result<Vec<Vec<u8>>>>>> =
-            runs.iter().map(|_| Mutex::new(None)).collect();
+        // Each run's records once its worker has read them.
+        type RunSlot = Mutex<Option<Result<Vec<Vec<u8>>>>>;
+        let results: Vec<RunSlot> = runs.iter().map(|_| Mutex::new(None)).collect();
         let workers = self.reader.queue_depth().min(runs.len());
         std::thread::scope(|scope| {
             for _ in 0..workers {

@@ -598,9 +598,12 @@ pub struct StepRoutes {
 }
 
 impl StepRoutes {
-    /// Starts routing `tokens` (positions `start..`) through `layers` (ascending), in
-    /// order, on a thread of `scope`, advancing `state`; with the lookahead forecasts if
-    /// `forecast` (see [`RoutingModel::route_chunk`]).
+    /// Starts routing `tokens` (positions `start..`) through `layers` (ascending) on a
+    /// thread of `scope`, advancing `state`; with the lookahead forecasts if `forecast`
+    /// (see [`RoutingModel::route_chunk`]). From [`PARALLEL_MIN_TOKENS`] tokens the layers
+    /// are handed out in order to as many workers as the host has cores (at most one per
+    /// layer), so a layer may finish after a later one; an error reaches the forward pass
+    /// when it asks for that layer.
     pub fn spawn<'scope, 'env>(
         scope: &'scope std::thread::Scope<'scope, 'env>,
         model: &'env RoutingModel,
@@ -628,7 +631,9 @@ impl StepRoutes {
                 })
                 .collect();
             let workers = if tokens.len() >= PARALLEL_MIN_TOKENS {
-                std::thread::available_parallelism().map_or(1, |n| n.get())
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+                    .min(jobs.len())
             } else {
                 1
             };

@@ -3,16 +3,14 @@
 # device has no Rust toolchain). Build and stage them here first:
 #   tools/device_gpu.sh --stage      # cargo build of test and bench binaries into .devbin/
 # then on the device (with the Vulkan loader packages in .gl/, see the device README):
-#   tools/device_gpu.sh              # runs every GPU test binary, then the kernel bench
+#   tools/device_gpu.sh              # runs the GPU test binary, then the kernel bench
 set -uo pipefail
 if [ "${1:-}" = "--stage" ]; then
   set -e
   mkdir -p .devbin
-  for t in gpu; do
-    exe=$(cargo test --release --test "$t" --no-run --message-format=json 2>/dev/null \
-      | jq -r 'select(.executable != null and .target.name == "'"$t"'") | .executable' | tail -1)
-    cp "$exe" ".devbin/$t" && strip ".devbin/$t"
-  done
+  exe=$(cargo test --release --test gpu --no-run --message-format=json 2>/dev/null \
+    | jq -r 'select(.executable != null and .target.name == "gpu") | .executable' | tail -1)
+  cp "$exe" .devbin/gpu && strip .devbin/gpu
   exe=$(cargo bench --bench gpu_kernels --no-run --message-format=json 2>/dev/null \
     | jq -r 'select(.executable != null and .target.name == "gpu_kernels") | .executable' | tail -1)
   cp "$exe" .devbin/gpu_kernels && strip .devbin/gpu_kernels
@@ -26,10 +24,8 @@ out=${OUT:-gpu-out}
 mkdir -p "$out" target
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 status=0
-for t in gpu; do
-  echo "== $t"
-  .devbin/$t --test-threads=1 2>&1 | grep -v XDG_RUNTIME | tee "$out/test-$t.txt" | grep -E "^test |test result" || status=1
-done
+echo "== GPU tests"
+.devbin/gpu --test-threads=1 2>&1 | grep -v XDG_RUNTIME | tee "$out/test-gpu.txt" | grep -E "^test |test result" || status=1
 echo "== gpu_kernels bench"
 .devbin/gpu_kernels --bench 2>&1 | grep -v -E "^Benchmarking|^$|XDG" | tee "$out/bench.txt" | tail -12
 cp target/gpu_kernels.md "$out/" 2>/dev/null

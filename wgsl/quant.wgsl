@@ -161,7 +161,7 @@ struct Job {
 
 fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>, per: u32) -> Job {
     let n = lanes();
-    let row = ((wid.x + wid.y * nwg.x) * (WG / n) + li / n) * per;
+    let row = ((wid.x + wid.y * nwg.x) * (WG / n) + li / n) * max(per, 1u);
     let r = route_of(wid.z);
     let computed = select(0u, 1u, r.z == 1u && row < p.rows);
     return Job(wid.z, li % n, row, r.x, r.y, computed);
@@ -315,7 +315,7 @@ fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
 // Which of a lane group's rows this lane stores (lane i stores row i, after the sums
 // reach every lane): the row, or none past the end or in a route not computed here.
 fn stored_row(j: Job) -> u32 {
-    if (j.computed == 0u || j.lane >= p.row_group || j.row + j.lane >= p.rows) {
+    if (j.computed == 0u || j.lane >= max(p.row_group, 1u) || j.row + j.lane >= p.rows) {
         return 0xffffffffu;
     }
     return j.row + j.lane;

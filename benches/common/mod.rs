@@ -6,7 +6,8 @@ use slotstream::checkpoint::QuantizedMatrix;
 use slotstream::config::QuantSpec;
 
 /// A `[rows, cols]` matrix of `bits`, group 64, bf16 scales and biases: random packed
-/// integers (the kernels' speed does not depend on the values), one scale and bias.
+/// integers (the kernels' speed does not depend on the values); every group has the same
+/// scale (0.01) and bias (-0.05).
 pub fn quantized(rows: usize, cols: usize, bits: u32) -> QuantizedMatrix {
     let mut rng = rand::rng();
     let spec = QuantSpec {

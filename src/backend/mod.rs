@@ -257,8 +257,8 @@ pub trait Backend: Send + Sync {
 
     /// Tells the backend which slot pool its expert records will come from, and where
     /// the device should read the slots (`None`: the backend's choice for its adapter).
-    /// The CPU reads slots in place and needs nothing. Errors: a placement the device
-    /// cannot provide.
+    /// The CPU reads slots in place (it asks the kernel to back them with huge pages).
+    /// Errors: a placement the device cannot provide.
     fn attach_pool(
         &self,
         _pool: &std::sync::Arc<crate::pool::SlotPool>,
@@ -302,7 +302,8 @@ pub trait Backend: Send + Sync {
     /// Bytes per second a bandwidth-bound kernel reads from the memory this backend
     /// computes from: the ceiling of a decode step that reads each active byte once. The
     /// default is [`Backend::copy_bandwidth`] (a host copy, read plus written).
-    /// Errors: the memory cannot be allocated.
+    /// Errors: a device that cannot allocate the test buffers (a host allocation that
+    /// fails aborts, as any Rust allocation does).
     fn read_bandwidth(&self) -> Result<f64> {
         self.copy_bandwidth()
     }

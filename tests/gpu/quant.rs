@@ -484,7 +484,9 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
     let g = crate::common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
-    let (hidden, inter) = (256usize, 192usize);
+    // Large enough that 8 tokens (16 routes) take the matvec's four rows per lane group
+    // (rows x routes x 16-byte vectors of a row from 2^18) for every projection.
+    let (hidden, inter) = (1024usize, 640usize);
     for (gate, up, down, dtype) in [
         ((4, 64), (8, 64), (4, 64), Dtype::BF16),
         ((4, 64), (4, 32), (4, 64), Dtype::BF16),
@@ -543,7 +545,7 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
             })
             .collect();
         // From 16 tokens the tiled path, which falls back for gate and up quantized apart.
-        for t in [1usize, 3, 20] {
+        for t in [1usize, 3, 8, 20] {
             let k = 2;
             let ids: Vec<u32> = (0..t * k).map(|_| rng.random_range(0..3)).collect();
             let routing = Routing {

@@ -69,7 +69,9 @@ pub fn moe_experts<'a>(
         &x_up_own
     };
     fn gather<'p>(prepared: &'p Prepared, u: &Uses<'_>, k: usize) -> Cow<'p, Prepared> {
-        if prepared.t == 1 {
+        // One token routed once to the expert (a routing may name an expert twice for a
+        // token; each route then needs its row).
+        if prepared.t == 1 && u.routes.len() == 1 {
             Cow::Borrowed(prepared)
         } else {
             Cow::Owned(prepared.gather(u.routes.iter().map(|&j| j / k)))

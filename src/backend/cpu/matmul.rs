@@ -37,6 +37,8 @@ use super::{dot, Rows};
 /// Tokens whose dot products share one unpacking of a weight chunk (prefill). Four keep
 /// the accumulators and the unpacked chunk in AVX2's sixteen registers.
 pub const TILE: usize = 4;
+// `tiles` has an arm per tile width up to 4: a wider TILE would leave tokens uncomputed.
+const _: () = assert!(TILE == 4);
 
 /// Weights and scale/bias bytes a parallel task aims at: its rows stay in L2 while every
 /// token tile passes over them.

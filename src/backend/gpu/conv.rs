@@ -45,6 +45,9 @@ pub(super) fn causal_conv1d_silu(
     );
     let t = x.rows;
     let out = b.empty(t, c);
+    if t == 0 {
+        return out;
+    }
     u32::try_from(t.max(keep) * c).expect("conv: tensor too large for u32 indexing");
     let [gx, gy] = grid(c.div_ceil(WG) as u32);
     // Only the first block may read the state (see wgsl/conv.wgsl): later blocks start at

@@ -1086,3 +1086,43 @@ pub(super) fn moe_experts_resident(
     let weights = (Bind::Buffer(&routing.buf), routes, k);
     Some(combine(b, &y, weights, shared))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shader's `ROWS` is the host's [`QMATMUL_ROWS`]: the grid counts rows per lane
+    /// group as the kernel computes them.
+    #[test]
+    fn the_shader_computes_as_many_rows_per_lane_group_as_the_host_counts() {
+        let source = include_str!("../../../wgsl/quant.wgsl");
+        assert!(source.contains(&format!("const ROWS: u32 = {QMATMUL_ROWS}u;")));
+    }
+
+    /// Large matrices take [`QMATMUL_ROWS`] rows per lane group and small ones one, at the
+    /// shapes the GPU tests use to reach each path (tests/gpu/quant.rs).
+    #[test]
+    fn matvecs_take_four_rows_from_the_threshold() {
+        let quantized = |rows: u32, cols: u32, bits: u32| Params {
+            rows,
+            cols,
+            bits,
+            group_size: 64,
+            ..Default::default()
+        };
+        let group = |p: Params, z: usize| {
+            let (_, words, _) = p.launch(z, false);
+            words[26]
+        };
+        assert_eq!(group(quantized(4099, 1024, 4), 2), QMATMUL_ROWS as u32);
+        assert_eq!(group(quantized(4099, 1024, 8), 2), QMATMUL_ROWS as u32);
+        assert_eq!(group(quantized(1027, 2048, 4), 2), 1);
+        assert_eq!(group(quantized(151_936, 2048, 4), 1), QMATMUL_ROWS as u32);
+        assert_eq!(group(quantized(512, 2048, 8), 1), 1);
+        // The routed experts of tests/gpu/quant.rs at 8 tokens, 2 routes each.
+        assert_eq!(group(quantized(640, 1024, 4), 16), QMATMUL_ROWS as u32);
+        assert_eq!(group(quantized(1024, 640, 4), 16), QMATMUL_ROWS as u32);
+        // Dense weights keep one row per lane group.
+        assert_eq!(group(quantized(4099, 1024, 0), 2), 1);
+    }
+}
