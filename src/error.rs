@@ -87,7 +87,7 @@ pub enum Error {
 
     /// A synthetic checkpoint's routing model file is unreadable or malformed.
     #[error(transparent)]
-    Routing(#[from] crate::routing_model::RoutingModelError),
+    Routing(#[from] RoutingModelError),
 }
 
 impl Error {
@@ -108,3 +108,25 @@ impl Error {
 
 /// Shorthand for `Result<T, slotstream::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors reading a synthetic checkpoint's routing model file (routing_model.rs). Every
+/// variant names the file. Defined here, below every module that reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum RoutingModelError {
+    /// The file could not be read.
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
+
+    /// The file is not JSON, lacks a field, has an unknown one, or a field has the wrong
+    /// type (serde's message names the field, line and column).
+    #[error("{path}: malformed routing model: {message}")]
+    Malformed { path: PathBuf, message: String },
+
+    /// A field's value is outside its range.
+    #[error("{path}: field `{field}`: {message}")]
+    Field {
+        path: PathBuf,
+        field: &'static str,
+        message: String,
+    },
+}

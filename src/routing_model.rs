@@ -64,39 +64,19 @@
 //! calibration").
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::atomic_file::AtomicFile;
 use crate::cachesim::{simulate, Policy, Request};
+pub use crate::error::RoutingModelError;
 
 /// The routing model's file in a model directory.
 pub const ROUTING_FILE: &str = "synthetic_routing.json";
 
 /// The format version this build reads and writes.
 pub const VERSION: u32 = 1;
-
-/// Errors reading a routing model file. Every variant names the file.
-#[derive(Debug, thiserror::Error)]
-pub enum RoutingModelError {
-    /// The file could not be read.
-    #[error("{path}: {io}")]
-    Io { path: PathBuf, io: std::io::Error },
-
-    /// The file is not JSON, lacks a field, has an unknown one, or a field has the wrong
-    /// type (serde's message names the field, line and column).
-    #[error("{path}: malformed routing model: {message}")]
-    Malformed { path: PathBuf, message: String },
-
-    /// A field's value is outside its range.
-    #[error("{path}: field `{field}`: {message}")]
-    Field {
-        path: PathBuf,
-        field: &'static str,
-        message: String,
-    },
-}
 
 /// The parameters of a routing model, as stored in [`ROUTING_FILE`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -7,9 +7,9 @@
 
 pub mod cpu;
 pub mod gpu;
-mod quant;
 
-pub use quant::{dequantize_row, Floats, QuantView};
+// The MLX quantized format is the checkpoint's; the backends read it through these.
+pub use crate::checkpoint::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;

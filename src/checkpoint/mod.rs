@@ -7,6 +7,7 @@
 //! modules (`.weight` / `.scales` / `.biases`, see ../shared/spec/models.md §3).
 
 mod experts;
+mod quant;
 mod weights;
 
 use std::collections::HashMap;
@@ -20,6 +21,7 @@ use serde_json::Value;
 pub use experts::{
     ExpertIndex, PieceKind, PieceRange, Projection, RecordLayout, PIECES_PER_RECORD,
 };
+pub use quant::{dequantize_row, Floats, QuantView};
 pub use weights::{floats_to_f32, DenseMatrix, LinearWeight, QuantizedMatrix};
 
 use crate::config::ModelConfig;

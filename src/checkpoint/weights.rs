@@ -4,7 +4,7 @@
 use safetensors::Dtype;
 
 use super::{expect_shape, Checkpoint};
-use crate::backend::{dequantize_row, Floats, QuantView};
+use super::quant::{dequantize_row, Floats, QuantView};
 use crate::config::QuantSpec;
 use crate::error::{Error, Result};
 
