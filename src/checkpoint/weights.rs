@@ -3,8 +3,8 @@
 
 use safetensors::Dtype;
 
-use super::{expect_shape, Checkpoint};
 use super::quant::{dequantize_row, Floats, QuantView};
+use super::{expect_shape, Checkpoint};
 use crate::config::QuantSpec;
 use crate::error::{Error, Result};
 
