@@ -2,11 +2,9 @@
 //! the CPU, with experts mapped and streamed through pools of several sizes, queue depths
 //! and I/O modes; plus the CLI's errors for bad input.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn slotstream() -> Command {
     Command::new(env!("CARGO_BIN_EXE_slotstream"))

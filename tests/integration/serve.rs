@@ -4,11 +4,9 @@
 //! snapshot directory), model names, control tokens only from the template, template variables,
 //! reasoning and tool calls.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use slotstream::engine::{Engine, EngineOptions};

@@ -4,11 +4,9 @@
 //! conventions for zero-centered norms giving the same model, and synthetic Flash-Next
 //! checkpoints (`slotstream synth`): their hashing buffers and a run through every block.
 
-mod common;
-
 use std::collections::HashMap;
 
-use common::*;
+use crate::common::*;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::config::{Family, LayerKind};

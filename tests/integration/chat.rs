@@ -5,9 +5,7 @@
 //! render as transformers renders them (the real Qwen3 and Qwen3-Coder templates, token
 //! for token), and a message's special-token texts come out as plain text.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::chat::Conversation;

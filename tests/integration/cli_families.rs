@@ -6,13 +6,11 @@
 //! variables, control tokens only from the template, the chat prompt's commands, and a
 //! server that binds its port before loading.
 
-mod common;
-
 use std::fs;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
-use common::*;
+use crate::common::*;
 use slotstream::checkpoint::Checkpoint;
 
 fn slotstream(args: &[&str]) -> Output {

@@ -1,8 +1,6 @@
 //! `slotstream synth` at the real presets' shapes and `slotstream bench`'s report: every
 //! field present, and the counts consistent with each other.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -151,7 +149,7 @@ fn two_layer_flash_next_synth_has_the_released_layout_and_runs() {
         .map(|t| (t.name.clone(), (t.dtype, t.shape.clone())))
         .collect();
 
-    let fixture = Checkpoint::open(&common::fixture_dir(common::QWEN4_EXP)).unwrap();
+    let fixture = Checkpoint::open(&crate::common::fixture_dir(crate::common::QWEN4_EXP)).unwrap();
     let ple = "language_model.model.layers.1.ple.ple_embedding.ngram_embedding.shard_";
     let mut want = BTreeMap::new();
     for t in fixture.tensors() {

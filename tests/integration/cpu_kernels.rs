@@ -5,8 +5,6 @@
 //! not fill a tile of rows or a task, token counts that do not fill a tile of tokens),
 //! dense weights, and routed experts with tokens sharing experts.
 
-mod common;
-
 use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::{CpuBackend, Isa};
@@ -264,7 +262,7 @@ fn routed_experts_match_scalar() {
             let x = simd.upload(&random(t * hidden), t, hidden);
             let got = simd.moe_experts(&x, &routing, &held, &layout, None).data;
             let want = scalar.moe_experts(&x, &routing, &held, &layout, None).data;
-            let e = common::rel_err(&got, &want);
+            let e = crate::common::rel_err(&got, &want);
             assert!(
                 e <= 1e-5,
                 "{}: {specs:?} {dtype:?} T={t} k={k}: relative error {e:.2e}",
@@ -301,7 +299,7 @@ fn gated_delta_matches_scalar() {
             let [s_simd, s_scalar] = &mut states;
             let got = simd.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_simd, dims);
             let want = scalar.gated_delta(&qkv, &ba, &a_log, &dt_bias, s_scalar, dims);
-            let e = common::rel_err(&s_simd.data, &s_scalar.data);
+            let e = crate::common::rel_err(&s_simd.data, &s_scalar.data);
             assert!(e <= 1e-5, "Dk={dk} Dv={dv} T={t}: state error {e:.2e}");
             // y[i] = S[i] q with q normalized to 1 / sqrt(Dk): its rounding scales with
             // sum_j |S[i, j]| |q[j]| <= ||S[i]|| / sqrt(Dk).

@@ -2,11 +2,9 @@
 //! between, every record), queue depth (1, 32), lookahead (on, off), I/O mode (direct,
 //! buffered) and backend (CPU, first GPU adapter), on both fixtures.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::Backend;
 use slotstream::checkpoint::Checkpoint;

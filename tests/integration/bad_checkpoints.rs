@@ -2,12 +2,10 @@
 //! checks that `Checkpoint::open` / `Model::load` return an error (never a panic) whose
 //! text names the file, tensor or field at fault.
 
-mod common;
-
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use common::{
+use crate::common::{
     copy_fixture, edit_json, read_json, read_shard, rewrite_shard, shard_of, Owned, INDEX,
 };
 use safetensors::Dtype;

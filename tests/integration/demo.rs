@@ -4,11 +4,9 @@
 //! no control tokens. Synthetic checkpoints' special tokens agree with their configs, so
 //! EOS and `<|endoftext|>` stop generation.
 
-mod common;
-
 use std::process::{Command, Output};
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use slotstream::config::Family;
 use slotstream::synth::{write_checkpoint_with, Preset};

@@ -4,12 +4,10 @@
 //! routing file with a message that names it. The calibration itself is a unit test of
 //! `slotstream::routing_model`.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
-use common::TINY;
+use crate::common::TINY;
 
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;

@@ -2,9 +2,7 @@
 //! the committed fixtures (Qwen3-Next and Qwen3.5-MoE): teacher-forced logits, greedy
 //! tokens, perplexity, and prefill + decode against one full-sequence forward.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::model::Logits;
 

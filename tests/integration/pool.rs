@@ -5,8 +5,6 @@
 //! Every test that writes (packs, corruption, truncation) works on a copy of a fixture in
 //! a temporary directory; nothing is written under tests/fixtures.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::ops::Range;
@@ -25,11 +23,11 @@ use slotstream::pool::{
     floor_slots, PoolExperts, PoolOptions, RecordFiles, SlotPool, StreamOptions,
 };
 
-use common::copy_fixture;
+use crate::common::copy_fixture;
 
 const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
-const QWEN35: &str = common::QWEN35;
+const QWEN35: &str = crate::common::QWEN35;
 const MODES: [IoMode; 2] = [IoMode::Direct, IoMode::Buffered];
 
 // ---------------------------------------------------------------------------------------
@@ -87,7 +85,7 @@ fn fixture(name: &str) -> &'static Fixture {
         _ => unreachable!(),
     };
     cell.get_or_init(|| {
-        let (ckpt, index) = open(&common::fixture_dir(name));
+        let (ckpt, index) = open(&crate::common::fixture_dir(name));
         let records = all_keys(&index)
             .into_iter()
             .map(|(l, e)| ((l as u32, e), expected(&ckpt, &index, l, e)))
@@ -919,7 +917,7 @@ fn pool_with(
 
 #[test]
 fn pack_round_trip_gives_the_shard_records() {
-    for name in [BF16, SHARDED, QWEN35, common::QWEN4_EXP] {
+    for name in [BF16, SHARDED, QWEN35, crate::common::QWEN4_EXP] {
         let tmp = copy_fixture(name);
         let (ckpt, index) = open(tmp.path());
         let manifest = pack(&ckpt, &index, tmp.path(), false).unwrap();
@@ -1108,9 +1106,9 @@ fn below_the_floor_is_refused_with_the_numbers() {
 
 #[test]
 fn logits_through_the_pool_equal_the_mapped_checkpoint() {
-    for name in [BF16, SHARDED, QWEN35, common::QWEN4_EXP] {
-        let r = common::reference(name);
-        let l = common::load_cpu(name);
+    for name in [BF16, SHARDED, QWEN35, crate::common::QWEN4_EXP] {
+        let r = crate::common::reference(name);
+        let l = crate::common::load_cpu(name);
         let index = Arc::new(l.model.experts.clone());
         let mut state = l.model.new_state(&CpuBackend);
         let want = l
@@ -1301,7 +1299,7 @@ fn a_pool_of_every_record_keeps_layers_together() {
 fn bytes_read_counts_everything_the_reader_read() {
     use slotstream::generate::{generate, GenerateOptions};
     let rt = runtime();
-    let l = common::load_cpu(BF16);
+    let l = crate::common::load_cpu(BF16);
     let index = Arc::new(l.model.experts.clone());
     let files: Vec<Arc<Faulty>> = shard_paths(&l.ckpt)
         .iter()
@@ -1312,7 +1310,7 @@ fn bytes_read_counts_everything_the_reader_read() {
     let slots = floor_slots(index.num_experts, 8);
     let pool = shards_pool(&index, readers, 8, slots, 8, &rt);
     let experts = PoolExperts::new(pool.clone());
-    let r = common::reference(BF16);
+    let r = crate::common::reference(BF16);
     let options = GenerateOptions {
         max_tokens: 16,
         sampling: Default::default(),

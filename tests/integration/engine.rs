@@ -7,11 +7,9 @@
 //! snapshot files survive a restart while corrupt, truncated and foreign ones are skipped.
 //! The backends' KV cache copies agree with each other.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 use slotstream::backend::cpu::CpuBackend;
