@@ -362,3 +362,68 @@ pub fn without_eos(dir: &Path) {
         }
     }
 }
+
+/// A record layout for experts of `hidden` x `inter` with each projection's own spec and
+/// `dtype` scales, the pieces in record order at 16-byte boundaries, and `count` records
+/// in it whose matrices come from `matrix(rows, cols, spec)`.
+pub fn random_records(
+    hidden: usize,
+    inter: usize,
+    specs: [slotstream::config::QuantSpec; 3],
+    dtype: safetensors::Dtype,
+    count: usize,
+    matrix: impl Fn(
+        usize,
+        usize,
+        slotstream::config::QuantSpec,
+    ) -> slotstream::checkpoint::QuantizedMatrix,
+) -> (slotstream::checkpoint::RecordLayout, Vec<Vec<u8>>) {
+    use slotstream::checkpoint::{PieceKind, Projection, RecordLayout};
+    let shape = |p: Projection| match p {
+        Projection::Down => (hidden, inter),
+        _ => (inter, hidden),
+    };
+    let scale_bytes = if dtype == safetensors::Dtype::F32 {
+        4
+    } else {
+        2
+    };
+    let (mut offsets, mut lens, mut at) = ([0usize; 9], [0usize; 9], 0);
+    for p in Projection::ALL {
+        let ((r, c), s) = (shape(p), specs[p.index()]);
+        for kind in PieceKind::ALL {
+            let i = RecordLayout::piece(p, kind);
+            lens[i] = match kind {
+                PieceKind::Weight => r * c * s.bits as usize / 8,
+                _ => r * c / s.group_size * scale_bytes,
+            };
+            offsets[i] = at;
+            at = (at + lens[i]).next_multiple_of(16);
+        }
+    }
+    let layout = RecordLayout {
+        offsets,
+        lens,
+        record_bytes: at,
+        specs,
+        scale_dtype: dtype,
+        hidden,
+        intermediate: inter,
+    };
+    let records = (0..count)
+        .map(|_| {
+            let mut bytes = vec![0u8; at];
+            for p in Projection::ALL {
+                let (r, c) = shape(p);
+                let q = matrix(r, c, specs[p.index()]);
+                let parts: [&[u8]; 3] = [bytemuck::cast_slice(&q.packed), &q.scales, &q.biases];
+                for (kind, part) in PieceKind::ALL.into_iter().zip(parts) {
+                    let i = RecordLayout::piece(p, kind);
+                    bytes[offsets[i]..offsets[i] + lens[i]].copy_from_slice(part);
+                }
+            }
+            bytes
+        })
+        .collect();
+    (layout, records)
+}

@@ -480,7 +480,6 @@ fn matmul_swiglu_matches_cpu() {
 /// the CPU backend.
 #[test]
 fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
-    use slotstream::checkpoint::{PieceKind, Projection, RecordLayout};
     let g = crate::common::gpu();
     let cpu = CpuBackend;
     let mut rng = rand::rng();
@@ -495,55 +494,13 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
         ((4, 32), (4, 128), (4, 64), Dtype::F32),
     ] {
         let specs = [gate, up, down].map(|(bits, group_size)| QuantSpec { bits, group_size });
-        let shape = |p: Projection| {
-            if p == Projection::Down {
-                (hidden, inter)
-            } else {
-                (inter, hidden)
-            }
-        };
-        let scale_bytes = if dtype == Dtype::F32 { 4 } else { 2 };
-        let (mut offsets, mut lens, mut at) = ([0usize; 9], [0usize; 9], 0);
-        for p in Projection::ALL {
-            let ((r, c), s) = (shape(p), specs[p.index()]);
-            for k in PieceKind::ALL {
-                let i = RecordLayout::piece(p, k);
-                lens[i] = match k {
-                    PieceKind::Weight => r * c / s.per_word() * 4,
-                    _ => r * c / s.group_size * scale_bytes,
+        let (layout, records) =
+            crate::common::random_records(hidden, inter, specs, dtype, 3, |r, c, s| {
+                let LinearWeight::Quantized(q) = random_quantized(r, c, s, dtype) else {
+                    unreachable!("random_quantized is quantized")
                 };
-                offsets[i] = at;
-                at = (at + lens[i]).next_multiple_of(16);
-            }
-        }
-        let layout = RecordLayout {
-            offsets,
-            lens,
-            record_bytes: at,
-            specs,
-            scale_dtype: dtype,
-            hidden,
-            intermediate: inter,
-        };
-        let records: Vec<Vec<u8>> = (0..3)
-            .map(|_| {
-                let mut bytes = vec![0u8; at];
-                for p in Projection::ALL {
-                    let (r, c) = shape(p);
-                    let LinearWeight::Quantized(q) =
-                        random_quantized(r, c, specs[p.index()], dtype)
-                    else {
-                        unreachable!("random_quantized is quantized")
-                    };
-                    let parts: [&[u8]; 3] = [bytemuck::cast_slice(&q.packed), &q.scales, &q.biases];
-                    for (k, part) in PieceKind::ALL.into_iter().zip(parts) {
-                        let i = RecordLayout::piece(p, k);
-                        bytes[offsets[i]..offsets[i] + lens[i]].copy_from_slice(part);
-                    }
-                }
-                bytes
-            })
-            .collect();
+                q
+            });
         // From 16 tokens the tiled path, which falls back for gate and up quantized apart.
         for t in [1usize, 3, 8, 20] {
             let k = 2;

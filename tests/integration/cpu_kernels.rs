@@ -9,9 +9,7 @@ use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::{CpuBackend, Isa};
 use slotstream::backend::{Backend, Routing};
-use slotstream::checkpoint::{
-    DenseMatrix, LinearWeight, PieceKind, Projection, QuantizedMatrix, RecordLayout,
-};
+use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::experts::ExpertRecord;
 
@@ -166,60 +164,6 @@ fn dense_matmul_matches_scalar() {
     }
 }
 
-/// A record layout for experts of `hidden` x `inter` with each projection's own spec, the
-/// pieces in record order at 16-byte boundaries, and `count` random records in it.
-fn random_records(
-    hidden: usize,
-    inter: usize,
-    specs: [QuantSpec; 3],
-    dtype: Dtype,
-    count: usize,
-) -> (RecordLayout, Vec<Vec<u8>>) {
-    let shape = |p: Projection| match p {
-        Projection::Down => (hidden, inter),
-        _ => (inter, hidden),
-    };
-    let scale_bytes = if dtype == Dtype::F32 { 4 } else { 2 };
-    let (mut offsets, mut lens, mut at) = ([0usize; 9], [0usize; 9], 0);
-    for p in Projection::ALL {
-        let ((r, c), s) = (shape(p), specs[p.index()]);
-        for kind in PieceKind::ALL {
-            let i = RecordLayout::piece(p, kind);
-            lens[i] = match kind {
-                PieceKind::Weight => r * c * s.bits as usize / 8,
-                _ => r * c / s.group_size * scale_bytes,
-            };
-            offsets[i] = at;
-            at = (at + lens[i]).next_multiple_of(16);
-        }
-    }
-    let layout = RecordLayout {
-        offsets,
-        lens,
-        record_bytes: at,
-        specs,
-        scale_dtype: dtype,
-        hidden,
-        intermediate: inter,
-    };
-    let records = (0..count)
-        .map(|_| {
-            let mut bytes = vec![0u8; at];
-            for p in Projection::ALL {
-                let (r, c) = shape(p);
-                let q = random_matrix(r, c, specs[p.index()], dtype);
-                let parts: [&[u8]; 3] = [bytemuck::cast_slice(&q.packed), &q.scales, &q.biases];
-                for (kind, part) in PieceKind::ALL.into_iter().zip(parts) {
-                    let i = RecordLayout::piece(p, kind);
-                    bytes[offsets[i]..offsets[i] + lens[i]].copy_from_slice(part);
-                }
-            }
-            bytes
-        })
-        .collect();
-    (layout, records)
-}
-
 #[test]
 fn routed_experts_match_scalar() {
     let scalar = CpuBackend::scalar();
@@ -231,7 +175,10 @@ fn routed_experts_match_scalar() {
         ([spec(4, 32), spec(4, 64), spec(4, 128)], Dtype::F32),
     ] {
         let (hidden, inter, experts) = (384, 128, 6);
-        let (layout, records) = random_records(hidden, inter, specs, dtype, experts);
+        let (layout, records) =
+            crate::common::random_records(hidden, inter, specs, dtype, experts, |r, c, s| {
+                random_matrix(r, c, s, dtype)
+            });
         // Five tokens of three routes over six experts: most experts serve several tokens.
         for (simd, (t, k)) in simd_backends()
             .into_iter()
