@@ -87,7 +87,9 @@ pub fn model_identity(ckpt: &Checkpoint) -> Result<String> {
     Ok(hex(&h.finalize()))
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` as lowercase hexadecimal, two digits a byte (digests in file names and
+/// manifests).
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -38,6 +38,7 @@ use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::model::{ImageTensor, Model, StateImage};
+use crate::pack::hex;
 
 // Values are written as the host stores them.
 const _: () = assert!(cfg!(target_endian = "little"));
@@ -201,10 +202,6 @@ fn encode(image: &StateImage, identity: &[u8; 32]) -> Vec<u8> {
         out.extend_from_slice(bytemuck::cast_slice(&t.values));
     }
     out
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// One of this model's snapshot files.
