@@ -125,6 +125,20 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den).sqrt()
 }
 
+/// The worst per-position relative error of `logits` (`[positions, vocab]`, teacher
+/// forced on `r.scored_ids`) against the reference's; panics, naming `what` and the
+/// position, where one is above 1e-3.
+pub fn worst_logit_error(what: &str, logits: &[f32], r: &Reference) -> f64 {
+    let mut worst = 0.0f64;
+    for t in 0..r.scored_ids.len() {
+        let row = t * r.vocab..(t + 1) * r.vocab;
+        let e = rel_err(&logits[row.clone()], &r.logits[row]);
+        assert!(e <= 1e-3, "{what}: position {t}: relative logit error {e}");
+        worst = worst.max(e);
+    }
+    worst
+}
+
 #[allow(unused_imports)]
 pub use slotstream::sampling::argmax;
 

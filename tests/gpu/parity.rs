@@ -51,13 +51,7 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
         let mapped = MappedExperts::new(ckpt.clone(), index.clone());
 
         let s = slotstream::score::score(&model, &g, &mapped, &r.scored_ids).unwrap();
-        let mut worst = 0.0f64;
-        for t in 0..r.scored_ids.len() {
-            let row = t * r.vocab..(t + 1) * r.vocab;
-            let e = rel_err(&s.logits[row.clone()], &r.logits[row]);
-            assert!(e <= 1e-3, "{name}: position {t}: relative logit error {e}");
-            worst = worst.max(e);
-        }
+        let worst = worst_logit_error(name, &s.logits, &r);
         let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
         assert!(
             rel < 5e-5,
