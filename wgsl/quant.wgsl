@@ -456,7 +456,10 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 // tokens reads every weight T times. The gemm entries compute a tile of GM tokens (or
 // routes) by GN output rows per workgroup instead: each step dequantizes a GN x GK block of
 // the weight into workgroup memory once, loads the GM x GK block of activations beside
-// it, and every invocation accumulates a 4 x 4 block of outputs from the two (f32 FMA).
+// it, and every invocation accumulates an 8 x 8 block of outputs from the two (f32 FMA):
+// per column, two 16-byte reads of weights and two of activations feed 64 FMAs, so the
+// workgroup memory's bandwidth is not the limit (a 4 x 4 block, the first version, read
+// as much for 16).
 // Tokens come in one of two ways:
 //   routed = 0: the resident weight (base 0); tile y holds tokens y * GM .. (p.tokens of
 //               them in all), each its own input and output row.
@@ -464,20 +467,21 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 //               4 words (record base, first, count, 0), then the route list: tile y
 //               computes routes aux[4 p.tiles + first ..][.. count] of the record at its
 //               base, route r reading input row r / p.k and writing output row r.
-// A tile of fewer than GM tokens computes the rest on zeros and stores nothing for them.
-// Columns past p.cols are zeros too. Quantized weights need what the 16-byte loads above
-// need (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
+// A tile of fewer than GM tokens skips the arithmetic of the invocations' token halves
+// that hold none of them (a whole warp at a time) and stores nothing for them. Columns
+// past p.cols are zeros. Quantized weights need what the 16-byte loads above need
+// (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
 // gemm_swiglu's tile is GN / 2 rows of the gate and the same rows of the up projection,
 // quantized alike, interleaved so that each invocation holds both halves of its outputs.
 
-const GM: u32 = 32u;
-const GN: u32 = 64u;
-const GK: u32 = 64u;
+const GM: u32 = 64u;
+const GN: u32 = 128u;
+const GK: u32 = 32u;
 const GEMM_WG: u32 = 128u;
 
 // tile_w[c * GN / 4 + j / 4][j % 4]: tile row j at column k0 + c, dequantized.
 var<workgroup> tile_w: array<vec4<f32>, 1024>;
-// tile_x[i * GK / 4 + c / 4][c % 4]: tile token i at column k0 + c.
+// tile_x[c * GM / 4 + i / 4][i % 4]: tile token i at column k0 + c.
 var<workgroup> tile_x: array<vec4<f32>, 512>;
 
 struct GemmTile {
@@ -508,7 +512,7 @@ fn gemm_rows(t: GemmTile, i: u32) -> vec2<u32> {
 // them over GEMM_WG invocations; consecutive invocations read consecutive vectors of a
 // token's row) and up to two 16-byte vectors of packed weights with their group's scale
 // and bias (GN rows of GK / span vectors: one at 4 bits, two at 8; consecutive
-// invocations read consecutive vectors of a row, whole 32-byte sectors).
+// invocations read consecutive rows' vectors).
 struct GemmFetch {
     x0: vec4<f32>,
     x1: vec4<f32>,
@@ -575,10 +579,10 @@ fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool) -> GemmFet
 // A fetched share into the tiles, the weights dequantized as scale * q + bias (dense f32
 // weights are read here, not fetched ahead).
 fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool) {
-    tile_x[li] = f.x0;
-    tile_x[li + GEMM_WG] = f.x1;
-    tile_x[li + 2u * GEMM_WG] = f.x2;
-    tile_x[li + 3u * GEMM_WG] = f.x3;
+    gemm_put_x(li, f.x0);
+    gemm_put_x(li + GEMM_WG, f.x1);
+    gemm_put_x(li + 2u * GEMM_WG, f.x2);
+    gemm_put_x(li + 3u * GEMM_WG, f.x3);
     if (p.bits == 0u) {
         gemm_load_dense(li, row0, k0);
         return;
@@ -588,6 +592,17 @@ fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool) 
     if (li + GEMM_WG < GN * per_row) {
         gemm_put_q(li + GEMM_WG, per_row, f.q1, f.sb1);
     }
+}
+
+// Activation vector i (as gemm_fetch_x numbers them) into the tile, column-major.
+fn gemm_put_x(i: u32, v: vec4<f32>) {
+    let tok = i / (GK / 4u);
+    let at = (i % (GK / 4u)) * GM + tok / 4u;
+    let r = tok % 4u;
+    tile_x[at][r] = v.x;
+    tile_x[at + GM / 4u][r] = v.y;
+    tile_x[at + GM / 2u][r] = v.z;
+    tile_x[at + 3u * (GM / 4u)][r] = v.w;
 }
 
 // Packed-weight vector i of the tile, dequantized into its tile row's columns.
@@ -657,24 +672,48 @@ fn gemm_bytes(word: u32) -> vec4<f32> {
     return vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
 }
 
-// A tile's outputs for one invocation: t0..t3 are tokens tt * 4 + 0..3 of the tile, each
-// over tile rows tr * 4 .. tr * 4 + 3, for invocation li = tt * (GN / 4) + tr.
+// Four tokens' outputs over an invocation's eight tile rows: tN holds token N's rows
+// (4 tr .. 4 tr + 3), hN the same token's rows (GN / 2 + 4 tr ..).
 struct GemmAcc {
     t0: vec4<f32>,
+    h0: vec4<f32>,
     t1: vec4<f32>,
+    h1: vec4<f32>,
     t2: vec4<f32>,
+    h2: vec4<f32>,
     t3: vec4<f32>,
+    h3: vec4<f32>,
+}
+
+// One column's products: four tokens' activations x against the two row vectors.
+fn gemm_fma(a: GemmAcc, x: vec4<f32>, wl: vec4<f32>, wh: vec4<f32>) -> GemmAcc {
+    return GemmAcc(
+        a.t0 + x.x * wl, a.h0 + x.x * wh,
+        a.t1 + x.y * wl, a.h1 + x.y * wh,
+        a.t2 + x.z * wl, a.h2 + x.z * wh,
+        a.t3 + x.w * wl, a.h3 + x.w * wh,
+    );
+}
+
+// An invocation's 8 x 8 outputs, li = tt * (GN / 8) + tr: `lo` holds tile tokens
+// 4 tt .. 4 tt + 3 and `hi` tokens GM / 2 + 4 tt .., each over tile rows 4 tr .. 4 tr + 3
+// and GN / 2 + 4 tr .. (so a warp's reads of either tile are contiguous).
+struct GemmOut {
+    lo: GemmAcc,
+    hi: GemmAcc,
 }
 
 // Every invocation of the workgroup must call it.
-fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmAcc {
-    let tr = li % (GN / 4u);
-    let tt = li / (GN / 4u);
-    var acc = GemmAcc(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
-    // A tile of a record's few routes leaves most invocations without tokens: they skip
-    // the arithmetic (a whole warp of them costs nothing) but still load and wait.
-    let busy = tt * 4u < t.count;
-    let x0 = tt * 4u * (GK / 4u);
+fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmOut {
+    let tr = li % (GN / 8u);
+    let tt = li / (GN / 8u);
+    let zero = vec4<f32>(0.0);
+    var lo = GemmAcc(zero, zero, zero, zero, zero, zero, zero, zero);
+    var hi = lo;
+    // Token halves of a partial tile (a record's few routes, the chunk's last tokens)
+    // that hold no tokens skip the arithmetic, but still load and wait.
+    let lo_busy = tt * 4u < t.count;
+    let hi_busy = GM / 2u + tt * 4u < t.count;
     var next = gemm_fetch(li, t, row0, 0u, swiglu);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
         gemm_put(li, next, t.base, row0, k0, swiglu);
@@ -682,28 +721,20 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmAcc {
         if (k0 + GK < p.cols) {
             next = gemm_fetch(li, t, row0, k0 + GK, swiglu);
         }
-        if (busy) {
-            for (var c4 = 0u; c4 < GK / 4u; c4++) {
-                // Tokens 4 tt .. 4 tt + 3 at columns 4 c4 .. 4 c4 + 3, and the tile's rows
-                // 4 tr .. 4 tr + 3 at those columns.
-                let xa = tile_x[x0 + c4];
-                let xb = tile_x[x0 + GK / 4u + c4];
-                let xc = tile_x[x0 + 2u * (GK / 4u) + c4];
-                let xd = tile_x[x0 + 3u * (GK / 4u) + c4];
-                let w0 = tile_w[c4 * GN + tr];
-                let w1 = tile_w[c4 * GN + GN / 4u + tr];
-                let w2 = tile_w[c4 * GN + GN / 2u + tr];
-                let w3 = tile_w[c4 * GN + 3u * (GN / 4u) + tr];
-                acc.t0 += xa.x * w0 + xa.y * w1 + xa.z * w2 + xa.w * w3;
-                acc.t1 += xb.x * w0 + xb.y * w1 + xb.z * w2 + xb.w * w3;
-                acc.t2 += xc.x * w0 + xc.y * w1 + xc.z * w2 + xc.w * w3;
-                acc.t3 += xd.x * w0 + xd.y * w1 + xd.z * w2 + xd.w * w3;
+        if (lo_busy) {
+            for (var c = 0u; c < GK; c++) {
+                let wl = tile_w[c * (GN / 4u) + tr];
+                let wh = tile_w[c * (GN / 4u) + GN / 8u + tr];
+                lo = gemm_fma(lo, tile_x[c * (GM / 4u) + tt], wl, wh);
+                if (hi_busy) {
+                    hi = gemm_fma(hi, tile_x[c * (GM / 4u) + GM / 8u + tt], wl, wh);
+                }
             }
         }
         // The next step's loads overwrite the tiles.
         workgroupBarrier();
     }
-    return acc;
+    return GemmOut(lo, hi);
 }
 
 // Output row `row` of tile token `tok` (skipped past the tile's count or p.rows).
@@ -720,17 +751,27 @@ fn gemm_store4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
     gemm_store(t, tok, r0 + 3u, v.w);
 }
 
+// Four tokens' outputs from tile token tok on, over rows r0 .. and r0 + GN / 2 ...
+fn gemm_store_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
+    gemm_store4(t, tok, r0, a.t0);
+    gemm_store4(t, tok, r0 + GN / 2u, a.h0);
+    gemm_store4(t, tok + 1u, r0, a.t1);
+    gemm_store4(t, tok + 1u, r0 + GN / 2u, a.h1);
+    gemm_store4(t, tok + 2u, r0, a.t2);
+    gemm_store4(t, tok + 2u, r0 + GN / 2u, a.h2);
+    gemm_store4(t, tok + 3u, r0, a.t3);
+    gemm_store4(t, tok + 3u, r0 + GN / 2u, a.h3);
+}
+
 @compute @workgroup_size(128)
 fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
-    let tok = (li / (GN / 4u)) * 4u;
-    let r0 = row0 + (li % (GN / 4u)) * 4u;
-    gemm_store4(t, tok, r0, acc.t0);
-    gemm_store4(t, tok + 1u, r0, acc.t1);
-    gemm_store4(t, tok + 2u, r0, acc.t2);
-    gemm_store4(t, tok + 3u, r0, acc.t3);
+    let tok = (li / (GN / 8u)) * 4u;
+    let r0 = row0 + (li % (GN / 8u)) * 4u;
+    gemm_store_acc(t, tok, r0, acc.lo);
+    gemm_store_acc(t, tok + GM / 2u, r0, acc.hi);
 }
 
 // gemm_parts' output `row` of tile token `tok`: rows before part_end_a go to `out`, then
@@ -761,18 +802,27 @@ fn gemm_store_part4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
     gemm_store_part(t, tok, r0 + 3u, v.w);
 }
 
+fn gemm_store_part_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
+    gemm_store_part4(t, tok, r0, a.t0);
+    gemm_store_part4(t, tok, r0 + GN / 2u, a.h0);
+    gemm_store_part4(t, tok + 1u, r0, a.t1);
+    gemm_store_part4(t, tok + 1u, r0 + GN / 2u, a.h1);
+    gemm_store_part4(t, tok + 2u, r0, a.t2);
+    gemm_store_part4(t, tok + 2u, r0 + GN / 2u, a.h2);
+    gemm_store_part4(t, tok + 3u, r0, a.t3);
+    gemm_store_part4(t, tok + 3u, r0 + GN / 2u, a.h3);
+}
+
 // gemm with qmatmul_parts' outputs (bindings 4 and 6 to 8).
 @compute @workgroup_size(128)
 fn gemm_parts(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
-    let tok = (li / (GN / 4u)) * 4u;
-    let r0 = row0 + (li % (GN / 4u)) * 4u;
-    gemm_store_part4(t, tok, r0, acc.t0);
-    gemm_store_part4(t, tok + 1u, r0, acc.t1);
-    gemm_store_part4(t, tok + 2u, r0, acc.t2);
-    gemm_store_part4(t, tok + 3u, r0, acc.t3);
+    let tok = (li / (GN / 8u)) * 4u;
+    let r0 = row0 + (li % (GN / 8u)) * 4u;
+    gemm_store_part_acc(t, tok, r0, acc.lo);
+    gemm_store_part_acc(t, tok + GM / 2u, r0, acc.hi);
 }
 
 // silu(gate) * up of one token's two output rows: v holds gate rows r0, r0 + 1, then the
@@ -782,18 +832,28 @@ fn gemm_store_swiglu(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
     gemm_store(t, tok, r0 + 1u, v.y * sigmoid(v.y) * v.w);
 }
 
+fn gemm_store_swiglu_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
+    gemm_store_swiglu(t, tok, r0, a.t0);
+    gemm_store_swiglu(t, tok, r0 + GN / 4u, a.h0);
+    gemm_store_swiglu(t, tok + 1u, r0, a.t1);
+    gemm_store_swiglu(t, tok + 1u, r0 + GN / 4u, a.h1);
+    gemm_store_swiglu(t, tok + 2u, r0, a.t2);
+    gemm_store_swiglu(t, tok + 2u, r0 + GN / 4u, a.h2);
+    gemm_store_swiglu(t, tok + 3u, r0, a.t3);
+    gemm_store_swiglu(t, tok + 3u, r0 + GN / 4u, a.h3);
+}
+
 // out[z, row] = silu(gate[row] . x) * (up[row] . x) for GN / 2 rows per workgroup: tile
 // rows 4 m + (0, 1) are gate rows 2 m + (0, 1) and tile rows 4 m + (2, 3) the same rows
-// of the up projection, so invocation tr holds both for output rows row0 + 2 tr + (0, 1).
+// of the up projection, so invocation tr holds both for output rows row0 + 2 tr + (0, 1)
+// and, from its second row vector (tile rows GN / 2 + 4 tr ..), row0 + GN / 4 + 2 tr + (0, 1).
 @compute @workgroup_size(128)
 fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     let row0 = wid.x * (GN / 2u);
     let acc = gemm_accumulate(li, t, row0, true);
-    let tok = (li / (GN / 4u)) * 4u;
-    let r0 = row0 + (li % (GN / 4u)) * 2u;
-    gemm_store_swiglu(t, tok, r0, acc.t0);
-    gemm_store_swiglu(t, tok + 1u, r0, acc.t1);
-    gemm_store_swiglu(t, tok + 2u, r0, acc.t2);
-    gemm_store_swiglu(t, tok + 3u, r0, acc.t3);
+    let tok = (li / (GN / 8u)) * 4u;
+    let r0 = row0 + (li % (GN / 8u)) * 2u;
+    gemm_store_swiglu_acc(t, tok, r0, acc.lo);
+    gemm_store_swiglu_acc(t, tok + GM / 2u, r0, acc.hi);
 }

@@ -122,8 +122,9 @@ fn quantized_matmul_matches_cpu() {
         // take 128 and 256 (a workgroup of one or two rows). A large matrix (4,099 x 1,024
         // at 2 tokens) takes four rows per lane group, the last group partial. From 16
         // tokens the product
-        // runs in tiles where the adapter has them: partial tiles of tokens, rows and
-        // columns (384 is not a multiple of the 64-column step).
+        // runs in tiles where the adapter has them: partial tiles of tokens (tiles of 64:
+        // 17, 33 and 70 tokens, the last two filling a tile's second half in part) and of
+        // rows (tiles of 128).
         for (rows, cols, t) in [
             (1, 128, 1),
             (7, 256, 3),
@@ -223,7 +224,7 @@ fn matmul_parts_match_cpu_columns() {
 fn dense_matmul_and_embedding_match_cpu() {
     let g = crate::common::gpu();
     let cpu = CpuBackend;
-    let (rows, cols) = (300, 96);
+    let (rows, cols) = (300, 100);
     let dense = LinearWeight::Dense(DenseMatrix {
         rows,
         cols,
@@ -326,8 +327,9 @@ fn routed_experts_match_cpu() {
             l.model.config.num_experts as u32,
             l.model.config.num_experts_per_tok,
         );
-        // From 16 tokens the routes run in tiles of each expert's routes.
-        for t in [1usize, 6, 40] {
+        // From 16 tokens the routes run in tiles of each expert's routes (about 50 routes
+        // an expert at 200 tokens, top-4 of 16: the second half of a tile of 64).
+        for t in [1usize, 6, 40, 200] {
             let mut ids = Vec::new();
             let mut weights = Vec::new();
             for _ in 0..t {

@@ -58,8 +58,8 @@ const GEMM_PARTS: Kernel = Kernel {
 };
 const GEMM_SWIGLU: Kernel = matmul_kernel("gemm_swiglu");
 /// Tokens (or routes) and output rows of one tile (`GM` and `GN` in the shader).
-const TILE_TOKENS: usize = 32;
-const TILE_ROWS: usize = 64;
+const TILE_TOKENS: usize = 64;
+const TILE_ROWS: usize = 128;
 /// Tokens from which a resident weight's product runs in tiles: below it a tile would
 /// be mostly padding, and reading the weight once per token costs less than that.
 pub(super) const TILED_MIN_TOKENS: usize = 16;
