@@ -361,13 +361,6 @@ impl<B: Backend> SequenceState<B> {
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
 pub const SWEEP_MIN_TOKENS: usize = 32;
 
-/// The tokens of a chunk as the MoE blocks see them: ids, and their synthetic routing
-/// (when the model has a routing model).
-struct Tokens<'a> {
-    ids: &'a [u32],
-    routes: Option<&'a mut StepRoutes>,
-}
-
 /// What a forward step holds until its final read-back has waited for the device.
 struct StepHold<'e, B: Backend, E: ExpertSource + 'e> {
     /// The previous MoE layer's records (see [`Model::moe`]).
@@ -971,11 +964,7 @@ impl<B: Backend> Model<B> {
                 let post = pre_norm(&layer.residual, Block::Mlp);
                 (h, normed) = self.residual_add(backend, &h, &r, inject.as_ref(), post);
                 if lookahead {
-                    let tokens = Tokens {
-                        ids,
-                        routes: routes.as_mut(),
-                    };
-                    self.lookahead(backend, i + 2, &h, experts, tokens)?;
+                    self.lookahead(backend, i + 2, &h, experts, routes.as_mut())?;
                 }
                 let (x, inject) = match normed.take() {
                     Some(x) => (x, None),
@@ -983,11 +972,7 @@ impl<B: Backend> Model<B> {
                 };
                 let m = match &layer.mlp {
                     Mlp::Moe(w) => {
-                        let tokens = Tokens {
-                            ids,
-                            routes: routes.as_mut(),
-                        };
-                        self.moe(backend, w, i, &x, tokens, experts, &mut hold)?
+                        self.moe(backend, w, i, &x, routes.as_mut(), experts, &mut hold)?
                     }
                     Mlp::Dense(w) => Self::dense_mlp(backend, w, &x),
                 };
@@ -1296,7 +1281,7 @@ impl<B: Backend> Model<B> {
         target: usize,
         h: &B::Tensor,
         experts: &E,
-        tokens: Tokens<'_>,
+        routes: Option<&mut StepRoutes>,
     ) -> Result<()> {
         let Some(Layer {
             residual,
@@ -1306,7 +1291,7 @@ impl<B: Backend> Model<B> {
         else {
             return Ok(());
         };
-        if let Some(routes) = tokens.routes {
+        if let Some(routes) = routes {
             experts.prefetch(target, &routes.forecast(target)?);
             return Ok(());
         }
@@ -1322,10 +1307,11 @@ impl<B: Backend> Model<B> {
     /// backend may still be reading them (GPU work runs after it is recorded), so they stay
     /// pinned until this layer's routing read-back has waited for that work.
     ///
-    /// When the source holds every record of the layer (a pool of every record), a short
-    /// input is routed on the backend instead: the router's top-k stays on the device and
-    /// the backend picks the records from the whole layer, so nothing is read back until
-    /// the step ends; the layer's records stay held until then.
+    /// When the source holds every record of the layer (a pool of every record), the input
+    /// is routed on the backend instead, a prompt's chunk as well as a decode step: the
+    /// router's top-k stays on the device and the backend picks the records from the whole
+    /// layer (a GPU groups a chunk's routes by record itself), so nothing is read back
+    /// until the step ends; the layer's records stay held until then.
     #[allow(clippy::too_many_arguments)]
     fn moe<'e, E: ExpertSource>(
         &self,
@@ -1333,20 +1319,16 @@ impl<B: Backend> Model<B> {
         w: &Moe<B>,
         layer: usize,
         x: &B::Tensor,
-        tokens: Tokens<'_>,
+        routes: Option<&mut StepRoutes>,
         experts: &'e E,
         hold: &mut StepHold<'e, B, E>,
     ) -> Result<B::Tensor> {
         let cfg = &self.config;
         let [logits, shared_gate] = w.gates.apply(backend, x);
-        let resident = if tokens.ids.len() < SWEEP_MIN_TOKENS {
-            experts.resident_layer(layer)
-        } else {
-            None
-        };
+        let resident = experts.resident_layer(layer);
         let k = cfg.num_experts_per_tok;
         // The synthetic routing model's ids `[T, k]`, when the model has one.
-        let model_ids = tokens.routes.map(|r| r.ids(layer)).transpose()?;
+        let model_ids = routes.map(|r| r.ids(layer)).transpose()?;
         if let Some(resident) = resident {
             let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can

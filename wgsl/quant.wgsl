@@ -66,6 +66,9 @@ struct Params {
     tiles: u32,
     // qmatmul entries: output rows per lane group, 1 or ROWS (see ROWS).
     row_group: u32,
+    // gemm entries, routed = 4: the tile list entry of this dispatch's first tile (a
+    // list built on the device holds every arena's tiles, see wgsl/route_tiles.wgsl).
+    first_tile: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -463,10 +466,13 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 // Tokens come in one of two ways:
 //   routed = 0: the resident weight (base 0); tile y holds tokens y * GM .. (p.tokens of
 //               them in all), each its own input and output row.
-//   routed = 4: routes grouped by expert on the host; `aux` starts with p.tiles tiles of
-//               4 words (record base, first, count, 0), then the route list: tile y
-//               computes routes aux[4 p.tiles + first ..][.. count] of the record at its
-//               base, route r reading input row r / p.k and writing output row r.
+//   routed = 4: routes grouped by expert (on the host, or on the device by
+//               wgsl/route_tiles.wgsl); `aux` starts with p.tiles tiles of 4 words
+//               (record base, first, count, 0), then the route list: tile y computes
+//               routes aux[4 p.tiles + first ..][.. count] of the record at the base of
+//               entry p.first_tile + y, route r reading input row r / p.k and writing
+//               output row r. A tile of no routes (a list built on the device holds room
+//               for more tiles than it fills) computes nothing.
 // A tile of fewer than GM tokens skips the arithmetic of the invocations' token halves
 // that hold none of them (a whole warp at a time) and stores nothing for them. Columns
 // past p.cols are zeros. Quantized weights need what the 16-byte loads above need
@@ -492,7 +498,8 @@ struct GemmTile {
 
 fn gemm_tile(y: u32) -> GemmTile {
     if (p.routed == 4u) {
-        return GemmTile(aux[4u * y], aux[4u * y + 1u], aux[4u * y + 2u]);
+        let e = 4u * (p.first_tile + y);
+        return GemmTile(aux[e], aux[e + 1u], aux[e + 2u]);
     }
     let first = y * GM;
     return GemmTile(0u, first, min(GM, p.tokens - first));
@@ -766,6 +773,9 @@ fn gemm_store_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
 @compute @workgroup_size(128)
 fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
     let tok = (li / (GN / 8u)) * 4u;
@@ -817,6 +827,9 @@ fn gemm_store_part_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
 @compute @workgroup_size(128)
 fn gemm_parts(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
     let row0 = wid.x * GN;
     let acc = gemm_accumulate(li, t, row0, false);
     let tok = (li / (GN / 8u)) * 4u;
@@ -850,6 +863,9 @@ fn gemm_store_swiglu_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
 @compute @workgroup_size(128)
 fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
     let row0 = wid.x * (GN / 2u);
     let acc = gemm_accumulate(li, t, row0, true);
     let tok = (li / (GN / 8u)) * 4u;

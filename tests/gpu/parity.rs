@@ -105,8 +105,9 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
     }
 }
 
-/// With every record resident (loaded before the first step), short steps route on the
-/// device: the top-k ids never come back per layer, only once per step with the logits
+/// With every record resident (loaded before the first step), steps route on the device,
+/// a long prompt's (its routes grouped by record on the device, in tiles) as well as short
+/// ones: the top-k ids never come back per layer, only once per step with the logits
 /// (one wait per step), and the logits equal the mapped path's. The lookups are still
 /// counted (all hits, one trace event each) and every pin is released after each step.
 #[test]
@@ -123,9 +124,26 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
         let model = Model::load(&ckpt, &g).unwrap();
         let index = Arc::new(model.experts.clone());
         let mapped = MappedExperts::new(ckpt.clone(), index.clone());
-        // A short prompt (the last tokens of the fixture's), then its greedy ids one by one.
+        // A long prompt of fresh random ids (300 tokens: about 75 routes an expert, top-4
+        // of 16, so an expert's routes fill more than one tile of 64), a short one (the
+        // last tokens of the fixture's), then its greedy ids one by one. A model with a
+        // QSA indexer skips the long one: past the indexer's budget of keys, QSA reads its
+        // keys back (waits of its own), which this test does not count.
+        let long: Vec<u32> = match model
+            .config
+            .flash_next
+            .as_ref()
+            .and_then(|f| f.indexer.as_ref())
+        {
+            None => (0..300)
+                .map(|_| rand::random_range(0..model.config.vocab_size as u32))
+                .collect(),
+            Some(_) => Vec::new(),
+        };
         let prompt = &r.prompt_ids[r.prompt_ids.len() - 5..];
-        let steps: Vec<&[u32]> = std::iter::once(prompt)
+        let steps: Vec<&[u32]> = [long.as_slice(), prompt]
+            .into_iter()
+            .filter(|ids| !ids.is_empty())
             .chain(r.greedy_ids[..12].chunks(1))
             .collect();
         let mut state = model.new_state(&g);

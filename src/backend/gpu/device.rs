@@ -87,6 +87,10 @@ pub const SHADERS: &[(&str, &str)] = &[
         include_str!("../../../wgsl/attention.wgsl"),
     ),
     ("router.wgsl", include_str!("../../../wgsl/router.wgsl")),
+    (
+        "route_tiles.wgsl",
+        include_str!("../../../wgsl/route_tiles.wgsl"),
+    ),
     ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
     (
         "bandwidth.wgsl",

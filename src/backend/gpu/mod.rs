@@ -20,6 +20,7 @@ mod hyper;
 mod norm;
 mod profile;
 mod quant;
+mod route_tiles;
 mod router;
 
 use std::sync::{Arc, Mutex};

@@ -11,6 +11,7 @@
 use safetensors::Dtype;
 
 use super::device::{grid, Access, Bind, Kernel};
+use super::route_tiles;
 use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::{Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
@@ -145,6 +146,8 @@ struct Params {
     /// Quantized matvec entries: output rows per lane group, 1 or [`QMATMUL_ROWS`] (set
     /// by [`Params::launch`]).
     row_group: u32,
+    /// gemm entries, routed = 4: the tile list entry of the dispatch's first tile.
+    first_tile: u32,
     /// Whether the output is split into parts ([`QMATMUL_PARTS`]; not a uniform word).
     parts: bool,
 }
@@ -183,7 +186,7 @@ impl Params {
     ///
     /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
     /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
-    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 27], [u32; 3]) {
+    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 28], [u32; 3]) {
         if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
             self.tokens = z as u32;
             return self.launch_tiled(z.div_ceil(TILE_TOKENS));
@@ -238,10 +241,11 @@ impl Params {
     }
 
     /// The tiled entry for these parameters over `tiles` tiles of tokens (routed = 0,
-    /// [`TILE_TOKENS`] each) or of routes (routed = 4, the tile list's), and its grid:
+    /// [`TILE_TOKENS`] each) or of routes (routed = 4: the tile list's from `first_tile`
+    /// on, `tiles` set to the entries before its route list), and its grid:
     /// `gemm_parts` for an output in parts, `gemm_swiglu` with an up projection, else
     /// `gemm`. The parameters must be [`Params::tileable`].
-    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 27], [u32; 3]) {
+    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 28], [u32; 3]) {
         let rows = self.rows as usize;
         let (kernel, per_tile) = if self.parts {
             (&GEMM_PARTS, TILE_ROWS)
@@ -250,13 +254,9 @@ impl Params {
         } else {
             (&GEMM, TILE_ROWS)
         };
-        let params = Params {
-            tiles: if self.routed == 4 { tiles as u32 } else { 0 },
-            ..self
-        };
         (
             kernel,
-            params.words(),
+            self.words(),
             [rows.div_ceil(per_tile) as u32, tiles as u32, 1],
         )
     }
@@ -289,7 +289,7 @@ impl Params {
         Some((params, data))
     }
 
-    fn words(&self) -> [u32; 27] {
+    fn words(&self) -> [u32; 28] {
         [
             self.rows,
             self.cols,
@@ -318,6 +318,7 @@ impl Params {
             self.part_ends[2],
             self.tiles,
             self.row_group,
+            self.first_tile,
         ]
     }
 
@@ -821,46 +822,18 @@ pub(super) fn moe_experts(
     let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
     let gate_up = Params::routed_gate_up(layout, routes);
     if b.gpu.tiled && routing.tokens() >= TILED_MIN_TOKENS && gate_up.tileable() {
-        let h = b.empty(routes, inter);
-        let y = b.empty(routes, d);
-        for (a, list) in tile_lists(&places, arenas.len()) {
-            let tiles = list.tiles;
-            let list = Bind::Data(bytemuck::cast_slice(&list.words));
-            let dummy = Bind::Buffer(&b.gpu.dummy);
-            let routed = |params: Params, k: usize| Params {
-                routed: 4,
-                k: k as u32,
-                ..params
-            };
-            // Gate and up read the route's token; down reads the route's own row of h.
-            let (kernel, words, groups) = routed(gate_up, routing.top_k).launch_tiled(tiles);
-            b.gpu.dispatch_with(
-                kernel,
-                &words,
-                &[
-                    Bind::Buffer(&x.buf),
-                    arena(a),
-                    list,
-                    Bind::Buffer(&h.buf),
-                    dummy,
-                ],
-                groups,
-            );
-            let down = Params::routed(layout, Projection::Down, routes);
-            let (kernel, words, groups) = routed(down, 1).launch_tiled(tiles);
-            b.gpu.dispatch_with(
-                kernel,
-                &words,
-                &[
-                    Bind::Buffer(&h.buf),
-                    arena(a),
-                    list,
-                    Bind::Buffer(&y.buf),
-                    dummy,
-                ],
-                groups,
-            );
-        }
+        let lists = tile_lists(&places, arenas.len());
+        let ranges: Vec<TiledRange<'_>> = lists
+            .iter()
+            .map(|(a, list)| TiledRange {
+                arena: arena(*a),
+                list: Bind::Data(bytemuck::cast_slice(&list.words)),
+                entries: list.tiles,
+                first: 0,
+                tiles: list.tiles,
+            })
+            .collect();
+        let y = tiled_experts(b, x, routing.top_k, layout, routes, &ranges);
         return combine(b, &y, (weights, 0, routing.top_k), shared);
     }
     // Route tables from the host: every route of an arena's table computed.
@@ -979,6 +952,63 @@ fn tile_lists(places: &[(usize, u32)], arenas: usize) -> Vec<(usize, TileList)> 
         .collect()
 }
 
+/// One arena's tiles for [`tiled_experts`]: the arena, the tile list (`entries` tile
+/// entries, then the route list) and the `tiles` entries from `first` on that hold its
+/// records' routes.
+struct TiledRange<'a> {
+    arena: Bind<'a>,
+    list: Bind<'a>,
+    entries: usize,
+    first: usize,
+    tiles: usize,
+}
+
+/// The routed experts' outputs `[routes, hidden]` in tiles of each record's routes
+/// (routed = 4 in `wgsl/quant.wgsl`): per arena, gate and up with SwiGLU into `h`
+/// `[routes, intermediate]` (route r reads token r / k of `x`), then down from h's rows.
+fn tiled_experts(
+    b: &GpuBackend,
+    x: &GpuTensor,
+    k: usize,
+    layout: &RecordLayout,
+    routes: usize,
+    ranges: &[TiledRange<'_>],
+) -> GpuTensor {
+    let h = b.empty(routes, layout.intermediate);
+    let y = b.empty(routes, layout.hidden);
+    let dummy = Bind::Buffer(&b.gpu.dummy);
+    for r in ranges {
+        let routed = |params: Params, k: usize| Params {
+            routed: 4,
+            k: k as u32,
+            tiles: r.entries as u32,
+            first_tile: r.first as u32,
+            ..params
+        };
+        let gate_up = Params::routed_gate_up(layout, routes);
+        let (kernel, words, groups) = routed(gate_up, k).launch_tiled(r.tiles);
+        let binds = [
+            Bind::Buffer(&x.buf),
+            r.arena,
+            r.list,
+            Bind::Buffer(&h.buf),
+            dummy,
+        ];
+        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+        let down = Params::routed(layout, Projection::Down, routes);
+        let (kernel, words, groups) = routed(down, 1).launch_tiled(r.tiles);
+        let binds = [
+            Bind::Buffer(&h.buf),
+            r.arena,
+            r.list,
+            Bind::Buffer(&y.buf),
+            dummy,
+        ];
+        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+    }
+    y
+}
+
 /// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each token, the weights
 /// (f32 bits) from word `w_off` of `weights`, plus the shared expert when given; `y` is
 /// `[T k, hidden]`.
@@ -1056,6 +1086,32 @@ pub(super) fn moe_experts_resident(
         // The ids lead the routing tensor.
         None => Bind::Buffer(&routing.buf),
     };
+    // Many tokens: the routes grouped by record on the device, in tiles.
+    if b.gpu.tiled
+        && x.rows >= TILED_MIN_TOKENS
+        && Params::routed_gate_up(layout, routes).tileable()
+    {
+        if let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, TILE_TOKENS) {
+            let ranges: Vec<TiledRange<'_>> = tiles
+                .ranges
+                .iter()
+                .map(|r| TiledRange {
+                    arena: Bind::Buffer(&arenas[r.arena]),
+                    list: Bind::Buffer(&tiles.list.buf),
+                    entries: tiles.capacity,
+                    first: r.first,
+                    tiles: r.capacity,
+                })
+                .collect();
+            let y = tiled_experts(b, x, k, layout, routes, &ranges);
+            return Some(combine(
+                b,
+                &y,
+                (Bind::Buffer(&routing.buf), routes, k),
+                shared,
+            ));
+        }
+    }
     let d = layout.hidden;
     let which = |arena, routed| Routes {
         arena,
