@@ -684,10 +684,7 @@ fn main() {
 }
 
 fn score(args: ScoreArgs) -> Result<()> {
-    let ckpt = Arc::new(
-        Checkpoint::open(&args.model)
-            .with_context(|| format!("opening model {}", args.model.display()))?,
-    );
+    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
     let ids = match (&args.ids, &args.text) {
         (Some(ids), None) => ids.0.clone(),
         (None, Some(text)) => Tokenizer::load(&args.model)?.encode(text)?,
@@ -809,10 +806,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 /// `generate` with `args`; with `--stats`, a summary on stderr; the pool's counters as
 /// JSON after it when `pool_json`.
 fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
-    let ckpt = Arc::new(
-        Checkpoint::open(&args.model)
-            .with_context(|| format!("opening model {}", args.model.display()))?,
-    );
+    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
     let tokenizer = Tokenizer::load(&args.model)?;
     let text = match (&args.text, &args.prompt, &args.prompt_file) {
         (Some(t), None, None) | (None, Some(t), None) => Some(t.clone()),
@@ -1068,8 +1062,7 @@ fn devices() -> Result<()> {
 }
 
 fn pack(args: PackArgs) -> Result<()> {
-    let ckpt = Checkpoint::open(&args.model)
-        .with_context(|| format!("opening model {}", args.model.display()))?;
+    let ckpt = Checkpoint::open(&args.model).context("opening the model")?;
     let index = slotstream::checkpoint::ExpertIndex::build(&ckpt)?;
     let out = args.out.unwrap_or_else(|| args.model.clone());
     let m = slotstream::pack::pack(&ckpt, &index, &out, true)
@@ -1317,10 +1310,7 @@ fn demo(args: DemoArgs) -> Result<()> {
 }
 
 fn chat(args: ChatArgs) -> Result<()> {
-    let ckpt = Arc::new(
-        Checkpoint::open(&args.model)
-            .with_context(|| format!("opening model {}", args.model.display()))?,
-    );
+    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
     let tokenizer = Tokenizer::load(&args.model)?;
     let template = ChatTemplate::load(&args.model)?
         .with_context(|| format!("{} has no chat template", args.model.display()))?;
@@ -1489,10 +1479,7 @@ fn serve(args: ServeArgs) -> Result<()> {
 
 fn bench(args: BenchArgs) -> Result<()> {
     use slotstream::bench::BenchOptions;
-    let ckpt = Arc::new(
-        Checkpoint::open(&args.model)
-            .with_context(|| format!("opening model {}", args.model.display()))?,
-    );
+    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
     let options = BenchOptions {
         budgets: args.budgets.clone(),
         lookahead: args.lookahead.iter().map(|l| *l == OnOff::On).collect(),
@@ -1529,8 +1516,7 @@ fn bench(args: BenchArgs) -> Result<()> {
 }
 
 fn plan(args: PlanArgs) -> Result<()> {
-    let ckpt = Checkpoint::open(&args.model)
-        .with_context(|| format!("opening model {}", args.model.display()))?;
+    let ckpt = Checkpoint::open(&args.model).context("opening the model")?;
     let index = ExpertIndex::build(&ckpt)?;
     let plan = Plan::new(
         &ckpt,
