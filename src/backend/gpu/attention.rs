@@ -11,7 +11,7 @@
 //! tiles (decode over a long context), its positions are split over more workgroups and
 //! the partial outputs summed by a fourth kernel.
 
-use super::device::{grid, Access, Bind, Kernel};
+use super::device::{grid, uniform_block, Access, Bind, Kernel};
 use super::{GpuBackend, GpuKvCache, GpuTensor};
 use crate::backend::{AttnDims, Backend, KeyMask};
 
@@ -49,8 +49,30 @@ const SUM: Kernel = Kernel::new(
 const TILE: usize = 16;
 /// Upper bound of the scores scratch of one call (also capped by the binding limit).
 const SCRATCH_BYTES: u64 = 128 << 20;
-/// Words of the shader's `Params` uniform block (its size, which every dispatch must bind).
-const PARAMS: usize = 17;
+uniform_block! {
+    /// `Params` of `wgsl/attention.wgsl`, which every entry binds whole (what each field
+    /// means is there).
+    pub(super) struct AttnParams {
+        n: u32,
+        cols: u32,
+        head_dim: u32,
+        rotary_dim: u32,
+        q_heads: u32,
+        group: u32,
+        kv_dim: u32,
+        pos0: u32,
+        t_chunk: u32,
+        stride: u32,
+        /// Tiles along the fast axis (keys or head dims), per kernel.
+        tiles: u32,
+        scale: f32,
+        q_row0: u32,
+        span: u32,
+        splits: u32,
+        split_stride: u32,
+        mask_words: u32,
+    }
+}
 /// `attn_pv` splits its positions when it would have fewer workgroups than this.
 const PV_TARGET_WORKGROUPS: usize = 256;
 /// Fewest positions of one `attn_pv` split.
@@ -84,9 +106,14 @@ pub(super) fn rope(
         .into_iter()
         .flat_map(|(cos, sin)| [cos, sin])
         .collect();
-    // The whole `Params` block of the shader, of which rope reads the first 4 words.
-    let mut params = [0u32; PARAMS];
-    params[..4].copy_from_slice(&[n as u32, x.cols as u32, head_dim as u32, rotary_dim as u32]);
+    // The whole `Params` block of the shader, of which rope reads the first 4 fields.
+    let params = AttnParams {
+        n: n as u32,
+        cols: x.cols as u32,
+        head_dim: head_dim as u32,
+        rotary_dim: rotary_dim as u32,
+        ..Default::default()
+    };
     let [gx, gy] = grid(n.div_ceil(256) as u32);
     let binds = [
         Bind::Buffer(&out.buf),
@@ -300,28 +327,25 @@ pub(super) fn attention(
         // Scores rows hold every position visible to the chunk's last query.
         let stride = pos0 + tc;
         let row_tiles = (tc * group).div_ceil(TILE);
-        let mut params: [u32; PARAMS] = [
-            (tc * q_heads) as u32,
-            q.cols as u32,
-            hd as u32,
-            0,
-            q_heads as u32,
-            group as u32,
-            kv_dim as u32,
-            pos0 as u32,
-            tc as u32,
-            stride as u32,
-            0, // tiles, per kernel
-            scale.to_bits(),
-            t0 as u32,
-            0, // span (attn_pv)
-            1, // splits (attn_pv, attn_sum)
-            0, // split_stride (attn_pv, attn_sum)
-            mask.map_or(0, |m| m.words_per_row() as u32),
-        ];
+        let mut params = AttnParams {
+            n: (tc * q_heads) as u32,
+            cols: q.cols as u32,
+            head_dim: hd as u32,
+            q_heads: q_heads as u32,
+            group: group as u32,
+            kv_dim: kv_dim as u32,
+            pos0: pos0 as u32,
+            t_chunk: tc as u32,
+            stride: stride as u32,
+            scale,
+            q_row0: t0 as u32,
+            splits: 1,
+            mask_words: mask.map_or(0, |m| m.words_per_row() as u32),
+            ..Default::default()
+        };
 
         let key_tiles = stride.div_ceil(TILE);
-        params[10] = key_tiles as u32;
+        params.tiles = key_tiles as u32;
         let [gx, gy] = grid((key_tiles * row_tiles) as u32);
         b.gpu.dispatch(
             &SCORES,
@@ -349,9 +373,9 @@ pub(super) fn attention(
         }
         let span = stride.div_ceil(splits).next_multiple_of(TILE);
         let splits = stride.div_ceil(span);
-        params[10] = dim_tiles as u32;
-        params[13] = span as u32;
-        params[14] = splits as u32;
+        params.tiles = dim_tiles as u32;
+        params.span = span as u32;
+        params.splits = splits as u32;
         let [gx, gy] = grid((tiles * splits) as u32);
         if splits == 1 {
             b.gpu.dispatch(
@@ -363,16 +387,16 @@ pub(super) fn attention(
         } else {
             let n = tc * q.cols;
             let partials = b.gpu.scratch((splits * n * 4) as u64);
-            params[0] = n as u32;
-            params[12] = 0;
-            params[15] = n as u32;
+            params.n = n as u32;
+            params.q_row0 = 0;
+            params.split_stride = n as u32;
             b.gpu.dispatch(
                 &PV,
                 &params,
                 &[&scratch, values, &partials],
                 [gx, gy, kv_heads as u32],
             );
-            params[12] = t0 as u32;
+            params.q_row0 = t0 as u32;
             let [gx, gy] = grid(n.div_ceil(256) as u32);
             b.gpu
                 .dispatch(&SUM, &params, &[&out.buf, &partials], [gx, gy, 1]);

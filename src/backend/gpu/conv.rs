@@ -3,8 +3,20 @@
 //! One dispatch writes the output and shifts the state in place (the last `(K-1)*d` rows
 //! of `[state; x]`), one invocation per channel, so the state keeps its buffer (and the
 //! bind groups that bind it) from step to step.
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
+
+uniform_block! {
+    /// `Params` of `wgsl/conv.wgsl`: tokens, channels, kernel width, dilation and
+    /// tokens per invocation.
+    pub(super) struct ConvParams {
+        t: u32,
+        c: u32,
+        k: u32,
+        d: u32,
+        block: u32,
+    }
+}
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/conv.wgsl`).
 const WG: usize = 256;
@@ -55,7 +67,13 @@ pub(super) fn causal_conv1d_silu(
     let block = TOKEN_BLOCK.max(keep);
     b.gpu.dispatch(
         &CONV,
-        &[t as u32, c as u32, k as u32, dilation as u32, block as u32],
+        &ConvParams {
+            t: t as u32,
+            c: c as u32,
+            k: k as u32,
+            d: dilation as u32,
+            block: block as u32,
+        },
         &[&x.buf, &w.buf, &state.buf, &out.buf],
         [gx, gy, t.div_ceil(block) as u32],
     );

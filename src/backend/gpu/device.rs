@@ -8,8 +8,9 @@
 //!   workgroup index as `wid.x + wid.y * nwg.x` and returns early past the end. The z
 //!   dimension (tokens or routes) stays below 65,535 because the model runs long inputs
 //!   in chunks that keep it so (`GpuBackend::prefill_chunk`).
-//! - The uniform block passed must be at least as long as the shader's `Params` struct
-//!   (it is padded to 16 bytes, not to the struct).
+//! - The uniform block is a [`Uniform`] struct declared with [`uniform_block!`] beside the
+//!   kernel's launcher, the WGSL `Params` struct field for field (a unit test compares the
+//!   two through naga's reflection); entries of one file share it.
 //! - Dispatches are recorded into one compute pass of one pending command encoder, which is
 //!   submitted at the next read-back ([`Gpu::flush`]) or every [`SUBMIT_EVERY`] dispatches
 //!   (so the device starts on a long step while the host still records it). Their uniform
@@ -68,6 +69,40 @@ impl Kernel {
         }
     }
 }
+
+/// A kernel's uniform block (binding 0): a `#[repr(C)]` struct of 4-byte fields that
+/// mirrors the `Params` struct of its WGSL file field for field, in order (the tests check
+/// each against the WGSL through naga's reflection). Declare one with [`uniform_block!`].
+pub trait Uniform: bytemuck::Pod {
+    /// Each field's name, byte offset and type (`u32` or `f32`), in declaration order.
+    const FIELDS: &'static [(&'static str, usize, &'static str)];
+}
+
+/// Declares a [`Uniform`] struct: `#[repr(C)]`, `Pod`, `Default`, with its field list.
+macro_rules! uniform_block {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident {
+            $( $(#[$fmeta:meta])* $fvis:vis $field:ident : $ty:ty ),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+        $vis struct $name {
+            $( $(#[$fmeta])* $fvis $field: $ty ),*
+        }
+
+        impl $crate::backend::gpu::device::Uniform for $name {
+            const FIELDS: &'static [(&'static str, usize, &'static str)] = &[$((
+                stringify!($field),
+                std::mem::offset_of!($name, $field),
+                stringify!($ty),
+            )),*];
+        }
+    };
+}
+pub(crate) use uniform_block;
 
 /// Every WGSL file of the crate, embedded at build time: `(file name, source)`.
 pub const SHADERS: &[(&str, &str)] = &[
@@ -726,8 +761,14 @@ impl Gpu {
             entry: "subgroup_probe",
             bindings: &[Access::ReadWrite],
         };
+        uniform_block! {
+            /// The probe reads no parameters; a block is bound all the same.
+            struct NoParams {
+                unused: u32,
+            }
+        }
         let out = self.zeroed(256 * 4);
-        self.dispatch(&PROBE, &[0], &[&out], [1, 1, 1]);
+        self.dispatch(&PROBE, &NoParams::default(), &[&out], [1, 1, 1]);
         let bytes = self.read(&out, 0, 256 * 4)?;
         let lanes: &[u32] = bytemuck::cast_slice(&bytes);
         Ok(lanes.iter().all(|&ok| ok == 1))
@@ -957,10 +998,10 @@ impl Gpu {
 
     /// Records one dispatch of `k` over `groups` workgroups (x, y from [`grid`], z given)
     /// with `params` as the uniform block and `buffers` at bindings 1...
-    pub fn dispatch(
+    pub fn dispatch<P: Uniform>(
         &self,
         k: &Kernel,
-        params: &[u32],
+        params: &P,
         buffers: &[&wgpu::Buffer],
         groups: [u32; 3],
     ) {
@@ -969,7 +1010,13 @@ impl Gpu {
     }
 
     /// [`Gpu::dispatch`] with bindings that may be staged data ([`Bind::Data`]).
-    pub fn dispatch_with(&self, k: &Kernel, params: &[u32], binds: &[Bind<'_>], groups: [u32; 3]) {
+    pub fn dispatch_with<P: Uniform>(
+        &self,
+        k: &Kernel,
+        params: &P,
+        binds: &[Bind<'_>],
+        groups: [u32; 3],
+    ) {
         debug_assert_eq!(
             binds.len(),
             k.bindings.len(),
@@ -979,9 +1026,9 @@ impl Gpu {
         );
         let start = std::time::Instant::now();
         let pipeline = self.pipeline(k);
-        let mut words = params.to_vec();
+        let mut words: Vec<u32> = bytemuck::cast_slice(bytemuck::bytes_of(params)).to_vec();
         // Uniform blocks are read in 16-byte rows.
-        words.resize(params.len().next_multiple_of(4).max(4), 0);
+        words.resize(words.len().next_multiple_of(4).max(4), 0);
         let block = bytemuck::cast_slice::<u32, u8>(&words);
         assert!(
             block.len() <= self.uniform_stride,

@@ -1,8 +1,17 @@
 //! Elementwise kernels: add, SwiGLU, sigmoid gating, column gathers (`wgsl/elementwise.wgsl`).
 //!
 //! One invocation per output element, [`WG`] per workgroup, over a [`grid`] of workgroups.
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
+
+uniform_block! {
+    /// `Params` of `wgsl/elementwise.wgsl`.
+    pub(super) struct ElementwiseParams {
+        n: u32,
+        cols: u32,
+        extra: u32,
+    }
+}
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/elementwise.wgsl`).
 const WG: usize = 256;
@@ -36,8 +45,16 @@ fn run(
     let out = b.empty(rows, cols);
     let [gx, gy] = grid(n.div_ceil(WG) as u32);
     let binds: [&wgpu::Buffer; 3] = [&inputs[0].buf, &inputs[1].buf, &out.buf];
-    b.gpu
-        .dispatch(k, &[n32, cols_param as u32, extra], &binds, [gx, gy, 1]);
+    b.gpu.dispatch(
+        k,
+        &ElementwiseParams {
+            n: n32,
+            cols: cols_param as u32,
+            extra,
+        },
+        &binds,
+        [gx, gy, 1],
+    );
     out
 }
 

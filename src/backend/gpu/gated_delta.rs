@@ -6,9 +6,27 @@
 //! computes the decay and write strength itself, so nothing is gathered or normalized by
 //! separate dispatches.
 
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::DeltaDims;
+
+uniform_block! {
+    /// `Params` of `wgsl/gated_delta.wgsl` (padded as the WGSL struct is).
+    pub(super) struct DeltaParams {
+        t_len: u32,
+        key_heads: u32,
+        value_heads: u32,
+        dk: u32,
+        dv: u32,
+        group: u32,
+        row_blocks: u32,
+        _pad: u32,
+        eps: f32,
+        q_scale: f32,
+        k_scale: f32,
+        _pad2: u32,
+    }
+}
 
 const RECURRENCE: Kernel = Kernel::new(
     "gated_delta.wgsl",
@@ -75,20 +93,19 @@ pub(super) fn gated_delta(
     }
     let row_blocks = dv.div_ceil(ROWS);
     let (eps, q_scale, k_scale) = dims.qk_norm();
-    let params = [
-        t_len as u32,
-        key_heads as u32,
-        value_heads as u32,
-        dk as u32,
-        dv as u32,
-        (value_heads / key_heads) as u32,
-        row_blocks as u32,
-        0,
-        eps.to_bits(),
-        q_scale.to_bits(),
-        k_scale.to_bits(),
-        0,
-    ];
+    let params = DeltaParams {
+        t_len: t_len as u32,
+        key_heads: key_heads as u32,
+        value_heads: value_heads as u32,
+        dk: dk as u32,
+        dv: dv as u32,
+        group: (value_heads / key_heads) as u32,
+        row_blocks: row_blocks as u32,
+        eps,
+        q_scale,
+        k_scale,
+        ..Default::default()
+    };
     let [gx, gy] = grid((value_heads * row_blocks) as u32);
     b.gpu.dispatch(
         &RECURRENCE,

@@ -2,8 +2,18 @@
 //!
 //! The residual state is `S` streams of width `H` side by side, `[T, S*H]`
 //! (transformers `Qwen4ExpTextGatedResidual`, `Qwen4ExpTextPLELayer`).
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
+
+uniform_block! {
+    /// `Params` of `wgsl/hyper.wgsl` (what each field means is per entry there).
+    pub(super) struct HyperParams {
+        n: u32,
+        h: u32,
+        s: u32,
+        scale: f32,
+    }
+}
 
 /// Invocations per workgroup (`@workgroup_size` in `wgsl/hyper.wgsl`).
 const WG: usize = 256;
@@ -27,7 +37,7 @@ fn run(
     k: &Kernel,
     inputs: [&GpuTensor; 3],
     (rows, cols): (usize, usize),
-    params: [u32; 4],
+    params: HyperParams,
     workgroups: usize,
 ) -> GpuTensor {
     let out = b.empty(rows, cols);
@@ -53,7 +63,12 @@ pub(super) fn silu(b: &GpuBackend, x: &GpuTensor, scale: f32) -> GpuTensor {
         &SILU_SCALED,
         [x, x, x],
         (x.rows, x.cols),
-        [elements(n), 0, 0, scale.to_bits()],
+        HyperParams {
+            n: elements(n),
+            h: 0,
+            s: 0,
+            scale,
+        },
         n.div_ceil(WG),
     )
 }
@@ -78,7 +93,12 @@ pub(super) fn hyper_mix(
         &HYPER_MIX,
         [n, mix, n],
         (n.rows, h),
-        [elements(count), h as u32, streams as u32, 0],
+        HyperParams {
+            n: elements(count),
+            h: h as u32,
+            s: streams as u32,
+            scale: 0.0,
+        },
         count.div_ceil(WG),
     )
 }
@@ -98,7 +118,12 @@ pub(super) fn hyper_inject(
     );
     assert_eq!(inject.rows, h.rows, "hyper_inject: inject rows");
     let count = h.rows * h.cols;
-    let params = [elements(count), y.cols as u32, streams as u32, 0];
+    let params = HyperParams {
+        n: elements(count),
+        h: y.cols as u32,
+        s: streams as u32,
+        scale: 0.0,
+    };
     run(
         b,
         &HYPER_INJECT,
@@ -128,7 +153,12 @@ pub(super) fn ple_gate(
     );
     let streams = key.cols / width;
     let pairs = key.rows * streams;
-    let params = [elements(pairs), width as u32, streams as u32, 0];
+    let params = HyperParams {
+        n: elements(pairs),
+        h: width as u32,
+        s: streams as u32,
+        scale: 0.0,
+    };
     run(
         b,
         &PLE_GATE,

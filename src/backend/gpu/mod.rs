@@ -199,6 +199,13 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+device::uniform_block! {
+    /// `Params` of `wgsl/bandwidth.wgsl`: 16-byte vectors to read.
+    struct StreamParams {
+        vecs: u32,
+    }
+}
+
 impl GpuBackend {
     /// Opens a GPU. Errors: no adapter (the message says which driver to install).
     pub fn new(options: &GpuOptions) -> Result<Self> {
@@ -453,15 +460,17 @@ impl Backend for GpuBackend {
             / 16
             * 16;
         let (src, out) = (self.gpu.zeroed(len), self.gpu.zeroed(4));
-        let vecs = (len / 16) as u32;
+        let params = StreamParams {
+            vecs: (len / 16) as u32,
+        };
         // A few waves of workgroups, each invocation streaming a long strided share.
         let groups = [4096, 1, 1];
-        self.gpu.dispatch(&STREAM, &[vecs], &[&src, &out], groups);
+        self.gpu.dispatch(&STREAM, &params, &[&src, &out], groups);
         self.gpu.sync()?;
         let runs = 10;
         let start = std::time::Instant::now();
         for _ in 0..runs {
-            self.gpu.dispatch(&STREAM, &[vecs], &[&src, &out], groups);
+            self.gpu.dispatch(&STREAM, &params, &[&src, &out], groups);
         }
         self.gpu.sync()?;
         Ok((len * runs) as f64 / start.elapsed().as_secs_f64())
@@ -732,5 +741,60 @@ impl Backend for GpuBackend {
             .iter()
             .map(|b| bytemuck::pod_collect_to_vec(b))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device::{kernel_source, shader, Uniform};
+
+    /// The uniform block of `file`'s kernels, `P`, has the fields of the file's WGSL
+    /// `Params` struct, in order, at the offsets and of the types naga lays them out with.
+    fn check<P: Uniform>(file: &str) {
+        let source = kernel_source(shader(file), 1);
+        let module = naga::front::wgsl::parse_str(&source)
+            .unwrap_or_else(|e| panic!("{file}: {}", e.emit_to_string(&source)));
+        let (_, ty) = module
+            .types
+            .iter()
+            .find(|(_, t)| t.name.as_deref() == Some("Params"))
+            .unwrap_or_else(|| panic!("{file} has no Params struct"));
+        let naga::TypeInner::Struct { members, span } = &ty.inner else {
+            panic!("{file}: Params is not a struct");
+        };
+        let wgsl: Vec<(String, usize, &str)> = members
+            .iter()
+            .map(|m| {
+                let ty = match module.types[m.ty].inner {
+                    naga::TypeInner::Scalar(naga::Scalar::U32) => "u32",
+                    naga::TypeInner::Scalar(naga::Scalar::F32) => "f32",
+                    ref other => panic!("{file}: Params field of type {other:?}"),
+                };
+                (m.name.clone().unwrap_or_default(), m.offset as usize, ty)
+            })
+            .collect();
+        let rust: Vec<(String, usize, &str)> = P::FIELDS
+            .iter()
+            .map(|&(name, offset, ty)| (name.to_string(), offset, ty))
+            .collect();
+        assert_eq!(
+            rust, wgsl,
+            "{file}: the Rust block and the WGSL Params differ"
+        );
+        assert_eq!(std::mem::size_of::<P>(), *span as usize, "{file}: size");
+    }
+
+    #[test]
+    fn uniform_blocks_match_their_wgsl_structs() {
+        check::<super::quant::Params>("quant.wgsl");
+        check::<super::attention::AttnParams>("attention.wgsl");
+        check::<super::norm::NormParams>("norm.wgsl");
+        check::<super::gated_delta::DeltaParams>("gated_delta.wgsl");
+        check::<super::conv::ConvParams>("conv.wgsl");
+        check::<super::elementwise::ElementwiseParams>("elementwise.wgsl");
+        check::<super::hyper::HyperParams>("hyper.wgsl");
+        check::<super::router::RouterParams>("router.wgsl");
+        check::<super::route_tiles::RouteTileParams>("route_tiles.wgsl");
+        check::<super::StreamParams>("bandwidth.wgsl");
     }
 }

@@ -4,7 +4,7 @@
 //! of 256 invocations handles `256 / tpg` groups with `tpg` invocations each, `tpg` the
 //! power of two that covers the group (at most 256), so small per-head groups do not
 //! leave most of a workgroup idle.
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::config::GateActivation;
 
@@ -35,6 +35,23 @@ const ADD_RMS_NORM: Kernel = Kernel::new(
     ],
 );
 
+uniform_block! {
+    /// `Params` of `wgsl/norm.wgsl`: groups and their width, invocations per group and
+    /// groups per workgroup, epsilon, output scale, whether there is a weight and its
+    /// length, the gate's activation (0 silu, 1 sigmoid).
+    pub(super) struct NormParams {
+        groups: u32,
+        group: u32,
+        tpg: u32,
+        gpw: u32,
+        eps: f32,
+        scale: f32,
+        has_weight: u32,
+        wlen: u32,
+        act: u32,
+    }
+}
+
 /// Uniform parameters and workgroup grid for `x` in groups of `group` values.
 fn layout(
     x: &GpuTensor,
@@ -43,7 +60,7 @@ fn layout(
     eps: f32,
     scale: f32,
     act: GateActivation,
-) -> ([u32; 9], [u32; 3]) {
+) -> (NormParams, [u32; 3]) {
     let n = x.rows * x.cols;
     assert!(
         group > 0 && n.is_multiple_of(group),
@@ -61,20 +78,20 @@ fn layout(
     let tpg = group.next_power_of_two().min(WG);
     let gpw = WG / tpg;
     let [gx, gy] = grid(u32::try_from(groups.div_ceil(gpw)).expect("rms_norm: too many groups"));
-    let params = [
-        u32::try_from(groups).expect("rms_norm: too many groups"),
-        u32::try_from(group).expect("rms_norm: group too large"),
-        tpg as u32,
-        gpw as u32,
-        eps.to_bits(),
-        scale.to_bits(),
-        weight.is_some() as u32,
-        wlen as u32,
-        match act {
+    let params = NormParams {
+        groups: u32::try_from(groups).expect("rms_norm: too many groups"),
+        group: u32::try_from(group).expect("rms_norm: group too large"),
+        tpg: tpg as u32,
+        gpw: gpw as u32,
+        eps,
+        scale,
+        has_weight: weight.is_some() as u32,
+        wlen: wlen as u32,
+        act: match act {
             GateActivation::Silu => 0,
             GateActivation::Sigmoid => 1,
         },
-    ];
+    };
     (params, [gx, gy, 1])
 }
 

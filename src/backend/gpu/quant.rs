@@ -10,7 +10,7 @@
 
 use safetensors::Dtype;
 
-use super::device::{grid, Access, Bind, Kernel};
+use super::device::{grid, uniform_block, Access, Bind, Kernel};
 use super::route_tiles;
 use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::{Routing, SharedExpert};
@@ -107,52 +107,59 @@ fn elem_bytes(code: u32) -> usize {
     }
 }
 
-/// Uniform block of `wgsl/quant.wgsl`.
-#[derive(Clone, Copy, Default)]
-struct Params {
-    arena: u32,
-    rows: u32,
-    cols: u32,
-    bits: u32,
-    group_size: u32,
-    scale_dtype: u32,
-    w_off: u32,
-    s_off: u32,
-    b_off: u32,
-    routed: u32,
-    k: u32,
-    tokens: u32,
-    /// The SwiGLU entries' up projection, like `w_off`, `s_off`, `b_off`, `bits` and
-    /// `group_size`.
-    w_off2: u32,
-    s_off2: u32,
-    b_off2: u32,
-    bits2: u32,
-    group_size2: u32,
-    /// Output width when a dispatch writes a column range of a wider output (0: `rows`),
-    /// and the first column it writes: a weight split into row ranges.
-    out_cols: u32,
-    out_first: u32,
-    /// Invocations per output row (set by [`Params::launch`]).
-    lanes: u32,
-    /// Experts in the expert table (routed = 2, 3).
-    experts: u32,
-    /// moe_combine: 1 adds the shared expert.
-    shared: u32,
-    /// qmatmul_parts: where the first three parts of the output end (rows).
-    part_ends: [u32; 3],
-    /// gemm entries, routed = 4: tiles in the tile list (see `wgsl/quant.wgsl`).
-    tiles: u32,
-    /// Quantized matvec entries: output rows per lane group, 1 or [`QMATMUL_ROWS`] (set
-    /// by [`Params::launch`]).
-    row_group: u32,
-    /// gemm entries, routed = 4: the tile list entry of the dispatch's first tile.
-    first_tile: u32,
-    /// Whether the output is split into parts ([`QMATMUL_PARTS`]; not a uniform word).
-    parts: bool,
+uniform_block! {
+    /// Uniform block of `wgsl/quant.wgsl` (its `Params`, field for field).
+    pub(super) struct Params {
+        rows: u32,
+        cols: u32,
+        bits: u32,
+        group_size: u32,
+        scale_dtype: u32,
+        w_off: u32,
+        s_off: u32,
+        b_off: u32,
+        routed: u32,
+        k: u32,
+        tokens: u32,
+        arena: u32,
+        /// The SwiGLU entries' up projection, like `w_off`, `s_off`, `b_off`, `bits` and
+        /// `group_size`.
+        w_off2: u32,
+        s_off2: u32,
+        b_off2: u32,
+        bits2: u32,
+        group_size2: u32,
+        /// Output width when a dispatch writes a column range of a wider output (0:
+        /// `rows`), and the first column it writes: a weight split into row ranges.
+        out_cols: u32,
+        out_first: u32,
+        /// Invocations per output row (set by [`Params::launch`]).
+        lanes: u32,
+        /// Experts in the expert table (routed = 2, 3).
+        experts: u32,
+        /// moe_combine: 1 adds the shared expert.
+        add_shared: u32,
+        /// qmatmul_parts: where the first three parts of the output end (rows); 0 for
+        /// an output in one part (see [`Params::parts`]).
+        part_end_a: u32,
+        part_end_b: u32,
+        part_end_c: u32,
+        /// gemm entries, routed = 4: tiles in the tile list (see `wgsl/quant.wgsl`).
+        tiles: u32,
+        /// Quantized matvec entries: output rows per lane group, 1 or [`QMATMUL_ROWS`]
+        /// (set by [`Params::launch`]).
+        row_group: u32,
+        /// gemm entries, routed = 4: the tile list entry of the dispatch's first tile.
+        first_tile: u32,
+    }
 }
 
 impl Params {
+    /// Whether the output is split into parts ([`QMATMUL_PARTS`], [`GEMM_PARTS`]).
+    fn parts(&self) -> bool {
+        self.part_end_a != 0
+    }
+
     /// Checks what the kernels' 16-byte loads need: 4 or 8 bits, whole 16-byte runs of
     /// packed words within a group (128 / bits columns) whose width is a power of two,
     /// packed words 16-byte aligned. The loader guarantees it (4 or 8 bits, groups of 32,
@@ -186,7 +193,7 @@ impl Params {
     ///
     /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
     /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
-    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, [u32; 28], [u32; 3]) {
+    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, Params, [u32; 3]) {
         if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
             self.tokens = z as u32;
             return self.launch_tiled(z.div_ceil(TILE_TOKENS));
@@ -196,7 +203,7 @@ impl Params {
             (&DENSE, cols)
         } else {
             self.check_vec4();
-            if self.parts {
+            if self.parts() {
                 (&QMATMUL_PARTS, cols * bits / 128)
             } else if self.bits2 == 0 {
                 (&QMATMUL, cols * bits / 128)
@@ -223,7 +230,7 @@ impl Params {
         let per_group = if bits != 0 && large { QMATMUL_ROWS } else { 1 };
         self.row_group = per_group as u32;
         let [x, y] = grid(rows.div_ceil(WG / lanes * per_group) as u32);
-        (kernel, self.words(), [x, y, z as u32])
+        (kernel, self, [x, y, z as u32])
     }
 
     /// Whether the tiled entries take these parameters: a dense weight of whole 16-byte
@@ -245,9 +252,9 @@ impl Params {
     /// on, `tiles` set to the entries before its route list), and its grid:
     /// `gemm_parts` for an output in parts, `gemm_swiglu` with an up projection, else
     /// `gemm`. The parameters must be [`Params::tileable`].
-    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, [u32; 28], [u32; 3]) {
+    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, Params, [u32; 3]) {
         let rows = self.rows as usize;
-        let (kernel, per_tile) = if self.parts {
+        let (kernel, per_tile) = if self.parts() {
             (&GEMM_PARTS, TILE_ROWS)
         } else if self.bits2 != 0 {
             (&GEMM_SWIGLU, TILE_ROWS / 2)
@@ -256,7 +263,7 @@ impl Params {
         };
         (
             kernel,
-            self.words(),
+            self,
             [rows.div_ceil(per_tile) as u32, tiles as u32, 1],
         )
     }
@@ -287,39 +294,6 @@ impl Params {
             ..Default::default()
         };
         Some((params, data))
-    }
-
-    fn words(&self) -> [u32; 28] {
-        [
-            self.rows,
-            self.cols,
-            self.bits,
-            self.group_size,
-            self.scale_dtype,
-            self.w_off,
-            self.s_off,
-            self.b_off,
-            self.routed,
-            self.k,
-            self.tokens,
-            self.arena,
-            self.w_off2,
-            self.s_off2,
-            self.b_off2,
-            self.bits2,
-            self.group_size2,
-            self.out_cols,
-            self.out_first,
-            self.lanes,
-            self.experts,
-            self.shared,
-            self.part_ends[0],
-            self.part_ends[1],
-            self.part_ends[2],
-            self.tiles,
-            self.row_group,
-            self.first_tile,
-        ]
     }
 
     /// Parameters of projection `proj` of records laid out by `layout` over `routes`
@@ -394,8 +368,8 @@ fn routed_swiglu(
 ) {
     let params = which.apply(Params::routed_gate_up(layout, out.rows));
     let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
-    let (kernel, words, groups) = params.launch(out.rows, false);
-    b.gpu.dispatch_with(kernel, &words, &binds, groups);
+    let (kernel, params, groups) = params.launch(out.rows, false);
+    b.gpu.dispatch_with(kernel, &params, &binds, groups);
 }
 
 /// Bytes of mirror copies queued before they are submitted and waited for, which bounds
@@ -513,11 +487,11 @@ pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> Gpu
         ..whole
     };
     let out = b.empty(x.rows, inter);
-    let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
+    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
     let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
         kernel,
-        &words,
+        &params,
         &[&x.buf, data, dummy, &out.buf, dummy],
         groups,
     );
@@ -549,12 +523,8 @@ fn embed_into(b: &GpuBackend, table: &GpuWeight, ids: &[u32], out: &GpuTensor) {
                 Bind::Data(ids),
                 Bind::Buffer(&out.buf),
             ];
-            b.gpu.dispatch_with(
-                &EMBED,
-                &params.words(),
-                &binds,
-                [1, 1, ids.len() as u32 / 4],
-            );
+            b.gpu
+                .dispatch_with(&EMBED, &params, &binds, [1, 1, ids.len() as u32 / 4]);
         }
         GpuWeight::Dense { data, .. } => {
             for (t, &id) in ids.iter().enumerate().filter(|(_, &id)| id != SKIP) {
@@ -620,17 +590,18 @@ pub(super) fn matmul_parts(
         *slot = end;
     }
     let params = Params {
-        part_ends,
-        parts: true,
+        part_end_a: part_ends[0],
+        part_end_b: part_ends[1],
+        part_end_c: part_ends[2],
         ..whole
     };
-    let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
+    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
     let dummy = &b.gpu.dummy;
     // Bindings of parts that do not exist repeat the first output, which they never write.
     let out = |i: usize| &outs.get(i).unwrap_or(&outs[0]).buf;
     b.gpu.dispatch(
         kernel,
-        &words,
+        &params,
         &[&x.buf, data, dummy, out(0), dummy, out(1), out(2), out(3)],
         groups,
     );
@@ -657,10 +628,10 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         GpuWeight::Quantized { .. } => {
             let (params, data) = Params::resident(w).expect("a quantized weight");
             let params = placed(params);
-            let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
+            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
             b.gpu.dispatch(
                 kernel,
-                &words,
+                &params,
                 &[&x.buf, data, dummy, &out.buf, dummy],
                 groups,
             );
@@ -671,10 +642,10 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
                 cols: *cols as u32,
                 ..Default::default()
             });
-            let (kernel, words, groups) = params.launch(x.rows, b.gpu.tiled);
+            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
             b.gpu.dispatch(
                 kernel,
-                &words,
+                &params,
                 &[&x.buf, data, dummy, &out.buf, dummy],
                 groups,
             );
@@ -907,8 +878,8 @@ pub(super) fn moe_experts(
             Bind::Buffer(&target.buf),
             Bind::Buffer(&b.gpu.dummy),
         ];
-        let (kernel, words, groups) = params.launch(n, false);
-        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+        let (kernel, params, groups) = params.launch(n, false);
+        b.gpu.dispatch_with(kernel, &params, &binds, groups);
         if !single {
             scatter(&target, &y, order);
         }
@@ -986,7 +957,7 @@ fn tiled_experts(
             ..params
         };
         let gate_up = Params::routed_gate_up(layout, routes);
-        let (kernel, words, groups) = routed(gate_up, k).launch_tiled(r.tiles);
+        let (kernel, params, groups) = routed(gate_up, k).launch_tiled(r.tiles);
         let binds = [
             Bind::Buffer(&x.buf),
             r.arena,
@@ -994,9 +965,9 @@ fn tiled_experts(
             Bind::Buffer(&h.buf),
             dummy,
         ];
-        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+        b.gpu.dispatch_with(kernel, &params, &binds, groups);
         let down = Params::routed(layout, Projection::Down, routes);
-        let (kernel, words, groups) = routed(down, 1).launch_tiled(r.tiles);
+        let (kernel, params, groups) = routed(down, 1).launch_tiled(r.tiles);
         let binds = [
             Bind::Buffer(&h.buf),
             r.arena,
@@ -1004,7 +975,7 @@ fn tiled_experts(
             Bind::Buffer(&y.buf),
             dummy,
         ];
-        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+        b.gpu.dispatch_with(kernel, &params, &binds, groups);
     }
     y
 }
@@ -1030,7 +1001,7 @@ fn combine(
         k: k as u32,
         tokens: tokens as u32,
         w_off: w_off as u32,
-        shared: u32::from(shared.is_some()),
+        add_shared: u32::from(shared.is_some()),
         ..Default::default()
     };
     let dummy = Bind::Buffer(&b.gpu.dummy);
@@ -1049,8 +1020,7 @@ fn combine(
         gate,
     ];
     let [gx, gy] = grid((tokens * d).div_ceil(256) as u32);
-    b.gpu
-        .dispatch_with(&COMBINE, &params.words(), &binds, [gx, gy, 1]);
+    b.gpu.dispatch_with(&COMBINE, &params, &binds, [gx, gy, 1]);
     out
 }
 
@@ -1135,8 +1105,8 @@ pub(super) fn moe_experts_resident(
             Bind::Buffer(&y.buf),
             table,
         ];
-        let (kernel, words, groups) = params.launch(routes, false);
-        b.gpu.dispatch_with(kernel, &words, &binds, groups);
+        let (kernel, params, groups) = params.launch(routes, false);
+        b.gpu.dispatch_with(kernel, &params, &binds, groups);
     }
     // The weights follow the ids in the routing tensor.
     let weights = (Bind::Buffer(&routing.buf), routes, k);
@@ -1167,8 +1137,8 @@ mod tests {
             ..Default::default()
         };
         let group = |p: Params, z: usize| {
-            let (_, words, _) = p.launch(z, false);
-            words[26]
+            let (_, params, _) = p.launch(z, false);
+            params.row_group
         };
         assert_eq!(group(quantized(4099, 1024, 4), 2), QMATMUL_ROWS as u32);
         assert_eq!(group(quantized(4099, 1024, 8), 2), QMATMUL_ROWS as u32);

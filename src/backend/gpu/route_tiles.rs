@@ -2,7 +2,7 @@
 //! tiled routed matmuls when every record of the layer is resident: a prefill then never
 //! waits for its routing to be read back between layers.
 
-use super::device::{Access, Bind, Kernel};
+use super::device::{uniform_block, Access, Bind, Kernel};
 use super::{GpuBackend, GpuTensor};
 
 const ROUTE_TILES: Kernel = Kernel::new(
@@ -10,6 +10,16 @@ const ROUTE_TILES: Kernel = Kernel::new(
     "route_tiles",
     &[Access::Read, Access::Read, Access::ReadWrite],
 );
+
+uniform_block! {
+    /// `Params` of `wgsl/route_tiles.wgsl`.
+    pub(super) struct RouteTileParams {
+        routes: u32,
+        experts: u32,
+        capacity: u32,
+        tile: u32,
+    }
+}
 
 /// Largest expert table the shader holds (`MAX_EXPERTS` in `wgsl/route_tiles.wgsl`).
 const MAX_EXPERTS: usize = 1024;
@@ -76,7 +86,12 @@ pub(super) fn route_tiles(
     let list = b.empty(1, 4 * capacity + routes);
     b.gpu.dispatch_with(
         &ROUTE_TILES,
-        &[routes as u32, experts as u32, capacity as u32, tile as u32],
+        &RouteTileParams {
+            routes: routes as u32,
+            experts: experts as u32,
+            capacity: capacity as u32,
+            tile: tile as u32,
+        },
         &[
             ids,
             Bind::Data(bytemuck::cast_slice(&plan)),

@@ -3,10 +3,21 @@
 //! One workgroup per token computes the softmax and picks the `k` largest probabilities
 //! on the device; ids and weights land in one small buffer that is read back in one go
 //! (the layer's one read-back).
-use super::device::{grid, Access, Kernel};
+use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
 use crate::backend::{Backend, Routing};
 use crate::error::{Error, Result};
+
+uniform_block! {
+    /// `Params` of `wgsl/router.wgsl`.
+    pub(super) struct RouterParams {
+        tokens: u32,
+        experts: u32,
+        k: u32,
+        /// 1: the k weights are scaled to sum 1.
+        renormalize: u32,
+    }
+}
 
 /// Largest `k` the shader holds picks for (`MAX_K` in `wgsl/router.wgsl`).
 const MAX_K: usize = 64;
@@ -50,7 +61,12 @@ pub(super) fn router_top_k_device(
         let [gx, gy] = grid(u32::try_from(tokens).expect("router: too many tokens"));
         b.gpu.dispatch(
             &ROUTER_TOP_K,
-            &[tokens as u32, experts as u32, k as u32, renormalize as u32],
+            &RouterParams {
+                tokens: tokens as u32,
+                experts: experts as u32,
+                k: k as u32,
+                renormalize: renormalize as u32,
+            },
             &[&logits.buf, &out.buf],
             [gx, gy, 1],
         );
