@@ -68,7 +68,7 @@ fn chain(g: &GpuBackend, n: u32, mut f: impl FnMut()) -> (f64, f64) {
 fn bench(c: &mut Criterion) {
     // Chains are recorded whole, then submitted (see `chain`).
     std::env::set_var("SLOTSTREAM_GPU_SUBMIT_EVERY", "0");
-    let g = GpuBackend::new(&GpuOptions::default()).expect("a GPU adapter is required");
+    let g = GpuBackend::new(&GpuOptions::from_env()).expect("a GPU adapter is required");
     let budget = Duration::from_secs(2);
     let mut rows = Vec::new();
 

@@ -33,6 +33,7 @@ use futures::stream::{BoxStream, Stream, StreamExt};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use crate::backend::gpu::GpuOptions;
 use crate::backend::{open_compute, Backend, Compute};
 use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
 use crate::checkpoint::Checkpoint;
@@ -51,6 +52,9 @@ use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 pub struct EngineOptions {
     /// As the CLI's `--device` (see [`crate::backend::open_compute`]).
     pub device: Option<String>,
+    /// How a GPU backend is driven (the CLI's come from the environment,
+    /// [`GpuOptions::from_env`]).
+    pub gpu: GpuOptions,
     /// Where experts come from (pool size, I/O, lookahead); `source.context` is also the
     /// most tokens (prompt and generated) one sequence may hold, at most the model's
     /// `max_position_embeddings` ([`crate::context`]).
@@ -66,6 +70,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             device: None,
+            gpu: GpuOptions::default(),
             source: SourceOptions::default(),
             prompt_cache: PromptCacheOptions::default(),
         }
@@ -195,7 +200,7 @@ impl Engine {
             let mut options = options;
             options.source.context = crate::context::limit(options.source.context, &ckpt.config);
             let (runner, pool): (Box<dyn Runner>, _) =
-                match open_compute(options.device.as_deref())? {
+                match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
                         let (l, pool) = load_on(b, &ckpt, &options, handle)?;
                         (Box::new(l), pool)

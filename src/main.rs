@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
+use slotstream::backend::gpu::GpuOptions;
 use slotstream::backend::gpu::{list_adapters, Placement};
 use slotstream::backend::Backend;
 use slotstream::backend::{open_compute, Compute};
@@ -694,7 +695,7 @@ fn score(args: ScoreArgs) -> Result<()> {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
-    let s = match open_compute(args.device.as_deref())? {
+    let s = match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
         Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream, &args.trace)?,
         Compute::Gpu(b) => score_on(&*b, &ckpt, &ids, &args.stream, &args.trace)?,
     };
@@ -858,7 +859,7 @@ fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
         args.max_tokens,
         &args.sampling,
     )?;
-    match open_compute(args.device.as_deref())? {
+    match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
         Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
         Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
     }
@@ -1321,7 +1322,7 @@ fn chat(args: ChatArgs) -> Result<()> {
         args.max_tokens,
         &args.sampling,
     )?;
-    match open_compute(args.device.as_deref())? {
+    match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
         Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
         Compute::Gpu(b) => chat_on(&*b, &ckpt, &tokenizer, &template, &options, &args),
     }
@@ -1442,6 +1443,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         tracing::info!(%address, "listening; loading the model");
         let options = EngineOptions {
             device: args.device.clone(),
+            gpu: GpuOptions::from_env(),
             source: args.stream.source(),
             prompt_cache: args.prompt_cache.options(args.stream.memory_budget)?,
         };
@@ -1502,7 +1504,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         bar.set_message(what.to_string());
         bar.inc(1);
     };
-    let report = match open_compute(args.device.as_deref())? {
+    let report = match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
         Compute::Cpu(b) => slotstream::bench::run(&b, &ckpt, &options, &runtime, progress)?,
         Compute::Gpu(b) => slotstream::bench::run(&*b, &ckpt, &options, &runtime, progress)?,
     };

@@ -27,12 +27,14 @@ pub enum Compute {
 /// the CPU backend when there is none or when the adapter is itself a CPU emulation such
 /// as lavapipe, which is slower than the CPU backend; then no GPU device is opened.
 ///
+/// A GPU opens with `gpu` (its adapter, when `device` names none, is `gpu.adapter`).
 /// Logs one line (at info level) saying which backend runs and why; the GPU's settings
 /// are logged at debug level ("GPU opened").
-pub fn open_compute(device: Option<&str>) -> Result<Compute> {
+pub fn open_compute(device: Option<&str>, gpu: &gpu::GpuOptions) -> Result<Compute> {
+    let base = gpu;
     let options = |adapter: Option<&str>| gpu::GpuOptions {
-        adapter: adapter.map(str::to_string),
-        ..Default::default()
+        adapter: adapter.map(str::to_string).or_else(|| base.adapter.clone()),
+        ..base.clone()
     };
     let gpu = |adapter: Option<&str>, why: &str| -> Result<Compute> {
         let g = gpu::GpuBackend::new(&options(adapter))?;

@@ -152,8 +152,7 @@ pub fn gpu() -> slotstream::backend::gpu::GpuBackend {
 /// and the same adapter on the portable paths (reductions in shared memory alone, matrix
 /// products of many tokens row by row): kernels are tested on both. Panics if the
 /// adapter has subgroup operations or the workgroup memory for tiles and the first
-/// backend does not use them (lavapipe has both; `SLOTSTREAM_GPU_SUBGROUPS=0` or
-/// `SLOTSTREAM_GPU_TILED=0` would leave a path untested).
+/// backend does not use them (lavapipe has both).
 #[allow(dead_code)]
 pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
     let (fast, portable) = (gpu_with(false), gpu_with(true));
@@ -180,6 +179,7 @@ fn gpu_with(portable: bool) -> slotstream::backend::gpu::GpuBackend {
         poison_outputs: true,
         no_subgroups: portable,
         no_tiles: portable,
+        ..Default::default()
     })
     .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
 }

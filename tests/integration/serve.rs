@@ -60,6 +60,7 @@ async fn start_on(
                 memory: prompt_cache,
                 ..Default::default()
             },
+            ..Default::default()
         },
     )
     .await

@@ -217,7 +217,9 @@ pub struct AdapterSummary {
     pub subgroup_sizes: Option<(u32, u32)>,
 }
 
-/// Which adapter to use.
+/// Which adapter to use, and how to drive it. The library reads no environment: the
+/// CLI takes these from its flags and the `SLOTSTREAM_GPU_*` variables
+/// ([`GpuOptions::from_env`]); [`Default`] is every knob at its default.
 #[derive(Clone, Debug, Default)]
 pub struct GpuOptions {
     /// Case-insensitive substring of the adapter name (`--device`, `WGPU_ADAPTER_NAME`).
@@ -233,6 +235,48 @@ pub struct GpuOptions {
     /// tiles (`SLOTSTREAM_GPU_TILED=0` does the same): the path kept for adapters without
     /// the workgroup memory tiles need, kept tested on adapters that have it.
     pub no_tiles: bool,
+    /// Timestamps per dispatch, reported per kernel at debug level
+    /// (`SLOTSTREAM_GPU_PROFILE`); where the adapter lacks them, a warning.
+    pub profile: bool,
+    /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
+    /// (`SLOTSTREAM_GPU_CHECKS=all`), for debugging (see [`Gpu::pipeline`]).
+    pub all_checks: bool,
+    /// Pools placed on the device have their slots written through `queue.write_buffer`
+    /// rather than copied by the GPU from imported host memory
+    /// (`SLOTSTREAM_GPU_HOST_COPY=0`; see [`Gpu::set_host_copies`]).
+    pub no_host_copy: bool,
+    /// Dispatches recorded before they are submitted without a wait
+    /// (`SLOTSTREAM_GPU_SUBMIT_EVERY`); `None`: [`SUBMIT_EVERY`].
+    pub submit_every: Option<usize>,
+    /// Microseconds a wait polls before it blocks (`SLOTSTREAM_GPU_SPIN_US`); `None`:
+    /// [`SPIN_US`] on a GPU, 0 on a CPU emulation.
+    pub spin_us: Option<u64>,
+    /// Invocations a quantized matvec aims for (`SLOTSTREAM_GPU_INVOCATIONS`, for tuning
+    /// on another GPU); `None`: the built-in figure.
+    pub invocations: Option<usize>,
+}
+
+impl GpuOptions {
+    /// Options from the environment: `WGPU_ADAPTER_NAME` and the `SLOTSTREAM_GPU_*`
+    /// knobs above (on/off knobs take `1`, `on`, `true`, `yes` and `0`, `off`, `false`,
+    /// `no`; counts are non-negative integers; any other value warns and keeps the
+    /// default). The CLI reads them once, when it opens a backend.
+    pub fn from_env() -> Self {
+        GpuOptions {
+            adapter: std::env::var("WGPU_ADAPTER_NAME")
+                .ok()
+                .filter(|s| !s.is_empty()),
+            poison_outputs: false,
+            no_subgroups: !env_switch("SLOTSTREAM_GPU_SUBGROUPS", &[], true),
+            no_tiles: !env_switch("SLOTSTREAM_GPU_TILED", &[], true),
+            profile: env_switch("SLOTSTREAM_GPU_PROFILE", &[], false),
+            all_checks: env_switch("SLOTSTREAM_GPU_CHECKS", &["all"], false),
+            no_host_copy: !env_switch("SLOTSTREAM_GPU_HOST_COPY", &[], true),
+            submit_every: env_count("SLOTSTREAM_GPU_SUBMIT_EVERY"),
+            spin_us: env_count("SLOTSTREAM_GPU_SPIN_US"),
+            invocations: env_count("SLOTSTREAM_GPU_INVOCATIONS"),
+        }
+    }
 }
 
 fn instance() -> wgpu::Instance {
@@ -255,14 +299,10 @@ pub fn chosen_adapter(options: &GpuOptions) -> Result<AdapterSummary> {
     choose_adapter(&instance(), options).map(|a| summarize(&a))
 }
 
-/// The adapter whose name contains `options.adapter` (else `WGPU_ADAPTER_NAME`), or
-/// wgpu's high-performance default. Errors: none found, or none whose name matches.
+/// The adapter whose name contains `options.adapter`, or wgpu's high-performance
+/// default. Errors: none found, or none whose name matches.
 fn choose_adapter(inst: &wgpu::Instance, options: &GpuOptions) -> Result<wgpu::Adapter> {
-    let wanted = options
-        .adapter
-        .clone()
-        .or_else(|| std::env::var("WGPU_ADAPTER_NAME").ok())
-        .filter(|s| !s.is_empty());
+    let wanted = options.adapter.clone().filter(|s| !s.is_empty());
     match &wanted {
         Some(name) => {
             let lower = name.to_lowercase();
@@ -318,10 +358,12 @@ pub struct Gpu {
     pub subgroup_lanes: u32,
     /// Whether matrix products of many tokens run in tiles (`gemm` entries of
     /// `wgsl/quant.wgsl`): the adapter has [`TILE_WORKGROUP_BYTES`] of workgroup memory and
-    /// neither [`GpuOptions::no_tiles`] nor `SLOTSTREAM_GPU_TILED=0` turned them off.
+    /// [`GpuOptions::no_tiles`] did not turn them off.
     pub tiled: bool,
+    /// Invocations a quantized matvec dispatch aims for ([`GpuOptions::invocations`]).
+    pub invocations: usize,
     /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
-    /// (`SLOTSTREAM_GPU_CHECKS=all` or `1`), else without the loop counters and the
+    /// ([`GpuOptions::all_checks`]), else without the loop counters and the
     /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
     all_checks: bool,
     poison: bool,
@@ -363,6 +405,10 @@ const DATA_RING: u64 = 4 << 20;
 /// emulations (`SLOTSTREAM_GPU_SPIN_US` overrides; 0 always blocks): a blocking wait can
 /// take far longer to wake up than a short step takes to finish.
 const SPIN_US: u64 = 20_000;
+/// Invocations a quantized matvec dispatch aims for by default: a decode step's matrices
+/// of few rows (a router's 512, a gate's 1) get more lanes per row rather than leave the
+/// GPU idle ([`GpuOptions::invocations`] overrides it).
+pub const INVOCATIONS: usize = 1 << 17;
 /// Default number of dispatches recorded before they are submitted without waiting
 /// (`SLOTSTREAM_GPU_SUBMIT_EVERY` overrides; 0 submits only at read-backs and writes).
 pub const SUBMIT_EVERY: usize = 64;
@@ -372,25 +418,21 @@ const BIND_GROUP_CACHE: usize = 8192;
 /// Bytes of free buffers the pool keeps; buffers returned beyond it are destroyed.
 const POOL_FREE_BYTES: u64 = 1 << 30;
 
-/// The count in environment variable `name` (a tuning knob), or `default` when it is unset
-/// or not a non-negative integer (with a warning naming it).
-pub(super) fn env_count<T: std::str::FromStr + std::fmt::Display + Copy>(
-    name: &str,
-    default: T,
-) -> T {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!(value = %v, %default, "{name} is not a non-negative integer in range; using the default");
-            default
-        }),
-        Err(_) => default,
+/// The count in environment variable `name` (a tuning knob); `None` when it is unset or
+/// not a non-negative integer (with a warning naming it).
+fn env_count<T: std::str::FromStr>(name: &str) -> Option<T> {
+    let v = std::env::var(name).ok()?;
+    let parsed = v.trim().parse().ok();
+    if parsed.is_none() {
+        tracing::warn!(value = %v, "{name} is not a non-negative integer in range; using the default");
     }
+    parsed
 }
 
 /// An on/off environment knob: `1`, `on`, `true` or `yes`, and `0`, `off`, `false` or
 /// `no` (any case), plus the extra words in `on` that also mean on; unset gives
 /// `default`, and any other value warns and gives `default`.
-pub(super) fn env_switch(name: &str, on: &[&str], default: bool) -> bool {
+fn env_switch(name: &str, on: &[&str], default: bool) -> bool {
     let Ok(v) = std::env::var(name) else {
         return default;
     };
@@ -635,26 +677,21 @@ impl Gpu {
     pub fn open(options: &GpuOptions) -> Result<Self> {
         let adapter = choose_adapter(&instance(), options)?;
         let limits = adapter.limits();
-        let profile = env_switch("SLOTSTREAM_GPU_PROFILE", &[], false);
-        let profile = profile && {
+        let profile = options.profile && {
             let ok = adapter.features().contains(Profiler::features());
             if !ok {
-                tracing::warn!(
-                    "SLOTSTREAM_GPU_PROFILE: the adapter has no timestamps inside passes"
-                );
+                tracing::warn!("GPU profile: the adapter has no timestamps inside passes");
             }
             ok
         };
         let info = adapter.get_info();
         let subgroups = !options.no_subgroups
-            && env_switch("SLOTSTREAM_GPU_SUBGROUPS", &[], true)
             && adapter.features().contains(wgpu::Features::SUBGROUP)
             && info.subgroup_min_size.is_power_of_two()
             && info.subgroup_min_size <= 256;
         let subgroup_lanes = if subgroups { info.subgroup_min_size } else { 1 };
-        let tiled = !options.no_tiles
-            && env_switch("SLOTSTREAM_GPU_TILED", &[], true)
-            && limits.max_compute_workgroup_storage_size >= TILE_WORKGROUP_BYTES;
+        let tiled =
+            !options.no_tiles && limits.max_compute_workgroup_storage_size >= TILE_WORKGROUP_BYTES;
         let mut required_features = wgpu::Features::empty();
         if profile {
             required_features |= Profiler::features();
@@ -701,15 +738,16 @@ impl Gpu {
             mapped_at_creation: false,
         });
         let data_align = (limits.min_storage_buffer_offset_alignment as usize).max(16);
-        let submit_every = env_count("SLOTSTREAM_GPU_SUBMIT_EVERY", SUBMIT_EVERY);
+        let submit_every = options.submit_every.unwrap_or(SUBMIT_EVERY);
         let summary = summarize(&adapter);
         let spin_default = if summary.device_type == "Cpu" {
             0
         } else {
             SPIN_US
         };
-        let spin_us = env_count("SLOTSTREAM_GPU_SPIN_US", spin_default);
-        let all_checks = env_switch("SLOTSTREAM_GPU_CHECKS", &["all"], false);
+        let spin_us = options.spin_us.unwrap_or(spin_default);
+        let all_checks = options.all_checks;
+        let invocations = options.invocations.unwrap_or(INVOCATIONS);
         // At debug level: `open_compute` logs the one line saying which backend runs.
         tracing::debug!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, tiled, all_checks, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
@@ -739,9 +777,8 @@ impl Gpu {
             counters: Counters::default(),
             arena_bytes: AtomicU64::new(0),
             spin: std::time::Duration::from_micros(spin_us),
-            host_copies: std::sync::atomic::AtomicBool::new(
-                host_import && env_switch("SLOTSTREAM_GPU_HOST_COPY", &[], true),
-            ),
+            host_copies: std::sync::atomic::AtomicBool::new(host_import && !options.no_host_copy),
+            invocations,
         };
         if gpu.subgroup_lanes > 1 && !gpu.subgroups_as_assumed()? {
             tracing::warn!(

@@ -81,15 +81,6 @@ const QMATMUL_ROWS: usize = 4;
 /// 32,768 to 65,536 vectors (the shared expert, the router) 1.4-1.9x slower: with a
 /// quarter of the invocations, their latency shows.
 const QMATMUL_ROWS_MIN_VECTORS: usize = 1 << 18;
-/// Invocations a qmatmul dispatch aims for: a decode step's matrices of few rows (a
-/// router's 512, a gate's 1) get more lanes per row rather than leave the GPU idle.
-/// `SLOTSTREAM_GPU_INVOCATIONS` overrides it (for tuning on another GPU).
-const INVOCATIONS: usize = 1 << 17;
-
-fn invocations() -> usize {
-    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *VALUE.get_or_init(|| super::device::env_count("SLOTSTREAM_GPU_INVOCATIONS", INVOCATIONS))
-}
 
 fn dtype_code(d: Dtype) -> u32 {
     match d {
@@ -186,14 +177,20 @@ impl Params {
     /// for an output in parts, `qmatmul_swiglu` when an up projection is given (`bits2`),
     /// else `qmatmul`; a quantized projection
     /// must meet [`Params::check_vec4`]. Lanes per row: 16, doubled while the dispatch has
-    /// fewer than [`INVOCATIONS`] invocations and a row has work for them (a lane per
-    /// 16-byte vector of packed words, or per dense column); see [`invocations`]. How a
+    /// fewer than `invocations` invocations (the device's [`super::Gpu::invocations`]) and
+    /// a row has work for them (a lane per 16-byte vector of packed words, or per dense
+    /// column). How a
     /// row's sum is split over lanes depends on the dispatch's size, so its last bits can
     /// differ between a token computed alone and in a batch.
     ///
     /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
     /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
-    fn launch(mut self, z: usize, tiled: bool) -> (&'static Kernel, Params, [u32; 3]) {
+    fn launch(
+        mut self,
+        z: usize,
+        tiled: bool,
+        invocations: usize,
+    ) -> (&'static Kernel, Params, [u32; 3]) {
         if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
             self.tokens = z as u32;
             return self.launch_tiled(z.div_ceil(TILE_TOKENS));
@@ -220,7 +217,7 @@ impl Params {
         };
         let rows = self.rows as usize;
         let mut lanes = 16;
-        while lanes < WG && rows * z.max(1) * lanes < invocations() && lanes * 2 <= units {
+        while lanes < WG && rows * z.max(1) * lanes < invocations && lanes * 2 <= units {
             lanes *= 2;
         }
         self.lanes = lanes as u32;
@@ -368,7 +365,7 @@ fn routed_swiglu(
 ) {
     let params = which.apply(Params::routed_gate_up(layout, out.rows));
     let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
-    let (kernel, params, groups) = params.launch(out.rows, false);
+    let (kernel, params, groups) = params.launch(out.rows, false, b.gpu.invocations);
     b.gpu.dispatch_with(kernel, &params, &binds, groups);
 }
 
@@ -487,7 +484,7 @@ pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> Gpu
         ..whole
     };
     let out = b.empty(x.rows, inter);
-    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
+    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled, b.gpu.invocations);
     let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
         kernel,
@@ -595,7 +592,7 @@ pub(super) fn matmul_parts(
         part_end_c: part_ends[2],
         ..whole
     };
-    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
+    let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled, b.gpu.invocations);
     let dummy = &b.gpu.dummy;
     // Bindings of parts that do not exist repeat the first output, which they never write.
     let out = |i: usize| &outs.get(i).unwrap_or(&outs[0]).buf;
@@ -628,7 +625,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
         GpuWeight::Quantized { .. } => {
             let (params, data) = Params::resident(w).expect("a quantized weight");
             let params = placed(params);
-            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
+            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled, b.gpu.invocations);
             b.gpu.dispatch(
                 kernel,
                 &params,
@@ -642,7 +639,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
                 cols: *cols as u32,
                 ..Default::default()
             });
-            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled);
+            let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled, b.gpu.invocations);
             b.gpu.dispatch(
                 kernel,
                 &params,
@@ -878,7 +875,7 @@ pub(super) fn moe_experts(
             Bind::Buffer(&target.buf),
             Bind::Buffer(&b.gpu.dummy),
         ];
-        let (kernel, params, groups) = params.launch(n, false);
+        let (kernel, params, groups) = params.launch(n, false, b.gpu.invocations);
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
         if !single {
             scatter(&target, &y, order);
@@ -1105,7 +1102,7 @@ pub(super) fn moe_experts_resident(
             Bind::Buffer(&y.buf),
             table,
         ];
-        let (kernel, params, groups) = params.launch(routes, false);
+        let (kernel, params, groups) = params.launch(routes, false, b.gpu.invocations);
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
     }
     // The weights follow the ids in the routing tensor.
@@ -1115,6 +1112,7 @@ pub(super) fn moe_experts_resident(
 
 #[cfg(test)]
 mod tests {
+    use super::super::device::INVOCATIONS;
     use super::*;
 
     /// The shader's `ROWS` is the host's [`QMATMUL_ROWS`]: the grid counts rows per lane
@@ -1137,7 +1135,7 @@ mod tests {
             ..Default::default()
         };
         let group = |p: Params, z: usize| {
-            let (_, params, _) = p.launch(z, false);
+            let (_, params, _) = p.launch(z, false, INVOCATIONS);
             params.row_group
         };
         assert_eq!(group(quantized(4099, 1024, 4), 2), QMATMUL_ROWS as u32);
