@@ -358,7 +358,9 @@ impl<B: Backend> SequenceState<B> {
 }
 
 /// Passes of at least this many tokens get their experts through
-/// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool.
+/// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool, unless
+/// the pool holds every record (then every pass routes on the backend, see
+/// [`Model::moe`], and counts its lookups as hits).
 pub const SWEEP_MIN_TOKENS: usize = 32;
 
 /// What a forward step holds until its final read-back has waited for the device.

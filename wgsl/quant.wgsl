@@ -474,7 +474,8 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 //               output row r. A tile of no routes (a list built on the device holds room
 //               for more tiles than it fills) computes nothing.
 // A tile of fewer than GM tokens skips the arithmetic of the invocations' token halves
-// that hold none of them (a whole warp at a time) and stores nothing for them. Columns
+// that hold none of them (a warp holds two invocations' rows of tokens, so it skips
+// where both are empty) and stores nothing for them. Columns
 // past p.cols are zeros. Quantized weights need what the 16-byte loads above need
 // (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
 // gemm_swiglu's tile is GN / 2 rows of the gate and the same rows of the up projection,

@@ -179,7 +179,9 @@ fn gpu_with(portable: bool) -> slotstream::backend::gpu::GpuBackend {
         poison_outputs: true,
         no_subgroups: portable,
         no_tiles: portable,
-        ..Default::default()
+        // The adapter (`WGPU_ADAPTER_NAME`) and the debugging knobs (such as
+        // `SLOTSTREAM_GPU_CHECKS=all`) as the CLI takes them.
+        ..slotstream::backend::gpu::GpuOptions::from_env()
     })
     .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
 }

@@ -217,9 +217,10 @@ pub struct AdapterSummary {
     pub subgroup_sizes: Option<(u32, u32)>,
 }
 
-/// Which adapter to use, and how to drive it. The library reads no environment: the
-/// CLI takes these from its flags and the `SLOTSTREAM_GPU_*` variables
-/// ([`GpuOptions::from_env`]); [`Default`] is every knob at its default.
+/// Which adapter to use, and how to drive it. The library reads none of these from the
+/// environment: the CLI takes them from its flags and the `SLOTSTREAM_GPU_*` variables
+/// ([`GpuOptions::from_env`]); [`Default`] is every knob at its default. (wgpu itself
+/// still reads `WGPU_BACKEND` to narrow the backends it tries.)
 #[derive(Clone, Debug, Default)]
 pub struct GpuOptions {
     /// Case-insensitive substring of the adapter name (`--device`, `WGPU_ADAPTER_NAME`).
@@ -670,8 +671,7 @@ impl Drop for DeviceBuffer {
 }
 
 impl Gpu {
-    /// Opens the adapter chosen by `options` (else `WGPU_ADAPTER_NAME`, else wgpu's
-    /// high-performance default) with the adapter's own limits, not wgpu's defaults
+    /// Opens the adapter chosen by `options` (else wgpu's high-performance default) with the adapter's own limits, not wgpu's defaults
     /// (which cap a storage binding at 128 MiB).
     /// Errors: no adapter, or none whose name matches.
     pub fn open(options: &GpuOptions) -> Result<Self> {

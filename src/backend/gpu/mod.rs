@@ -719,7 +719,8 @@ impl Backend for GpuBackend {
         if let Some(out) = quant::moe_experts_resident(self, x, routes, layer, layout, shared) {
             return Ok(out);
         }
-        // Records outside a pool: read the routing back and gather them as usual.
+        // Records outside a pool, or a chunk's routes of more experts than the device
+        // groups: read the routing back and gather them as usual.
         super::moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
     }
 

@@ -1027,8 +1027,10 @@ fn combine(
 /// the ids given) and its record's arena and base from the layer's table, uploaded with
 /// the dispatch; each projection runs once per arena that holds records of the layer,
 /// computing only the routes whose records lie in it, so every output row is written by
-/// exactly one dispatch. `None` when the records do not all come from a pool (no mirror
-/// to read them from).
+/// exactly one dispatch. A chunk of [`TILED_MIN_TOKENS`] or more on a device with tiles
+/// has its routes grouped by record on the device instead (`route_tiles`) and runs the
+/// tiled entries. `None` when the records do not all come from a pool (no mirror to read
+/// them from), or when such a chunk's layer has more experts than the device groups.
 pub(super) fn moe_experts_resident(
     b: &GpuBackend,
     x: &GpuTensor,
@@ -1058,26 +1060,30 @@ pub(super) fn moe_experts_resident(
         && x.rows >= TILED_MIN_TOKENS
         && Params::routed_gate_up(layout, routes).tileable()
     {
-        if let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, TILE_TOKENS) {
-            let ranges: Vec<TiledRange<'_>> = tiles
-                .ranges
-                .iter()
-                .map(|r| TiledRange {
-                    arena: Bind::Buffer(&arenas[r.arena]),
-                    list: Bind::Buffer(&tiles.list.buf),
-                    entries: tiles.capacity,
-                    first: r.first,
-                    tiles: r.capacity,
-                })
-                .collect();
-            let y = tiled_experts(b, x, k, layout, routes, &ranges);
-            return Some(combine(
-                b,
-                &y,
-                (Bind::Buffer(&routing.buf), routes, k),
-                shared,
-            ));
-        }
+        let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, TILE_TOKENS) else {
+            // More experts than the shader groups: the routing read back and grouped on
+            // the host keeps the tiles (one wait), where routes one by one would read
+            // each record once per route.
+            return None;
+        };
+        let ranges: Vec<TiledRange<'_>> = tiles
+            .ranges
+            .iter()
+            .map(|r| TiledRange {
+                arena: Bind::Buffer(&arenas[r.arena]),
+                list: Bind::Buffer(&tiles.list.buf),
+                entries: tiles.capacity,
+                first: r.first,
+                tiles: r.capacity,
+            })
+            .collect();
+        let y = tiled_experts(b, x, k, layout, routes, &ranges);
+        return Some(combine(
+            b,
+            &y,
+            (Bind::Buffer(&routing.buf), routes, k),
+            shared,
+        ));
     }
     let d = layout.hidden;
     let which = |arena, routed| Routes {
