@@ -1042,11 +1042,6 @@ pub(super) fn moe_experts_resident(
     let routes = routing.cols / 2;
     assert_eq!(routes, x.rows * k, "moe_experts_resident: routes");
     let (arenas, places) = mirror_places(b, layer)?;
-    let table: Vec<u32> = places
-        .iter()
-        .flat_map(|&(arena, base)| [arena as u32, base])
-        .collect();
-    let table = Bind::Data(bytemuck::cast_slice(&table));
     let mut used: Vec<usize> = places.iter().map(|p| p.0).collect();
     used.sort_unstable();
     used.dedup();
@@ -1060,7 +1055,8 @@ pub(super) fn moe_experts_resident(
         && x.rows >= TILED_MIN_TOKENS
         && Params::routed_gate_up(layout, routes).tileable()
     {
-        let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, TILE_TOKENS) else {
+        let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, &used, TILE_TOKENS)
+        else {
             // More experts than the shader groups: the routing read back and grouped on
             // the host keeps the tiles (one wait), where routes one by one would read
             // each record once per route.
@@ -1085,6 +1081,11 @@ pub(super) fn moe_experts_resident(
             shared,
         ));
     }
+    let table: Vec<u32> = places
+        .iter()
+        .flat_map(|&(arena, base)| [arena as u32, base])
+        .collect();
+    let table = Bind::Data(bytemuck::cast_slice(&table));
     let d = layout.hidden;
     let which = |arena, routed| Routes {
         arena,

@@ -42,7 +42,7 @@ pub(super) struct DeviceTiles {
 
 /// Groups the `routes` routes whose expert ids `ids` binds (`[T, k]` u32) into tiles of
 /// at most `tile` routes of one expert, expert `e`'s record lying at `places[e]` (arena,
-/// base in u32 words). An arena's range has room for `routes / tile` full tiles plus a
+/// base in u32 words), `arenas` the arenas `places` names, sorted and distinct. An arena's range has room for `routes / tile` full tiles plus a
 /// partial one per expert it holds. `None` when the layer has more experts than the
 /// shader holds, or a range would need more workgroups than a grid dimension allows.
 pub(super) fn route_tiles(
@@ -50,19 +50,17 @@ pub(super) fn route_tiles(
     ids: Bind<'_>,
     routes: usize,
     places: &[(usize, u32)],
+    arenas: &[usize],
     tile: usize,
 ) -> Option<DeviceTiles> {
     let experts = places.len();
     if experts == 0 || experts > MAX_EXPERTS {
         return None;
     }
-    let mut arenas: Vec<usize> = places.iter().map(|p| p.0).collect();
-    arenas.sort_unstable();
-    arenas.dedup();
     let range_of = |arena: usize| arenas.binary_search(&arena).unwrap_or_default();
     let mut ranges = Vec::with_capacity(arenas.len());
     let mut capacity = 0;
-    for &arena in &arenas {
+    for &arena in arenas {
         let held = places.iter().filter(|p| p.0 == arena).count();
         let room = routes / tile + held;
         if room > b.gpu.limits.max_compute_workgroups_per_dimension as usize {
