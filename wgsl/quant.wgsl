@@ -567,12 +567,16 @@ struct GemmQ {
     sb: vec2<f32>,
 }
 
-fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool) -> GemmFetch {
+// A tile of gm tokens (GM or GM_NARROW, a constant where it is called): GM_NARROW
+// tokens take one vector of activations per invocation.
+fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool, gm: u32) -> GemmFetch {
     var f: GemmFetch;
     f.x0 = gemm_fetch_x(t, k0, li);
-    f.x1 = gemm_fetch_x(t, k0, li + GEMM_WG);
-    f.x2 = gemm_fetch_x(t, k0, li + 2u * GEMM_WG);
-    f.x3 = gemm_fetch_x(t, k0, li + 3u * GEMM_WG);
+    if (gm == GM) {
+        f.x1 = gemm_fetch_x(t, k0, li + GEMM_WG);
+        f.x2 = gemm_fetch_x(t, k0, li + 2u * GEMM_WG);
+        f.x3 = gemm_fetch_x(t, k0, li + 3u * GEMM_WG);
+    }
     if (p.bits != 0u) {
         let a = gemm_fetch_q(t.base, row0, k0, swiglu, li);
         let b = gemm_fetch_q(t.base, row0, k0, swiglu, li + GEMM_WG);
@@ -586,11 +590,13 @@ fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool) -> GemmFet
 
 // A fetched share into the tiles, the weights dequantized as scale * q + bias (dense f32
 // weights are read here, not fetched ahead).
-fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool) {
-    gemm_put_x(li, f.x0);
-    gemm_put_x(li + GEMM_WG, f.x1);
-    gemm_put_x(li + 2u * GEMM_WG, f.x2);
-    gemm_put_x(li + 3u * GEMM_WG, f.x3);
+fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool, gm: u32) {
+    gemm_put_x(li, f.x0, gm);
+    if (gm == GM) {
+        gemm_put_x(li + GEMM_WG, f.x1, gm);
+        gemm_put_x(li + 2u * GEMM_WG, f.x2, gm);
+        gemm_put_x(li + 3u * GEMM_WG, f.x3, gm);
+    }
     if (p.bits == 0u) {
         gemm_load_dense(li, row0, k0);
         return;
@@ -602,15 +608,16 @@ fn gemm_put(li: u32, f: GemmFetch, base: u32, row0: u32, k0: u32, swiglu: bool) 
     }
 }
 
-// Activation vector i (as gemm_fetch_x numbers them) into the tile, column-major.
-fn gemm_put_x(i: u32, v: vec4<f32>) {
+// Activation vector i (as gemm_fetch_x numbers them) into a tile of gm tokens,
+// column-major.
+fn gemm_put_x(i: u32, v: vec4<f32>, gm: u32) {
     let tok = i / (GK / 4u);
-    let at = (i % (GK / 4u)) * GM + tok / 4u;
+    let at = (i % (GK / 4u)) * gm + tok / 4u;
     let r = tok % 4u;
     tile_x[at][r] = v.x;
-    tile_x[at + GM / 4u][r] = v.y;
-    tile_x[at + GM / 2u][r] = v.z;
-    tile_x[at + 3u * (GM / 4u)][r] = v.w;
+    tile_x[at + gm / 4u][r] = v.y;
+    tile_x[at + gm / 2u][r] = v.z;
+    tile_x[at + 3u * (gm / 4u)][r] = v.w;
 }
 
 // Packed-weight vector i of the tile, dequantized into its tile row's columns.
@@ -722,12 +729,12 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmOut {
     // that hold no tokens skip the arithmetic, but still load and wait.
     let lo_busy = tt * 4u < t.count;
     let hi_busy = GM / 2u + tt * 4u < t.count;
-    var next = gemm_fetch(li, t, row0, 0u, swiglu);
+    var next = gemm_fetch(li, t, row0, 0u, swiglu, GM);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
-        gemm_put(li, next, t.base, row0, k0, swiglu);
+        gemm_put(li, next, t.base, row0, k0, swiglu, GM);
         workgroupBarrier();
         if (k0 + GK < p.cols) {
-            next = gemm_fetch(li, t, row0, k0 + GK, swiglu);
+            next = gemm_fetch(li, t, row0, k0 + GK, swiglu, GM);
         }
         if (lo_busy) {
             for (var c = 0u; c < GK; c++) {
@@ -873,4 +880,86 @@ fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) 
     let r0 = row0 + (li % (GN / 8u)) * 2u;
     gemm_store_swiglu_acc(t, tok, r0, acc.lo);
     gemm_store_swiglu_acc(t, tok + GM / 2u, r0, acc.hi);
+}
+
+// Narrow tiles: GM_NARROW routes x GN rows, for records that get few routes (a short
+// chunk over many experts: 512 tokens, top-10 of 512 experts, about 10 routes a record),
+// where a tile of GM tokens would leave most of its invocations without work. Each
+// invocation computes 4 x 4 outputs, li = tt * (GN / 4) + tr: tile tokens 4 tt .. 4 tt
+// + 3 over tile rows 4 tr .. 4 tr + 3, so the token quarters without routes are whole
+// warps that skip their arithmetic, and the accumulators take a quarter of the
+// registers, leaving room for more workgroups on a compute unit. The weight tile is
+// gemm's (gemm_fetch_q, gemm_put_q); the activations take the first GM_NARROW * GK / 4
+// vectors of tile_x.
+const GM_NARROW: u32 = 16u;
+
+struct NarrowAcc {
+    t0: vec4<f32>,
+    t1: vec4<f32>,
+    t2: vec4<f32>,
+    t3: vec4<f32>,
+}
+
+// Every invocation of the workgroup must call it.
+fn gemm_accumulate_narrow(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> NarrowAcc {
+    let tr = li % (GN / 4u);
+    let tt = li / (GN / 4u);
+    let zero = vec4<f32>(0.0);
+    var a = NarrowAcc(zero, zero, zero, zero);
+    let busy = tt * 4u < t.count;
+    var next = gemm_fetch(li, t, row0, 0u, swiglu, GM_NARROW);
+    for (var k0 = 0u; k0 < p.cols; k0 += GK) {
+        gemm_put(li, next, t.base, row0, k0, swiglu, GM_NARROW);
+        workgroupBarrier();
+        if (k0 + GK < p.cols) {
+            next = gemm_fetch(li, t, row0, k0 + GK, swiglu, GM_NARROW);
+        }
+        if (busy) {
+            for (var c = 0u; c < GK; c++) {
+                let wv = tile_w[c * (GN / 4u) + tr];
+                let x = tile_x[c * (GM_NARROW / 4u) + tt];
+                a.t0 += x.x * wv;
+                a.t1 += x.y * wv;
+                a.t2 += x.z * wv;
+                a.t3 += x.w * wv;
+            }
+        }
+        workgroupBarrier();
+    }
+    return a;
+}
+
+// gemm over narrow tiles (routed = 4 only).
+@compute @workgroup_size(128)
+fn gemm_narrow(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
+    let row0 = wid.x * GN;
+    let a = gemm_accumulate_narrow(li, t, row0, false);
+    let tok = (li / (GN / 4u)) * 4u;
+    let r0 = row0 + (li % (GN / 4u)) * 4u;
+    gemm_store4(t, tok, r0, a.t0);
+    gemm_store4(t, tok + 1u, r0, a.t1);
+    gemm_store4(t, tok + 2u, r0, a.t2);
+    gemm_store4(t, tok + 3u, r0, a.t3);
+}
+
+// gemm_swiglu over narrow tiles (routed = 4 only): tile rows 4 tr .. 4 tr + 3 are gate
+// rows row0 + 2 tr + (0, 1), then the same rows of the up projection.
+@compute @workgroup_size(128)
+fn gemm_swiglu_narrow(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
+    let row0 = wid.x * (GN / 2u);
+    let a = gemm_accumulate_narrow(li, t, row0, true);
+    let tok = (li / (GN / 4u)) * 4u;
+    let r0 = row0 + (li % (GN / 4u)) * 2u;
+    gemm_store_swiglu(t, tok, r0, a.t0);
+    gemm_store_swiglu(t, tok + 1u, r0, a.t1);
+    gemm_store_swiglu(t, tok + 2u, r0, a.t2);
+    gemm_store_swiglu(t, tok + 3u, r0, a.t3);
 }

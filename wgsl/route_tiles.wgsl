@@ -14,7 +14,7 @@ struct Params {
     routes: u32,    // routes in `ids` (tokens x k)
     experts: u32,   // experts in the layer's table (ids beyond it are taken as the last)
     capacity: u32,  // tile entries before the route list
-    tile: u32,      // routes per tile at most (GM in quant.wgsl)
+    tile: u32,      // routes per tile at most (GM or GM_NARROW in quant.wgsl)
 };
 
 @group(0) @binding(0) var<uniform> p: Params;

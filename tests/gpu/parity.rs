@@ -125,23 +125,27 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
         let index = Arc::new(model.experts.clone());
         let mapped = MappedExperts::new(ckpt.clone(), index.clone());
         // A long prompt of fresh random ids (300 tokens: about 75 routes an expert, top-4
-        // of 16, so an expert's routes fill more than one tile of 64), a short one (the
-        // last tokens of the fixture's), then its greedy ids one by one. A model with a
-        // QSA indexer skips the long one: past the indexer's budget of keys, QSA reads its
+        // of 16, so an expert's routes fill more than one tile of 64), a middle one (72
+        // tokens: about 18 routes an expert, in narrow tiles of 16), a short one (the last
+        // tokens of the fixture's), then its greedy ids one by one. A model with a QSA
+        // indexer skips the first two: past the indexer's budget of keys, QSA reads its
         // keys back (waits of its own), which this test does not count.
-        let long: Vec<u32> = match model
-            .config
-            .flash_next
-            .as_ref()
-            .and_then(|f| f.indexer.as_ref())
-        {
-            None => (0..300)
-                .map(|_| rand::random_range(0..model.config.vocab_size as u32))
-                .collect(),
-            Some(_) => Vec::new(),
+        let random_ids = |n: usize| -> Vec<u32> {
+            let qsa = model
+                .config
+                .flash_next
+                .as_ref()
+                .and_then(|f| f.indexer.as_ref());
+            match qsa {
+                None => (0..n)
+                    .map(|_| rand::random_range(0..model.config.vocab_size as u32))
+                    .collect(),
+                Some(_) => Vec::new(),
+            }
         };
+        let (long, middle) = (random_ids(300), random_ids(72));
         let prompt = &r.prompt_ids[r.prompt_ids.len() - 5..];
-        let steps: Vec<&[u32]> = [long.as_slice(), prompt]
+        let steps: Vec<&[u32]> = [long.as_slice(), middle.as_slice(), prompt]
             .into_iter()
             .filter(|ids| !ids.is_empty())
             .chain(r.greedy_ids[..12].chunks(1))

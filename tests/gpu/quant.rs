@@ -327,9 +327,11 @@ fn routed_experts_match_cpu() {
             l.model.config.num_experts as u32,
             l.model.config.num_experts_per_tok,
         );
-        // From 16 tokens the routes run in tiles of each expert's routes (about 50 routes
-        // an expert at 200 tokens, top-4 of 16: the second half of a tile of 64).
-        for t in [1usize, 6, 40, 200] {
+        // From 16 tokens the routes run in tiles of each expert's routes: narrow tiles of
+        // 16 where an expert gets 24 routes or fewer on average (about 10 at 40 tokens,
+        // top-4 of 16, a partial tile; about 20 at 80, a full one and a partial one), else
+        // tiles of 64 (about 50 at 200 tokens: the second half of a tile in part).
+        for t in [1usize, 6, 40, 80, 200] {
             let mut ids = Vec::new();
             let mut weights = Vec::new();
             for _ in 0..t {

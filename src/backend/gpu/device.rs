@@ -255,6 +255,10 @@ pub struct GpuOptions {
     /// Invocations a quantized matvec aims for (`SLOTSTREAM_GPU_INVOCATIONS`, for tuning
     /// on another GPU); `None`: the built-in figure.
     pub invocations: Option<usize>,
+    /// Routes per tile of the routed experts' tiled products, 16 or 64
+    /// (`SLOTSTREAM_GPU_ROUTE_TILE`, for tuning and for tests of both); `None`, or any
+    /// other value (with a warning): chosen per layer from the routes its records get.
+    pub route_tile: Option<usize>,
 }
 
 impl GpuOptions {
@@ -276,6 +280,7 @@ impl GpuOptions {
             submit_every: env_count("SLOTSTREAM_GPU_SUBMIT_EVERY"),
             spin_us: env_count("SLOTSTREAM_GPU_SPIN_US"),
             invocations: env_count("SLOTSTREAM_GPU_INVOCATIONS"),
+            route_tile: env_count("SLOTSTREAM_GPU_ROUTE_TILE"),
         }
     }
 }
@@ -363,6 +368,9 @@ pub struct Gpu {
     pub tiled: bool,
     /// Invocations a quantized matvec dispatch aims for ([`GpuOptions::invocations`]).
     pub invocations: usize,
+    /// Routes per tile of the routed tiled products when forced
+    /// ([`GpuOptions::route_tile`], checked).
+    pub route_tile: Option<usize>,
     /// Kernels compiled with all of wgpu's runtime checks and zeroed workgroup memory
     /// ([`GpuOptions::all_checks`]), else without the loop counters and the
     /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
@@ -396,6 +404,10 @@ pub struct Gpu {
 /// Workgroup memory the tiled matrix products use (`tile_w` and `tile_x` in
 /// `wgsl/quant.wgsl`).
 pub const TILE_WORKGROUP_BYTES: u32 = 24 << 10;
+
+/// Routes per tile the routed tiled products come in (`GM_NARROW` and `GM` in
+/// `wgsl/quant.wgsl`).
+pub const ROUTE_TILES: [usize; 2] = [16, 64];
 
 /// Bytes of [`Gpu::uniforms`]: 16,384 dispatches at the usual 256-byte alignment before a
 /// submission is forced.
@@ -748,6 +760,16 @@ impl Gpu {
         let spin_us = options.spin_us.unwrap_or(spin_default);
         let all_checks = options.all_checks;
         let invocations = options.invocations.unwrap_or(INVOCATIONS);
+        let route_tile = options.route_tile.filter(|&t| {
+            let ok = ROUTE_TILES.contains(&t);
+            if !ok {
+                tracing::warn!(
+                    route_tile = t,
+                    "routes per tile are 16 or 64; choosing per layer"
+                );
+            }
+            ok
+        });
         // At debug level: `open_compute` logs the one line saying which backend runs.
         tracing::debug!(adapter = %summary.name, backend = %summary.backend, submit_every, spin_us, subgroup_lanes, tiled, all_checks, profile, "GPU opened");
         let profiler = profile.then(|| Profiler::new(&device, &queue));
@@ -760,6 +782,7 @@ impl Gpu {
             dummy,
             subgroup_lanes,
             tiled,
+            route_tile,
             all_checks,
             poison: options.poison_outputs,
             pipelines: Mutex::default(),

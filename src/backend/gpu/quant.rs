@@ -58,9 +58,19 @@ const GEMM_PARTS: Kernel = Kernel {
     ..QMATMUL_PARTS
 };
 const GEMM_SWIGLU: Kernel = matmul_kernel("gemm_swiglu");
+/// [`GEMM`] and [`GEMM_SWIGLU`] in tiles of [`NARROW_TILE_ROUTES`] routes.
+const GEMM_NARROW: Kernel = matmul_kernel("gemm_narrow");
+const GEMM_SWIGLU_NARROW: Kernel = matmul_kernel("gemm_swiglu_narrow");
 /// Tokens (or routes) and output rows of one tile (`GM` and `GN` in the shader).
 const TILE_TOKENS: usize = 64;
 const TILE_ROWS: usize = 128;
+/// Routes of a narrow tile (`GM_NARROW` in the shader), for records that get few routes.
+const NARROW_TILE_ROUTES: usize = 16;
+/// Mean routes per record up to which a layer's routed products take narrow tiles: a
+/// record of r routes takes ceil(r / 16) narrow tiles or ceil(r / 64) wide ones, and a
+/// narrow tile costs less than half a wide one where a wide one is mostly empty
+/// (BENCHMARKS.md, "Prefill: narrow tiles for the routed experts").
+const NARROW_MAX_MEAN_ROUTES: usize = 24;
 /// Tokens from which a resident weight's product runs in tiles: below it a tile would
 /// be mostly padding, and reading the weight once per token costs less than that.
 pub(super) const TILED_MIN_TOKENS: usize = 16;
@@ -193,7 +203,7 @@ impl Params {
     ) -> (&'static Kernel, Params, [u32; 3]) {
         if tiled && self.routed == 0 && z >= TILED_MIN_TOKENS && self.tileable() {
             self.tokens = z as u32;
-            return self.launch_tiled(z.div_ceil(TILE_TOKENS));
+            return self.launch_tiled(z.div_ceil(TILE_TOKENS), TILE_TOKENS);
         }
         let (cols, bits) = (self.cols as usize, self.bits as usize);
         let (kernel, units) = if bits == 0 {
@@ -248,15 +258,27 @@ impl Params {
     /// [`TILE_TOKENS`] each) or of routes (routed = 4: the tile list's from `first_tile`
     /// on, `tiles` set to the entries before its route list), and its grid:
     /// `gemm_parts` for an output in parts, `gemm_swiglu` with an up projection, else
-    /// `gemm`. The parameters must be [`Params::tileable`].
-    fn launch_tiled(self, tiles: usize) -> (&'static Kernel, Params, [u32; 3]) {
+    /// `gemm`; their narrow forms for a routed list of tiles of `tile` =
+    /// [`NARROW_TILE_ROUTES`] routes ([`TILE_TOKENS`] otherwise). The parameters must be
+    /// [`Params::tileable`].
+    fn launch_tiled(self, tiles: usize, tile: usize) -> (&'static Kernel, Params, [u32; 3]) {
         let rows = self.rows as usize;
+        let narrow = tile == NARROW_TILE_ROUTES;
+        assert!(
+            tile == TILE_TOKENS || (narrow && self.routed == 4 && !self.parts()),
+            "launch_tiled: tiles of {tile}"
+        );
         let (kernel, per_tile) = if self.parts() {
             (&GEMM_PARTS, TILE_ROWS)
         } else if self.bits2 != 0 {
-            (&GEMM_SWIGLU, TILE_ROWS / 2)
+            let kernel = if narrow {
+                &GEMM_SWIGLU_NARROW
+            } else {
+                &GEMM_SWIGLU
+            };
+            (kernel, TILE_ROWS / 2)
         } else {
-            (&GEMM, TILE_ROWS)
+            (if narrow { &GEMM_NARROW } else { &GEMM }, TILE_ROWS)
         };
         (
             kernel,
@@ -790,7 +812,11 @@ pub(super) fn moe_experts(
     let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
     let gate_up = Params::routed_gate_up(layout, routes);
     if b.gpu.tiled && routing.tokens() >= TILED_MIN_TOKENS && gate_up.tileable() {
-        let lists = tile_lists(&places, arenas.len());
+        let mut records = places.clone();
+        records.sort_unstable();
+        records.dedup();
+        let tile = route_tile(b, routes, records.len());
+        let lists = tile_lists(&places, arenas.len(), tile);
         let ranges: Vec<TiledRange<'_>> = lists
             .iter()
             .map(|(a, list)| TiledRange {
@@ -801,7 +827,7 @@ pub(super) fn moe_experts(
                 tiles: list.tiles,
             })
             .collect();
-        let y = tiled_experts(b, x, routing.top_k, layout, routes, &ranges);
+        let y = tiled_experts(b, x, routing.top_k, layout, (routes, tile), &ranges);
         return combine(b, &y, (weights, 0, routing.top_k), shared);
     }
     // Route tables from the host: every route of an arena's table computed.
@@ -884,18 +910,31 @@ pub(super) fn moe_experts(
     combine(b, &y, (weights, 0, routing.top_k), shared)
 }
 
+/// Routes per tile for a layer's routed tiled products, `routes` routes over `records`
+/// records: [`NARROW_TILE_ROUTES`] when a record gets [`NARROW_MAX_MEAN_ROUTES`] or
+/// fewer on average, else [`TILE_TOKENS`]; or what the device's options force.
+fn route_tile(b: &GpuBackend, routes: usize, records: usize) -> usize {
+    b.gpu
+        .route_tile
+        .unwrap_or(if routes <= records.max(1) * NARROW_MAX_MEAN_ROUTES {
+            NARROW_TILE_ROUTES
+        } else {
+            TILE_TOKENS
+        })
+}
+
 /// Routes of one arena grouped by record for the tiled entries (routed = 4 in
 /// `wgsl/quant.wgsl`): `tiles` tiles of (record base, first, count, 0), at most
-/// [`TILE_TOKENS`] routes each, then the route list they index.
+/// the list's tile size in routes each, then the route list they index.
 struct TileList {
     tiles: usize,
     words: Vec<u32>,
 }
 
 /// A [`TileList`] for each arena that holds routed records, from each route's (arena,
-/// record base): every route of a record in its record's tiles, so the record is read
-/// once per tile of its routes rather than once per route.
-fn tile_lists(places: &[(usize, u32)], arenas: usize) -> Vec<(usize, TileList)> {
+/// record base): every route of a record in its record's tiles of at most `tile` routes,
+/// so the record is read once per tile of its routes rather than once per route.
+fn tile_lists(places: &[(usize, u32)], arenas: usize, tile: usize) -> Vec<(usize, TileList)> {
     let mut by_record = vec![std::collections::BTreeMap::<u32, Vec<u32>>::new(); arenas];
     for (r, &(a, base)) in places.iter().enumerate() {
         by_record[a].entry(base).or_default().push(r as u32);
@@ -908,7 +947,7 @@ fn tile_lists(places: &[(usize, u32)], arenas: usize) -> Vec<(usize, TileList)> 
             let mut words = Vec::new();
             let mut list = Vec::new();
             for (base, routes) in records {
-                for chunk in routes.chunks(TILE_TOKENS) {
+                for chunk in routes.chunks(tile) {
                     words.extend([base, list.len() as u32, chunk.len() as u32, 0]);
                     list.extend_from_slice(chunk);
                 }
@@ -931,15 +970,16 @@ struct TiledRange<'a> {
     tiles: usize,
 }
 
-/// The routed experts' outputs `[routes, hidden]` in tiles of each record's routes
-/// (routed = 4 in `wgsl/quant.wgsl`): per arena, gate and up with SwiGLU into `h`
-/// `[routes, intermediate]` (route r reads token r / k of `x`), then down from h's rows.
+/// The routed experts' outputs `[routes, hidden]` in tiles of each record's routes, at
+/// most `tile` each (routed = 4 in `wgsl/quant.wgsl`): per arena, gate and up with
+/// SwiGLU into `h` `[routes, intermediate]` (route r reads token r / k of `x`), then down
+/// from h's rows.
 fn tiled_experts(
     b: &GpuBackend,
     x: &GpuTensor,
     k: usize,
     layout: &RecordLayout,
-    routes: usize,
+    (routes, tile): (usize, usize),
     ranges: &[TiledRange<'_>],
 ) -> GpuTensor {
     let h = b.empty(routes, layout.intermediate);
@@ -954,7 +994,7 @@ fn tiled_experts(
             ..params
         };
         let gate_up = Params::routed_gate_up(layout, routes);
-        let (kernel, params, groups) = routed(gate_up, k).launch_tiled(r.tiles);
+        let (kernel, params, groups) = routed(gate_up, k).launch_tiled(r.tiles, tile);
         let binds = [
             Bind::Buffer(&x.buf),
             r.arena,
@@ -964,7 +1004,7 @@ fn tiled_experts(
         ];
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
         let down = Params::routed(layout, Projection::Down, routes);
-        let (kernel, params, groups) = routed(down, 1).launch_tiled(r.tiles);
+        let (kernel, params, groups) = routed(down, 1).launch_tiled(r.tiles, tile);
         let binds = [
             Bind::Buffer(&h.buf),
             r.arena,
@@ -1055,8 +1095,8 @@ pub(super) fn moe_experts_resident(
         && x.rows >= TILED_MIN_TOKENS
         && Params::routed_gate_up(layout, routes).tileable()
     {
-        let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, &used, TILE_TOKENS)
-        else {
+        let tile = route_tile(b, routes, layer.len());
+        let Some(tiles) = route_tiles::route_tiles(b, ids, routes, &places, &used, tile) else {
             // More experts than the shader groups: the routing read back and grouped on
             // the host keeps the tiles (one wait), where routes one by one would read
             // each record once per route.
@@ -1073,7 +1113,7 @@ pub(super) fn moe_experts_resident(
                 tiles: r.capacity,
             })
             .collect();
-        let y = tiled_experts(b, x, k, layout, routes, &ranges);
+        let y = tiled_experts(b, x, k, layout, (routes, tile), &ranges);
         return Some(combine(
             b,
             &y,
