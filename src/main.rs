@@ -10,7 +10,6 @@ use slotstream::backend::gpu::GpuOptions;
 use slotstream::backend::gpu::{list_adapters, Placement};
 use slotstream::backend::Backend;
 use slotstream::backend::{open_compute, Compute};
-use slotstream::cachesim;
 use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::experts::{open_source, OpenedSource, PoolSize, SourceOptions};
@@ -23,6 +22,7 @@ use slotstream::prompt_cache::{PromptCache, PromptCacheOptions};
 use slotstream::sampling::{SamplingInput, SamplingOptions};
 use slotstream::score::Score;
 use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
+use slotstream::tools::cachesim;
 
 #[derive(Parser)]
 #[command(
@@ -299,7 +299,7 @@ struct RoutingCalibrationArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// Decode steps to generate.
-    #[arg(long, default_value_t = slotstream::routing_model::TARGET_STEPS)]
+    #[arg(long, default_value_t = cachesim::TARGET_STEPS)]
     steps: usize,
     /// Also write the trace (token,layer,expert CSV) here, for `slotstream cachesim`.
     #[arg(long)]
@@ -317,7 +317,7 @@ struct BenchArgs {
     /// Pool sizes, comma-separated: `floor`, `all` (every record, loaded before timing),
     /// a share of the records (`30%`) or a memory budget (`8GiB`).
     #[arg(long, value_delimiter = ',', default_value = "floor,30%,all")]
-    budgets: Vec<slotstream::bench::Budget>,
+    budgets: Vec<slotstream::tools::bench::Budget>,
     /// Tokens to decode per row (the first --warmup are left out of the decode figures).
     #[arg(long, default_value_t = 96)]
     tokens: usize,
@@ -1103,7 +1103,8 @@ fn cachesim(args: CachesimArgs) -> Result<()> {
 }
 
 fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
-    use slotstream::routing_model::{Figures, RoutingModel, RoutingParams, ROUTING_FILE, TARGETS};
+    use cachesim::{Figures, TARGETS};
+    use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
     // Geometry from the model or preset; the routing model from --params, else the model
     // directory's file, else the calibrated defaults.
     let (layers, moe_layers, experts, top_k, own_file) = match &args.model {
@@ -1119,7 +1120,7 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
             )
         }
         None => {
-            let p = slotstream::synth::preset(&args.preset)?;
+            let p = slotstream::tools::synth::preset(&args.preset)?;
             (p.layers, (0..p.layers).collect(), p.experts, p.top_k, None)
         }
     };
@@ -1145,7 +1146,7 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
     let at_target = moe_layers.len() == 48
         && experts == 512
         && top_k == 10
-        && args.steps == slotstream::routing_model::TARGET_STEPS;
+        && args.steps == cachesim::TARGET_STEPS;
     if args.json {
         let out = serde_json::json!({
             "params": model.params, "layers": moe_layers.len(), "experts": experts, "top_k": top_k,
@@ -1215,7 +1216,7 @@ fn routing_calibration(args: RoutingCalibrationArgs) -> Result<()> {
 
 fn synth(args: SynthArgs) -> Result<()> {
     use slotstream::routing_model::RoutingParams;
-    let mut preset = slotstream::synth::preset(&args.preset)?;
+    let mut preset = slotstream::tools::synth::preset(&args.preset)?;
     let layers = args.layers.unwrap_or(preset.layers);
     if layers < preset.min_layers() {
         bail!(
@@ -1230,8 +1231,14 @@ fn synth(args: SynthArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("--ngram-rows {rows}: {e}"))?;
     }
     let routing = (args.routing == SynthRouting::Synthetic).then(RoutingParams::calibrated);
-    slotstream::synth::write_checkpoint_with(&args.out, &preset, layers, true, routing.as_ref())
-        .with_context(|| format!("writing {}", args.out.display()))?;
+    slotstream::tools::synth::write_checkpoint_with(
+        &args.out,
+        &preset,
+        layers,
+        true,
+        routing.as_ref(),
+    )
+    .with_context(|| format!("writing {}", args.out.display()))?;
     println!(
         "wrote {} ({} layers, {:.2} GB) to {}",
         preset.name,
@@ -1251,15 +1258,15 @@ fn demo(args: DemoArgs) -> Result<()> {
             .unwrap_or_else(std::env::temp_dir)
             .join("slotstream/demo"),
     };
-    let preset = slotstream::synth::DEMO;
+    let preset = slotstream::tools::synth::DEMO;
     if !dir.join("model.safetensors.index.json").exists() {
         eprintln!(
             "creating the demo model in {} (first run only, 240 MB)",
             dir.display()
         );
-        slotstream::synth::write_checkpoint(&dir, &preset, preset.layers, true)
+        slotstream::tools::synth::write_checkpoint(&dir, &preset, preset.layers, true)
             .with_context(|| format!("writing the demo model to {}", dir.display()))?;
-    } else if slotstream::synth::refresh_tokenizer(&dir, &preset)
+    } else if slotstream::tools::synth::refresh_tokenizer(&dir, &preset)
         .with_context(|| format!("updating the demo model in {}", dir.display()))?
     {
         eprintln!(
@@ -1480,7 +1487,7 @@ fn serve(args: ServeArgs) -> Result<()> {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
-    use slotstream::bench::BenchOptions;
+    use slotstream::tools::bench::BenchOptions;
     let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
     let options = BenchOptions {
         budgets: args.budgets.clone(),
@@ -1505,8 +1512,8 @@ fn bench(args: BenchArgs) -> Result<()> {
         bar.inc(1);
     };
     let report = match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
-        Compute::Cpu(b) => slotstream::bench::run(&b, &ckpt, &options, &runtime, progress)?,
-        Compute::Gpu(b) => slotstream::bench::run(&*b, &ckpt, &options, &runtime, progress)?,
+        Compute::Cpu(b) => slotstream::tools::bench::run(&b, &ckpt, &options, &runtime, progress)?,
+        Compute::Gpu(b) => slotstream::tools::bench::run(&*b, &ckpt, &options, &runtime, progress)?,
     };
     bar.finish_and_clear();
     if args.json {

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import gguf
 
-# Qwen3-Next-80B-A3B (src/synth.rs QWEN3_NEXT_80B): hidden, vocabulary, routed experts,
+# Qwen3-Next-80B-A3B (src/tools/synth.rs QWEN3_NEXT_80B): hidden, vocabulary, routed experts,
 # experts per token, expert and shared-expert width, attention heads, KV heads, head
 # width, gated DeltaNet key heads, value heads, their head width, conv kernel.
 HIDDEN, VOCAB, EXPERTS, TOP_K, EXPERT_FF, SHARED_FF = 2048, 151936, 512, 10, 512, 512
