@@ -24,12 +24,12 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use slotstream::bench::{raw_ranges, raw_read};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::io::IoMode;
 use slotstream::pack::{pack, PACK_FILE};
 use slotstream::pool::{floor_slots, SlotPool, StreamOptions};
-use slotstream::synth::{write_checkpoint, Preset, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
+use slotstream::tools::bench::{raw_ranges, raw_read};
+use slotstream::tools::synth::{write_checkpoint, Preset, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
 
 /// Records read per measured batch (enough to keep 64 reads in flight).
 const BATCH: usize = 128;

@@ -15,8 +15,8 @@ async fn main() -> anyhow::Result<()> {
         None => {
             let dir = std::env::temp_dir().join("slotstream-example-demo");
             if !dir.join("model.safetensors.index.json").exists() {
-                let p = slotstream::synth::DEMO;
-                slotstream::synth::write_checkpoint(&dir, &p, p.layers, true)?;
+                let p = slotstream::tools::synth::DEMO;
+                slotstream::tools::synth::write_checkpoint(&dir, &p, p.layers, true)?;
             }
             dir
         }

@@ -19,11 +19,12 @@
 //!   sequence states for prompt reuse (in memory and on disk), multi-turn chat, and the
 //!   async library API; [`sampling`] picks each token and [`context`] bounds a sequence.
 //! - [`server`]: the OpenAI-compatible HTTP API on the engine.
+//! - [`tools`]: built on the engine, never imported by it: synthetic checkpoints
+//!   ([`tools::synth`]), `slotstream bench` ([`tools::bench`]) and cache policy replay
+//!   ([`tools::cachesim`]).
 
 pub mod atomic_file;
 pub mod backend;
-pub mod bench;
-pub mod cachesim;
 pub mod chat;
 pub mod chat_template;
 pub mod checkpoint;
@@ -45,7 +46,7 @@ pub mod routing_model;
 pub mod sampling;
 pub mod score;
 pub mod server;
-pub mod synth;
 pub mod tokenizer;
+pub mod tools;
 
 pub use error::{Error, Result};

@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import gguf
 
-# Qwen3-Next-80B-A3B (src/synth.rs QWEN3_NEXT_80B): hidden, vocabulary, routed experts,
-# experts per token, expert and shared-expert width, attention heads, KV heads, head
-# width, gated DeltaNet key heads, value heads, their head width, conv kernel.
+# Qwen3-Next-80B-A3B (src/tools/synth/presets.rs QWEN3_NEXT_80B): hidden, vocabulary,
+# routed experts, experts per token, expert and shared-expert width, attention heads, KV
+# heads, head width, gated DeltaNet key heads, value heads, their head width, conv kernel.
 HIDDEN, VOCAB, EXPERTS, TOP_K, EXPERT_FF, SHARED_FF = 2048, 151936, 512, 10, 512, 512
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
 KEY_HEADS, VALUE_HEADS, LINEAR_DIM, CONV = 16, 32, 128, 4

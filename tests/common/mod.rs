@@ -73,9 +73,9 @@ pub fn reference(name: &str) -> Reference {
     }
 }
 
-/// A Qwen3-Next body small enough for `slotstream::synth` to write in milliseconds: 4
+/// A Qwen3-Next body small enough for `slotstream::tools::synth` to write in milliseconds: 4
 /// layers (one full attention), 32 experts, top-4.
-pub const TINY: slotstream::synth::Preset = slotstream::synth::Preset {
+pub const TINY: slotstream::tools::synth::Preset = slotstream::tools::synth::Preset {
     name: "tiny",
     family: slotstream::config::Family::Qwen3Next,
     hidden: 128,

@@ -242,7 +242,7 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
 #[test]
 fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
     use slotstream::routing_model::RoutingParams;
-    use slotstream::synth::write_checkpoint_with;
+    use slotstream::tools::synth::write_checkpoint_with;
     let g = gpu();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

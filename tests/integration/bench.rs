@@ -6,12 +6,14 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use slotstream::backend::cpu::CpuBackend;
-use slotstream::bench::{active_bytes_per_token, run, BenchOptions, Budget};
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::config::{Family, LayerKind, QuantSpec};
 use slotstream::experts::{MappedExperts, SourceOptions};
 use slotstream::model::{Logits, Model, NormConvention};
-use slotstream::synth::{write_checkpoint, DEMO, QWEN35_35B, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
+use slotstream::tools::bench::{active_bytes_per_token, run, BenchOptions, Budget};
+use slotstream::tools::synth::{
+    write_checkpoint, DEMO, QWEN35_35B, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B,
+};
 
 /// A two-layer synth of each Qwen3-Next and Qwen3.5 preset validates, and keeps the
 /// preset's per-layer shapes: expert records of the released size, router and projections

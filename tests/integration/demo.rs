@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use crate::common::*;
 use serde_json::Value;
 use slotstream::config::Family;
-use slotstream::synth::{write_checkpoint_with, Preset};
+use slotstream::tools::synth::{write_checkpoint_with, Preset};
 
 fn slotstream(args: &[&str]) -> Output {
     let out = Command::new(env!("CARGO_BIN_EXE_slotstream"))

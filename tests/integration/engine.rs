@@ -310,8 +310,14 @@ fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges_on_the_cpu() {
         seed: rand::random(),
         ..slotstream::routing_model::RoutingParams::calibrated()
     };
-    slotstream::synth::write_checkpoint_with(dir.path(), &TINY, TINY.layers, false, Some(&params))
-        .unwrap();
+    slotstream::tools::synth::write_checkpoint_with(
+        dir.path(),
+        &TINY,
+        TINY.layers,
+        false,
+        Some(&params),
+    )
+    .unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let model = Model::load(&ckpt, &CpuBackend).unwrap();
     assert!(model.routing.is_some());

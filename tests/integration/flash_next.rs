@@ -13,7 +13,7 @@ use slotstream::config::{Family, LayerKind};
 use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model, NormConvention};
 use slotstream::ngram::ngram_row_ids;
-use slotstream::synth::{
+use slotstream::tools::synth::{
     write_checkpoint_with, FlashNextShape, Preset, FLASH_NEXT_SHAPE, QWEN38_FLASH_NEXT,
 };
 
@@ -282,7 +282,7 @@ fn ngram_rows_are_read_through_the_pool_and_counted() {
 /// `heads` per decoded token.
 #[test]
 fn bench_reports_ngram_rows() {
-    use slotstream::bench::{run, BenchOptions, Budget};
+    use slotstream::tools::bench::{run, BenchOptions, Budget};
     use std::sync::Arc;
     let ckpt = Arc::new(Checkpoint::open(&fixture_dir(QWEN4_EXP)).unwrap());
     let heads = Model::load(&ckpt, &CpuBackend).unwrap().ngram_tables()[0].heads() as u64;

@@ -15,7 +15,7 @@ use slotstream::experts::MappedExperts;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
-use slotstream::synth::write_checkpoint_with;
+use slotstream::tools::synth::write_checkpoint_with;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -200,7 +200,7 @@ fn calibration_command_reports_the_figures() {
         "{v}"
     );
     // The trace replays in cachesim to the same numbers.
-    let requests = slotstream::cachesim::read_trace(&trace).unwrap();
+    let requests = slotstream::tools::cachesim::read_trace(&trace).unwrap();
     let model = RoutingModel::new(RoutingParams::calibrated(), 8, 64, 4).unwrap();
     assert_eq!(
         requests,

@@ -1,0 +1,315 @@
+//! Flag groups that several subcommands share (flattened into their arguments), and
+//! the values they parse.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use slotstream::backend::gpu::Placement;
+use slotstream::experts::{PoolSize, SourceOptions};
+use slotstream::io::IoMode;
+use slotstream::prompt_cache::PromptCacheOptions;
+use slotstream::sampling::{SamplingInput, SamplingOptions};
+
+/// Prompt reuse (`chat`, `serve`, and `generate` with a directory): snapshots of the
+/// sequence states at prefix boundaries.
+#[derive(Args)]
+pub struct PromptCacheArgs {
+    /// Memory for prompt-reuse snapshots: a size (2GiB), a share of --memory-budget
+    /// (10%), or 0 (off). Default: 10% of --memory-budget, else 2GiB. With
+    /// --memory-budget it is one of the plan's terms.
+    #[arg(long)]
+    prompt_cache: Option<CacheSize>,
+    /// Tokens between snapshots of a long prefill (0: only at the ends of prompts).
+    #[arg(long, default_value_t = 1024)]
+    prompt_cache_every: usize,
+    /// Also write snapshots to this directory (created if missing), to reuse them after a
+    /// restart.
+    #[arg(long)]
+    prompt_cache_dir: Option<PathBuf>,
+    /// Most bytes the snapshot files in --prompt-cache-dir may take (every model's); the
+    /// least recently used go first.
+    #[arg(long, default_value = "16GiB", value_parser = slotstream::plan::parse_size)]
+    prompt_cache_disk: u64,
+}
+
+impl Default for PromptCacheArgs {
+    /// As the flags' defaults.
+    fn default() -> Self {
+        let o = PromptCacheOptions::default();
+        PromptCacheArgs {
+            prompt_cache: None,
+            prompt_cache_every: o.every,
+            prompt_cache_dir: None,
+            prompt_cache_disk: o.disk,
+        }
+    }
+}
+
+impl PromptCacheArgs {
+    /// The library's options, a share taken of `memory_budget`. Errors: a share without
+    /// a budget.
+    pub fn options(&self, memory_budget: Option<u64>) -> Result<PromptCacheOptions> {
+        Ok(PromptCacheOptions {
+            memory: CacheSize::bytes(self.prompt_cache, memory_budget)?,
+            every: self.prompt_cache_every,
+            dir: self.prompt_cache_dir.clone(),
+            disk: self.prompt_cache_disk,
+        })
+    }
+}
+
+/// `--prompt-cache`: bytes, or a share of the memory budget.
+#[derive(Clone, Copy, Debug)]
+pub enum CacheSize {
+    Bytes(u64),
+    Share(f64),
+}
+
+/// The share of a memory budget the prompt cache gets by default.
+const DEFAULT_CACHE_SHARE: f64 = 0.10;
+
+impl CacheSize {
+    /// Bytes of `size` (by default 10% of the budget, else the library's default) within
+    /// `memory_budget`. Errors: a share without a budget.
+    pub fn bytes(size: Option<CacheSize>, memory_budget: Option<u64>) -> Result<u64> {
+        let size = size.unwrap_or(match memory_budget {
+            Some(_) => CacheSize::Share(DEFAULT_CACHE_SHARE),
+            None => CacheSize::Bytes(PromptCacheOptions::default().memory),
+        });
+        match (size, memory_budget) {
+            (CacheSize::Bytes(n), _) => Ok(n),
+            (CacheSize::Share(share), Some(budget)) => Ok((share * budget as f64) as u64),
+            (CacheSize::Share(_), None) => {
+                bail!(
+                    "--prompt-cache as a share (%) needs --memory-budget; give a size such as 2GiB"
+                )
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for CacheSize {
+    type Err = String;
+
+    /// `0`, a size (`2GiB`) or a share (`10%`, 0 to 100).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        if t == "0" {
+            return Ok(CacheSize::Bytes(0));
+        }
+        match t.strip_suffix('%') {
+            Some(pct) => match pct.trim().parse::<f64>() {
+                Ok(p) if (0.0..=100.0).contains(&p) => Ok(CacheSize::Share(p / 100.0)),
+                _ => Err(format!("`{s}` is not a share from 0% to 100%")),
+            },
+            None => slotstream::plan::parse_size(t).map(CacheSize::Bytes),
+        }
+    }
+}
+
+/// Chat template variables (`generate` with the template, `chat`).
+#[derive(Args, Clone, Debug, Default)]
+pub struct TemplateArgs {
+    /// Thinking models (Qwen3): `on` or `off` sets the template's `enable_thinking`.
+    #[arg(long, value_enum)]
+    think: Option<OnOff>,
+    /// More template variables as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_parser = parse_kwargs)]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl TemplateArgs {
+    /// The template's variables. Errors: `--think` contradicting the JSON.
+    pub fn kwargs(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        let mut kwargs = self.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(think) = self.think {
+            slotstream::chat_template::set_enable_thinking(&mut kwargs, think == OnOff::On)
+                .map_err(|e| anyhow::anyhow!("--think: {e}"))?;
+        }
+        Ok(kwargs)
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.think.is_some() || self.chat_template_kwargs.is_some()
+    }
+}
+
+fn parse_kwargs(
+    s: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err("must be a JSON object, e.g. '{\"enable_thinking\": false}'".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
+}
+
+/// `--trace` (commands that write the pool's routing trace).
+#[derive(Args, Default)]
+pub struct TraceArgs {
+    /// Write the pool's routing trace (token,layer,expert,outcome CSV) here.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+}
+
+/// How routed experts are read: through a slot pool sized by `--pool-slots`,
+/// `--experts-per-layer` or `--memory-budget`, or (without them) from the memory-mapped
+/// checkpoint.
+#[derive(Args)]
+pub struct StreamArgs {
+    /// Stream experts through a pool of this many slots (records).
+    #[arg(long, conflicts_with_all = ["experts_per_layer", "memory_budget"])]
+    pub pool_slots: Option<usize>,
+    /// A pool of this many slots per MoE layer (shared by all layers).
+    #[arg(long, conflicts_with = "memory_budget")]
+    pub experts_per_layer: Option<usize>,
+    /// Plan the run within this much memory (e.g. 8GiB); the pool gets what the other
+    /// terms leave (see `slotstream plan`).
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    pub memory_budget: Option<u64>,
+    #[command(flatten)]
+    pub io: IoArgs,
+    /// Print statistics on stderr (the pool's as JSON when streaming).
+    #[arg(long)]
+    pub stats: bool,
+    /// Prefetch the experts that layer L+2's router picks on layer L's hidden state.
+    #[arg(long, value_enum, default_value = "on")]
+    pub lookahead: OnOff,
+}
+
+/// How expert records are read and where a GPU keeps them (streaming commands and bench).
+#[derive(Args)]
+pub struct IoArgs {
+    /// The most tokens, prompt and output together, a sequence may hold (generation
+    /// stops there; at most the model's max_position_embeddings), and what the memory
+    /// plan reserves KV cache for.
+    #[arg(long, default_value_t = 4096)]
+    pub context: usize,
+    /// Demand reads in flight at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
+    pub queue_depth: u16,
+    /// direct (O_DIRECT / F_NOCACHE) or buffered reads.
+    #[arg(long, default_value = "direct")]
+    pub io: IoMode,
+    /// Read the checkpoint shards even if a valid experts.pack is present.
+    #[arg(long)]
+    pub no_pack: bool,
+    /// Where a GPU reads the slots: `unified` (host memory imported, read in place) or
+    /// `device` (device-local arenas, copied on a miss). Default: unified on integrated
+    /// and CPU adapters that support it, device on discrete GPUs.
+    #[arg(long)]
+    pub placement: Option<Placement>,
+}
+
+impl IoArgs {
+    /// The library's options for these flags (no pool, lookahead on).
+    pub fn source(&self) -> SourceOptions {
+        SourceOptions {
+            context: self.context,
+            queue_depth: self.queue_depth as usize,
+            io: self.io,
+            use_pack: !self.no_pack,
+            placement: self.placement,
+            ..Default::default()
+        }
+    }
+}
+
+/// Sampling flags of `generate`, `chat` and `serve` (mlx-lm's sampler; see `sampling.rs`),
+/// read as the server reads a request's fields ([`SamplingInput::apply`]).
+#[derive(Args, Clone, Debug, Default)]
+pub struct SamplingArgs {
+    /// 0 is greedy (the default).
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Keep the k most probable tokens (0 or less: off, the default; 1: greedy).
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<i64>,
+    /// Nucleus sampling mass (1: off, the default; 0 keeps the most probable token).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Drop tokens less probable than this fraction of the most probable (0: off, the
+    /// default).
+    #[arg(long, allow_negative_numbers = true)]
+    min_p: Option<f32>,
+    /// Penalty on the logits of the last 20 tokens (1: off, the default).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
+    /// Seed of the sampler's random stream: 0 to 2^64 - 1 (default 0), or -1 for a random
+    /// one.
+    #[arg(long, allow_negative_numbers = true)]
+    seed: Option<i128>,
+}
+
+impl SamplingArgs {
+    /// The sampling options the flags give. Errors name the flag out of range.
+    pub fn options(&self) -> Result<SamplingOptions> {
+        let input = SamplingInput {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        };
+        input
+            .apply(&SamplingOptions::default())
+            .map_err(|e| match e {
+                slotstream::Error::Sampling { field, message } => {
+                    anyhow::anyhow!("--{} {message}", field.replace('_', "-"))
+                }
+                e => e.into(),
+            })
+    }
+}
+
+/// A switch given as `on` or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+/// Token ids given on the command line as `1,2,3`.
+#[derive(Clone, Debug)]
+pub struct IdList(pub Vec<u32>);
+
+impl std::str::FromStr for IdList {
+    type Err = String;
+
+    /// Parses `1,2,3`, naming the first bad entry.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let ids = s
+            .split(',')
+            .map(str::trim)
+            .enumerate()
+            .map(|(i, part)| {
+                part.parse::<u32>().map_err(|_| {
+                    format!(
+                        "entry {} (`{part}`) is not a token id (a non-negative integer)",
+                        i + 1
+                    )
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(IdList(ids))
+    }
+}
+
+impl StreamArgs {
+    /// The library's options for these flags.
+    pub fn source(&self) -> SourceOptions {
+        SourceOptions {
+            pool: match (self.pool_slots, self.experts_per_layer, self.memory_budget) {
+                (Some(n), _, _) => Some(PoolSize::Slots(n)),
+                (_, Some(n), _) => Some(PoolSize::PerLayer(n)),
+                (_, _, Some(bytes)) => Some(PoolSize::Budget(bytes)),
+                _ => None,
+            },
+            lookahead: self.lookahead == OnOff::On,
+            ..self.io.source()
+        }
+    }
+}

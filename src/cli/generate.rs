@@ -1,0 +1,302 @@
+//! `slotstream generate`: text from a prompt, streamed to stdout.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use slotstream::backend::gpu::GpuOptions;
+use slotstream::backend::{open_compute, Backend, Compute};
+use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
+use slotstream::checkpoint::Checkpoint;
+use slotstream::experts::OpenedSource;
+use slotstream::generate::GenerateOptions;
+use slotstream::pool::PoolStats;
+use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
+
+use super::flags::{IdList, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
+use super::streamed::{finish_pool, load_streamed, Streamed};
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt text (the same as --prompt).
+    #[arg(value_name = "PROMPT", conflicts_with_all = ["prompt", "prompt_file", "prompt_ids"])]
+    pub text: Option<String>,
+    /// Prompt text (wrapped in the model's chat template unless --raw).
+    #[arg(long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file (`-`: standard input).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub prompt_file: Option<PathBuf>,
+    /// Prompt as comma-separated token ids (no template).
+    #[arg(long)]
+    pub prompt_ids: Option<IdList>,
+    /// Use the prompt text as is, without the chat template (special-token texts in it
+    /// count as those tokens).
+    #[arg(long)]
+    pub raw: bool,
+    #[command(flatten)]
+    pub template: TemplateArgs,
+    /// Stop after this many new tokens.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print one JSON object (prompt ids, output ids, text, stats) instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
+    #[arg(long)]
+    pub device: Option<String>,
+    #[command(flatten)]
+    pub stream: StreamArgs,
+    /// Reuse across runs needs --prompt-cache-dir (without it nothing outlives the run).
+    #[command(flatten)]
+    pub prompt_cache: PromptCacheArgs,
+    #[command(flatten)]
+    pub trace: TraceArgs,
+}
+
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    let pool_json = args.stream.stats;
+    run_generate(args, pool_json)
+}
+
+/// `generate` with `args`; with `--stats`, a summary on stderr; the pool's counters as
+/// JSON after it when `pool_json`.
+pub fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
+    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
+    let tokenizer = Tokenizer::load(&args.model)?;
+    let text = match (&args.text, &args.prompt, &args.prompt_file) {
+        (Some(t), None, None) | (None, Some(t), None) => Some(t.clone()),
+        (None, None, Some(f)) if f.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+                .context("reading the prompt from standard input")?;
+            Some(text)
+        }
+        (None, None, Some(f)) => {
+            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
+        }
+        (None, None, None) => None,
+        _ => bail!("give the prompt once: as an argument, --prompt, --prompt-file or --prompt-ids"),
+    };
+    let template = match (&text, args.raw) {
+        (Some(_), false) => ChatTemplate::load(&args.model)?,
+        _ => None,
+    };
+    if args.template.is_set() && template.is_none() {
+        bail!("--think and --chat-template-kwargs set chat template variables: they need a prompt text, without --raw, and a model with a chat template");
+    }
+    let prompt = match (&args.prompt_ids, text) {
+        (Some(ids), None) => ids.0.clone(),
+        (None, Some(text)) if template.is_some() => {
+            let chat = Chat {
+                kwargs: args.template.kwargs()?,
+                ..Chat::new(vec![Message::new("user", &text)])
+            };
+            chat_prompt(&tokenizer, template.as_ref(), &chat)?.ids
+        }
+        (None, Some(text)) => tokenizer.encode(&text)?,
+        _ => bail!("give a prompt: as an argument, --prompt, --prompt-file or --prompt-ids"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    // Refused before the weights load; generation stops at this context.
+    args.stream.io.context = slotstream::context::limit(args.stream.io.context, &ckpt.config);
+    slotstream::context::room(prompt.len(), args.stream.io.context)?;
+    if let Some(path) = &args.trace.trace {
+        slotstream::atomic_file::check_writable(path)
+            .with_context(|| format!("output {}", path.display()))?;
+    }
+    let options = generate_options(
+        &args.model,
+        &ckpt,
+        &tokenizer,
+        args.max_tokens,
+        &args.sampling,
+    )?;
+    match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
+        Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
+        Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
+    }
+}
+
+/// Generation options from the flags, with the model's EOS ids. Errors: bad sampling
+/// flags, unreadable generation config.
+pub fn generate_options(
+    dir: &std::path::Path,
+    ckpt: &Checkpoint,
+    tokenizer: &Tokenizer,
+    max_tokens: usize,
+    sampling: &SamplingArgs,
+) -> Result<GenerateOptions> {
+    Ok(GenerateOptions {
+        max_tokens,
+        sampling: sampling.options()?,
+        eos_ids: eos_ids(
+            dir,
+            &ckpt.config.eos_token_ids,
+            tokenizer,
+            ckpt.config.vocab_size,
+        )?,
+        cancel: None,
+    })
+}
+
+fn generate_on<B: Backend>(
+    backend: &B,
+    ckpt: &Arc<Checkpoint>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    args: &GenerateArgs,
+    pool_json: bool,
+) -> Result<()> {
+    use std::io::Write;
+    let mut cache_options = args.prompt_cache.options(args.stream.memory_budget)?;
+    if cache_options.dir.is_none() {
+        // Nothing outlives the run: no snapshots to take.
+        cache_options.memory = 0;
+    }
+    let Streamed {
+        model,
+        source,
+        mut cache,
+        _runtime,
+    } = load_streamed(backend, ckpt, &args.stream, &args.trace, &cache_options)?;
+    let OpenedSource {
+        experts,
+        pool,
+        plan,
+    } = source;
+    let mut decoder = StreamDecoder::new();
+    let mut text = String::new();
+    let mut stdout = std::io::stdout();
+    // Ctrl-C stops after the current token; the output so far and the stats still print.
+    let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        // The first Ctrl-C stops at the next token or prompt chunk; a second one ends
+        // the process.
+        if let Err(e) = ctrlc::set_handler(move || {
+            if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+        }) {
+            tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
+        }
+    }
+    // The flag also stops a long prompt between its chunks.
+    let options = GenerateOptions {
+        cancel: Some(interrupted.clone()),
+        ..options.clone()
+    };
+    let generated = cache.generate(&model, backend, &experts, prompt, &options, |id| {
+        let piece = decoder.push(tokenizer, id)?;
+        if !args.json {
+            print!("{piece}");
+            let _ = stdout.flush();
+        }
+        text.push_str(&piece);
+        Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
+    })?;
+    let (ids, stats) = (&generated.output_ids, &generated.stats);
+    let tail = decoder.finish(tokenizer)?;
+    if !args.json {
+        print!("{tail}");
+    }
+    text.push_str(&tail);
+    let pool_stats = pool.as_ref().map(|p| p.stats());
+    cache.save(&model, backend);
+    if args.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt,
+            "output_ids": ids,
+            "text": text,
+            "stats": stats,
+            "reused_tokens": generated.reused_tokens,
+            "prompt_cache": cache.stats(),
+            "pool": pool_stats,
+            "plan": plan,
+            "peak_rss_bytes": slotstream::plan::peak_rss(),
+        });
+        println!("{out}");
+    } else {
+        println!();
+    }
+    if args.stream.stats {
+        eprint!(
+            "{}",
+            summary(stats, generated.reused_tokens, pool_stats.as_ref())
+        );
+    }
+    finish_pool(&pool, &args.trace, pool_json)
+}
+
+/// The run in words, for `--stats` and the demo: prefill and decode rates (with the prompt
+/// tokens a snapshot spared, `reused`), peak RSS, and
+/// with a pool its hit rate, everything read from the disk split by why it was read, and
+/// the share of decode time spent waiting on reads.
+fn summary(
+    stats: &slotstream::generate::GenerateStats,
+    reused: usize,
+    pool: Option<&PoolStats>,
+) -> String {
+    use slotstream::plan::human;
+    // With --max-tokens 0 nothing runs, not even the prefill.
+    let prefill = if stats.prefill_seconds > 0.0 {
+        format!(
+            "prefill {} tokens at {:.1} tok/s ({reused} reused)",
+            stats.prompt_tokens, stats.prefill_tps
+        )
+    } else {
+        format!("prefill of {} tokens not run", stats.prompt_tokens)
+    };
+    let mut out = format!(
+        "{prefill}, decode {} tokens at {:.1} tok/s ({}), peak RSS {}\n",
+        stats.generated_tokens,
+        stats.decode_tps,
+        stats.finish_reason,
+        slotstream::plan::peak_rss().map_or("unknown".into(), human)
+    );
+    match pool {
+        None => {}
+        Some(p) if p.hits + p.misses == 0 => {
+            out += &format!("pool: no expert lookups ({} slots)\n", p.slots);
+        }
+        Some(p) => {
+            let wait_share = if stats.decode_seconds > 0.0 {
+                p.decode_wait_seconds / stats.decode_seconds
+            } else {
+                0.0
+            };
+            let parts: Vec<String> = [
+                ("misses", p.demand_bytes),
+                ("lookahead", p.speculative_bytes),
+                ("prefill sweeps", p.sweep_bytes),
+                ("admitted after prefill", p.admitted_bytes),
+                ("n-gram rows", p.range_bytes),
+            ]
+            .into_iter()
+            .filter(|&(_, bytes)| bytes > 0)
+            .map(|(what, bytes)| format!("{} {what}", human(bytes)))
+            .collect();
+            out += &format!(
+                "pool: hit rate {:.3}, {} read from disk ({}), {} prefetches used, {} wasted, {:.0}% of decode time waiting on reads\n",
+                p.hit_rate,
+                human(p.bytes_read),
+                parts.join(", "),
+                p.prefetches_used,
+                p.prefetches_wasted,
+                100.0 * wait_share
+            );
+        }
+    }
+    out
+}

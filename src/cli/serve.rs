@@ -1,0 +1,128 @@
+//! `slotstream serve`: the OpenAI-compatible HTTP API.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use slotstream::backend::gpu::GpuOptions;
+
+use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to bind (127.0.0.1: this machine only).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer <KEY>` on /v1/... and /stats.
+    #[arg(long, env = "SLOTSTREAM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Name of the model in /v1/models (default: the directory's name). Requests may
+    /// name any model: this server serves the one it loaded, as llama.cpp's does.
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Another name to list in /v1/models (repeatable).
+    #[arg(long)]
+    alias: Vec<String>,
+    /// `auto`: a thinking model's `<think>...</think>` comes back as `reasoning_content`
+    /// (streamed as `delta.reasoning_content`), as llama.cpp and vLLM return it; `none`:
+    /// it stays in `content`.
+    #[arg(long, value_enum, default_value = "auto")]
+    reasoning_format: ReasoningFormat,
+    /// Requests running or waiting at once; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    queue: u32,
+    #[command(flatten)]
+    prompt_cache: PromptCacheArgs,
+    /// New tokens when a request does not give max_tokens.
+    #[arg(long, default_value_t = 512)]
+    max_tokens: usize,
+    /// Sampling defaults for requests that do not set their own.
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
+    #[arg(long)]
+    device: Option<String>,
+    #[command(flatten)]
+    stream: StreamArgs,
+}
+
+/// Where a thinking model's reasoning goes in the server's replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ReasoningFormat {
+    Auto,
+    None,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    use slotstream::engine::{Engine, EngineOptions};
+    use slotstream::server::{router, ServerOptions};
+    let sampling = args.sampling.options()?;
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
+    }
+    let model_id = match &args.model_name {
+        Some(n) => n.clone(),
+        // A missing or unreadable directory is reported by the loader below.
+        None => std::fs::canonicalize(&args.model)
+            .unwrap_or_else(|_| args.model.clone())
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    runtime.block_on(async {
+        // The port first: a busy one fails now, not after loading the model. Connections
+        // made while the model loads wait in the backlog.
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| {
+                format!(
+                    "binding {}:{} (another server may be using the port: choose another with --port, or --port 0 for any free one)",
+                    args.host, args.port
+                )
+            })?;
+        let address = listener.local_addr()?;
+        tracing::info!(%address, "listening; loading the model");
+        let options = EngineOptions {
+            device: args.device.clone(),
+            gpu: GpuOptions::from_env(),
+            source: args.stream.source(),
+            prompt_cache: args.prompt_cache.options(args.stream.memory_budget)?,
+        };
+        let engine = Engine::load(&args.model, options)
+            .await
+            .with_context(|| format!("loading model {}", args.model.display()))?;
+        eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
+        let app = router(
+            engine.clone(),
+            ServerOptions {
+                model_id,
+                aliases: args.alias.clone(),
+                queue: args.queue as usize,
+                api_key: args.api_key.clone(),
+                default_max_tokens: args.max_tokens,
+                sampling,
+                reasoning: args.reasoning_format == ReasoningFormat::Auto,
+            },
+        );
+        slotstream::server::serve(listener, app)
+            .await
+            .context("serving")?;
+        if args.stream.stats {
+            eprintln!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "engine": engine.stats(),
+                    "pool": engine.pool_stats(),
+                }))?
+            );
+        }
+        Ok(())
+    })
+}
