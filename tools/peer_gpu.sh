@@ -13,15 +13,19 @@
 # (`run` device calls carry .gl, .devbin and .peer; see the device README for .gl.) State
 # lives in /tmp/peer on the device, so prepare and run may be separate calls on one warm
 # machine. Environment: LAYERS (24), ROUNDS (2), PROMPTS (512,2048), TOKENS (160 decoded
-# by slotstream, its first WARMUP=32 untimed; llama-bench decodes 128). Results: $OUT (or
-# /tmp/peer/out): each run's raw output and summary.md with both engines and their ratios.
+# by slotstream, its first WARMUP=32 untimed; llama-bench decodes 128), ROUTING (`router`:
+# slotstream routes with the checkpoint's random router, as llama.cpp does with the same
+# router converted, its synthetic routing model set aside for the run; `synthetic`: with
+# that model, whose routes are drawn on the host). Results: $OUT (or /tmp/peer/out): each
+# run's raw output and summary.md with both engines and their ratios.
 set -euo pipefail
 what=${1:?usage: peer_gpu.sh stage|prepare|run}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 layers=${LAYERS:-24} rounds=${ROUNDS:-2} prompts=${PROMPTS:-512,2048}
-tokens=${TOKENS:-160} warmup=${WARMUP:-32}
+tokens=${TOKENS:-160} warmup=${WARMUP:-32} routing=${ROUTING:-router}
 state=/tmp/peer
 gguf=$state/qwen3next-$layers.gguf synth=$state/synth-$layers
+model_file=$synth/synthetic_routing.json
 bench=$state/llama.cpp/build/bin/llama-bench
 
 stage() {
@@ -87,7 +91,15 @@ run() {
     echo "machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
     echo "slotstream: $(cat "$repo/.devbin/commit" 2>/dev/null || echo unknown commit) (Vulkan); llama.cpp: llama-cpp-python 0.3.36's tree, CUDA sm_90"
     echo "layers: $layers; rounds: $rounds; prompts: $prompts"
+    echo "slotstream routing: $routing"
   } | tee "$out/machine.txt"
+  case $routing in
+    router)
+      [ -f "$model_file" ] && mv "$model_file" "$model_file.aside"
+      trap '[ -f "$model_file.aside" ] && mv "$model_file.aside" "$model_file"' EXIT ;;
+    synthetic) [ -f "$model_file" ] || mv "$model_file.aside" "$model_file" ;;
+    *) echo "ROUTING is router or synthetic, not $routing" >&2; exit 2 ;;
+  esac
   for i in $(seq "$rounds"); do
     "$bench" -m "$gguf" -ngl 99 -p "$prompts" -n 128 -r 3 -o json > "$out/llama-$i.json"
     for p in ${prompts//,/ }; do
