@@ -15,8 +15,8 @@
 // (row_sums: subgroup shuffles, no barrier where 32 lanes share a subgroup), then
 // dot(S_i, q); the next token's inputs are loaded before this token's sums. q and k are normalized on the fly
 // (x * rsqrt(mean(x^2) + eps) * scale, as the CPU backend's rms_norm), and (g, beta) are
-// computed by every workgroup for its own head, so the conv output and the [b | a]
-// projection feed the kernel as they are.
+// computed by every workgroup for its own head, 32 tokens at a time into workgroup
+// memory, so the conv output and the [b | a] projection feed the kernel as they are.
 //
 // Bindings:
 //   1 read   qkv [T, 2*Hk*Dk + Hv*Dv]: [q | k | v], the conv output
@@ -118,12 +118,24 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     // previous token's reductions.
     var next = load_token(0u, h, kh, i, lane, live, width, qk_cols);
     for (var t = 0u; t < p.t_len; t++) {
+        // (g, beta) depend on the head and token alone: the first GATE_BLOCK invocations
+        // compute them for the next GATE_BLOCK tokens, rather than every lane for each.
+        if (t % GATE_BLOCK == 0u) {
+            // The previous block's reads before this block's writes.
+            workgroupBarrier();
+            if (li < GATE_BLOCK && t + li < p.t_len) {
+                let gi = (t + li) * 2u * p.value_heads + h;
+                gates[li] = vec2<f32>(exp(-decay_rate * softplus(ba[gi + p.value_heads] + dt)), sigmoid(ba[gi]));
+            }
+            workgroupBarrier();
+        }
         let cur = next;
         if (t + 1u < p.t_len) {
             next = load_token(t + 1u, h, kh, i, lane, live, width, qk_cols);
         }
-        let g = exp(-decay_rate * softplus(cur.a + dt));
-        let beta = sigmoid(cur.b);
+        let gate = gates[t % GATE_BLOCK];
+        let g = gate.x;
+        let beta = gate.y;
 
         // S_i *= g; partial dot(S_i, k_t) on the raw k, and the squared norms of q and k
         s_lo *= g;
@@ -144,7 +156,7 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         s_lo += cur.k_lo * (rk * delta);
         s_hi += cur.k_hi * (rk * delta);
         let part_y = dot(s_lo, cur.q_lo) + dot(s_hi, cur.q_hi);
-        let yi = row_sums(li, vec3<f32>(part_y, 0.0, 0.0)).x;
+        let yi = row_sum(li, part_y);
         if (live && lane == 0u) {
             y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
@@ -157,6 +169,21 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
 }
 
 var<workgroup> row_partials: array<vec3<f32>, 256>;
+// (g, beta) of tokens t0 .. t0 + GATE_BLOCK - 1 for the workgroup's head.
+const GATE_BLOCK: u32 = 32u;
+var<workgroup> gates: array<vec2<f32>, GATE_BLOCK>;
+
+// row_sums of one value.
+fn row_sum(li: u32, v: f32) -> f32 {
+    if (SUBGROUP_LANES >= LANES) {
+        var acc = v;
+        for (var m = 1u; m < LANES; m <<= 1u) {
+            acc += lane_xor_f32(acc, m);
+        }
+        return acc;
+    }
+    return row_sums(li, vec3<f32>(v, 0.0, 0.0)).x;
+}
 
 // The sums of `v` over the 32 lanes of invocation li's row, in every lane: subgroup
 // shuffles where 32 lanes share a subgroup (no barrier), else through workgroup memory
@@ -209,15 +236,13 @@ fn load_cols(base: u32, cols: vec4<u32>) -> vec4<f32> {
 }
 
 // One token's inputs for a lane of state row i of value head h: its columns of k and q
-// (zero past Dk), v[t, h, i] (zero past Dv) and b, a.
+// (zero past Dk) and v[t, h, i] (zero past Dv).
 struct Token {
     k_lo: vec4<f32>,
     k_hi: vec4<f32>,
     q_lo: vec4<f32>,
     q_hi: vec4<f32>,
     v: f32,
-    b: f32,
-    a: f32,
 }
 
 fn load_token(t: u32, h: u32, kh: u32, i: u32, lane: u32, live: bool, width: u32, qk_cols: u32) -> Token {
@@ -229,14 +254,11 @@ fn load_token(t: u32, h: u32, kh: u32, i: u32, lane: u32, live: bool, width: u32
     if (live) {
         v = qkv[t * width + 2u * qk_cols + h * p.dv + i];
     }
-    let gi = t * 2u * p.value_heads + h;
     return Token(
         load_cols(kb, cols_lo),
         load_cols(kb, cols_hi),
         load_cols(qb, cols_lo),
         load_cols(qb, cols_hi),
         v,
-        ba[gi],
-        ba[gi + p.value_heads],
     );
 }

@@ -533,12 +533,38 @@ struct GemmFetch {
     sb1: vec2<f32>,
 }
 
-// Activation vector i of the tile (token i / (GK / 4)) at columns k0 ...
-fn gemm_fetch_x(t: GemmTile, k0: u32, i: u32) -> vec4<f32> {
+// Where activation vector i of the tile (token i / (GK / 4)) starts: its input row's
+// first element, or NO_ROW past the tile's tokens. An invocation's vectors keep their
+// tokens over the steps, so it finds them once, before the loop: a step's loads then
+// wait on no read of the route list.
+const NO_ROW: u32 = 0xFFFFFFFFu;
+
+fn gemm_x_row(t: GemmTile, i: u32) -> u32 {
     let tok = i / (GK / 4u);
+    if (tok < t.count) {
+        return gemm_rows(t, tok).x * p.cols;
+    }
+    return NO_ROW;
+}
+
+// gemm_x_row of the vectors gemm_fetch reads for invocation li: four for a tile of GM
+// tokens, one for GM_NARROW (the rest NO_ROW).
+fn gemm_x_rows(li: u32, t: GemmTile, gm: u32) -> vec4<u32> {
+    var r = vec4<u32>(NO_ROW);
+    r.x = gemm_x_row(t, li);
+    if (gm == GM) {
+        r.y = gemm_x_row(t, li + GEMM_WG);
+        r.z = gemm_x_row(t, li + 2u * GEMM_WG);
+        r.w = gemm_x_row(t, li + 3u * GEMM_WG);
+    }
+    return r;
+}
+
+// Activation vector i of the tile at columns k0 ..., its input row starting at `x_row`.
+fn gemm_fetch_x(x_row: u32, k0: u32, i: u32) -> vec4<f32> {
     let c = k0 + (i % (GK / 4u)) * 4u;
-    if (tok < t.count && c < p.cols) {
-        return act4[(gemm_rows(t, tok).x * p.cols + c) / 4u];
+    if (x_row != NO_ROW && c < p.cols) {
+        return act4[(x_row + c) / 4u];
     }
     return vec4<f32>(0.0);
 }
@@ -569,13 +595,13 @@ struct GemmQ {
 
 // A tile of gm tokens (GM or GM_NARROW, a constant where it is called): GM_NARROW
 // tokens take one vector of activations per invocation.
-fn gemm_fetch(li: u32, t: GemmTile, row0: u32, k0: u32, swiglu: bool, gm: u32) -> GemmFetch {
+fn gemm_fetch(li: u32, t: GemmTile, x_rows: vec4<u32>, row0: u32, k0: u32, swiglu: bool, gm: u32) -> GemmFetch {
     var f: GemmFetch;
-    f.x0 = gemm_fetch_x(t, k0, li);
+    f.x0 = gemm_fetch_x(x_rows.x, k0, li);
     if (gm == GM) {
-        f.x1 = gemm_fetch_x(t, k0, li + GEMM_WG);
-        f.x2 = gemm_fetch_x(t, k0, li + 2u * GEMM_WG);
-        f.x3 = gemm_fetch_x(t, k0, li + 3u * GEMM_WG);
+        f.x1 = gemm_fetch_x(x_rows.y, k0, li + GEMM_WG);
+        f.x2 = gemm_fetch_x(x_rows.z, k0, li + 2u * GEMM_WG);
+        f.x3 = gemm_fetch_x(x_rows.w, k0, li + 3u * GEMM_WG);
     }
     if (p.bits != 0u) {
         let a = gemm_fetch_q(t.base, row0, k0, swiglu, li);
@@ -729,12 +755,13 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmOut {
     // that hold no tokens skip the arithmetic, but still load and wait.
     let lo_busy = tt * 4u < t.count;
     let hi_busy = GM / 2u + tt * 4u < t.count;
-    var next = gemm_fetch(li, t, row0, 0u, swiglu, GM);
+    let x_rows = gemm_x_rows(li, t, GM);
+    var next = gemm_fetch(li, t, x_rows, row0, 0u, swiglu, GM);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
         gemm_put(li, next, t.base, row0, k0, swiglu, GM);
         workgroupBarrier();
         if (k0 + GK < p.cols) {
-            next = gemm_fetch(li, t, row0, k0 + GK, swiglu, GM);
+            next = gemm_fetch(li, t, x_rows, row0, k0 + GK, swiglu, GM);
         }
         if (lo_busy) {
             for (var c = 0u; c < GK; c++) {
@@ -907,12 +934,13 @@ fn gemm_accumulate_narrow(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> Narr
     let zero = vec4<f32>(0.0);
     var a = NarrowAcc(zero, zero, zero, zero);
     let busy = tt * 4u < t.count;
-    var next = gemm_fetch(li, t, row0, 0u, swiglu, GM_NARROW);
+    let x_rows = gemm_x_rows(li, t, GM_NARROW);
+    var next = gemm_fetch(li, t, x_rows, row0, 0u, swiglu, GM_NARROW);
     for (var k0 = 0u; k0 < p.cols; k0 += GK) {
         gemm_put(li, next, t.base, row0, k0, swiglu, GM_NARROW);
         workgroupBarrier();
         if (k0 + GK < p.cols) {
-            next = gemm_fetch(li, t, row0, k0 + GK, swiglu, GM_NARROW);
+            next = gemm_fetch(li, t, x_rows, row0, k0 + GK, swiglu, GM_NARROW);
         }
         if (busy) {
             for (var c = 0u; c < GK; c++) {
