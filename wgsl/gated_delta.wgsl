@@ -7,13 +7,17 @@
 //   y[t,h,i] = dot(S_i, q_t)
 // with g = exp(-exp(a_log[h]) * softplus(a[t,h] + dt_bias[h])), beta = sigmoid(b[t,h]).
 //
-// One entry point, `gated_delta`: one workgroup of 32 x 8 invocations per (value head,
-// block of 8 state rows). The 32 lanes of a row split its Dk columns (lane, lane + 32, ...;
-// up to 8 each, so Dk <= 256) and keep them in registers for the whole call; the loop over
-// tokens runs inside the kernel, so prefill and decode share it. Per token, the lanes'
-// partial dot(S_i, k) and the squared norms of q and k are summed over the row's lanes
-// (row_sums: subgroup shuffles, no barrier where 32 lanes share a subgroup), then
-// dot(S_i, q); the next token's inputs are loaded before this token's sums. q and k are normalized on the fly
+// One entry point, `gated_delta`: one workgroup of 256 invocations per (value head, block
+// of 256 / p.lanes state rows). The p.lanes lanes of a row (a power of two, Dk <= 16
+// p.lanes) split its Dk columns (lane + p.lanes e, e = 0..15) and keep them in registers
+// for the whole call; the loop over tokens runs inside the kernel, so prefill and decode
+// share it. Few lanes a row, each with many columns, keep a token's chain of dependent
+// steps short (a row's sums take log2(p.lanes) shuffle rounds) and the work every lane
+// repeats per token (the norms' partials, the sums) small.
+// Per token, the lanes' partial dot(S_i, k) and the squared norms of q and k are summed
+// over the row's lanes (row_sums: subgroup shuffles, no barrier where a row's lanes share
+// a subgroup), then dot(S_i, q); the next token's inputs are loaded before this token's
+// sums. q and k are normalized on the fly
 // (x * rsqrt(mean(x^2) + eps) * scale, as the CPU backend's rms_norm), and (g, beta) are
 // computed by every workgroup for its own head, 32 tokens at a time into workgroup
 // memory, so the conv output and the [b | a] projection feed the kernel as they are.
@@ -34,9 +38,10 @@ struct Params {
     dv: u32,
     // value_heads / key_heads
     group: u32,
-    // ceil(dv / ROWS): workgroups per value head
+    // ceil(dv / (WG / lanes)): workgroups per value head
     row_blocks: u32,
-    _pad: u32,
+    // lanes per state row: a power of two, 1 to 32, Dk <= COLS lanes
+    lanes: u32,
     // q/k normalization: x * rsqrt(mean(x^2) + eps) * scale
     eps: f32,
     q_scale: f32,
@@ -52,9 +57,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> state: array<f32>;
 @group(0) @binding(6) var<storage, read_write> y: array<f32>;
 
-const LANES: u32 = 32u;
-const ROWS: u32 = 8u;
-// A lane holds columns lane + 32 e of its state row, e = 0..7: Dk <= 256.
+const WG: u32 = 256u;
+// Columns of its state row a lane holds (lane + p.lanes e, e = 0..COLS - 1).
+const COLS: u32 = 16u;
 
 // ln(1 + e) for e in [0, 1], accurate to a few ulp without relying on the precision of
 // the shader's log near 1: ln(1 + e) = 2 atanh(s), s = e / (2 + e) in [0, 1/3].
@@ -83,9 +88,36 @@ fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-@compute @workgroup_size(32, 8)
+// A lane's columns of a state row or of q or k: four vectors, columns
+// lane + p.lanes (4 j + (0, 1, 2, 3)) in vector j (vectors rather than an array indexed by
+// a loop variable, which a driver may keep in local memory).
+struct Cols {
+    c0: vec4<f32>,
+    c1: vec4<f32>,
+    c2: vec4<f32>,
+    c3: vec4<f32>,
+}
+
+fn cols_dot(a: Cols, b: Cols) -> f32 {
+    return dot(a.c0, b.c0) + dot(a.c1, b.c1) + dot(a.c2, b.c2) + dot(a.c3, b.c3);
+}
+
+fn cols_scale(a: Cols, s: f32) -> Cols {
+    return Cols(a.c0 * s, a.c1 * s, a.c2 * s, a.c3 * s);
+}
+
+// a + b * s
+fn cols_add_scaled(a: Cols, b: Cols, s: f32) -> Cols {
+    return Cols(a.c0 + b.c0 * s, a.c1 + b.c1 * s, a.c2 + b.c2 * s, a.c3 + b.c3 * s);
+}
+
+// The column indices of vector j of `lane`.
+fn col_ids(lane: u32, j: u32) -> vec4<u32> {
+    return lane + (vec4<u32>(0u, 1u, 2u, 3u) + 4u * j) * p.lanes;
+}
+
+@compute @workgroup_size(256)
 fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_id) lid: vec3<u32>,
                @builtin(local_invocation_index) li: u32) {
     let wg = wid.x + wid.y * nwg.x;
     // Uniform across the workgroup, so returning before the barriers is allowed.
@@ -93,8 +125,8 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         return;
     }
     let h = wg / p.row_blocks;
-    let i = (wg % p.row_blocks) * ROWS + lid.y;
-    let lane = lid.x;
+    let i = (wg % p.row_blocks) * (WG / p.lanes) + li / p.lanes;
+    let lane = li % p.lanes;
     let live = i < p.dv;
     let kh = h / p.group;
     let qk_cols = p.key_heads * p.dk;
@@ -103,15 +135,9 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
     let decay_rate = exp(a_log[h]);
     let dt = dt_bias[h];
 
-    // Columns lane + 32 e of the row, e = 0..3 and 4..7 (vectors rather than an array
-    // indexed by a loop variable, which a driver may keep in local memory).
-    let cols_lo = lane + vec4<u32>(0u, 1u, 2u, 3u) * LANES;
-    let cols_hi = cols_lo + 4u * LANES;
-    var s_lo = vec4<f32>(0.0);
-    var s_hi = vec4<f32>(0.0);
+    var s = Cols(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));
     if (live) {
-        s_lo = load_state(srow, cols_lo);
-        s_hi = load_state(srow, cols_hi);
+        s = load_row(srow, lane);
     }
 
     // A token's inputs are loaded one token ahead, so their latency hides behind the
@@ -138,11 +164,10 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let beta = gate.y;
 
         // S_i *= g; partial dot(S_i, k_t) on the raw k, and the squared norms of q and k
-        s_lo *= g;
-        s_hi *= g;
-        let part = dot(s_lo, cur.k_lo) + dot(s_hi, cur.k_hi);
-        let kk = dot(cur.k_lo, cur.k_lo) + dot(cur.k_hi, cur.k_hi);
-        let qq = dot(cur.q_lo, cur.q_lo) + dot(cur.q_hi, cur.q_hi);
+        s = cols_scale(s, g);
+        let part = cols_dot(s, cur.k);
+        let kk = cols_dot(cur.k, cur.k);
+        let qq = cols_dot(cur.q, cur.q);
         let sums = row_sums(li, vec3<f32>(part, kk, qq));
         let sk = sums.x;
         let ksum = sums.y;
@@ -153,18 +178,15 @@ fn gated_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
         let delta = (cur.v - sk * rk) * beta;
 
         // S_i += delta k_t; partial dot(S_i, q_t) on the raw q
-        s_lo += cur.k_lo * (rk * delta);
-        s_hi += cur.k_hi * (rk * delta);
-        let part_y = dot(s_lo, cur.q_lo) + dot(s_hi, cur.q_hi);
-        let yi = row_sum(li, part_y);
+        s = cols_add_scaled(s, cur.k, rk * delta);
+        let yi = row_sum(li, cols_dot(s, cur.q));
         if (live && lane == 0u) {
             y[t * p.value_heads * p.dv + h * p.dv + i] = yi * rq;
         }
     }
 
     if (live) {
-        store_state(srow, cols_lo, s_lo);
-        store_state(srow, cols_hi, s_hi);
+        store_row(srow, lane, s);
     }
 }
 
@@ -175,9 +197,9 @@ var<workgroup> gates: array<vec2<f32>, GATE_BLOCK>;
 
 // row_sums of one value.
 fn row_sum(li: u32, v: f32) -> f32 {
-    if (SUBGROUP_LANES >= LANES) {
+    if (SUBGROUP_LANES >= p.lanes) {
         var acc = v;
-        for (var m = 1u; m < LANES; m <<= 1u) {
+        for (var m = 1u; m < p.lanes; m <<= 1u) {
             acc += lane_xor_f32(acc, m);
         }
         return acc;
@@ -185,22 +207,22 @@ fn row_sum(li: u32, v: f32) -> f32 {
     return row_sums(li, vec3<f32>(v, 0.0, 0.0)).x;
 }
 
-// The sums of `v` over the 32 lanes of invocation li's row, in every lane: subgroup
-// shuffles where 32 lanes share a subgroup (no barrier), else through workgroup memory
-// (two barriers). Every invocation of the workgroup must call it.
+// The sums of `v` over the p.lanes lanes of invocation li's row, in every lane: subgroup
+// shuffles where a row's lanes share a subgroup (no barrier), else through workgroup
+// memory (two barriers). Every invocation of the workgroup must call it.
 fn row_sums(li: u32, v: vec3<f32>) -> vec3<f32> {
-    if (SUBGROUP_LANES >= LANES) {
+    if (SUBGROUP_LANES >= p.lanes) {
         var acc = v;
-        for (var m = 1u; m < LANES; m <<= 1u) {
+        for (var m = 1u; m < p.lanes; m <<= 1u) {
             acc += vec3<f32>(lane_xor_f32(acc.x, m), lane_xor_f32(acc.y, m), lane_xor_f32(acc.z, m));
         }
         return acc;
     }
     row_partials[li] = v;
     workgroupBarrier();
-    let first = li - li % LANES;
+    let first = li - li % p.lanes;
     var acc = vec3<f32>(0.0);
-    for (var l = 0u; l < LANES; l++) {
+    for (var l = 0u; l < p.lanes; l++) {
         acc += row_partials[first + l];
     }
     // Every read before the next call's writes.
@@ -208,21 +230,33 @@ fn row_sums(li: u32, v: vec3<f32>) -> vec3<f32> {
     return acc;
 }
 
-// State row columns `cols` (those below Dk; zero past it).
-fn load_state(srow: u32, cols: vec4<u32>) -> vec4<f32> {
+// A lane's columns of the state row starting at `srow` (zero past Dk).
+fn load_row(srow: u32, lane: u32) -> Cols {
+    return Cols(load_state(srow, col_ids(lane, 0u)), load_state(srow, col_ids(lane, 1u)),
+                load_state(srow, col_ids(lane, 2u)), load_state(srow, col_ids(lane, 3u)));
+}
+
+fn load_state(base: u32, cols: vec4<u32>) -> vec4<f32> {
     var v = vec4<f32>(0.0);
-    if (cols.x < p.dk) { v.x = state[srow + cols.x]; }
-    if (cols.y < p.dk) { v.y = state[srow + cols.y]; }
-    if (cols.z < p.dk) { v.z = state[srow + cols.z]; }
-    if (cols.w < p.dk) { v.w = state[srow + cols.w]; }
+    if (cols.x < p.dk) { v.x = state[base + cols.x]; }
+    if (cols.y < p.dk) { v.y = state[base + cols.y]; }
+    if (cols.z < p.dk) { v.z = state[base + cols.z]; }
+    if (cols.w < p.dk) { v.w = state[base + cols.w]; }
     return v;
 }
 
-fn store_state(srow: u32, cols: vec4<u32>, v: vec4<f32>) {
-    if (cols.x < p.dk) { state[srow + cols.x] = v.x; }
-    if (cols.y < p.dk) { state[srow + cols.y] = v.y; }
-    if (cols.z < p.dk) { state[srow + cols.z] = v.z; }
-    if (cols.w < p.dk) { state[srow + cols.w] = v.w; }
+fn store4(base: u32, cols: vec4<u32>, v: vec4<f32>) {
+    if (cols.x < p.dk) { state[base + cols.x] = v.x; }
+    if (cols.y < p.dk) { state[base + cols.y] = v.y; }
+    if (cols.z < p.dk) { state[base + cols.z] = v.z; }
+    if (cols.w < p.dk) { state[base + cols.w] = v.w; }
+}
+
+fn store_row(srow: u32, lane: u32, v: Cols) {
+    store4(srow, col_ids(lane, 0u), v.c0);
+    store4(srow, col_ids(lane, 1u), v.c1);
+    store4(srow, col_ids(lane, 2u), v.c2);
+    store4(srow, col_ids(lane, 3u), v.c3);
 }
 
 // qkv row values at `base + cols` (zero for columns past Dk).
@@ -235,30 +269,26 @@ fn load_cols(base: u32, cols: vec4<u32>) -> vec4<f32> {
     return v;
 }
 
+// A lane's columns of the qkv row part starting at `base` (q or k of a head).
+fn load_head(base: u32, lane: u32) -> Cols {
+    return Cols(load_cols(base, col_ids(lane, 0u)), load_cols(base, col_ids(lane, 1u)),
+                load_cols(base, col_ids(lane, 2u)), load_cols(base, col_ids(lane, 3u)));
+}
+
 // One token's inputs for a lane of state row i of value head h: its columns of k and q
 // (zero past Dk) and v[t, h, i] (zero past Dv).
 struct Token {
-    k_lo: vec4<f32>,
-    k_hi: vec4<f32>,
-    q_lo: vec4<f32>,
-    q_hi: vec4<f32>,
+    k: Cols,
+    q: Cols,
     v: f32,
 }
 
 fn load_token(t: u32, h: u32, kh: u32, i: u32, lane: u32, live: bool, width: u32, qk_cols: u32) -> Token {
     let qb = t * width + kh * p.dk;
     let kb = qb + qk_cols;
-    let cols_lo = lane + vec4<u32>(0u, 1u, 2u, 3u) * LANES;
-    let cols_hi = cols_lo + 4u * LANES;
     var v = 0.0;
     if (live) {
         v = qkv[t * width + 2u * qk_cols + h * p.dv + i];
     }
-    return Token(
-        load_cols(kb, cols_lo),
-        load_cols(kb, cols_hi),
-        load_cols(qb, cols_lo),
-        load_cols(qb, cols_hi),
-        v,
-    );
+    return Token(load_head(kb, lane), load_head(qb, lane), v);
 }

@@ -224,7 +224,7 @@ fn gated_delta_matches_cpu() {
             dv: 128,
             a_range: 6.0,
         },
-        // Dk below one lane row and Dv not a multiple of the 8 rows of a workgroup.
+        // Dk not a multiple of a lane's 16 columns, Dv not of a workgroup's rows.
         DeltaCase {
             key_heads: 1,
             value_heads: 2,
@@ -232,11 +232,26 @@ fn gated_delta_matches_cpu() {
             dv: 50,
             a_range: 20.0,
         },
-        // Dk at the shader's maximum.
+        // A row in one lane (no sums across lanes), and in 16 lanes.
+        DeltaCase {
+            key_heads: 1,
+            value_heads: 2,
+            dk: 16,
+            dv: 40,
+            a_range: 3.0,
+        },
         DeltaCase {
             key_heads: 1,
             value_heads: 1,
             dk: 256,
+            dv: 24,
+            a_range: 3.0,
+        },
+        // Dk at the shader's maximum (32 lanes of 16 columns).
+        DeltaCase {
+            key_heads: 1,
+            value_heads: 1,
+            dk: 512,
             dv: 24,
             a_range: 3.0,
         },

@@ -1,7 +1,7 @@
 //! The gated delta rule recurrence (`wgsl/gated_delta.wgsl`).
 //!
-//! One dispatch per call: one workgroup per (value head, block of 8 state rows), the state
-//! rows held in registers across the whole token loop. The kernel reads q, k and v straight
+//! One dispatch per call: one workgroup per (value head, block of state rows), each row
+//! split over a few lanes that hold its columns in registers across the whole token loop. The kernel reads q, k and v straight
 //! from the conv output and b, a from the `[b | a]` projection, normalizes q and k and
 //! computes the decay and write strength itself, so nothing is gathered or normalized by
 //! separate dispatches.
@@ -20,7 +20,7 @@ uniform_block! {
         dv: u32,
         group: u32,
         row_blocks: u32,
-        _pad: u32,
+        lanes: u32,
         eps: f32,
         q_scale: f32,
         k_scale: f32,
@@ -41,10 +41,12 @@ const RECURRENCE: Kernel = Kernel::new(
     ],
 );
 
-/// State rows per workgroup (`ROWS` in the shader).
-const ROWS: usize = 8;
-/// Largest key width the shader holds in registers (`LANES * MAXE`).
-const MAX_KEY_DIM: usize = 256;
+/// Invocations per workgroup (`WG` in the shader).
+const WG: usize = 256;
+/// State row columns each lane holds (`COLS` in the shader).
+const COLS: usize = 16;
+/// Largest key width the shader holds in registers (32 lanes of [`COLS`]).
+const MAX_KEY_DIM: usize = 32 * COLS;
 
 /// [`crate::backend::Backend::gated_delta`] on the GPU.
 pub(super) fn gated_delta(
@@ -91,7 +93,10 @@ pub(super) fn gated_delta(
     if t_len == 0 {
         return out;
     }
-    let row_blocks = dv.div_ceil(ROWS);
+    // As few lanes a row as hold its columns: a row's sums then take the fewest shuffle
+    // rounds, and a token's chain of dependent steps stays short.
+    let lanes = dk.div_ceil(COLS).next_power_of_two();
+    let row_blocks = dv.div_ceil(WG / lanes);
     let (eps, q_scale, k_scale) = dims.qk_norm();
     let params = DeltaParams {
         t_len: t_len as u32,
@@ -101,6 +106,7 @@ pub(super) fn gated_delta(
         dv: dv as u32,
         group: (value_heads / key_heads) as u32,
         row_blocks: row_blocks as u32,
+        lanes: lanes as u32,
         eps,
         q_scale,
         k_scale,
