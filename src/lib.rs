@@ -41,6 +41,7 @@ pub mod pack;
 pub mod plan;
 pub mod pool;
 pub mod prompt_cache;
+pub mod records;
 pub mod reply;
 pub mod routing_model;
 pub mod sampling;

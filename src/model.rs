@@ -33,8 +33,8 @@ use crate::backend::{
 use crate::checkpoint::{Checkpoint, ExpertIndex, LinearWeight};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
 
 /// Projections of one input, stacked into one weight at load when they are quantized

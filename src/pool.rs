@@ -24,9 +24,9 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use crate::checkpoint::Checkpoint;
 use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, SlotTag};
 use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader, ALIGN};
 use crate::pack::PackedRecords;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, PoolMemory, SlotTag};
 
 /// `(layer, expert)`.
 pub type Key = (u32, u32);
@@ -254,7 +254,7 @@ impl Inner {
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
 pub struct SlotPool {
     inner: Mutex<Inner>,
-    memory: AlignedBuf,
+    memory: Arc<AlignedBuf>,
     stride: usize,
     index: Arc<ExpertIndex>,
     files: RecordFiles,
@@ -327,7 +327,7 @@ impl SlotPool {
                 options.slots
             ))
         })?;
-        let memory = AlignedBuf::zeroed(bytes)?;
+        let memory = Arc::new(AlignedBuf::zeroed(bytes)?);
         let slots = (0..options.slots)
             .map(|_| Slot {
                 key: None,
@@ -423,11 +423,16 @@ impl SlotPool {
         self.floor
     }
 
-    /// The pool's memory: base pointer and allocated bytes (slots x stride, rounded up to
-    /// whole pages), page-aligned, for backends that let the GPU read it in place. It lives
-    /// as long as the pool.
-    pub(crate) fn memory(&self) -> (*mut u8, usize) {
-        (self.memory.as_ptr(), self.memory.capacity())
+    /// The pool's memory and how its slots lie, for a backend to place
+    /// ([`crate::backend::Backend::attach_pool`]).
+    pub fn memory(&self) -> PoolMemory {
+        PoolMemory {
+            pool: self.id,
+            slots: self.slots(),
+            stride: self.stride,
+            layer_records: self.layer_records(),
+            memory: self.memory.clone(),
+        }
     }
 
     /// Process-unique id of this pool (see [`SlotTag::pool`]).

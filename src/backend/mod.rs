@@ -14,7 +14,7 @@ pub use crate::checkpoint::{dequantize_row, Floats, QuantView};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::{Error, Result};
-use crate::experts::ExpertRecord;
+use crate::records::{ExpertRecord, PoolMemory};
 
 /// A compute backend chosen at run time.
 pub enum Compute {
@@ -257,15 +257,11 @@ pub trait Backend: Send + Sync {
     /// A human-readable name ("cpu", or the GPU adapter's name).
     fn name(&self) -> String;
 
-    /// Tells the backend which slot pool its expert records will come from, and where
-    /// the device should read the slots (`None`: the backend's choice for its adapter).
-    /// The CPU reads slots in place (it asks the kernel to back them with huge pages).
-    /// Errors: a placement the device cannot provide.
-    fn attach_pool(
-        &self,
-        _pool: &std::sync::Arc<crate::pool::SlotPool>,
-        _placement: Option<gpu::Placement>,
-    ) -> Result<()> {
+    /// Tells the backend the memory of the slot pool its expert records will come from,
+    /// and where the device should read the slots (`None`: the backend's choice for its
+    /// adapter). The CPU reads slots in place (it asks the kernel to back them with huge
+    /// pages). Errors: a placement the device cannot provide.
+    fn attach_pool(&self, _pool: &PoolMemory, _placement: Option<gpu::Placement>) -> Result<()> {
         Ok(())
     }
 

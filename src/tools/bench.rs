@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
-use crate::experts::{open_source, ExpertSource, PoolSize, SourceOptions};
+use crate::experts::{open_source, PoolSize, SourceOptions};
 use crate::generate::{generate, GenerateOptions};
 use crate::io::{AlignedBuf, ALIGN};
 use crate::model::{Logits, Model};
@@ -38,6 +38,7 @@ use crate::pack::PACK_FILE;
 use crate::plan::{human, parse_size, peak_rss, resident_tensors, Plan};
 use crate::pool::{check_floor, floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions};
+use crate::records::ExpertSource;
 
 /// One pool size to measure.
 #[derive(Clone, Debug, PartialEq)]
