@@ -232,7 +232,7 @@ pub fn open_source<B: Backend>(
             .checked_mul(index.moe_layers.len())
             .ok_or_else(|| Error::InvalidInput(format!("{n} experts per layer is too many")))?,
         Some(PoolSize::Budget(budget)) => {
-            let chunk = crate::plan::prefill_chunk(backend, &ckpt.config, false);
+            let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
             let p = Plan::new(
                 ckpt,
                 &index,

@@ -877,7 +877,7 @@ impl<B: Backend> Model<B> {
     /// Tokens per pass of a long input on `backend` ([`Backend::prefill_chunk`] for this
     /// model's widest activation row and top-k).
     pub fn prefill_chunk(&self, backend: &B, which: Logits) -> usize {
-        crate::plan::prefill_chunk(backend, &self.config, which == Logits::All)
+        crate::backend::prefill_chunk(backend, &self.config, which == Logits::All)
     }
 
     /// One chunk of [`Model::forward`]; `which: None` skips the head.

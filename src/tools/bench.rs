@@ -290,7 +290,7 @@ pub fn run<B: Backend>(
                     bytes,
                     options.source.context,
                     options.source.queue_depth,
-                    crate::plan::prefill_chunk(backend, cfg, false),
+                    crate::backend::prefill_chunk(backend, cfg, false),
                     options.source.prompt_cache,
                 )
                 .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;

@@ -318,7 +318,7 @@ fn inputs_longer_than_a_gpu_prefill_chunk_match_the_cpu() {
     let model = Model::load(&l.ckpt, &g).unwrap();
     let chunk = model.prefill_chunk(&g, Logits::All);
     assert!(
-        chunk > slotstream::plan::PREFILL_CHUNK || !g.gpu.tiled,
+        chunk > slotstream::backend::PREFILL_CHUNK || !g.gpu.tiled,
         "a GPU with tiles takes chunks of {chunk} tokens"
     );
     let n = chunk + 45;

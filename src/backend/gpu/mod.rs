@@ -30,7 +30,7 @@ pub use device::{
     TILE_WORKGROUP_BYTES,
 };
 
-use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert};
+use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert, PREFILL_CHUNK};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::Result;
@@ -395,13 +395,12 @@ impl Backend for GpuBackend {
     }
 
     /// With tiles, up to [`MAX_PREFILL_CHUNK`] tokens (a multiple of
-    /// [`crate::plan::PREFILL_CHUNK`]): the tiled products read each weight, and each
+    /// [`PREFILL_CHUNK`]): the tiled products read each weight, and each
     /// routed expert's record, once per tile of the chunk's tokens, so a long prompt reads
     /// them fewer times in larger chunks. Bounded so the widest activation fits one
     /// storage binding and a chunk's routes fit one dispatch dimension (the row-by-row
-    /// kernels put them in z). Without tiles, [`crate::plan::PREFILL_CHUNK`].
+    /// kernels put them in z). Without tiles, [`PREFILL_CHUNK`].
     fn prefill_chunk(&self, row_bytes: usize, routes_per_token: usize) -> usize {
-        use crate::plan::PREFILL_CHUNK;
         if !self.gpu.tiled {
             return PREFILL_CHUNK;
         }
