@@ -7,10 +7,10 @@
 
 use serde::Serialize;
 
-use crate::checkpoint::{Checkpoint, ExpertIndex, TensorEntry};
+use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex, TensorEntry};
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
-use crate::pool::{floor_slots, slot_stride, DEFAULT_SPECULATIVE_CAP};
+use crate::pool::{floor_slots, DEFAULT_SPECULATIVE_CAP};
 
 /// Bytes the process needs beyond what the plan itemizes: code, allocator, tokenizer,
 /// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.

@@ -22,9 +22,9 @@ use serde::Serialize;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
+use crate::checkpoint::{slot_stride, ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
-use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader, ALIGN};
+use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader};
 use crate::pack::PackedRecords;
 use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, PoolMemory, SlotTag};
 
@@ -288,12 +288,6 @@ pub fn check_floor(slots: usize, num_experts: usize, speculative_cap: usize) -> 
         )));
     }
     Ok(())
-}
-
-/// Slot size for records of `record_bytes`: rounded up to the direct-I/O alignment so
-/// every slot starts aligned.
-pub fn slot_stride(record_bytes: usize) -> usize {
-    record_bytes.next_multiple_of(ALIGN)
 }
 
 impl SlotPool {
