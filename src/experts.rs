@@ -183,7 +183,7 @@ pub struct SourceOptions {
     /// Record every lookup ([`SlotPool::take_trace`]).
     pub trace: bool,
     /// Bytes a memory budget sets aside for prompt-cache snapshots (the engine sets it
-    /// from its [`crate::prompt_cache::PromptCacheOptions::memory`]).
+    /// from its `prompt_cache::PromptCacheOptions::memory`).
     pub prompt_cache: u64,
 }
 

@@ -755,7 +755,7 @@ impl<B: Backend> Model<B> {
 
     /// The most tokens, prompt and generated, one sequence may hold: the config's
     /// `max_position_embeddings` (unbounded without one) unless [`Model::set_context`]
-    /// lowered it. [`crate::generate::generate`] stops there.
+    /// lowered it. `generate::generate` stops there.
     pub fn context(&self) -> usize {
         self.context
     }

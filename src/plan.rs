@@ -33,7 +33,7 @@ pub struct Plan {
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
     pub runtime: u64,
-    /// Snapshots of the prompt cache (its memory bound, [`crate::prompt_cache`]).
+    /// Snapshots of the prompt cache (its memory bound, `prompt_cache`).
     pub prompt_cache: u64,
     /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
