@@ -28,7 +28,7 @@ use slotstream::backend::gpu::{GpuBackend, GpuOptions};
 use slotstream::backend::{Backend, Routing};
 use slotstream::checkpoint::{LinearWeight, RecordLayout};
 use slotstream::config::QuantSpec;
-use slotstream::experts::ExpertRecord;
+use slotstream::records::ExpertRecord;
 
 use common::{bytes_of, quantized};
 
@@ -149,7 +149,7 @@ fn bench(c: &mut Criterion) {
     let refs: Vec<ExpertRecord<'_>> = (0..k)
         .map(|i| ExpertRecord {
             bytes: &records[i],
-            slot: Some(slotstream::experts::SlotTag {
+            slot: Some(slotstream::records::SlotTag {
                 pool: 0,
                 slot: i,
                 generation: 1,

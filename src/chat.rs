@@ -14,10 +14,10 @@
 use crate::backend::Backend;
 use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
 use crate::error::Result;
-use crate::experts::ExpertSource;
 use crate::generate::{GenerateOptions, GenerateStats};
 use crate::model::Model;
 use crate::prompt_cache::PromptCache;
+use crate::records::ExpertSource;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// One conversation with the prompt cache that holds its states.

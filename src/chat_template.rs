@@ -1,6 +1,6 @@
 //! Chat templates: how a conversation (messages, tool definitions, template variables)
 //! becomes prompt ids, the one way every chat path takes (CLI `generate` and `chat`, the
-//! server's chat endpoint, [`crate::engine::Engine`]).
+//! server's chat endpoint, `engine::Engine`).
 //!
 //! The model's template (`chat_template` in tokenizer_config.json, or chat_template.jinja)
 //! is rendered with minijinja as transformers renders it: blocks trimmed, Python string

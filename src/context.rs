@@ -1,10 +1,10 @@
 //! The context bound: the most tokens, prompt and generated together, that one sequence
 //! may hold. It is the model's `max_position_embeddings`, or less when asked
 //! (`--context`, [`crate::experts::SourceOptions::context`]). The command line, the
-//! [`crate::engine::Engine`] and the server all bound a sequence with these two
+//! `engine::Engine` and the server all bound a sequence with these two
 //! functions: a prompt that fills the context is refused with the numbers
 //! ([`Error::ContextFull`]), and generation stops at the context with finish reason
-//! `length` ([`crate::generate::generate`]).
+//! `length` (`generate::generate`).
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};

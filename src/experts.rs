@@ -1,9 +1,10 @@
 //! Where the forward pass gets routed-expert records from.
 //!
-//! The model asks an [`ExpertSource`] for the records of one layer's routed experts and
-//! holds them until that layer's expert compute is done. [`MappedExperts`] copies them
-//! out of the memory-mapped checkpoint (every expert effectively resident, as mlx-lm
-//! runs); the slot pool streams them from disk into a bounded set of slots.
+//! The model asks an [`ExpertSource`] (the records contract, [`crate::records`]) for the
+//! records of one layer's routed experts and holds them until that layer's expert compute
+//! is done. [`MappedExperts`] copies them out of the memory-mapped checkpoint (every expert
+//! effectively resident, as mlx-lm runs); the slot pool ([`PoolExperts`]) streams them
+//! from disk into a bounded set of slots; [`open_source`] opens the one a run asks for.
 
 use std::ops::Deref;
 use std::sync::Arc;
@@ -15,107 +16,7 @@ use crate::error::{Error, Result};
 use crate::io::{IoMode, RangeRead};
 use crate::plan::Plan;
 use crate::pool::{PoolExperts, SlotPool, StreamOptions};
-
-/// Identifies the contents of a pool slot: which slot, and which load of it. A backend
-/// that mirrors the pool in device memory copies a slot again only when its generation
-/// changed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SlotTag {
-    /// Unique per pool in this process, so a device mirror never serves another pool.
-    pub pool: u64,
-    pub slot: usize,
-    /// Incremented on every load into the slot.
-    pub generation: u64,
-    /// Slots in the pool and their stride in bytes (to size a mirror).
-    pub slots: usize,
-    pub stride: usize,
-    /// Records per MoE layer: a pool of every record keeps each layer's in consecutive
-    /// slots from a multiple of this, so a mirror whose arenas hold whole layers binds
-    /// one arena per layer.
-    pub layer_records: usize,
-}
-
-/// A held expert record: its bytes, and the slot it lives in when it comes from a pool.
-pub trait HeldRecord: Deref<Target = [u8]> + Send + Sync {
-    fn slot(&self) -> Option<SlotTag> {
-        None
-    }
-}
-
-impl HeldRecord for Vec<u8> {}
-
-/// One routed expert's record as the backend sees it.
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertRecord<'a> {
-    pub bytes: &'a [u8],
-    pub slot: Option<SlotTag>,
-}
-
-/// Every expert record of one layer, held together (see [`ExpertSource::resident_layer`]).
-pub trait LayerRecords: Send + Sync {
-    /// The records in expert order: element `e` is expert `e`'s.
-    fn records(&self) -> Vec<ExpertRecord<'_>>;
-}
-
-/// Supplies expert records laid out by [`crate::checkpoint::RecordLayout`].
-pub trait ExpertSource: Send + Sync {
-    /// A held record; the source may not reuse its memory until this is dropped.
-    type Record<'a>: HeldRecord
-    where
-        Self: 'a;
-
-    /// The records of `experts` (distinct ids) of decoder layer `layer`, in the same order.
-    /// Errors: an I/O failure reading a record, or an expert the checkpoint lacks.
-    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<Self::Record<'_>>>;
-
-    /// Called once at the start of each forward step, so a source that records a
-    /// routing trace can tell tokens apart.
-    fn begin_step(&self) {}
-
-    /// The records of a prefill chunk: `uses[i]` routes of the chunk go to `experts[i]`.
-    /// A source may read them outside its cache (the default fetches them as usual).
-    fn fetch_prefill(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        _uses: &[u32],
-    ) -> Result<Vec<Self::Record<'_>>> {
-        self.fetch(layer, experts)
-    }
-
-    /// Called when a prompt's prefill is done (before decoding starts), or was cancelled
-    /// (`admit` false: nothing worth keeping warm, and nobody waiting to decode).
-    fn end_prefill(&self, _admit: bool) {}
-
-    /// Whether the model should run lookahead routers and call [`ExpertSource::prefetch`].
-    fn lookahead(&self) -> bool {
-        false
-    }
-
-    /// A hint that `experts` of `layer` will probably be asked for soon. Never fails:
-    /// a source may ignore it.
-    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
-
-    /// Every record of `layer`, held, when all of them are resident now (a pool that holds
-    /// every record), so that the backend can pick the routed ones itself and the routing
-    /// never has to be read back per layer; `None` (the default) otherwise. Counts no
-    /// lookups: the caller reports them through [`ExpertSource::count_lookups`].
-    fn resident_layer(&self, _layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
-        None
-    }
-
-    /// Counts lookups of `experts` (distinct ids) of `layer` that were served from
-    /// [`ExpertSource::resident_layer`]'s records (statistics and trace).
-    fn count_lookups(&self, _layer: usize, _experts: &[u32]) {}
-
-    /// Reads `reads` that the model needs besides expert records (n-gram table rows),
-    /// returning their bytes in order. A source with a bounded reader runs them through it,
-    /// concurrently and within the same queue depth as its expert reads; the default reads
-    /// them one after another. Errors: the first failed read, naming its file and offset.
-    fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
-        reads.iter().map(RangeRead::read).collect()
-    }
-}
+use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
 pub struct MappedExperts {
@@ -282,7 +183,7 @@ pub struct SourceOptions {
     /// Record every lookup ([`SlotPool::take_trace`]).
     pub trace: bool,
     /// Bytes a memory budget sets aside for prompt-cache snapshots (the engine sets it
-    /// from its [`crate::prompt_cache::PromptCacheOptions::memory`]).
+    /// from its `prompt_cache::PromptCacheOptions::memory`).
     pub prompt_cache: u64,
 }
 
@@ -331,7 +232,7 @@ pub fn open_source<B: Backend>(
             .checked_mul(index.moe_layers.len())
             .ok_or_else(|| Error::InvalidInput(format!("{n} experts per layer is too many")))?,
         Some(PoolSize::Budget(budget)) => {
-            let chunk = crate::plan::prefill_chunk(backend, &ckpt.config, false);
+            let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
             let p = Plan::new(
                 ckpt,
                 &index,
@@ -366,7 +267,7 @@ pub fn open_source<B: Backend>(
     stream.io = options.io;
     stream.use_pack = options.use_pack;
     let pool = SlotPool::open(ckpt, index, stream, runtime)?;
-    backend.attach_pool(&pool, options.placement)?;
+    backend.attach_pool(&pool.memory(), options.placement)?;
     if options.trace {
         pool.enable_trace();
     }

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
 use crate::model::{Logits, Model, SequenceState};
+use crate::records::ExpertSource;
 use crate::sampling::{Sampler, SamplingOptions};
 
 /// What to generate.

@@ -14,11 +14,8 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
+use crate::checkpoint::ALIGN;
 use crate::error::{Error, Result};
-
-/// Alignment of direct reads and of pool memory (bytes). 4096 covers the logical block
-/// size of every SSD in use and the page size of x86-64 Linux.
-pub const ALIGN: usize = 4096;
 
 /// Alignment and length granule of [`AlignedBuf`]: a 16 KiB page, so a slot pool can also
 /// be wrapped as no-copy Metal buffers on Apple Silicon (whose pages are 16 KiB); a

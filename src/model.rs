@@ -33,8 +33,8 @@ use crate::backend::{
 use crate::checkpoint::{Checkpoint, ExpertIndex, LinearWeight};
 use crate::config::{DeltaNetProjections, IndexerConfig, LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::ngram::NgramTable;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
 use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
 
 /// Projections of one input, stacked into one weight at load when they are quantized
@@ -755,7 +755,7 @@ impl<B: Backend> Model<B> {
 
     /// The most tokens, prompt and generated, one sequence may hold: the config's
     /// `max_position_embeddings` (unbounded without one) unless [`Model::set_context`]
-    /// lowered it. [`crate::generate::generate`] stops there.
+    /// lowered it. `generate::generate` stops there.
     pub fn context(&self) -> usize {
         self.context
     }
@@ -877,7 +877,7 @@ impl<B: Backend> Model<B> {
     /// Tokens per pass of a long input on `backend` ([`Backend::prefill_chunk`] for this
     /// model's widest activation row and top-k).
     pub fn prefill_chunk(&self, backend: &B, which: Logits) -> usize {
-        crate::plan::prefill_chunk(backend, &self.config, which == Logits::All)
+        crate::backend::prefill_chunk(backend, &self.config, which == Logits::All)
     }
 
     /// One chunk of [`Model::forward`]; `which: None` skips the head.

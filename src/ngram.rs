@@ -21,8 +21,8 @@ use crate::backend::{dequantize_row, Floats, QuantView};
 use crate::checkpoint::Checkpoint;
 use crate::config::{PleConfig, QuantSpec};
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
 use crate::io::{DiskFile, IoMode, RangeRead, ReadAt};
+use crate::records::ExpertSource;
 
 /// Rows the cache keeps per table (about 160 KB of f32 at the released head width of 160
 /// per thousand rows: 400 K rows is the reference system's choice, 256 MB).

@@ -16,9 +16,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::atomic_file::AtomicFile;
-use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
-use crate::pool::slot_stride;
 
 /// File name of the pack inside its directory.
 pub const PACK_FILE: &str = "experts.pack";

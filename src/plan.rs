@@ -7,48 +7,14 @@
 
 use serde::Serialize;
 
-use crate::backend::Backend;
-use crate::checkpoint::{Checkpoint, ExpertIndex, TensorEntry};
-use crate::config::{LayerKind, ModelConfig};
+use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex, TensorEntry};
+use crate::config::LayerKind;
 use crate::error::{Error, Result};
-use crate::pool::{floor_slots, slot_stride, DEFAULT_SPECULATIVE_CAP};
+use crate::pool::{floor_slots, DEFAULT_SPECULATIVE_CAP};
 
 /// Bytes the process needs beyond what the plan itemizes: code, allocator, tokenizer,
 /// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.
 pub const RUNTIME_BYTES: u64 = 48 << 20;
-
-/// Tokens per pass of a long input on the CPU, and the least any backend takes (see
-/// [`crate::backend::Backend::prefill_chunk`] and `Model::prefill_chunk`).
-pub const PREFILL_CHUNK: usize = 256;
-
-/// Bytes of the widest activation row one token of a pass holds (the routed experts'
-/// outputs, the stacked input projections, the attention queries with their gates, a
-/// dense MLP's gate and up, the residual streams, and with `all_logits` every position's
-/// logits): what a backend sizes a chunk of tokens by.
-pub fn widest_row_bytes(cfg: &ModelConfig, all_logits: bool) -> usize {
-    let widest = [
-        cfg.num_experts_per_tok * cfg.hidden_size.max(cfg.moe_intermediate_size),
-        cfg.conv_dim() + cfg.linear_value_dim() + 2 * cfg.linear_num_value_heads,
-        4 * cfg.num_attention_heads * cfg.head_dim,
-        2 * cfg.intermediate_size,
-        cfg.residual_width(),
-        if all_logits { cfg.vocab_size } else { 0 },
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0);
-    widest * 4
-}
-
-/// Tokens per prefill pass of a model of `cfg` on `backend` (for every position's logits
-/// with `all_logits`, else the last's).
-pub fn prefill_chunk<B: Backend + ?Sized>(
-    backend: &B,
-    cfg: &ModelConfig,
-    all_logits: bool,
-) -> usize {
-    backend.prefill_chunk(widest_row_bytes(cfg, all_logits), cfg.num_experts_per_tok)
-}
 
 /// Each term of a plan, in bytes.
 #[derive(Clone, Debug, Serialize)]
@@ -67,7 +33,7 @@ pub struct Plan {
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
     pub runtime: u64,
-    /// Snapshots of the prompt cache (its memory bound, [`crate::prompt_cache`]).
+    /// Snapshots of the prompt cache (its memory bound, `prompt_cache`).
     pub prompt_cache: u64,
     /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
@@ -82,7 +48,7 @@ pub struct Plan {
 impl Plan {
     /// Plans `budget` bytes for `ckpt` with room for `context` tokens, `queue_depth`
     /// reads in flight, prefill passes of `chunk` tokens (the backend's
-    /// `Model::prefill_chunk`; [`PREFILL_CHUNK`] on the CPU) and `prompt_cache` bytes of
+    /// `Model::prefill_chunk`; [`crate::backend::PREFILL_CHUNK`] on the CPU) and `prompt_cache` bytes of
     /// prompt-cache snapshots. Errors: a budget that leaves less than the pool's floor (the
     /// message gives every term).
     pub fn new(

@@ -22,11 +22,11 @@ use serde::Serialize;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::checkpoint::Checkpoint;
-use crate::checkpoint::{ExpertIndex, RecordLayout, PIECES_PER_RECORD};
+use crate::checkpoint::{slot_stride, ExpertIndex, RecordLayout, PIECES_PER_RECORD};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, SlotTag};
-use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader, ALIGN};
+use crate::io::{read_range, AlignedBuf, IoMode, RangeRead, Reader};
 use crate::pack::PackedRecords;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords, PoolMemory, SlotTag};
 
 /// `(layer, expert)`.
 pub type Key = (u32, u32);
@@ -254,7 +254,7 @@ impl Inner {
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
 pub struct SlotPool {
     inner: Mutex<Inner>,
-    memory: AlignedBuf,
+    memory: Arc<AlignedBuf>,
     stride: usize,
     index: Arc<ExpertIndex>,
     files: RecordFiles,
@@ -290,12 +290,6 @@ pub fn check_floor(slots: usize, num_experts: usize, speculative_cap: usize) -> 
     Ok(())
 }
 
-/// Slot size for records of `record_bytes`: rounded up to the direct-I/O alignment so
-/// every slot starts aligned.
-pub fn slot_stride(record_bytes: usize) -> usize {
-    record_bytes.next_multiple_of(ALIGN)
-}
-
 impl SlotPool {
     /// Allocates `options.slots` slots for the records of `index`, read by `reader` from
     /// `files`. Reads run on `runtime`.
@@ -327,7 +321,7 @@ impl SlotPool {
                 options.slots
             ))
         })?;
-        let memory = AlignedBuf::zeroed(bytes)?;
+        let memory = Arc::new(AlignedBuf::zeroed(bytes)?);
         let slots = (0..options.slots)
             .map(|_| Slot {
                 key: None,
@@ -423,11 +417,16 @@ impl SlotPool {
         self.floor
     }
 
-    /// The pool's memory: base pointer and allocated bytes (slots x stride, rounded up to
-    /// whole pages), page-aligned, for backends that let the GPU read it in place. It lives
-    /// as long as the pool.
-    pub(crate) fn memory(&self) -> (*mut u8, usize) {
-        (self.memory.as_ptr(), self.memory.capacity())
+    /// The pool's memory and how its slots lie, for a backend to place
+    /// ([`crate::backend::Backend::attach_pool`]).
+    pub fn memory(&self) -> PoolMemory {
+        PoolMemory {
+            pool: self.id,
+            slots: self.slots(),
+            stride: self.stride,
+            layer_records: self.layer_records(),
+            memory: self.memory.clone(),
+        }
     }
 
     /// Process-unique id of this pool (see [`SlotTag::pool`]).

@@ -4,7 +4,7 @@
 //! A synthetic checkpoint has random router weights, and a random router routes almost
 //! uniformly: every expert is about equally likely at every token, which no trained model
 //! does. Cache and I/O benchmarks on such a model measure the wrong thing. When a model
-//! directory holds [`ROUTING_FILE`], [`crate::model::Model`] keeps the mixing weights its
+//! directory holds [`ROUTING_FILE`], `model::Model` keeps the mixing weights its
 //! router computes but replaces the routed expert **ids** with the ones this model picks.
 //!
 //! # The model
@@ -41,7 +41,7 @@
 //! pass or token by token gives the same ids.
 //!
 //! The per-sequence state is the context vector of every layer ([`RoutingState`]), kept in
-//! the model's [`crate::model::SequenceState`].
+//! the model's `model::SequenceState`.
 //!
 //! # Lookahead forecast
 //!

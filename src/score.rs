@@ -5,8 +5,8 @@ use std::path::Path;
 use crate::atomic_file::AtomicFile;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
 use crate::model::{Logits, Model};
+use crate::records::ExpertSource;
 
 /// Result of scoring `tokens` ids.
 #[derive(Clone, Debug)]

@@ -12,9 +12,9 @@ pub mod gpu;
 pub use crate::checkpoint::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
-use crate::config::GateActivation;
+use crate::config::{GateActivation, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::ExpertRecord;
+use crate::records::{ExpertRecord, PoolMemory};
 
 /// A compute backend chosen at run time.
 pub enum Compute {
@@ -242,6 +242,39 @@ impl Routing {
     }
 }
 
+/// Tokens per pass of a long input on the CPU, and the least any backend takes (see
+/// [`Backend::prefill_chunk`] and `Model::prefill_chunk`).
+pub const PREFILL_CHUNK: usize = 256;
+
+/// Bytes of the widest activation row one token of a pass holds (the routed experts'
+/// outputs, the stacked input projections, the attention queries with their gates, a
+/// dense MLP's gate and up, the residual streams, and with `all_logits` every position's
+/// logits): what a backend sizes a chunk of tokens by.
+pub fn widest_row_bytes(cfg: &ModelConfig, all_logits: bool) -> usize {
+    let widest = [
+        cfg.num_experts_per_tok * cfg.hidden_size.max(cfg.moe_intermediate_size),
+        cfg.conv_dim() + cfg.linear_value_dim() + 2 * cfg.linear_num_value_heads,
+        4 * cfg.num_attention_heads * cfg.head_dim,
+        2 * cfg.intermediate_size,
+        cfg.residual_width(),
+        if all_logits { cfg.vocab_size } else { 0 },
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0);
+    widest * 4
+}
+
+/// Tokens per prefill pass of a model of `cfg` on `backend` (for every position's logits
+/// with `all_logits`, else the last's).
+pub fn prefill_chunk<B: Backend + ?Sized>(
+    backend: &B,
+    cfg: &ModelConfig,
+    all_logits: bool,
+) -> usize {
+    backend.prefill_chunk(widest_row_bytes(cfg, all_logits), cfg.num_experts_per_tok)
+}
+
 /// The operations of the forward pass. Shapes are `[rows, cols]` of f32 unless stated.
 /// Arithmetic is f32 throughout, matching mlx-lm run with `set_dtype(float32)`.
 pub trait Backend: Send + Sync {
@@ -257,15 +290,11 @@ pub trait Backend: Send + Sync {
     /// A human-readable name ("cpu", or the GPU adapter's name).
     fn name(&self) -> String;
 
-    /// Tells the backend which slot pool its expert records will come from, and where
-    /// the device should read the slots (`None`: the backend's choice for its adapter).
-    /// The CPU reads slots in place (it asks the kernel to back them with huge pages).
-    /// Errors: a placement the device cannot provide.
-    fn attach_pool(
-        &self,
-        _pool: &std::sync::Arc<crate::pool::SlotPool>,
-        _placement: Option<gpu::Placement>,
-    ) -> Result<()> {
+    /// Tells the backend the memory of the slot pool its expert records will come from,
+    /// and where the device should read the slots (`None`: the backend's choice for its
+    /// adapter). The CPU reads slots in place (it asks the kernel to back them with huge
+    /// pages). Errors: a placement the device cannot provide.
+    fn attach_pool(&self, _pool: &PoolMemory, _placement: Option<gpu::Placement>) -> Result<()> {
         Ok(())
     }
 
@@ -296,9 +325,9 @@ pub trait Backend: Send + Sync {
     /// Tokens a pass of a long input computes at once, for a model whose widest
     /// activation row is `row_bytes` bytes a token with `routes_per_token` routed experts
     /// (top-k): larger chunks read each weight once for more tokens, and cost workspace
-    /// memory. The default is [`crate::plan::PREFILL_CHUNK`].
+    /// memory. The default is [`PREFILL_CHUNK`].
     fn prefill_chunk(&self, _row_bytes: usize, _routes_per_token: usize) -> usize {
-        crate::plan::PREFILL_CHUNK
+        PREFILL_CHUNK
     }
 
     /// Bytes per second a bandwidth-bound kernel reads from the memory this backend

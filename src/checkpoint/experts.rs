@@ -14,6 +14,17 @@ use crate::error::{Error, Result};
 /// Pieces in one expert record.
 pub const PIECES_PER_RECORD: usize = 9;
 
+/// Alignment of direct reads, of records in a pack and of slots in the pool (bytes). 4096
+/// covers the logical block size of every SSD in use and the page size of x86-64 Linux.
+/// The pack's format bakes it in, so it lives with the record layout.
+pub const ALIGN: usize = 4096;
+
+/// Slot size for records of `record_bytes`: rounded up to [`ALIGN`] so every slot of the
+/// pool, and every record of a pack, starts aligned for a direct read.
+pub fn slot_stride(record_bytes: usize) -> usize {
+    record_bytes.next_multiple_of(ALIGN)
+}
+
 /// Alignment of each piece inside a record, so that packed words and scales can be read
 /// in place with natural alignment.
 const PIECE_ALIGN: usize = 16;

@@ -19,7 +19,8 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 pub use experts::{
-    ExpertIndex, PieceKind, PieceRange, Projection, RecordLayout, PIECES_PER_RECORD,
+    slot_stride, ExpertIndex, PieceKind, PieceRange, Projection, RecordLayout, ALIGN,
+    PIECES_PER_RECORD,
 };
 pub use quant::{dequantize_row, Floats, QuantView};
 pub use weights::{floats_to_f32, DenseMatrix, LinearWeight, QuantizedMatrix};

@@ -43,7 +43,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         args.memory_budget,
         args.context,
         args.queue_depth,
-        slotstream::plan::PREFILL_CHUNK,
+        slotstream::backend::PREFILL_CHUNK,
         CacheSize::bytes(
             Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
             Some(args.memory_budget),

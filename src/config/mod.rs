@@ -158,7 +158,7 @@ pub struct ModelConfig {
     /// End-of-sequence ids from `eos_token_id` (an integer or a list).
     pub eos_token_ids: Vec<u32>,
     /// Positions the model was trained for (`max_position_embeddings`); `None` when the
-    /// config does not say. Bounds the context ([`crate::context::limit`]).
+    /// config does not say. Bounds the context (`context::limit`).
     pub max_position_embeddings: Option<usize>,
     pub quantization: Quantization,
     /// Activation of the gated DeltaNet's output gate.

@@ -1,4 +1,4 @@
-//! Snapshots of a sequence's whole state, for the prompt cache ([`crate::prompt_cache`]).
+//! Snapshots of a sequence's whole state, for the prompt cache (`prompt_cache`).
 //!
 //! A snapshot holds a copy of every gated DeltaNet layer's conv and recurrent state (and
 //! the PLE block's conv state), the QSA indexer's keys, the synthetic routing state and

@@ -40,9 +40,9 @@ use serde::Serialize;
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::experts::ExpertSource;
 use crate::generate::{generate_with, GenerateOptions, GenerateStats, PrefillStops};
 use crate::model::{Model, SequenceState, Snapshot};
+use crate::records::ExpertSource;
 
 use disk::DiskCache;
 

@@ -27,17 +27,18 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex, ALIGN};
 use crate::error::{Error, Result};
-use crate::experts::{open_source, ExpertSource, PoolSize, SourceOptions};
+use crate::experts::{open_source, PoolSize, SourceOptions};
 use crate::generate::{generate, GenerateOptions};
-use crate::io::{AlignedBuf, ALIGN};
+use crate::io::AlignedBuf;
 use crate::model::{Logits, Model};
 use crate::ngram::{self, NgramCounts};
 use crate::pack::PACK_FILE;
 use crate::plan::{human, parse_size, peak_rss, resident_tensors, Plan};
-use crate::pool::{check_floor, floor_slots, slot_stride, PoolStats, DEFAULT_SPECULATIVE_CAP};
+use crate::pool::{check_floor, floor_slots, PoolStats, DEFAULT_SPECULATIVE_CAP};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions};
+use crate::records::ExpertSource;
 
 /// One pool size to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -289,7 +290,7 @@ pub fn run<B: Backend>(
                     bytes,
                     options.source.context,
                     options.source.queue_depth,
-                    crate::plan::prefill_chunk(backend, cfg, false),
+                    crate::backend::prefill_chunk(backend, cfg, false),
                     options.source.prompt_cache,
                 )
                 .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;

@@ -8,10 +8,11 @@ use crate::common::*;
 use slotstream::backend::gpu::{GpuBackend, Placement};
 use slotstream::backend::Backend;
 use slotstream::checkpoint::Checkpoint;
-use slotstream::experts::{ExpertSource, MappedExperts};
+use slotstream::experts::MappedExperts;
 use slotstream::io::IoMode;
 use slotstream::model::{Logits, Model};
 use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
+use slotstream::records::ExpertSource;
 
 fn greedy<E: ExpertSource>(
     model: &Model<GpuBackend>,
@@ -91,7 +92,7 @@ fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
                 let pool =
                     SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
                 g.gpu.set_host_copies(host_copies);
-                g.place_pool(&pool, placement)
+                g.place_pool(&pool.memory(), placement)
                     .unwrap_or_else(|e| panic!("{placement:?}: {e}"));
                 g.gpu.set_host_copies(true);
                 let experts = PoolExperts::new(pool);
@@ -180,7 +181,7 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
             let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
             g.gpu.limit_arenas((arena_slots * pool.stride()) as u64);
             g.gpu.set_host_copies(host_copies);
-            g.place_pool(&pool, placement).unwrap();
+            g.place_pool(&pool.memory(), placement).unwrap();
             g.gpu.limit_arenas(0);
             g.gpu.set_host_copies(true);
             let experts = PoolExperts::new(pool.clone());
@@ -268,7 +269,7 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
             rt.handle().clone(),
         )
         .unwrap();
-        g.place_pool(&pool, placement).unwrap();
+        g.place_pool(&pool.memory(), placement).unwrap();
         let experts = PoolExperts::new(pool.clone());
         let all: Vec<u32> = (0..TINY.experts as u32).collect();
         for &layer in &index.moe_layers {
@@ -317,7 +318,7 @@ fn inputs_longer_than_a_gpu_prefill_chunk_match_the_cpu() {
     let model = Model::load(&l.ckpt, &g).unwrap();
     let chunk = model.prefill_chunk(&g, Logits::All);
     assert!(
-        chunk > slotstream::plan::PREFILL_CHUNK || !g.gpu.tiled,
+        chunk > slotstream::backend::PREFILL_CHUNK || !g.gpu.tiled,
         "a GPU with tiles takes chunks of {chunk} tokens"
     );
     let n = chunk + 45;

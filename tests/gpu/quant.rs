@@ -8,7 +8,7 @@ use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::{Backend, Routing, SharedExpert};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
-use slotstream::experts::{ExpertRecord, ExpertSource};
+use slotstream::records::{ExpertRecord, ExpertSource};
 
 fn encode(dtype: Dtype, v: f32) -> Vec<u8> {
     match dtype {

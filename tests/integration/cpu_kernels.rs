@@ -11,7 +11,7 @@ use slotstream::backend::cpu::{CpuBackend, Isa};
 use slotstream::backend::{Backend, Routing};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
-use slotstream::experts::ExpertRecord;
+use slotstream::records::ExpertRecord;
 
 const DTYPES: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
 

@@ -17,10 +17,11 @@ use slotstream::backend::{AttnDims, Backend};
 use slotstream::chat_template::{Chat, Message};
 use slotstream::checkpoint::Checkpoint;
 use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
-use slotstream::experts::{ExpertSource, MappedExperts, PoolSize, SourceOptions};
+use slotstream::experts::{MappedExperts, PoolSize, SourceOptions};
 use slotstream::generate::{generate, GenerateOptions};
 use slotstream::model::Model;
 use slotstream::prompt_cache::{Generated, PromptCache, PromptCacheOptions};
+use slotstream::records::ExpertSource;
 
 fn expected(name: &str) -> Vec<u32> {
     reference(name)

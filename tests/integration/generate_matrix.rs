@@ -41,7 +41,7 @@ fn matrix<B: Backend>(backend: &B, rt: &tokio::runtime::Runtime) {
                         o.io = io;
                         let pool =
                             SlotPool::open(&ckpt, index.clone(), o, rt.handle().clone()).unwrap();
-                        backend.attach_pool(&pool, None).unwrap();
+                        backend.attach_pool(&pool.memory(), None).unwrap();
                         let mut experts = PoolExperts::new(pool);
                         experts.lookahead = lookahead;
                         let mut state = model.new_state(backend);

@@ -16,6 +16,7 @@ mod engine;
 mod flash_next;
 mod generate;
 mod generate_matrix;
+mod layers;
 mod parity;
 mod pool;
 mod routing;

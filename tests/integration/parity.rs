@@ -123,7 +123,7 @@ fn inputs_longer_than_a_prefill_chunk_equal_token_by_token_decode() {
     let name = FIXTURES[1];
     let l = load_cpu(name);
     let mut rng = rand::rng();
-    let n = slotstream::plan::PREFILL_CHUNK + 45;
+    let n = slotstream::backend::PREFILL_CHUNK + 45;
     let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..500)).collect();
     let mut full_state = l.model.new_state(&CpuBackend);
     let full = l

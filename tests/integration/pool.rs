@@ -1183,7 +1183,7 @@ fn logits_through_the_pool_equal_the_mapped_checkpoint() {
 /// and the prompt's most used experts are admitted at the end of the prefill.
 #[test]
 fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
-    use slotstream::experts::ExpertSource;
+    use slotstream::records::ExpertSource;
     let rt = runtime();
     let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
     let (ckpt, index) = open(tmp.path());

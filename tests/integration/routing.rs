@@ -213,7 +213,7 @@ fn calibration_command_reports_the_figures() {
 /// checkpoint's and the trace still shows exactly the routing model's ids, all hits.
 #[test]
 fn every_record_resident_counts_the_routing_models_ids() {
-    use slotstream::experts::ExpertSource;
+    use slotstream::records::ExpertSource;
     let seed: u64 = rand::random();
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, model) = write(dir.path(), Some(&params(seed)));
@@ -285,7 +285,7 @@ fn every_record_resident_counts_the_routing_models_ids() {
 /// time (otherwise it would pin the whole layer for each step).
 #[test]
 fn only_a_pool_of_every_record_offers_resident_layers() {
-    use slotstream::experts::ExpertSource;
+    use slotstream::records::ExpertSource;
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, model) = write(dir.path(), None);
     let rt = runtime();

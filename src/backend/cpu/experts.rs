@@ -11,7 +11,7 @@ use super::simd::Isa;
 use super::{record_view, silu, Rows};
 use crate::backend::Routing;
 use crate::checkpoint::{Projection, RecordLayout};
-use crate::experts::ExpertRecord;
+use crate::records::ExpertRecord;
 use rayon::prelude::*;
 
 /// One distinct expert of a call: its record and the routes (`token * k + slot`) to it.

@@ -20,7 +20,7 @@ use super::{
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::{Error, Result};
-use crate::experts::ExpertRecord;
+use crate::records::{ExpertRecord, PoolMemory};
 use rayon::prelude::*;
 
 /// An f32 matrix `[rows, cols]`, row-major.
@@ -260,11 +260,10 @@ impl Backend for CpuBackend {
     /// pages at 4 layers of Qwen3-Next shapes. Collapsing copies it once, at load.
     fn attach_pool(
         &self,
-        pool: &std::sync::Arc<crate::pool::SlotPool>,
+        pool: &PoolMemory,
         _placement: Option<super::gpu::Placement>,
     ) -> Result<()> {
-        let (ptr, len) = pool.memory();
-        memory::advise_huge_pages(ptr, len, true);
+        memory::advise_huge_pages(pool.memory.as_ptr(), pool.memory.capacity(), true);
         Ok(())
     }
 

@@ -7,7 +7,7 @@
 use super::{dot, record_view, silu, Rows};
 use crate::backend::Routing;
 use crate::checkpoint::{Projection, RecordLayout};
-use crate::experts::ExpertRecord;
+use crate::records::ExpertRecord;
 use rayon::prelude::*;
 
 /// `x W^T` for `x` `[t, in]`: `[t, out]`. Output rows are split into blocks computed in

@@ -30,11 +30,11 @@ pub use device::{
     TILE_WORKGROUP_BYTES,
 };
 
-use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert};
+use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert, PREFILL_CHUNK};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::Result;
-use crate::experts::ExpertRecord;
+use crate::records::{ExpertRecord, PoolMemory};
 
 /// An f32 matrix `[rows, cols]` in a storage buffer (a kernel's output goes back to the
 /// backend's buffer pool when its last clone is dropped).
@@ -126,15 +126,15 @@ impl std::str::FromStr for Placement {
 
 /// The GPU's view of the slot pool.
 struct Mirror {
-    /// The pool this mirrors ([`crate::experts::SlotTag::pool`]).
+    /// The pool this mirrors ([`crate::records::SlotTag::pool`]).
     pool: u64,
     stride: usize,
     slots_per_arena: usize,
     arenas: Vec<wgpu::Buffer>,
     /// Device placement: generation of the record each slot holds on the device (0: none).
     generations: Vec<u64>,
-    /// Unified placement: the pool whose memory the arenas import (kept alive here).
-    unified: Option<Arc<crate::pool::SlotPool>>,
+    /// Unified placement: the pool memory the arenas import (kept alive here).
+    unified: Option<PoolMemory>,
     /// Device placement, where host memory can be imported: the pool's memory as GPU
     /// buffers (a unified mirror), from which slots are copied into the device arenas by
     /// the GPU, in order with the kernels, instead of through `queue.write_buffer`'s
@@ -272,15 +272,11 @@ impl GpuBackend {
     /// Makes the GPU read `pool`'s slots with `placement`. Without this call, records that
     /// come from a pool are mirrored in device arenas (device placement).
     /// Errors: unified placement on a device that cannot import host memory.
-    pub fn place_pool(
-        &self,
-        pool: &Arc<crate::pool::SlotPool>,
-        placement: Placement,
-    ) -> Result<()> {
-        let (stride, slots) = (pool.stride(), pool.slots());
+    pub fn place_pool(&self, pool: &PoolMemory, placement: Placement) -> Result<()> {
+        let (stride, slots) = (pool.stride, pool.slots);
         // Arenas over host memory start on host pages: a whole number of pages per arena.
         let unit = host_memory::PAGE / gcd(stride, host_memory::PAGE);
-        let layer_records = pool.layer_records();
+        let layer_records = pool.layer_records;
         let per_arena = Mirror::slots_per_arena(&self.gpu, stride, layer_records).min(slots.max(1));
         // Whole layers too where an arena holds one (see Mirror::slots_per_arena).
         let whole = unit / gcd(unit, layer_records.max(1)) * layer_records.max(1);
@@ -291,7 +287,7 @@ impl GpuBackend {
         };
         let mirror = match placement {
             Placement::Device => {
-                let mut mirror = Mirror::device(&self.gpu, pool.id(), slots, stride, layer_records);
+                let mut mirror = Mirror::device(&self.gpu, pool.pool, slots, stride, layer_records);
                 if self.gpu.host_copies() {
                     match self.import_pool(pool, host_arena) {
                         Ok(host) => mirror.host = Some(Box::new(host)),
@@ -324,10 +320,9 @@ impl GpuBackend {
         Ok(())
     }
 
-    fn import_pool(&self, pool: &Arc<crate::pool::SlotPool>, per_arena: usize) -> Result<Mirror> {
-        let (base, len) = pool.memory();
-        let stride = pool.stride();
-        let slots = pool.slots();
+    fn import_pool(&self, pool: &PoolMemory, per_arena: usize) -> Result<Mirror> {
+        let (base, len) = (pool.memory.as_ptr(), pool.memory.capacity());
+        let (stride, slots) = (pool.stride, pool.slots);
         let mut arenas = Vec::new();
         for a in 0..slots.div_ceil(per_arena) {
             let n = per_arena.min(slots - a * per_arena);
@@ -339,13 +334,13 @@ impl GpuBackend {
                 .min(len - start);
             // SAFETY: the range lies inside the pool's memory and starts on a host page
             // (per_arena * stride is a whole number of pages; the allocation is
-            // page-aligned), and the Mirror keeps the pool alive while the buffers live.
+            // page-aligned), and the Mirror keeps the memory alive while the buffers live.
             let buf =
                 unsafe { host_memory::import(&self.gpu.device, base.add(start), bytes as u64)? };
             arenas.push(buf);
         }
         Ok(Mirror {
-            pool: pool.id(),
+            pool: pool.pool,
             stride,
             slots_per_arena: per_arena,
             arenas,
@@ -400,13 +395,12 @@ impl Backend for GpuBackend {
     }
 
     /// With tiles, up to [`MAX_PREFILL_CHUNK`] tokens (a multiple of
-    /// [`crate::plan::PREFILL_CHUNK`]): the tiled products read each weight, and each
+    /// [`PREFILL_CHUNK`]): the tiled products read each weight, and each
     /// routed expert's record, once per tile of the chunk's tokens, so a long prompt reads
     /// them fewer times in larger chunks. Bounded so the widest activation fits one
     /// storage binding and a chunk's routes fit one dispatch dimension (the row-by-row
-    /// kernels put them in z). Without tiles, [`crate::plan::PREFILL_CHUNK`].
+    /// kernels put them in z). Without tiles, [`PREFILL_CHUNK`].
     fn prefill_chunk(&self, row_bytes: usize, routes_per_token: usize) -> usize {
-        use crate::plan::PREFILL_CHUNK;
         if !self.gpu.tiled {
             return PREFILL_CHUNK;
         }
@@ -417,11 +411,7 @@ impl Backend for GpuBackend {
         (chunk / PREFILL_CHUNK * PREFILL_CHUNK).max(PREFILL_CHUNK)
     }
 
-    fn attach_pool(
-        &self,
-        pool: &Arc<crate::pool::SlotPool>,
-        placement: Option<Placement>,
-    ) -> Result<()> {
+    fn attach_pool(&self, pool: &PoolMemory, placement: Option<Placement>) -> Result<()> {
         self.place_pool(pool, placement.unwrap_or_else(|| self.default_placement()))
     }
 

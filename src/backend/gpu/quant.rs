@@ -16,7 +16,7 @@ use super::{DeviceBuffer, GpuBackend, GpuTensor, GpuWeight, Mirror};
 use crate::backend::{Routing, SharedExpert};
 use crate::checkpoint::{LinearWeight, PieceKind, Projection, RecordLayout};
 use crate::error::{Error, Result};
-use crate::experts::ExpertRecord;
+use crate::records::ExpertRecord;
 
 /// act, w, aux, out (see `wgsl/quant.wgsl`).
 const BINDINGS: &[Access] = &[Access::Read, Access::Read, Access::Read, Access::ReadWrite];
