@@ -480,6 +480,7 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 // (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
 // gemm_swiglu's tile is GN / 2 rows of the gate and the same rows of the up projection,
 // quantized alike, interleaved so that each invocation holds both halves of its outputs.
+// Routed tiles also come narrow, GM_NARROW routes a tile (see gemm_narrow below).
 
 const GM: u32 = 64u;
 const GN: u32 = 128u;
@@ -488,7 +489,8 @@ const GEMM_WG: u32 = 128u;
 
 // tile_w[c * GN / 4 + j / 4][j % 4]: tile row j at column k0 + c, dequantized.
 var<workgroup> tile_w: array<vec4<f32>, 1024>;
-// tile_x[c * GM / 4 + i / 4][i % 4]: tile token i at column k0 + c.
+// tile_x[c * gm / 4 + i / 4][i % 4]: tile token i at column k0 + c, for a tile of gm
+// tokens (GM; GM_NARROW use the first GM_NARROW * GK / 4 vectors).
 var<workgroup> tile_x: array<vec4<f32>, 512>;
 
 struct GemmTile {
@@ -910,14 +912,13 @@ fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) 
 }
 
 // Narrow tiles: GM_NARROW routes x GN rows, for records that get few routes (a short
-// chunk over many experts: 512 tokens, top-10 of 512 experts, about 10 routes a record),
-// where a tile of GM tokens would leave most of its invocations without work. Each
-// invocation computes 4 x 4 outputs, li = tt * (GN / 4) + tr: tile tokens 4 tt .. 4 tt
-// + 3 over tile rows 4 tr .. 4 tr + 3, so the token quarters without routes are whole
-// warps that skip their arithmetic, and the accumulators take a quarter of the
-// registers, leaving room for more workgroups on a compute unit. The weight tile is
-// gemm's (gemm_fetch_q, gemm_put_q); the activations take the first GM_NARROW * GK / 4
-// vectors of tile_x.
+// chunk over many experts: a 512-token prompt, top-10 of 512 experts, about 10 routes a
+// record), where a tile of GM tokens would leave most of its invocations without work.
+// Each invocation computes 4 x 4 outputs, li = tt * (GN / 4) + tr: tile tokens 4 tt ..
+// 4 tt + 3 over tile rows 4 tr .. 4 tr + 3, so the token quarters without routes are
+// whole warps that skip their arithmetic, and the accumulators take a quarter of the
+// registers. The weight tile is gemm's (gemm_fetch_q, gemm_put_q); the activations take
+// the first GM_NARROW * GK / 4 vectors of tile_x (its whole size is still allocated).
 const GM_NARROW: u32 = 16u;
 
 struct NarrowAcc {
