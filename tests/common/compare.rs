@@ -86,6 +86,46 @@ pub fn assert_scaled(
     e
 }
 
+/// Asserts `|got[i] - want[i]| <= bound * scale[i]` for every element, after the length
+/// and finiteness checks: the element-wise form of [`assert_scaled`], for outputs each of
+/// whose rounding is known (`scale[i]`, named by `of`). Computed in f32, as the values
+/// are. A failure prints `what`, the worst element by `|got[i] - want[i]| / scale[i]`,
+/// its values and its scale, and how many elements are over.
+pub fn assert_elementwise(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    scale: &[f32],
+    of: &str,
+    bound: f32,
+) {
+    assert_finite(what, got, want);
+    assert_eq!(scale.len(), want.len(), "{what}: length of {of}");
+    // Not `>`: a NaN in `want` or `scale` (unordered) fails too.
+    let over = |i: &usize| {
+        !matches!(
+            (got[*i] - want[*i]).abs().partial_cmp(&(bound * scale[*i])),
+            Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+        )
+    };
+    let count = (0..got.len()).filter(over).count();
+    if count > 0 {
+        let ratio = |i: usize| (got[i] - want[i]).abs() / scale[i];
+        let worst = (0..got.len())
+            .filter(over)
+            .max_by(|&i, &j| ratio(i).total_cmp(&ratio(j)))
+            .expect("count > 0");
+        panic!(
+            "{what}: {count} of {} elements off by more than {bound:e} of {of}; worst \
+             element {worst}: {} against {} ({of} {})",
+            got.len(),
+            got[worst],
+            want[worst],
+            scale[worst]
+        );
+    }
+}
+
 /// `sum_c |W[r, c]| |x[t, c]|` for every output of `x W^T` with `x: [t, cols]`, W
 /// dequantized by `cpu` through its embedding rows: the scale of a dot product's rounding
 /// error, for [`assert_scaled`]. One row of 128 random terms can sum to near zero, and
