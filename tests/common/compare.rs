@@ -2,10 +2,12 @@
 //! reference (`want`, from the CPU backend or a fixture): a norm-wise error against a
 //! bound, measured either relative to `want` itself ([`assert_rel`]) or relative to an
 //! element-wise scale of the rounding error ([`assert_scaled`]), because a sum that
-//! cancels to near zero has a rounding error far larger than itself. Every sum is taken in
-//! f64 so the comparison adds no rounding of its own at these sizes.
+//! cancels to near zero has a rounding error far larger than itself; or each element
+//! against its own bound ([`assert_elementwise`]) where every element's rounding is known.
+//! The norms are summed in f64 so the comparison adds no rounding of its own at these
+//! sizes.
 //!
-//! Both asserting functions first require equal lengths and every `got` element finite:
+//! Every asserting function first requires equal lengths and every `got` element finite:
 //! GPU outputs start NaN-filled, so an element a kernel forgets to write fails here, named
 //! by its index, whatever the bound.
 
