@@ -9,6 +9,9 @@ use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
 
+pub mod compare;
+pub use compare::{rel_err, worst_logit_error};
+
 /// Fixture directories: two Qwen3-Next (`qwen3_next`) and one Qwen3.5-MoE (`qwen3_5_moe`)
 /// made by tools/make_fixtures.py with mlx-lm as the oracle, and one Qwen3.8-Flash-Next
 /// (`qwen4_exp`) made by tools/make_qwen4_exp_fixture.py with transformers as the oracle.
@@ -111,32 +114,6 @@ pub fn load_cpu(name: &str) -> Loaded {
         model,
         experts,
     }
-}
-
-/// `||a - b|| / ||b||`.
-pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-        .sum();
-    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
-    (num / den).sqrt()
-}
-
-/// The worst per-position relative error of `logits` (`[positions, vocab]`, teacher
-/// forced on `r.scored_ids`) against the reference's; panics, naming `what` and the
-/// position, where one is above 1e-3.
-pub fn worst_logit_error(what: &str, logits: &[f32], r: &Reference) -> f64 {
-    let mut worst = 0.0f64;
-    for t in 0..r.scored_ids.len() {
-        let row = t * r.vocab..(t + 1) * r.vocab;
-        let e = rel_err(&logits[row.clone()], &r.logits[row]);
-        assert!(e <= 1e-3, "{what}: position {t}: relative logit error {e}");
-        worst = worst.max(e);
-    }
-    worst
 }
 
 #[allow(unused_imports)]

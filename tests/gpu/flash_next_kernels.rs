@@ -7,6 +7,7 @@
 //! widths that are not multiples of the workgroup size; outputs must match the CPU within
 //! 1e-5 norm-wise relative error with no NaN (new GPU buffers are NaN-filled).
 
+use crate::common::compare::assert_rel;
 use crate::common::{gpu, random};
 
 use slotstream::backend::cpu::CpuBackend;
@@ -16,19 +17,9 @@ use slotstream::config::GateActivation;
 
 const TOL: f64 = 1e-5;
 
+/// Downloads `got` and compares it with [`assert_rel`] at `TOL`, printing the error.
 fn check(what: &str, g: &GpuBackend, got: &GpuTensor, want: &[f32]) {
-    let data = g.download(got).expect("download");
-    assert_eq!(data.len(), want.len(), "{what}: length");
-    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-        panic!("{what}: element {i} is {}", data[i]);
-    }
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&a, &b) in data.iter().zip(want) {
-        num += (a as f64 - b as f64).powi(2);
-        den += (b as f64).powi(2);
-    }
-    let e = num.sqrt() / den.sqrt().max(1e-30);
-    assert!(e <= TOL, "{what}: relative error {e:.3e} above {TOL:e}");
+    let e = assert_rel(what, &g.download(got).expect("download"), want, TOL);
     eprintln!("{what}: error {e:.2e}");
 }
 

@@ -4,6 +4,7 @@
 
 use std::sync::OnceLock;
 
+use crate::common::compare::assert_rel;
 use crate::common::random;
 
 use rand::seq::SliceRandom;
@@ -26,19 +27,9 @@ fn gpus() -> &'static [GpuBackend; 2] {
     GPUS.get_or_init(crate::common::gpus)
 }
 
-/// Asserts no NaN in `got` and `||got - want|| / ||want|| <= TOL`.
+/// [`assert_rel`] at `TOL`, the bound of every comparison here.
 fn check(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().position(|v| v.is_nan()) {
-        panic!("{what}: NaN at {i} (an output element left unwritten?)");
-    }
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (&g, &w) in got.iter().zip(want) {
-        diff += (g as f64 - w as f64).powi(2);
-        norm += (w as f64).powi(2);
-    }
-    let rel = diff.sqrt() / norm.sqrt().max(1e-30);
-    assert!(rel <= TOL, "{what}: relative error {rel:e} > {TOL:e}");
+    assert_rel(what, got, want, TOL);
 }
 
 const TS: &[usize] = &[1, 5, 64];

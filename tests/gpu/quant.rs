@@ -10,6 +10,8 @@ use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::records::{ExpertRecord, ExpertSource};
 
+use crate::common::compare::{abs_products, assert_rel, assert_scaled};
+
 fn encode(dtype: Dtype, v: f32) -> Vec<u8> {
     match dtype {
         Dtype::F32 => v.to_le_bytes().to_vec(),
@@ -44,61 +46,9 @@ fn random(n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
 }
 
-fn check(name: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
-    assert!(
-        gpu.iter().all(|v| v.is_finite()),
-        "{name}: NaN or untouched output"
-    );
-    let e = crate::common::rel_err(gpu, cpu);
-    assert!(e <= bound, "{name}: relative error {e:.3e} > {bound:e}");
-}
-
-/// `|W| |x|` for `x: [t, cols]`, W dequantized on the CPU through its embedding rows: the
-/// magnitude a dot product's rounding error scales with. One row of 128 random terms can
-/// sum to near zero, and then `||gpu - cpu|| / ||cpu||` measures cancellation, not the
-/// kernel (CI saw 1e-3 on a 1x128 output).
-fn abs_product(cpu: &CpuBackend, w: &LinearWeight, x: &[f32], t: usize) -> Vec<f32> {
-    let (rows, cols) = w.shape();
-    let ids: Vec<u32> = (0..rows as u32).collect();
-    let dense = cpu.download(&cpu.embed(w, &ids).unwrap()).unwrap();
-    (0..t)
-        .flat_map(|i| {
-            let x = &x[i * cols..(i + 1) * cols];
-            let dense = &dense;
-            (0..rows).map(move |r| {
-                let row = &dense[r * cols..(r + 1) * cols];
-                row.iter().zip(x).map(|(w, x)| (w * x).abs()).sum::<f32>()
-            })
-        })
-        .collect()
-}
-
 /// An uploaded shared expert `(y, gate)` as the experts take it.
 fn shared_ref<T>(s: &Option<(T, T)>) -> Option<SharedExpert<'_, T>> {
     s.as_ref().map(|(y, gate)| SharedExpert { y, gate })
-}
-
-/// Asserts `got` has no NaN or untouched element and is within 1e-5 of `want` relative to
-/// `bound`, `||got - want|| / ||bound||`, with `bound` the elementwise scale of the
-/// rounding error that `of` names (`|W||x|` for a matmul, see [`abs_product`]): a
-/// normwise bound that holds under cancellation. An exact match passes whatever the
-/// bound: a SwiGLU whose outputs all sit at SiLU's flat end has a zero one.
-fn check_within(name: &str, got: &[f32], want: &[f32], bound: &[f32], of: &str) {
-    assert_eq!(got.len(), want.len(), "{name}: length");
-    assert!(
-        got.iter().all(|v| v.is_finite()),
-        "{name}: NaN or untouched output"
-    );
-    let diff: Vec<f32> = got.iter().zip(want).map(|(a, b)| a - b).collect();
-    let e = match norm(&diff) {
-        0.0 => 0.0,
-        d => d / norm(bound),
-    };
-    assert!(e <= 1e-5, "{name}: error {e:.3e} of {of} > 1e-5");
-}
-
-fn norm(v: &[f32]) -> f64 {
-    v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt()
 }
 
 #[test]
@@ -143,14 +93,14 @@ fn quantized_matmul_matches_cpu() {
             let want = cpu
                 .download(&cpu.matmul(&cpu.upload(&x, t, cols), &w))
                 .unwrap();
-            let scale = abs_product(&cpu, &w, &x, t);
+            let scale = abs_products(&cpu, &w, &x, t);
             let gw = g.upload_weight(w).unwrap();
             let got = g.download(&g.matmul(&g.upload(&x, t, cols), &gw)).unwrap();
             let name = format!(
                 "{bits}-bit g{group} {dtype:?} {rows}x{cols} T={t}, subgroup lanes {}",
                 g.gpu.subgroup_lanes
             );
-            check_within(&name, &got, &want, &scale, "|W||x|");
+            assert_scaled(&name, &got, &want, &scale, "|W||x|", 1e-5);
         }
     }
 }
@@ -186,7 +136,7 @@ fn matmul_parts_match_cpu_columns() {
                 let x = random(t * cols);
                 let cx = cpu.upload(&x, t, cols);
                 let whole = cpu.download(&cpu.matmul(&cx, &w)).unwrap();
-                let scale = abs_product(&cpu, &w, &x, t);
+                let scale = abs_products(&cpu, &w, &x, t);
                 let want = cpu.matmul_parts(&cx, &w, &widths);
                 let quantized = matches!(w, LinearWeight::Quantized(_));
                 let gw = g.upload_weight(w).unwrap();
@@ -212,7 +162,7 @@ fn matmul_parts_match_cpu_columns() {
                     // The CPU's parts are the whole matmul's columns, exactly.
                     assert_eq!(want.data, cols_of(&whole), "{name}: CPU");
                     let got = g.download(got).unwrap();
-                    check_within(&name, &got, &want.data, &cols_of(&scale), "|W||x|");
+                    assert_scaled(&name, &got, &want.data, &cols_of(&scale), "|W||x|", 1e-5);
                     first += n;
                 }
             }
@@ -240,11 +190,11 @@ fn dense_matmul_and_embedding_match_cpu() {
             &g.upload_weight(dense.clone()).unwrap(),
         ))
         .unwrap();
-    check("dense", &got, &want, 1e-5);
+    assert_rel("dense", &got, &want, 1e-5);
     // Many tokens: in tiles where the adapter has them.
     let t = 37;
     let x = random(t * cols);
-    let scale = abs_product(&cpu, &dense, &x, t);
+    let scale = abs_products(&cpu, &dense, &x, t);
     let want = cpu
         .download(&cpu.matmul(&cpu.upload(&x, t, cols), &dense))
         .unwrap();
@@ -254,7 +204,7 @@ fn dense_matmul_and_embedding_match_cpu() {
             &g.upload_weight(dense.clone()).unwrap(),
         ))
         .unwrap();
-    check_within("dense T=37", &got, &want, &scale, "|W||x|");
+    assert_scaled("dense T=37", &got, &want, &scale, "|W||x|", 1e-5);
     // Two wide rows: 256 lanes per row. Two outputs can both cancel to near zero, so the
     // error is measured against |W||x|.
     let wdata = random(2 * 1024);
@@ -274,13 +224,20 @@ fn dense_matmul_and_embedding_match_cpu() {
     let got_wide = g
         .download(&g.matmul(&g.upload(&xw, 1, 1024), &g.upload_weight(wide).unwrap()))
         .unwrap();
-    check_within("dense 2x1024", &got_wide, &want_wide, &scale, "|W||x|");
+    assert_scaled(
+        "dense 2x1024",
+        &got_wide,
+        &want_wide,
+        &scale,
+        "|W||x|",
+        1e-5,
+    );
     let ids = [0u32, 299, 17, 17, 150];
     let want = cpu.download(&cpu.embed(&dense, &ids).unwrap()).unwrap();
     let got = g
         .download(&g.embed(&g.upload_weight(dense).unwrap(), &ids).unwrap())
         .unwrap();
-    check("dense embed", &got, &want, 0.0);
+    assert_rel("dense embed", &got, &want, 0.0);
     for (bits, dtype) in [(4, Dtype::BF16), (8, Dtype::F16)] {
         let q = random_quantized(
             1000,
@@ -296,7 +253,7 @@ fn dense_matmul_and_embedding_match_cpu() {
         let got = g
             .download(&g.embed(&g.upload_weight(q).unwrap(), &ids).unwrap())
             .unwrap();
-        check(&format!("{bits}-bit embed"), &got, &want, 1e-6);
+        assert_rel(&format!("{bits}-bit embed"), &got, &want, 1e-6);
     }
     let err = g.embed(
         &g.upload_weight(random_quantized(
@@ -385,7 +342,7 @@ fn routed_experts_match_cpu() {
                 (want, got)
             };
             let (want, got) = run(None);
-            check(&format!("{name} experts T={t}"), &got, &want, 1e-5);
+            assert_rel(&format!("{name} experts T={t}"), &got, &want, 1e-5);
 
             // With the shared expert added in the combine: on the CPU, exactly the routed
             // sum plus sigmoid(gate) * y; on the GPU, that within tolerance.
@@ -397,7 +354,7 @@ fn routed_experts_match_cpu() {
                 .map(|(i, &r)| r + y[i] * (1.0 / (1.0 + (-gate[i / d]).exp())))
                 .collect();
             assert_eq!(with, direct, "{name} T={t}: CPU shared expert");
-            check(&format!("{name} experts + shared T={t}"), &got, &with, 1e-5);
+            assert_rel(&format!("{name} experts + shared T={t}"), &got, &with, 1e-5);
         }
     }
 }
@@ -453,8 +410,8 @@ fn matmul_swiglu_matches_cpu() {
                 // (Relative to ||silu(g) u|| it would measure cancellation: CI saw 6e-5 on
                 // 8 outputs of 4,096-term sums.)
                 let (ag, au) = (
-                    abs_product(&cpu, &gate, &x, t),
-                    abs_product(&cpu, &up_copy, &x, t),
+                    abs_products(&cpu, &gate, &x, t),
+                    abs_products(&cpu, &up_copy, &x, t),
                 );
                 let gv = cpu.download(&cpu.matmul(&cx, &gate)).unwrap();
                 let uv = cpu.download(&cpu.matmul(&cx, &up_copy)).unwrap();
@@ -473,7 +430,7 @@ fn matmul_swiglu_matches_cpu() {
                     "{what} {bits}-bit g{group} {dtype:?} {inter}x{cols} T={t}, subgroup lanes {}",
                     g.gpu.subgroup_lanes
                 );
-                check_within(&name, &got, &want, &bound, "the rounding bound");
+                assert_scaled(&name, &got, &want, &bound, "the rounding bound", 1e-5);
             }
         }
     }
@@ -535,7 +492,7 @@ fn routed_experts_with_mixed_gate_up_specs_match_cpu() {
             let got = g
                 .download(&g.moe_experts(&g.upload(&x, t, hidden), &routing, &held, &layout, None))
                 .unwrap();
-            check(
+            assert_rel(
                 &format!("gate {gate:?} up {up:?} down {down:?} {dtype:?} T={t}"),
                 &got,
                 &want,
@@ -584,13 +541,14 @@ fn weights_past_the_binding_limit_are_split_into_row_ranges() {
                 .download(&cpu.matmul(&cpu.upload(&x, t, cols), &w))
                 .unwrap();
             let got = g.download(&g.matmul(&g.upload(&x, t, cols), &gw)).unwrap();
-            let scale = abs_product(&cpu, &w, &x, t);
-            check_within(
+            let scale = abs_products(&cpu, &w, &x, t);
+            assert_scaled(
                 &format!("{what} matmul T={t}"),
                 &got,
                 &want,
                 &scale,
                 "|W||x|",
+                1e-5,
             );
             // The stacked-SwiGLU path over the same rows: a matmul, then SwiGLU over halves.
             let want = cpu
@@ -599,7 +557,7 @@ fn weights_past_the_binding_limit_are_split_into_row_ranges() {
             let got = g
                 .download(&g.matmul_swiglu(&g.upload(&x, t, cols), &gw))
                 .unwrap();
-            check(&format!("{what} matmul_swiglu T={t}"), &got, &want, 1e-5);
+            assert_rel(&format!("{what} matmul_swiglu T={t}"), &got, &want, 1e-5);
         }
         // Ids in every part, repeated, first and last rows included.
         let ids = [
@@ -612,7 +570,7 @@ fn weights_past_the_binding_limit_are_split_into_row_ranges() {
         ];
         let want = cpu.download(&cpu.embed(&w, &ids).unwrap()).unwrap();
         let got = g.download(&g.embed(&gw, &ids).unwrap()).unwrap();
-        check(&format!("{what} embed"), &got, &want, 1e-6);
+        assert_rel(&format!("{what} embed"), &got, &want, 1e-6);
     }
     let wide = LinearWeight::Dense(DenseMatrix {
         rows: 2,

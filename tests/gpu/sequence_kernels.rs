@@ -7,6 +7,7 @@
 //! relative to the scale of its rounding error, see `delta_output_bound`), with no NaN
 //! (new GPU output buffers are NaN-filled, so an element a kernel forgets to write fails).
 
+use crate::common::compare::{assert_rel, assert_scaled};
 use crate::common::{gpu, random};
 
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
@@ -28,55 +29,11 @@ fn pair(g: &GpuBackend, data: &[f32], rows: usize, cols: usize) -> Pair {
     }
 }
 
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "lengths");
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&a, &b) in got.iter().zip(want) {
-        num += (a as f64 - b as f64).powi(2);
-        den += (b as f64).powi(2);
-    }
-    num.sqrt() / den.sqrt().max(1e-30)
-}
-
-/// Asserts that the GPU tensor matches the CPU one: shape, no NaN, relative error.
-fn check(what: &str, g: &GpuBackend, got: &GpuTensor, want: &CpuTensor) -> f64 {
+/// The GPU tensor's values, after asserting its shape is the CPU one's: what the
+/// comparisons of [`crate::common::compare`] take.
+fn values(what: &str, g: &GpuBackend, got: &GpuTensor, want: &CpuTensor) -> Vec<f32> {
     assert_eq!(g.shape(got), (want.rows, want.cols), "{what}: shape");
-    let data = g.download(got).expect("download");
-    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-        panic!(
-            "{what}: element {i} is {} (of {} x {})",
-            data[i], want.rows, want.cols
-        );
-    }
-    let e = rel_err(&data, &want.data);
-    assert!(e <= TOL, "{what}: relative error {e:.3e} above {TOL:e}");
-    e
-}
-
-/// Asserts like [`check`], but measures the error against `bound`, the elementwise scale
-/// of the rounding error, rather than against the values themselves (which cancellation
-/// can make far smaller).
-fn check_within(
-    what: &str,
-    g: &GpuBackend,
-    got: &GpuTensor,
-    want: &CpuTensor,
-    bound: &[f32],
-) -> f64 {
-    assert_eq!(g.shape(got), (want.rows, want.cols), "{what}: shape");
-    let data = g.download(got).expect("download");
-    assert!(
-        data.iter().all(|v| v.is_finite()),
-        "{what}: NaN or untouched output"
-    );
-    let diff: Vec<f32> = data.iter().zip(&want.data).map(|(a, b)| a - b).collect();
-    let norm = |v: &[f32]| v.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
-    let e = norm(&diff) / norm(bound).max(1e-30);
-    assert!(
-        e <= TOL,
-        "{what}: error {e:.3e} of the rounding bound above {TOL:e}"
-    );
-    e
+    g.download(got).expect("download")
 }
 
 /// The scale of the rounding error of the gated delta's output `y[t, h, i] = S_t[h, i] .
@@ -194,8 +151,21 @@ fn run_delta_case(c: &DeltaCase) {
             "gated_delta Hk={} Hv={hv} Dk={dk} Dv={dv} step {step} T={t}",
             c.key_heads
         );
-        let ey = check_within(&format!("{what}: y"), &g, &got, &want, &bound);
-        let es = check(&format!("{what}: state"), &g, &gpu_state, &cpu_state);
+        let (what_y, what_s) = (format!("{what}: y"), format!("{what}: state"));
+        let ey = assert_scaled(
+            &what_y,
+            &values(&what_y, &g, &got, &want),
+            &want.data,
+            &bound,
+            "the rounding bound",
+            TOL,
+        );
+        let es = assert_rel(
+            &what_s,
+            &values(&what_s, &g, &gpu_state, &cpu_state),
+            &cpu_state.data,
+            TOL,
+        );
         eprintln!("{what}: y error {ey:.2e}, state error {es:.2e}");
     }
 }
@@ -278,7 +248,7 @@ fn rope_matches_cpu() {
         let got = g.rope(&x.gpu, hd, rd, theta, start);
         let what =
             format!("rope T={t} heads={heads} hd={hd} rotary={rd} theta={theta} start={start}");
-        let e = check(&what, &g, &got, &want);
+        let e = assert_rel(&what, &values(&what, &g, &got, &want), &want.data, TOL);
         eprintln!("{what}: error {e:.2e}");
     }
 }
@@ -331,7 +301,7 @@ fn run_attention(
         );
         let what =
             format!("attention Hq={q_heads} Hkv={kv_heads} hd={hd} masked={masked} step {i}: T={t} past={past}");
-        let e = check(&what, g, &got, &want);
+        let e = assert_rel(&what, &values(&what, g, &got, &want), &want.data, TOL);
         eprintln!("{what}: error {e:.2e}");
     }
 }

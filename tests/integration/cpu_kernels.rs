@@ -13,6 +13,8 @@ use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::records::ExpertRecord;
 
+use crate::common::compare::{abs_products, assert_elementwise};
+
 const DTYPES: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
 
 /// `n` values of `dtype`, little-endian, uniform in `range`.
@@ -66,32 +68,10 @@ fn random(n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
 }
 
-/// `sum_c |W[r, c] x[t, c]|` for every output: the scale of a dot product's rounding error,
-/// from the scalar backend's dequantized rows.
-fn abs_products(w: &LinearWeight, x: &[f32], t: usize) -> Vec<f32> {
-    let (rows, cols) = w.shape();
-    let cpu = CpuBackend::scalar();
-    let ids: Vec<u32> = (0..rows as u32).collect();
-    let dense = cpu.embed(w, &ids).unwrap().data;
-    let mut out = Vec::with_capacity(t * rows);
-    for xt in x.chunks_exact(cols) {
-        for row in dense.chunks_exact(cols) {
-            out.push(row.iter().zip(xt).map(|(w, x)| (w * x).abs()).sum());
-        }
-    }
-    out
-}
-
-/// Asserts every `got[i]` is within `1e-5 * bound[i]` of `want[i]`: the two summation
-/// orders' rounding, each a few ulps of the sum of the terms' magnitudes.
+/// [`assert_elementwise`] at 1e-5 of `|W||x|`: the two summation orders' rounding, each
+/// a few ulps of the sum of the terms' magnitudes.
 fn assert_within(name: &str, got: &[f32], want: &[f32], bound: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{name}: length");
-    for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * b,
-            "{name}: output {i}: {g} against {w} (|W||x| {b})"
-        );
-    }
+    assert_elementwise(name, got, want, bound, "|W||x|", 1e-5);
 }
 
 #[test]
@@ -132,7 +112,7 @@ fn quantized_matmul_matches_scalar_for_every_format() {
                         ),
                             &got.data,
                             &want.data,
-                            &abs_products(&w, &x, tokens),
+                            &abs_products(&scalar, &w, &x, tokens),
                         );
                     }
                 }
@@ -158,7 +138,7 @@ fn dense_matmul_matches_scalar() {
                 &format!("{}: dense {rows}x{cols} T={tokens}", simd.isa().unwrap()),
                 &simd.matmul(&xt, &w).data,
                 &scalar.matmul(&xt, &w).data,
-                &abs_products(&w, &x, tokens),
+                &abs_products(&scalar, &w, &x, tokens),
             );
         }
     }
@@ -250,18 +230,21 @@ fn gated_delta_matches_scalar() {
             assert!(e <= 1e-5, "Dk={dk} Dv={dv} T={t}: state error {e:.2e}");
             // y[i] = S[i] q with q normalized to 1 / sqrt(Dk): its rounding scales with
             // sum_j |S[i, j]| |q[j]| <= ||S[i]|| / sqrt(Dk).
-            for (i, (g, w)) in got.data[(t - 1) * value_heads * dv..]
-                .iter()
-                .zip(&want.data[(t - 1) * value_heads * dv..])
-                .enumerate()
-            {
-                let row = &s_scalar.data[i * dk..(i + 1) * dk];
-                let bound = row.iter().map(|v| v * v).sum::<f32>().sqrt() / (dk as f32).sqrt();
-                assert!(
-                    (g - w).abs() <= 1e-5 * bound,
-                    "Dk={dk} Dv={dv} T={t}: y[{i}] {g} against {w} (bound {bound})"
-                );
-            }
+            let last = (t - 1) * value_heads * dv..;
+            let bound: Vec<f32> = s_scalar
+                .data
+                .chunks_exact(dk)
+                .take(got.data[last.clone()].len())
+                .map(|row| row.iter().map(|v| v * v).sum::<f32>().sqrt() / (dk as f32).sqrt())
+                .collect();
+            assert_elementwise(
+                &format!("Dk={dk} Dv={dv} T={t}: y"),
+                &got.data[last.clone()],
+                &want.data[last],
+                &bound,
+                "||S[i]|| / sqrt(Dk)",
+                1e-5,
+            );
         }
     }
 }
