@@ -151,16 +151,36 @@ pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
 }
 
 fn gpu_with(portable: bool) -> slotstream::backend::gpu::GpuBackend {
-    slotstream::backend::gpu::GpuBackend::new(&slotstream::backend::gpu::GpuOptions {
-        adapter: None,
-        poison_outputs: true,
+    gpu_from(slotstream::backend::gpu::GpuOptions {
         no_subgroups: portable,
         no_tiles: portable,
-        // The adapter (`WGPU_ADAPTER_NAME`) and the debugging knobs (such as
-        // `SLOTSTREAM_GPU_CHECKS=all`) as the CLI takes them.
-        ..slotstream::backend::gpu::GpuOptions::from_env()
+        ..test_options()
     })
-    .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
+}
+
+/// [`gpu`] with the routed experts' tiled products in tiles of `routes` routes (16 or
+/// 64) whatever a layer's routes per record, so that tests cover both sizes.
+#[allow(dead_code)]
+pub fn gpu_with_route_tile(routes: usize) -> slotstream::backend::gpu::GpuBackend {
+    gpu_from(slotstream::backend::gpu::GpuOptions {
+        route_tile: Some(routes),
+        ..test_options()
+    })
+}
+
+/// Poisoned outputs, and the adapter (`WGPU_ADAPTER_NAME`) and the debugging knobs (such
+/// as `SLOTSTREAM_GPU_CHECKS=all`) as the CLI takes them.
+fn test_options() -> slotstream::backend::gpu::GpuOptions {
+    slotstream::backend::gpu::GpuOptions {
+        adapter: None,
+        poison_outputs: true,
+        ..slotstream::backend::gpu::GpuOptions::from_env()
+    }
+}
+
+fn gpu_from(options: slotstream::backend::gpu::GpuOptions) -> slotstream::backend::gpu::GpuBackend {
+    slotstream::backend::gpu::GpuBackend::new(&options)
+        .expect("a GPU adapter is required: install mesa-vulkan-drivers for lavapipe")
 }
 
 /// `n` values uniform in `[lo, hi)`, fresh on every call.

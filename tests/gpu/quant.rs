@@ -4,6 +4,7 @@
 use rand::Rng;
 use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
+use slotstream::backend::gpu::GpuBackend;
 
 use slotstream::backend::{Backend, Routing, SharedExpert};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
@@ -275,6 +276,8 @@ fn dense_matmul_and_embedding_match_cpu() {
 fn routed_experts_match_cpu() {
     // Real records from both fixtures (bf16 g64 and f32 g32), random routing.
     let g = crate::common::gpu();
+    // And with the tile size forced either way, whatever the routes per record.
+    let forced = [16, 64].map(|routes| (routes, crate::common::gpu_with_route_tile(routes)));
     let cpu = CpuBackend;
     let mut rng = rand::rng();
     for name in crate::common::FIXTURES {
@@ -318,7 +321,7 @@ fn routed_experts_match_cpu() {
             let d = layout.hidden;
             let x = random(t * d);
             // The experts on both backends, with the shared expert (y, gate) if given.
-            let run = |shared: Option<(&[f32], &[f32])>| {
+            let run = |g: &GpuBackend, shared: Option<(&[f32], &[f32])>| {
                 let cpu_shared = shared.map(|(y, g)| (cpu.upload(y, t, d), cpu.upload(g, t, 1)));
                 let gpu_shared = shared.map(|(y, gt)| (g.upload(y, t, d), g.upload(gt, t, 1)));
                 let want = cpu
@@ -341,13 +344,20 @@ fn routed_experts_match_cpu() {
                     .unwrap();
                 (want, got)
             };
-            let (want, got) = run(None);
+            let (want, got) = run(&g, None);
             assert_rel(&format!("{name} experts T={t}"), &got, &want, 1e-5);
+            if t >= 16 {
+                for (routes, forced) in &forced {
+                    let (_, got) = run(forced, None);
+                    let what = format!("{name} experts T={t}, tiles of {routes} routes");
+                    assert_rel(&what, &got, &want, 1e-5);
+                }
+            }
 
             // With the shared expert added in the combine: on the CPU, exactly the routed
             // sum plus sigmoid(gate) * y; on the GPU, that within tolerance.
             let (y, gate) = (random(t * d), random(t));
-            let (with, got) = run(Some((&y, &gate)));
+            let (with, got) = run(&g, Some((&y, &gate)));
             let direct: Vec<f32> = want
                 .iter()
                 .enumerate()

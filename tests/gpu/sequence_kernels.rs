@@ -106,8 +106,7 @@ fn delta_inputs(g: &GpuBackend, c: &DeltaCase, t: usize) -> [Pair; 2] {
     [pair(g, &qkv, t, width), pair(g, &ba, t, 2 * hv)]
 }
 
-fn run_delta_case(c: &DeltaCase) {
-    let g = gpu();
+fn run_delta_case(g: &GpuBackend, c: &DeltaCase) {
     let (hv, dk, dv) = (c.value_heads, c.dk, c.dv);
     let dims = DeltaDims {
         key_heads: c.key_heads,
@@ -115,14 +114,14 @@ fn run_delta_case(c: &DeltaCase) {
         key_dim: dk,
         value_dim: dv,
     };
-    let a_log = pair(&g, &random(hv, -2.0, 1.5), 1, hv);
-    let dt_bias = pair(&g, &random(hv, -1.0, 1.0), 1, hv);
+    let a_log = pair(g, &random(hv, -2.0, 1.5), 1, hv);
+    let dt_bias = pair(g, &random(hv, -1.0, 1.0), 1, hv);
     let init = random(hv * dv * dk, -0.5, 0.5);
     let mut cpu_state = CpuBackend.upload(&init, hv, dv * dk);
     let mut gpu_state = g.upload(&init, hv, dv * dk);
     // A single token, a prefill, and a further call continuing from the updated state.
     for (step, t) in [1usize, 37, 5, 1].into_iter().enumerate() {
-        let [qkv, ba] = delta_inputs(&g, c, t);
+        let [qkv, ba] = delta_inputs(g, c, t);
         let bound = delta_output_bound(
             &qkv.cpu,
             &ba.cpu,
@@ -154,7 +153,7 @@ fn run_delta_case(c: &DeltaCase) {
         let (what_y, what_s) = (format!("{what}: y"), format!("{what}: state"));
         let ey = assert_scaled(
             &what_y,
-            &values(&what_y, &g, &got, &want),
+            &values(&what_y, g, &got, &want),
             &want.data,
             &bound,
             "the rounding bound",
@@ -162,7 +161,7 @@ fn run_delta_case(c: &DeltaCase) {
         );
         let es = assert_rel(
             &what_s,
-            &values(&what_s, &g, &gpu_state, &cpu_state),
+            &values(&what_s, g, &gpu_state, &cpu_state),
             &cpu_state.data,
             TOL,
         );
@@ -172,6 +171,7 @@ fn run_delta_case(c: &DeltaCase) {
 
 #[test]
 fn gated_delta_matches_cpu() {
+    let gpus = crate::common::gpus();
     let cases = [
         DeltaCase {
             key_heads: 2,
@@ -227,7 +227,12 @@ fn gated_delta_matches_cpu() {
         },
     ];
     for c in &cases {
-        run_delta_case(c);
+        // Both reduction paths: a row's sums by subgroup shuffles where its lanes share a
+        // subgroup (on lavapipe's subgroups of 8, up to Dk 128), and through workgroup
+        // memory (the portable backend, every Dk past one lane).
+        for g in &gpus {
+            run_delta_case(g, c);
+        }
     }
 }
 
