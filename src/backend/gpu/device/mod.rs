@@ -106,40 +106,40 @@ pub(crate) use uniform_block;
 
 /// Every WGSL file of the crate, embedded at build time: `(file name, source)`.
 pub const SHADERS: &[(&str, &str)] = &[
-    ("quant.wgsl", include_str!("../../../wgsl/quant.wgsl")),
+    ("quant.wgsl", include_str!("../../../../wgsl/quant.wgsl")),
     (
         "elementwise.wgsl",
-        include_str!("../../../wgsl/elementwise.wgsl"),
+        include_str!("../../../../wgsl/elementwise.wgsl"),
     ),
-    ("norm.wgsl", include_str!("../../../wgsl/norm.wgsl")),
-    ("conv.wgsl", include_str!("../../../wgsl/conv.wgsl")),
+    ("norm.wgsl", include_str!("../../../../wgsl/norm.wgsl")),
+    ("conv.wgsl", include_str!("../../../../wgsl/conv.wgsl")),
     (
         "gated_delta.wgsl",
-        include_str!("../../../wgsl/gated_delta.wgsl"),
+        include_str!("../../../../wgsl/gated_delta.wgsl"),
     ),
     (
         "attention.wgsl",
-        include_str!("../../../wgsl/attention.wgsl"),
+        include_str!("../../../../wgsl/attention.wgsl"),
     ),
-    ("router.wgsl", include_str!("../../../wgsl/router.wgsl")),
+    ("router.wgsl", include_str!("../../../../wgsl/router.wgsl")),
     (
         "route_tiles.wgsl",
-        include_str!("../../../wgsl/route_tiles.wgsl"),
+        include_str!("../../../../wgsl/route_tiles.wgsl"),
     ),
-    ("hyper.wgsl", include_str!("../../../wgsl/hyper.wgsl")),
+    ("hyper.wgsl", include_str!("../../../../wgsl/hyper.wgsl")),
     (
         "bandwidth.wgsl",
-        include_str!("../../../wgsl/bandwidth.wgsl"),
+        include_str!("../../../../wgsl/bandwidth.wgsl"),
     ),
 ];
 
 /// The check of the reductions' assumptions about subgroups, run when the device opens
 /// with subgroup operations (see [`Gpu::open`]); compiled like the kernels.
-pub const SUBGROUP_PROBE: &str = include_str!("../../../wgsl/subgroup_probe.wgsl");
+pub const SUBGROUP_PROBE: &str = include_str!("../../../../wgsl/subgroup_probe.wgsl");
 
 /// Reductions over a workgroup's invocations, put before every kernel (see
 /// [`kernel_source`]).
-pub const REDUCE: &str = include_str!("../../../wgsl/reduce.wgsl");
+pub const REDUCE: &str = include_str!("../../../../wgsl/reduce.wgsl");
 
 /// What the device compiles for a kernel file: a prelude, [`REDUCE`], then `source`.
 /// The prelude gives `SUBGROUP_LANES`, how many consecutive invocations are known to share
