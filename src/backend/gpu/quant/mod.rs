@@ -1166,7 +1166,7 @@ mod tests {
     /// group as the kernel computes them.
     #[test]
     fn the_shader_computes_as_many_rows_per_lane_group_as_the_host_counts() {
-        let source = include_str!("../../../wgsl/quant.wgsl");
+        let source = include_str!("../../../../wgsl/quant.wgsl");
         assert!(source.contains(&format!("const ROWS: u32 = {QMATMUL_ROWS}u;")));
     }
 
