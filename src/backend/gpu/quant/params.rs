@@ -178,14 +178,15 @@ impl Params {
     /// for an output in parts, `qmatmul_swiglu` when an up projection is given (`bits2`),
     /// else `qmatmul`; a quantized projection
     /// must meet [`Params::check_vec4`]. Lanes per row: 16, doubled while the dispatch has
-    /// fewer than `invocations` invocations (the device's [`super::Gpu::invocations`]) and
-    /// a row has work for them (a lane per 16-byte vector of packed words, or per dense
-    /// column). How a
+    /// fewer than `invocations` invocations (the device's
+    /// [`Gpu::invocations`](super::super::Gpu::invocations)) and a row has work for them
+    /// (a lane per 16-byte vector of packed words, or per dense column). How a
     /// row's sum is split over lanes depends on the dispatch's size, so its last bits can
     /// differ between a token computed alone and in a batch.
     ///
-    /// With `tiled` (the device's [`super::Gpu::tiled`]), a resident weight's product of
-    /// [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead ([`Params::launch_tiled`]).
+    /// With `tiled` (the device's [`Gpu::tiled`](super::super::Gpu::tiled)), a resident
+    /// weight's product of [`TILED_MIN_TOKENS`] or more tokens runs in tiles instead
+    /// ([`Params::launch_tiled`]).
     pub(super) fn launch(
         mut self,
         z: usize,
@@ -311,7 +312,8 @@ impl Params {
     }
 
     /// Parameters of projection `proj` of records laid out by `layout` over `routes`
-    /// routes (which ones, and how they are found, [`Routes::apply`] sets).
+    /// routes (which ones, and how they are found,
+    /// [`Routes::apply`](super::experts::Routes::apply) sets).
     pub(super) fn routed(layout: &RecordLayout, proj: Projection, routes: usize) -> Self {
         let code = dtype_code(layout.scale_dtype);
         let eb = elem_bytes(code);
