@@ -109,7 +109,7 @@ impl Error {
 /// Shorthand for `Result<T, slotstream::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Errors reading a synthetic checkpoint's routing model file (routing_model.rs). Every
+/// Errors reading a synthetic checkpoint's routing model file (routing_model/params.rs). Every
 /// variant names the file. Defined here, below every module that reports it.
 #[derive(Debug, thiserror::Error)]
 pub enum RoutingModelError {

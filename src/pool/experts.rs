@@ -1,0 +1,180 @@
+//! The pool as the model's [`ExpertSource`]: [`PoolExperts`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::io::RangeRead;
+use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
+
+use super::{Key, SlotPool, SlotRecord};
+
+/// The pool as the model's expert source: `fetch` blocks on `ensure`. Call the forward
+/// pass from a thread that is not one of the runtime's workers (a plain thread or
+/// `spawn_blocking`).
+pub struct PoolExperts {
+    pub pool: Arc<SlotPool>,
+    /// Run the lookahead routers and prefetch what they pick.
+    pub lookahead: bool,
+    /// Routes per (layer, expert) during the current prompt's prefill, for admission.
+    prompt_uses: Mutex<HashMap<Key, u64>>,
+}
+
+impl PoolExperts {
+    /// A source over `pool`, with lookahead on.
+    pub fn new(pool: Arc<SlotPool>) -> Self {
+        PoolExperts {
+            pool,
+            lookahead: true,
+            prompt_uses: Mutex::default(),
+        }
+    }
+
+    /// Slots per MoE layer a prompt's experts may take: an equal share of the pool less
+    /// the speculative reserve.
+    fn admission_quota(&self) -> usize {
+        let layers = self.pool.index.moe_layers.len().max(1);
+        let spare = self
+            .pool
+            .slots()
+            .saturating_sub(self.pool.floor() - self.pool.index.num_experts);
+        spare / layers
+    }
+}
+
+/// A record from [`PoolExperts`]: pinned in a slot, or read for one prefill chunk
+/// outside the pool.
+pub enum PoolRecord {
+    Slot(SlotRecord),
+    Sweep(Vec<u8>),
+}
+
+impl std::ops::Deref for PoolRecord {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            PoolRecord::Slot(r) => r,
+            PoolRecord::Sweep(v) => v,
+        }
+    }
+}
+
+impl HeldRecord for PoolRecord {
+    fn slot(&self) -> Option<SlotTag> {
+        match self {
+            PoolRecord::Slot(r) => HeldRecord::slot(r),
+            PoolRecord::Sweep(_) => None,
+        }
+    }
+}
+
+impl ExpertSource for PoolExperts {
+    type Record<'a> = PoolRecord;
+
+    fn fetch(&self, layer: usize, experts: &[u32]) -> Result<Vec<PoolRecord>> {
+        Ok(
+            futures::executor::block_on(self.pool.ensure(layer, experts))?
+                .into_iter()
+                .map(PoolRecord::Slot)
+                .collect(),
+        )
+    }
+
+    /// A prefill chunk's experts: when they fit the layer's share of the pool (what the
+    /// end of the prompt would admit anyway), through the pool, so they are read once;
+    /// otherwise outside it, in runs of consecutive ids (one read per run and piece, or
+    /// per run in a pack), so a long prompt does not churn the pool. Uses are counted for
+    /// [`ExpertSource::end_prefill`].
+    fn fetch_prefill(
+        &self,
+        layer: usize,
+        experts: &[u32],
+        uses: &[u32],
+    ) -> Result<Vec<PoolRecord>> {
+        {
+            let mut counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
+            for (&e, &n) in experts.iter().zip(uses) {
+                *counts.entry((layer as u32, e)).or_default() += n as u64;
+            }
+        }
+        if experts.len() <= self.admission_quota() {
+            return self.fetch(layer, experts);
+        }
+        // Records already in the pool are used where they are; the rest are read in runs.
+        let resident = self.pool.pin_resident(layer, experts);
+        let missing: Vec<u32> = experts
+            .iter()
+            .zip(&resident)
+            .filter(|(_, r)| r.is_none())
+            .map(|(&e, _)| e)
+            .collect();
+        let mut read = self.pool.read_runs(layer, &missing)?.into_iter();
+        resident
+            .into_iter()
+            .map(|r| match r {
+                Some(r) => Ok(PoolRecord::Slot(r)),
+                None => read
+                    .next()
+                    .map(PoolRecord::Sweep)
+                    .ok_or_else(|| Error::Internal("a sweep read went missing".into())),
+            })
+            .collect()
+    }
+
+    /// Admits the prompt's most used experts into the pool (an equal share of the slots
+    /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
+    fn end_prefill(&self, admit: bool) {
+        let counts =
+            std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
+        if admit && !counts.is_empty() {
+            let quota = self.admission_quota();
+            let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();
+            for ((l, e), n) in counts {
+                by_layer.entry(l).or_default().push((n, e));
+            }
+            let mut keys = Vec::new();
+            for (layer, mut list) in by_layer {
+                list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+                keys.extend(list.iter().take(quota).map(|&(_, e)| (layer, e)));
+            }
+            // A failure here only means a colder start.
+            if let Err(e) = futures::executor::block_on(self.pool.admit(&keys)) {
+                tracing::warn!(error = %e, "admitting the prompt's experts failed");
+            }
+        }
+        self.pool.lock().stats.decode_wait_seconds = 0.0;
+    }
+
+    fn begin_step(&self) {
+        self.pool.begin_step();
+    }
+
+    /// On when asked for, unless the pool holds every record (nothing to read ahead, and
+    /// each guess would cost a GPU read-back).
+    fn lookahead(&self) -> bool {
+        self.lookahead && self.pool.slots() < self.pool.index.records()
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        self.pool.prefetch(layer, experts);
+    }
+
+    /// Only when the pool holds every record: a streaming pool that happens to have a
+    /// whole layer ready would otherwise pin all of it for the step.
+    fn resident_layer(&self, layer: usize) -> Option<Box<dyn LayerRecords + '_>> {
+        if self.pool.slots() < self.pool.index.records() {
+            return None;
+        }
+        self.pool
+            .pin_layer(layer)
+            .map(|p| Box::new(p) as Box<dyn LayerRecords>)
+    }
+
+    fn count_lookups(&self, layer: usize, experts: &[u32]) {
+        self.pool.count_hits(layer, experts);
+    }
+
+    fn read_ranges(&self, reads: Vec<RangeRead>) -> Result<Vec<Vec<u8>>> {
+        futures::executor::block_on(self.pool.read_ranges(reads))
+    }
+}

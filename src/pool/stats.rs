@@ -1,0 +1,198 @@
+//! The pool's counters and routing trace: how each lookup was served ([`Outcome`]), the
+//! per-layer and pool-wide counts ([`PoolStats`]), and the trace events.
+
+use serde::Serialize;
+
+use super::{Inner, SlotPool};
+
+/// How a lookup was served, as written to the routing trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Hit,
+    Miss,
+    /// Served by a lookahead read (landed or still in flight).
+    Prefetched,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Hit => "hit",
+            Outcome::Miss => "miss",
+            Outcome::Prefetched => "prefetched",
+        }
+    }
+}
+
+/// One lookup in the routing trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TraceEvent {
+    pub token: u64,
+    pub layer: u32,
+    pub expert: u32,
+    pub outcome: Outcome,
+}
+
+/// Per-layer lookup counts.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct LayerCounts {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// Counters of a pool since it was built (or since [`SlotPool::reset_stats`]).
+///
+/// Invariants: `hits + misses` = lookups; `demand_bytes = misses * record_bytes`;
+/// `bytes_read = demand_bytes + speculative_bytes + sweep_bytes + admitted_bytes +
+/// range_bytes`, everything read from the disk through the pool's reader (a packed
+/// record that fails its checksum is read again from the shards and counted once).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PoolStats {
+    pub slots: usize,
+    pub record_bytes: usize,
+    /// Lookups served without a new demand read (resident, or joining a read in flight).
+    pub hits: u64,
+    /// Lookups that issued a demand read.
+    pub misses: u64,
+    pub hit_rate: f64,
+    /// Every byte read from the disk: the sum of the `*_bytes` counters below but
+    /// `wasted_bytes` (which is part of `speculative_bytes`).
+    pub bytes_read: u64,
+    /// Bytes read by lookups that missed (prefill chunks through the pool, and decode).
+    pub demand_bytes: u64,
+    pub speculative_reads: u64,
+    /// Bytes read ahead of their lookup (lookahead).
+    pub speculative_bytes: u64,
+    /// Prefetched records later asked for.
+    pub prefetches_used: u64,
+    /// Prefetched records evicted (or failed) without being asked for.
+    pub prefetches_wasted: u64,
+    pub wasted_bytes: u64,
+    /// Seconds callers of `ensure` spent waiting for reads.
+    pub wait_seconds: f64,
+    /// The part of `wait_seconds` after the last prefill ended (decode waits).
+    pub decode_wait_seconds: f64,
+    pub max_in_flight: usize,
+    /// Mean reads in flight, sampled at each read start.
+    pub mean_in_flight: f64,
+    /// Records read from the shards because the pack was unusable for them.
+    pub pack_fallbacks: u64,
+    /// Bytes read for prefill chunks outside the pool (not part of hits and misses).
+    pub sweep_bytes: u64,
+    /// Bytes read to admit a prompt's hottest experts at the end of its prefill.
+    pub admitted_bytes: u64,
+    /// Small reads made for the model besides expert records (n-gram table rows: packed
+    /// words, scales and biases), through the same reader.
+    pub range_reads: u64,
+    /// Bytes of `range_reads`.
+    pub range_bytes: u64,
+    pub per_layer: Vec<LayerCounts>,
+    #[serde(skip)]
+    pub(super) in_flight_samples: u64,
+    #[serde(skip)]
+    pub(super) in_flight_sum: u64,
+}
+
+impl Inner {
+    /// Marks resident slot `i` referenced for a lookup: a hit, or a prefetch used when a
+    /// lookahead read brought it in.
+    pub(super) fn touch(&mut self, i: usize) -> Outcome {
+        let s = &mut self.slots[i];
+        s.referenced = true;
+        if std::mem::take(&mut s.speculative) {
+            Outcome::Prefetched
+        } else {
+            Outcome::Hit
+        }
+    }
+
+    /// Counts one lookup of `expert` of `layer`: the pool's and the layer's hits or
+    /// misses, prefetches used, and the routing trace.
+    pub(super) fn count(&mut self, layer: usize, expert: u32, outcome: Outcome) {
+        let miss = outcome == Outcome::Miss;
+        if miss {
+            self.stats.misses += 1;
+        } else {
+            self.stats.hits += 1;
+        }
+        if outcome == Outcome::Prefetched {
+            self.stats.prefetches_used += 1;
+        }
+        if let Some(per_layer) = self.stats.per_layer.get_mut(layer) {
+            if miss {
+                per_layer.misses += 1;
+            } else {
+                per_layer.hits += 1;
+            }
+        }
+        let token = self.token;
+        if let Some(trace) = self.trace.as_mut() {
+            trace.push(TraceEvent {
+                token,
+                layer: layer as u32,
+                expert,
+                outcome,
+            });
+        }
+    }
+}
+
+impl SlotPool {
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> PoolStats {
+        let inner = self.lock();
+        let mut s = inner.stats.clone();
+        s.bytes_read =
+            s.demand_bytes + s.speculative_bytes + s.sweep_bytes + s.admitted_bytes + s.range_bytes;
+        let lookups = s.hits + s.misses;
+        s.hit_rate = if lookups == 0 {
+            0.0
+        } else {
+            s.hits as f64 / lookups as f64
+        };
+        s.mean_in_flight = if s.in_flight_samples == 0 {
+            0.0
+        } else {
+            s.in_flight_sum as f64 / s.in_flight_samples as f64
+        };
+        s
+    }
+
+    /// Slots pinned now: held by a caller, or in flight (0 when no request runs and no
+    /// read is pending).
+    pub fn pinned_slots(&self) -> usize {
+        self.lock().slots.iter().filter(|s| s.pins > 0).count()
+    }
+
+    /// Zeroes the counters (the pool's contents stay).
+    pub fn reset_stats(&self) {
+        let mut inner = self.lock();
+        let layers = inner.stats.per_layer.len();
+        inner.stats = PoolStats {
+            slots: inner.slots.len(),
+            record_bytes: self.index.layout.record_bytes,
+            per_layer: vec![LayerCounts::default(); layers],
+            ..Default::default()
+        };
+    }
+
+    /// Starts recording every lookup; [`SlotPool::take_trace`] returns them.
+    pub fn enable_trace(&self) {
+        self.lock().trace = Some(Vec::new());
+    }
+
+    /// The lookups recorded since tracing was enabled (or last taken).
+    pub fn take_trace(&self) -> Vec<TraceEvent> {
+        self.lock()
+            .trace
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Advances the token counter used in the trace (one per forward step).
+    pub fn begin_step(&self) {
+        self.lock().token += 1;
+    }
+}
