@@ -110,9 +110,9 @@ pub struct Gpu {
 /// `wgsl/quant.wgsl`).
 pub const TILE_WORKGROUP_BYTES: u32 = 24 << 10;
 
-/// Routes per tile the routed tiled products come in (`GM_NARROW` and `GM` in
-/// `wgsl/quant.wgsl`).
-pub const ROUTE_TILES: [usize; 2] = [16, 64];
+/// Routes per tile the routed tiled products come in, narrow and wide (`GM_NARROW` and
+/// `GM` in `wgsl/quant.wgsl`); what [`GpuOptions::route_tile`] may force.
+pub const ROUTE_TILE_SIZES: [usize; 2] = [16, 64];
 
 /// Bytes of [`Gpu::uniforms`]: 16,384 dispatches at the usual 256-byte alignment before a
 /// submission is forced.
@@ -215,7 +215,7 @@ impl Gpu {
         let all_checks = options.all_checks;
         let invocations = options.invocations.unwrap_or(INVOCATIONS);
         let route_tile = options.route_tile.filter(|&t| {
-            let ok = ROUTE_TILES.contains(&t);
+            let ok = ROUTE_TILE_SIZES.contains(&t);
             if !ok {
                 tracing::warn!(
                     route_tile = t,

@@ -295,6 +295,11 @@ pub(in crate::backend::gpu) fn moe_experts(
 /// Routes per tile for a layer's routed tiled products, `routes` routes over `records`
 /// records: [`NARROW_TILE_ROUTES`] when a record gets [`NARROW_MAX_MEAN_ROUTES`] or
 /// fewer on average, else [`TILE_TOKENS`]; or what the device's options force.
+/// `records` counts the distinct routed records where the host groups the routes
+/// ([`moe_experts`]) and the layer's experts where the routing stays on the device
+/// ([`moe_experts_resident`], which does not know which are routed), so a chunk may take
+/// narrow tiles on one path and wide ones on the other; its outputs are the same either
+/// way, each route's sums running over the columns in the same order.
 fn route_tile(b: &GpuBackend, routes: usize, records: usize) -> usize {
     b.gpu
         .route_tile

@@ -5,7 +5,7 @@
 
 use safetensors::Dtype;
 
-use super::super::device::{grid, uniform_block, Access, Kernel};
+use super::super::device::{grid, uniform_block, Access, Kernel, ROUTE_TILE_SIZES};
 use super::super::{DeviceBuffer, GpuWeight};
 use crate::checkpoint::{PieceKind, Projection, RecordLayout};
 
@@ -53,10 +53,10 @@ const GEMM_SWIGLU: Kernel = matmul_kernel("gemm_swiglu");
 const GEMM_NARROW: Kernel = matmul_kernel("gemm_narrow");
 const GEMM_SWIGLU_NARROW: Kernel = matmul_kernel("gemm_swiglu_narrow");
 /// Tokens (or routes) and output rows of one tile (`GM` and `GN` in the shader).
-pub(super) const TILE_TOKENS: usize = 64;
+pub(super) const TILE_TOKENS: usize = ROUTE_TILE_SIZES[1];
 const TILE_ROWS: usize = 128;
 /// Routes of a narrow tile (`GM_NARROW` in the shader), for records that get few routes.
-pub(super) const NARROW_TILE_ROUTES: usize = 16;
+pub(super) const NARROW_TILE_ROUTES: usize = ROUTE_TILE_SIZES[0];
 /// Mean routes per record up to which a layer's routed products take narrow tiles: a
 /// record of r routes takes ceil(r / 16) narrow tiles or ceil(r / 64) wide ones, and a
 /// narrow tile costs less than half a wide one where a wide one is mostly empty
@@ -360,6 +360,20 @@ mod tests {
     fn the_shader_computes_as_many_rows_per_lane_group_as_the_host_counts() {
         let source = include_str!("../../../../wgsl/quant.wgsl");
         assert!(source.contains(&format!("const ROWS: u32 = {QMATMUL_ROWS}u;")));
+    }
+
+    /// The tiles' sizes the host grids and groups routes by are the shader's.
+    #[test]
+    fn the_shader_tiles_are_the_sizes_the_host_counts() {
+        let source = include_str!("../../../../wgsl/quant.wgsl");
+        for (name, value) in [
+            ("GM", TILE_TOKENS),
+            ("GN", TILE_ROWS),
+            ("GM_NARROW", NARROW_TILE_ROUTES),
+        ] {
+            let line = format!("const {name}: u32 = {value}u;");
+            assert!(source.contains(&line), "wgsl/quant.wgsl lacks `{line}`");
+        }
     }
 
     /// Large matrices take [`QMATMUL_ROWS`] rows per lane group and small ones one, at the
