@@ -57,7 +57,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The library's top-level module a file under src/ belongs to (`model` for src/model.rs
+/// The library's top-level module a file under src/ belongs to (`model` for src/model/mod.rs
 /// and src/model/snapshot.rs); `None` for the crate roots and the binary's files.
 fn module_of(rel: &Path) -> Option<String> {
     let first = rel.components().next()?.as_os_str().to_str()?;

@@ -1,0 +1,568 @@
+//! The Qwen3-Next / Qwen3.5-MoE forward pass, written once over [`Backend`].
+//!
+//! Follows mlx-lm 0.32.2 `mlx_lm/models/qwen3_next.py`, `qwen3_5.py` (which reuses
+//! qwen3_next's attention, MLP, gated norm and MoE block) and `gated_delta.py`
+//! (../shared/spec/models.md §2, §2.10). The families differ only in data chosen at load
+//! time: tensor names ([`ModelConfig::name`]) and the gated DeltaNet's input projections
+//! ([`crate::config::DeltaNetProjections`]: fused and interleaved per key-head group, or split and
+//! contiguous). Where the spec and mlx-lm differ, mlx-lm wins: q and k of the gated
+//! DeltaNet are L2-normalized with eps 1e-6 added to `sum(x^2)` (`normalize_qk`), and norm
+//! weights of an MLX checkpoint are used as stored.
+//!
+//! Qwen3.8-Flash-Next (`qwen4_exp`) follows transformers 5.24 `modular_qwen4_exp.py`
+//! (its reference; mlx-lm 0.32.2 lacks it): the residual is `hc_count` streams joined by
+//! hyper-connections instead of pre-norms ([`Residual::Hyper`]), a hyper-connection mixer
+//! replaces the final norm ([`head::FinalNorm::Mixer`]), attention layers restrict their
+//! keys with the QSA indexer ([`attention::Indexer`]), and layer 1 starts with the PLE
+//! block over hashed n-gram rows read from the SSD ([`Ple`], [`NgramTable`]). Its
+//! zero-centered norms are applied as `1 + w`; a checkpoint may store them centered (the
+//! Hugging Face release) or with the `+1` folded in (MLX conversions): [`NormConvention`]
+//! tells them apart.
+//!
+//! Each block of a layer lives in its own module with its weights, its load (by the
+//! block's tensor names) and its forward: [`delta_net`], [`attention`] (with the QSA
+//! indexer), [`moe`] (and the dense MLP), [`residual`] (pre-norms or hyper-connections),
+//! [`ple`] and [`head`]; [`projections`] stacks a block's input projections and [`load`]
+//! reads the checkpoint for them all. This file strings them together: [`Model::load`]
+//! and the forward pass, layer by layer.
+
+mod attention;
+mod delta_net;
+mod head;
+mod load;
+mod moe;
+mod ple;
+mod projections;
+mod residual;
+mod snapshot;
+
+use std::sync::{Arc, Mutex};
+
+use attention::{Attention, IndexKeys};
+use delta_net::{DeltaNet, FusedRows};
+use head::Head;
+use load::Loader;
+pub use load::NormConvention;
+pub use moe::SWEEP_MIN_TOKENS;
+use moe::{Mlp, StepHold};
+use ple::Ple;
+use residual::{Block, Residual};
+use snapshot::{lock_kv, SharedKv, Writer};
+pub use snapshot::{ImageTensor, Snapshot, StateImage};
+
+use crate::backend::{Backend, KeyMask, Routing};
+use crate::checkpoint::{Checkpoint, ExpertIndex};
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::{Error, Result};
+use crate::ngram::NgramTable;
+use crate::records::ExpertSource;
+use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
+
+/// A layer's token mixer.
+enum Mixer<B: Backend> {
+    DeltaNet(DeltaNet<B>),
+    Attention(Attention<B>),
+}
+
+/// A decoder layer.
+struct Layer<B: Backend> {
+    residual: Residual<B>,
+    /// Flash-Next's PLE block, run on the residual before this layer's mixer.
+    ple: Option<Ple<B>>,
+    mixer: Mixer<B>,
+    mlp: Mlp<B>,
+}
+
+impl<B: Backend> Layer<B> {
+    /// Loads layer `i`, of `kind`, block by block.
+    fn load(l: &Loader<'_, B>, i: usize, kind: LayerKind, fused_rows: &FusedRows) -> Result<Self> {
+        let p = l.cfg.name(&format!("model.layers.{i}"));
+        let mixer = match kind {
+            LayerKind::LinearAttention => Mixer::DeltaNet(DeltaNet::load(l, &p, fused_rows)?),
+            LayerKind::FullAttention => Mixer::Attention(Attention::load(l, &p)?),
+        };
+        Ok(Layer {
+            mlp: Mlp::load(l, &p, i)?,
+            residual: Residual::load(l, &p)?,
+            ple: Ple::load(l, &p, i)?,
+            mixer,
+        })
+    }
+}
+
+/// A loaded model: resident weights on backend `B` and the index of its expert records.
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    pub experts: ExpertIndex,
+    /// The synthetic routing model of the checkpoint directory ([`ROUTING_FILE`]), if it
+    /// has one: it then picks the routed expert ids (the router's mixing weights stay).
+    pub routing: Option<RoutingModel>,
+    /// How the checkpoint stores its `1 + w` norms (Flash-Next only).
+    pub norms: Option<NormConvention>,
+    embed: B::Weight,
+    head: Head<B>,
+    layers: Vec<Layer<B>>,
+    /// Flash-Next: the columns that copy the embedding into its `hc_count` residual
+    /// streams side by side.
+    tile: Option<B::Index>,
+    /// The most tokens one sequence may hold ([`Model::context`]).
+    context: usize,
+}
+
+/// Recurrent and attention state of one layer for one sequence.
+enum LayerState<B: Backend> {
+    DeltaNet {
+        conv: B::Tensor,
+        recurrent: B::Tensor,
+        /// The PLE block's conv state, on a layer that has one.
+        ple_conv: Option<B::Tensor>,
+    },
+    Attention {
+        /// Shared with the sequence's prompt-cache snapshots, which keep a prefix of it
+        /// ([`Snapshot`]).
+        kv: SharedKv<B>,
+        /// The QSA indexer's keys, on a layer that has one.
+        index: Option<IndexKeys<B>>,
+    },
+}
+
+/// Everything one sequence carries between forward calls: per-layer conv and recurrent
+/// states, KV caches, and the tokens consumed so far. [`SequenceState::snapshot`] keeps a
+/// copy to continue from later.
+pub struct SequenceState<B: Backend> {
+    layers: Vec<LayerState<B>>,
+    /// Tokens already processed, in order.
+    pub tokens: Vec<u32>,
+    /// The synthetic routing model's state, when the model has one.
+    routing: Option<RoutingState>,
+    /// Set while a forward call runs: a call that failed part-way leaves some layers
+    /// advanced and others not, so the state must not be used again.
+    broken: bool,
+    /// This sequence appends to its KV caches, which snapshots may share.
+    writer: Writer,
+}
+
+impl<B: Backend> SequenceState<B> {
+    /// Keeps the QSA indexer's key selection of every later forward call, for
+    /// inspection (see [`SequenceState::qsa_selections`]). Costs a bit per query and key.
+    pub fn keep_qsa_selections(&mut self) {
+        for layer in &mut self.layers {
+            if let LayerState::Attention {
+                index: Some(keys), ..
+            } = layer
+            {
+                keys.selections.get_or_insert_with(Vec::new);
+            }
+        }
+    }
+
+    /// The kept QSA selections by layer (layers with an indexer): one [`KeyMask`] per
+    /// forward pass (per chunk of a long input), whose rows are its queries and whose keys
+    /// are the positions up to its last query; every causal key is kept while the context
+    /// is within the indexer's budget.
+    pub fn qsa_selections(&self) -> Vec<(usize, &[KeyMask])> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, layer)| match layer {
+                LayerState::Attention {
+                    index: Some(keys), ..
+                } => keys.selections.as_deref().map(|s| (i, s)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Which positions' logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// `[T, vocab]`, for scoring.
+    All,
+    /// `[1, vocab]` for the last position, for generation.
+    Last,
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads every non-expert weight onto `backend` and indexes the expert records.
+    /// Errors: any missing or mis-shaped tensor, named.
+    ///
+    /// Flash-Next's `1 + w` norms are taken as centered or folded by
+    /// [`NormConvention::detect`], unless `SLOTSTREAM_NORMS` says which.
+    pub fn load(ckpt: &Checkpoint, backend: &B) -> Result<Self> {
+        let l = Loader::new(ckpt, backend)?;
+        let cfg = l.cfg;
+        let embed = l.linear(
+            &cfg.name("model.embed_tokens"),
+            cfg.vocab_size,
+            cfg.hidden_size,
+        )?;
+        let head = Head::load(&l)?;
+        // The same regrouping serves every DeltaNet layer.
+        let fused_rows = FusedRows::new(cfg);
+        let layers = (cfg.layer_kinds.iter().enumerate())
+            .map(|(i, &kind)| Layer::load(&l, i, kind, &fused_rows))
+            .collect::<Result<Vec<_>>>()?;
+        check_layer_count(ckpt)?;
+        let experts = ExpertIndex::build(ckpt)?;
+        let tile = cfg.flash_next.as_ref().map(|x| {
+            let idx: Vec<u32> = (0..x.hc_count)
+                .flat_map(|_| 0..cfg.hidden_size as u32)
+                .collect();
+            backend.upload_index(&idx)
+        });
+        let routing = open_routing(ckpt)?;
+        Ok(Model {
+            context: cfg.max_position_embeddings.unwrap_or(usize::MAX),
+            config: cfg.clone(),
+            experts,
+            routing,
+            norms: l.norms,
+            embed,
+            head,
+            layers,
+            tile,
+        })
+    }
+
+    /// The most tokens, prompt and generated, one sequence may hold: the config's
+    /// `max_position_embeddings` (unbounded without one) unless [`Model::set_context`]
+    /// lowered it. `generate::generate` stops there.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Bounds sequences at `requested` tokens, at most the model's own
+    /// ([`crate::context::limit`]); returns the context in effect.
+    pub fn set_context(&mut self, requested: usize) -> usize {
+        self.context = crate::context::limit(requested, &self.config);
+        self.context
+    }
+
+    /// The PLE layers' n-gram tables (for their counters: [`crate::ngram::total`]).
+    pub fn ngram_tables(&self) -> Vec<Arc<NgramTable>> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.ple.as_ref())
+            .map(|ple| ple.table.clone())
+            .collect()
+    }
+
+    /// A fresh sequence: zero conv and recurrent states, empty KV caches.
+    pub fn new_state(&self, backend: &B) -> SequenceState<B> {
+        let cfg = &self.config;
+        let ple = cfg.flash_next.as_ref().and_then(|x| x.ple.as_ref());
+        let layers = cfg
+            .layer_kinds
+            .iter()
+            .zip(&self.layers)
+            .map(|(kind, layer)| match kind {
+                LayerKind::LinearAttention => LayerState::DeltaNet {
+                    conv: backend.zeros(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim()),
+                    recurrent: backend.zeros(
+                        cfg.linear_num_value_heads,
+                        cfg.linear_value_head_dim * cfg.linear_key_head_dim,
+                    ),
+                    ple_conv: match (&layer.ple, ple) {
+                        (Some(_), Some(c)) => {
+                            Some(backend.zeros(c.conv_state_rows(), cfg.residual_width()))
+                        }
+                        _ => None,
+                    },
+                },
+                LayerKind::FullAttention => LayerState::Attention {
+                    kv: Arc::new(Mutex::new(
+                        backend.new_kv_cache(cfg.num_key_value_heads * cfg.head_dim),
+                    )),
+                    index: match &layer.mixer {
+                        Mixer::Attention(Attention {
+                            indexer: Some(_), ..
+                        }) => Some(IndexKeys {
+                            pending: Vec::new(),
+                            raw: Vec::new(),
+                            pooled: Vec::new(),
+                            selections: None,
+                        }),
+                        _ => None,
+                    },
+                },
+            })
+            .collect();
+        SequenceState {
+            layers,
+            tokens: Vec::new(),
+            routing: self.routing.as_ref().map(RoutingModel::new_state),
+            broken: false,
+            writer: Writer::new_line(),
+        }
+    }
+
+    /// Runs `ids` through the model after the tokens already in `state`, updating it.
+    /// Returns row-major logits, `[ids.len(), vocab]` or `[1, vocab]` (see [`Logits`]).
+    /// Long inputs run in chunks of [`Model::prefill_chunk`] tokens, which bounds
+    /// workspaces and per-dispatch sizes; the result is the same as one pass (the model
+    /// is causal).
+    ///
+    /// Errors: empty input, a token id beyond the vocabulary, a failure of `experts`, or a
+    /// state left inconsistent by an earlier failed call (start a new sequence).
+    pub fn forward<E: ExpertSource>(
+        &self,
+        backend: &B,
+        state: &mut SequenceState<B>,
+        ids: &[u32],
+        experts: &E,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(Error::InvalidInput("no tokens to run".into()));
+        }
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            return Err(Error::InvalidInput(format!(
+                "token id {bad} is out of range for a vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        if state.broken {
+            return Err(Error::InvalidInput(
+                "this sequence's state is inconsistent after a failed forward pass; start a new sequence".into(),
+            ));
+        }
+        state.broken = true;
+        let mut out = Vec::new();
+        let chunks: Vec<&[u32]> = ids.chunks(self.prefill_chunk(backend, which)).collect();
+        for (n, chunk) in chunks.iter().enumerate() {
+            let last = n + 1 == chunks.len();
+            let want = match which {
+                Logits::All => Some(Logits::All),
+                Logits::Last if last => Some(Logits::Last),
+                Logits::Last => None,
+            };
+            out.extend(self.forward_chunk(backend, state, chunk, experts, want)?);
+        }
+        state.broken = false;
+        Ok(out)
+    }
+
+    /// Tokens per pass of a long input on `backend` ([`Backend::prefill_chunk`] for this
+    /// model's widest activation row and top-k).
+    pub fn prefill_chunk(&self, backend: &B, which: Logits) -> usize {
+        crate::backend::prefill_chunk(backend, &self.config, which == Logits::All)
+    }
+
+    /// One chunk of [`Model::forward`]; `which: None` skips the head.
+    fn forward_chunk<E: ExpertSource>(
+        &self,
+        backend: &B,
+        state: &mut SequenceState<B>,
+        ids: &[u32],
+        experts: &E,
+        which: Option<Logits>,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let eps = cfg.rms_norm_eps;
+        experts.begin_step();
+        // Where this chunk starts in its sequence (synthetic routing is per position).
+        let start = state.tokens.len() as u64;
+        let history = &state.tokens;
+        let layer_states = &mut state.layers;
+        let routing_state = state.routing.as_mut();
+        let mut hold = StepHold::<B, E> {
+            in_use: Vec::new(),
+            layers: Vec::new(),
+            routings: Vec::new(),
+        };
+        let h = std::thread::scope(|scope| -> Result<B::Tensor> {
+            // The PLE layers' n-gram rows depend only on the token ids: they are read from
+            // the SSD while the layers before them run.
+            let mut rows: Vec<_> = self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.ple
+                        .as_ref()
+                        .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
+                })
+                .collect();
+            // A long chunk reads its experts outside the pool: guesses would only churn it.
+            let lookahead = experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS;
+            let mut routes = match (&self.routing, routing_state) {
+                (Some(model), Some(st)) => Some(StepRoutes::spawn(
+                    scope,
+                    model,
+                    st,
+                    cfg.moe_layers(),
+                    (start, ids),
+                    lookahead,
+                )),
+                _ => None,
+            };
+            let embedded = backend.embed(&self.embed, ids)?;
+            let mut h = match &self.tile {
+                Some(tile) => backend.gather_columns(&embedded, tile),
+                None => embedded,
+            };
+            // The next block's input when the residual add before it also normed it.
+            let mut normed: Option<B::Tensor> = None;
+            for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
+                if let (Some(ple), Some(job)) = (&layer.ple, rows[i].take()) {
+                    let e = job
+                        .join()
+                        .map_err(|_| Error::Internal("the n-gram row reader panicked".into()))??;
+                    let LayerState::DeltaNet {
+                        ple_conv: Some(conv),
+                        ..
+                    } = st
+                    else {
+                        unreachable!("a PLE layer's state has a PLE conv state")
+                    };
+                    h = ple.forward(backend, cfg, &h, &e, conv);
+                }
+                let (x, inject) = match normed.take() {
+                    Some(x) => (x, None),
+                    None => layer.residual.input(backend, cfg, Block::Mixer, &h),
+                };
+                let r = match (&layer.mixer, &mut *st) {
+                    (
+                        Mixer::DeltaNet(w),
+                        LayerState::DeltaNet {
+                            conv, recurrent, ..
+                        },
+                    ) => w.forward(backend, cfg, &x, conv, recurrent),
+                    (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
+                        w.forward(backend, cfg, &x, &mut lock_kv(kv), index.as_mut())?
+                    }
+                    _ => unreachable!("state layout follows the model's layer kinds"),
+                };
+                let post = layer.residual.pre_norm(Block::Mlp);
+                (h, normed) = residual::add(backend, eps, &h, &r, inject.as_ref(), post);
+                if lookahead {
+                    self.lookahead(backend, i + 2, &h, experts, routes.as_mut())?;
+                }
+                let (x, inject) = match normed.take() {
+                    Some(x) => (x, None),
+                    None => layer.residual.input(backend, cfg, Block::Mlp, &h),
+                };
+                let m = match &layer.mlp {
+                    Mlp::Moe(w) => {
+                        let layout = &self.experts.layout;
+                        let routes = routes.as_mut();
+                        w.forward(backend, cfg, layout, i, &x, routes, experts, &mut hold)?
+                    }
+                    Mlp::Dense(w) => w.forward(backend, &x),
+                };
+                let next = self.layers.get(i + 1).filter(|l| l.ple.is_none());
+                let input = next.and_then(|l| l.residual.pre_norm(Block::Mixer));
+                (h, normed) = residual::add(backend, eps, &h, &m, inject.as_ref(), input);
+            }
+            Ok(h)
+        })?;
+        state.tokens.extend_from_slice(ids);
+        let out = match which {
+            // Wait for the chunk's work before its last layer's records are released.
+            None => backend.rows(&h, 0, 1),
+            Some(which) => {
+                let h = match which {
+                    Logits::Last => backend.rows(&h, ids.len() - 1, 1),
+                    Logits::All => h,
+                };
+                self.head.forward(backend, cfg, &h, &self.embed)
+            }
+        };
+        let mut read: Vec<&B::Tensor> = vec![&out];
+        read.extend(hold.routings.iter().map(|(_, r)| r));
+        let mut values = backend.download_many(&read)?.into_iter();
+        let logits = values.next().unwrap_or_default();
+        for ((layer, _), routing) in hold.routings.iter().zip(values) {
+            let routing = Routing::from_device(&routing, cfg.num_experts_per_tok, cfg.num_experts)?;
+            experts.count_lookups(*layer, &routing.distinct());
+        }
+        // The read-back waited for all recorded work: the records are free.
+        drop(hold);
+        Ok(if which.is_some() { logits } else { Vec::new() })
+    }
+
+    /// Lookahead: layer `target`'s router on the current hidden state guesses the experts
+    /// that layer will route to, and the source starts reading them. With a synthetic
+    /// routing model the guess is its forecast instead (the random router knows nothing of
+    /// the ids the model will pick). Guesses change only what is read ahead, never what is
+    /// computed.
+    fn lookahead<E: ExpertSource>(
+        &self,
+        backend: &B,
+        target: usize,
+        h: &B::Tensor,
+        experts: &E,
+        routes: Option<&mut StepRoutes>,
+    ) -> Result<()> {
+        let Some(Layer {
+            residual,
+            mlp: Mlp::Moe(w),
+            ..
+        }) = self.layers.get(target)
+        else {
+            return Ok(());
+        };
+        if let Some(routes) = routes {
+            experts.prefetch(target, &routes.forecast(target)?);
+            return Ok(());
+        }
+        let cfg = &self.config;
+        let (x, _) = residual.input(backend, cfg, Block::Mlp, h);
+        let logits = w.gates.first(backend, &x);
+        let guess = backend.router_top_k(&logits, cfg.num_experts_per_tok, false)?;
+        experts.prefetch(target, &guess.distinct());
+        Ok(())
+    }
+}
+
+/// Refuses a checkpoint with layers beyond the config's: a config that lists fewer layers
+/// than the checkpoint holds would silently drop the rest (mlx-lm's strict load refuses
+/// this too).
+fn check_layer_count(ckpt: &Checkpoint) -> Result<()> {
+    let cfg = &ckpt.config;
+    let layers_prefix = cfg.name("model.layers.");
+    match ckpt.tensors().find(|t| {
+        t.name
+            .strip_prefix(layers_prefix.as_str())
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| n >= cfg.num_hidden_layers)
+    }) {
+        Some(t) => Err(Error::bad_tensor(
+            &t.name,
+            format!(
+                "belongs to a layer beyond num_hidden_layers = {} in config.json",
+                cfg.num_hidden_layers
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The synthetic routing model of the checkpoint directory, if it has one (and the model
+/// has MoE layers).
+fn open_routing(ckpt: &Checkpoint) -> Result<Option<RoutingModel>> {
+    let cfg = &ckpt.config;
+    let routing = if cfg.moe_layers().is_empty() {
+        None
+    } else {
+        RoutingModel::open(
+            &ckpt.dir,
+            cfg.num_hidden_layers,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+        )?
+    };
+    if let Some(r) = &routing {
+        tracing::info!(
+            file = %ckpt.dir.join(ROUTING_FILE).display(),
+            active_experts = r.active_experts(),
+            forecast_accuracy = r.params.forecast_accuracy,
+            "synthetic routing active: routed expert ids come from the routing model, not the router"
+        );
+    }
+    Ok(routing)
+}

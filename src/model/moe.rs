@@ -1,0 +1,218 @@
+//! The MLP blocks: the sparse MoE block (router, shared expert and its gate, the routed
+//! experts' call on the backend) and the dense SwiGLU MLP.
+
+use super::load::Loader;
+use super::projections::Projections;
+use crate::backend::{distinct_ids, Backend, SharedExpert};
+use crate::checkpoint::{LinearWeight, RecordLayout};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
+use crate::routing_model::StepRoutes;
+
+/// Passes of at least this many tokens get their experts through
+/// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool, unless
+/// the pool holds every record (then every pass routes on the backend, see
+/// [`Moe::forward`], and counts its lookups as hits).
+pub const SWEEP_MIN_TOKENS: usize = 32;
+
+/// What a forward step holds until its final read-back has waited for the device.
+pub(super) struct StepHold<'e, B: Backend, E: ExpertSource + 'e> {
+    /// The previous MoE layer's records (see [`Moe::forward`]).
+    pub(super) in_use: Vec<E::Record<'e>>,
+    /// Whole layers of records routed on the device ([`ExpertSource::resident_layer`]):
+    /// nothing waits for the device until the step ends, so they stay held until then.
+    pub(super) layers: Vec<Box<dyn LayerRecords + 'e>>,
+    /// Routings that stayed on the device, by MoE layer: their ids are read back with the
+    /// logits and counted as lookups then.
+    pub(super) routings: Vec<(usize, B::Tensor)>,
+}
+
+/// A SwiGLU MLP (the shared expert, or a dense layer's MLP).
+pub(super) struct DenseMlp<B: Backend> {
+    gate_up: GateUp<B>,
+    down: B::Weight,
+}
+
+/// A SwiGLU MLP's gate and up projections.
+enum GateUp<B: Backend> {
+    /// Stacked at load, `[2 I, hidden]`, for [`Backend::matmul_swiglu`]'s one pass.
+    Stacked(B::Weight),
+    /// Quantized differently (a mixed-precision conversion): two matmuls, kept as stored
+    /// rather than widened to f32 to be stacked.
+    Separate { gate: B::Weight, up: B::Weight },
+}
+
+/// A sparse MoE block with its shared expert (mlx-lm `Qwen3NextSparseMoeBlock`).
+pub(super) struct Moe<B: Backend> {
+    /// The router (`mlp.gate`, `[E, hidden]`) and the shared expert's gate
+    /// (`[1, hidden]`).
+    pub(super) gates: Projections<B, 2>,
+    shared: DenseMlp<B>,
+}
+
+/// A layer's MLP block.
+pub(super) enum Mlp<B: Backend> {
+    Moe(Moe<B>),
+    Dense(DenseMlp<B>),
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Loads the MLP block of layer `i` under `p` (`model.layers.{i}`): MoE or dense as
+    /// the config says.
+    pub(super) fn load(l: &Loader<'_, B>, p: &str, i: usize) -> Result<Self> {
+        let cfg = l.cfg;
+        Ok(if cfg.is_moe_layer(i) {
+            let (router, gate) = (
+                format!("{p}.mlp.gate"),
+                format!("{p}.mlp.shared_expert_gate"),
+            );
+            let d = cfg.hidden_size;
+            Mlp::Moe(Moe {
+                gates: Projections::new(
+                    [
+                        (router.clone(), l.ckpt.linear(&router, cfg.num_experts, d)?),
+                        (gate.clone(), l.ckpt.linear(&gate, 1, d)?),
+                    ],
+                    |n, w| l.upload(n, w),
+                )?,
+                shared: DenseMlp::load(
+                    l,
+                    &format!("{p}.mlp.shared_expert"),
+                    cfg.shared_expert_intermediate_size,
+                )?,
+            })
+        } else {
+            Mlp::Dense(DenseMlp::load(
+                l,
+                &format!("{p}.mlp"),
+                cfg.intermediate_size,
+            )?)
+        })
+    }
+}
+
+impl<B: Backend> DenseMlp<B> {
+    /// Loads the MLP under `prefix`, of intermediate size `width`.
+    fn load(l: &Loader<'_, B>, prefix: &str, width: usize) -> Result<Self> {
+        let d = l.cfg.hidden_size;
+        let gate = l.ckpt.linear(&format!("{prefix}.gate_proj"), width, d)?;
+        let up = l.ckpt.linear(&format!("{prefix}.up_proj"), width, d)?;
+        let gate_up = if LinearWeight::stack_losslessly(&[&gate, &up]) {
+            let stacked = LinearWeight::stack_rows(&format!("{prefix}.up_proj"), vec![gate, up])?;
+            GateUp::Stacked(l.upload(&format!("{prefix}.gate_proj"), stacked)?)
+        } else {
+            GateUp::Separate {
+                gate: l.upload(&format!("{prefix}.gate_proj"), gate)?,
+                up: l.upload(&format!("{prefix}.up_proj"), up)?,
+            }
+        };
+        Ok(DenseMlp {
+            gate_up,
+            down: l.linear(&format!("{prefix}.down_proj"), d, width)?,
+        })
+    }
+
+    /// The MLP on its input `x`.
+    pub(super) fn forward(&self, backend: &B, x: &B::Tensor) -> B::Tensor {
+        let h = match &self.gate_up {
+            GateUp::Stacked(gate_up) => backend.matmul_swiglu(x, gate_up),
+            GateUp::Separate { gate, up } => {
+                backend.swiglu(&backend.matmul(x, gate), &backend.matmul(x, up))
+            }
+        };
+        backend.matmul(&h, &self.down)
+    }
+}
+
+impl<B: Backend> Moe<B> {
+    /// The MoE block of `layer`. `hold.in_use` holds the previous MoE layer's records: a
+    /// backend may still be reading them (GPU work runs after it is recorded), so they stay
+    /// pinned until this layer's routing read-back has waited for that work.
+    ///
+    /// When the source holds every record of the layer (a pool of every record), the input
+    /// is routed on the backend instead, a prompt's chunk as well as a decode step: the
+    /// router's top-k stays on the device and the backend picks the records from the whole
+    /// layer (a GPU groups a chunk's routes by record itself), so nothing is read back
+    /// until the step ends; the layer's records stay held until then.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward<'e, E: ExpertSource>(
+        &self,
+        backend: &B,
+        cfg: &ModelConfig,
+        layout: &RecordLayout,
+        layer: usize,
+        x: &B::Tensor,
+        routes: Option<&mut StepRoutes>,
+        experts: &'e E,
+        hold: &mut StepHold<'e, B, E>,
+    ) -> Result<B::Tensor> {
+        let [logits, shared_gate] = self.gates.apply(backend, x);
+        let resident = experts.resident_layer(layer);
+        let k = cfg.num_experts_per_tok;
+        // The synthetic routing model's ids `[T, k]`, when the model has one.
+        let model_ids = routes.map(|r| r.ids(layer)).transpose()?;
+        if let Some(resident) = resident {
+            let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
+            // Nothing waits here (the routing stays on the device), so the shared expert can
+            // come first.
+            let shared = self.shared.forward(backend, x);
+            let out = backend.moe_experts_resident(
+                x,
+                &routing,
+                k,
+                model_ids.as_deref(),
+                &resident.records(),
+                layout,
+                Some(SharedExpert {
+                    y: &shared,
+                    gate: &shared_gate,
+                }),
+            )?;
+            match model_ids {
+                Some(ids) => experts.count_lookups(layer, &distinct_ids(ids)),
+                None => hold.routings.push((layer, routing)),
+            }
+            hold.layers.push(resident);
+            return Ok(out);
+        }
+        let mut routing = backend.router_top_k(&logits, k, cfg.norm_topk_prob)?;
+        if let Some(ids) = model_ids {
+            // The router's weights stay, rank by rank; the routing model picks the ids.
+            routing.ids = ids;
+        }
+        hold.in_use.clear();
+        let distinct = routing.distinct();
+        let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
+            let mut uses = vec![0u32; distinct.len()];
+            for id in &routing.ids {
+                if let Ok(at) = distinct.binary_search(id) {
+                    uses[at] += 1;
+                }
+            }
+            experts.fetch_prefill(layer, &distinct, &uses)?
+        } else {
+            experts.fetch(layer, &distinct)?
+        };
+        let records: Vec<ExpertRecord<'_>> = routing
+            .ids
+            .iter()
+            .map(|id| {
+                let r = &held[distinct.binary_search(id).unwrap_or_default()];
+                ExpertRecord {
+                    bytes: r,
+                    slot: r.slot(),
+                }
+            })
+            .collect();
+        // After the routing read-back, so that the shared expert's work is not waited for.
+        let shared = self.shared.forward(backend, x);
+        let shared = SharedExpert {
+            y: &shared,
+            gate: &shared_gate,
+        };
+        let out = backend.moe_experts(x, &routing, &records, layout, Some(shared));
+        hold.in_use = held;
+        Ok(out)
+    }
+}
