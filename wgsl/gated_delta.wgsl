@@ -40,7 +40,7 @@ struct Params {
     group: u32,
     // ceil(dv / (WG / lanes)): workgroups per value head
     row_blocks: u32,
-    // lanes per state row: a power of two, 1 to 32, Dk <= COLS lanes
+    // lanes per state row: a power of two, 1 to 32, Dk <= 16 lanes
     lanes: u32,
     // q/k normalization: x * rsqrt(mean(x^2) + eps) * scale
     eps: f32,
@@ -58,8 +58,6 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> y: array<f32>;
 
 const WG: u32 = 256u;
-// Columns of its state row a lane holds (lane + p.lanes e, e = 0..COLS - 1).
-const COLS: u32 = 16u;
 
 // ln(1 + e) for e in [0, 1], accurate to a few ulp without relying on the precision of
 // the shader's log near 1: ln(1 + e) = 2 atanh(s), s = e / (2 + e) in [0, 1/3].
@@ -88,7 +86,7 @@ fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-// A lane's columns of a state row or of q or k: four vectors, columns
+// A lane's 16 columns of a state row or of q or k (`COLS` on the host): four vectors, columns
 // lane + p.lanes (4 j + (0, 1, 2, 3)) in vector j (vectors rather than an array indexed by
 // a loop variable, which a driver may keep in local memory).
 struct Cols {

@@ -480,6 +480,7 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
 // (check_vec4 on the host); dense f32 weights (bits 0) a multiple of 4 columns.
 // gemm_swiglu's tile is GN / 2 rows of the gate and the same rows of the up projection,
 // quantized alike, interleaved so that each invocation holds both halves of its outputs.
+// Routed tiles also come narrow, GM_NARROW routes a tile (see gemm_narrow below).
 
 const GM: u32 = 64u;
 const GN: u32 = 128u;
@@ -488,7 +489,8 @@ const GEMM_WG: u32 = 128u;
 
 // tile_w[c * GN / 4 + j / 4][j % 4]: tile row j at column k0 + c, dequantized.
 var<workgroup> tile_w: array<vec4<f32>, 1024>;
-// tile_x[c * GM / 4 + i / 4][i % 4]: tile token i at column k0 + c.
+// tile_x[c * gm / 4 + i / 4][i % 4]: tile token i at column k0 + c, for a tile of gm
+// tokens (GM; GM_NARROW use the first GM_NARROW * GK / 4 vectors).
 var<workgroup> tile_x: array<vec4<f32>, 512>;
 
 struct GemmTile {
@@ -779,44 +781,18 @@ fn gemm_accumulate(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> GemmOut {
     return GemmOut(lo, hi);
 }
 
+// What a tiled entry writes: its output rows (gemm), or silu(gate) * up of interleaved
+// gate and up rows (gemm_swiglu). A constant where it is passed, so each entry's stores
+// fold to one kind. (gemm_parts stores apart: its further outputs are bindings the other
+// entries' layouts lack, and a binding an entry's call graph names must be bound.)
+const STORE_PLAIN: u32 = 0u;
+const STORE_SWIGLU: u32 = 1u;
+
 // Output row `row` of tile token `tok` (skipped past the tile's count or p.rows).
 fn gemm_store(t: GemmTile, tok: u32, row: u32, v: f32) {
     if (tok < t.count && row < p.rows) {
         out[gemm_rows(t, tok).y * out_cols() + p.out_first + row] = v;
     }
-}
-
-fn gemm_store4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
-    gemm_store(t, tok, r0, v.x);
-    gemm_store(t, tok, r0 + 1u, v.y);
-    gemm_store(t, tok, r0 + 2u, v.z);
-    gemm_store(t, tok, r0 + 3u, v.w);
-}
-
-// Four tokens' outputs from tile token tok on, over rows r0 .. and r0 + GN / 2 ...
-fn gemm_store_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
-    gemm_store4(t, tok, r0, a.t0);
-    gemm_store4(t, tok, r0 + GN / 2u, a.h0);
-    gemm_store4(t, tok + 1u, r0, a.t1);
-    gemm_store4(t, tok + 1u, r0 + GN / 2u, a.h1);
-    gemm_store4(t, tok + 2u, r0, a.t2);
-    gemm_store4(t, tok + 2u, r0 + GN / 2u, a.h2);
-    gemm_store4(t, tok + 3u, r0, a.t3);
-    gemm_store4(t, tok + 3u, r0 + GN / 2u, a.h3);
-}
-
-@compute @workgroup_size(128)
-fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let t = gemm_tile(wid.y);
-    if (t.count == 0u) {
-        return;
-    }
-    let row0 = wid.x * GN;
-    let acc = gemm_accumulate(li, t, row0, false);
-    let tok = (li / (GN / 8u)) * 4u;
-    let r0 = row0 + (li % (GN / 8u)) * 4u;
-    gemm_store_acc(t, tok, r0, acc.lo);
-    gemm_store_acc(t, tok + GM / 2u, r0, acc.hi);
 }
 
 // gemm_parts' output `row` of tile token `tok`: rows before part_end_a go to `out`, then
@@ -838,6 +814,62 @@ fn gemm_store_part(t: GemmTile, tok: u32, row: u32, v: f32) {
     } else {
         out_d[z * (p.rows - c) + row - c] = v;
     }
+}
+
+// One token's row vector of sums: four output rows from r0 on, or for STORE_SWIGLU gate
+// rows r0, r0 + 1 then the same rows of the up projection, two outputs.
+fn gemm_store4(kind: u32, t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
+    if (kind == STORE_SWIGLU) {
+        gemm_store(t, tok, r0, v.x * sigmoid(v.x) * v.z);
+        gemm_store(t, tok, r0 + 1u, v.y * sigmoid(v.y) * v.w);
+    } else {
+        gemm_store(t, tok, r0, v.x);
+        gemm_store(t, tok, r0 + 1u, v.y);
+        gemm_store(t, tok, r0 + 2u, v.z);
+        gemm_store(t, tok, r0 + 3u, v.w);
+    }
+}
+
+// Output rows a row vector of four tile rows covers: two for STORE_SWIGLU, else four.
+fn gemm_rows_per_vector(kind: u32) -> u32 {
+    return select(4u, 2u, kind == STORE_SWIGLU);
+}
+
+// Four tokens' outputs from tile token tok on, over the output rows of row vectors r0 ..
+// (tN) and r0 + half .. (hN), half the output rows of a tile.
+fn gemm_store_acc(kind: u32, t: GemmTile, tok: u32, r0: u32, half: u32, a: GemmAcc) {
+    gemm_store4(kind, t, tok, r0, a.t0);
+    gemm_store4(kind, t, tok, r0 + half, a.h0);
+    gemm_store4(kind, t, tok + 1u, r0, a.t1);
+    gemm_store4(kind, t, tok + 1u, r0 + half, a.h1);
+    gemm_store4(kind, t, tok + 2u, r0, a.t2);
+    gemm_store4(kind, t, tok + 2u, r0 + half, a.h2);
+    gemm_store4(kind, t, tok + 3u, r0, a.t3);
+    gemm_store4(kind, t, tok + 3u, r0 + half, a.h3);
+}
+
+// A tiled entry (all but its stores alike): tile wid.y's tokens (or routes) against the
+// output rows of wid.x's tile, GN of them, or GN / 2 for STORE_SWIGLU, whose tile rows
+// 4 m + (0, 1) are gate rows 2 m + (0, 1) and 4 m + (2, 3) the same rows of the up
+// projection, so that each invocation holds both halves of its outputs.
+fn gemm_entry(kind: u32, li: u32, wid: vec3<u32>) {
+    let t = gemm_tile(wid.y);
+    if (t.count == 0u) {
+        return;
+    }
+    let per_vector = gemm_rows_per_vector(kind);
+    let row0 = wid.x * (GN / 4u) * per_vector;
+    let acc = gemm_accumulate(li, t, row0, kind == STORE_SWIGLU);
+    let tok = (li / (GN / 8u)) * 4u;
+    let r0 = row0 + (li % (GN / 8u)) * per_vector;
+    let half = (GN / 8u) * per_vector;
+    gemm_store_acc(kind, t, tok, r0, half, acc.lo);
+    gemm_store_acc(kind, t, tok + GM / 2u, r0, half, acc.hi);
+}
+
+@compute @workgroup_size(128)
+fn gemm(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    gemm_entry(STORE_PLAIN, li, wid);
 }
 
 fn gemm_store_part4(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
@@ -873,51 +905,20 @@ fn gemm_parts(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     gemm_store_part_acc(t, tok + GM / 2u, r0, acc.hi);
 }
 
-// silu(gate) * up of one token's two output rows: v holds gate rows r0, r0 + 1, then the
-// same rows of the up projection.
-fn gemm_store_swiglu(t: GemmTile, tok: u32, r0: u32, v: vec4<f32>) {
-    gemm_store(t, tok, r0, v.x * sigmoid(v.x) * v.z);
-    gemm_store(t, tok, r0 + 1u, v.y * sigmoid(v.y) * v.w);
-}
-
-fn gemm_store_swiglu_acc(t: GemmTile, tok: u32, r0: u32, a: GemmAcc) {
-    gemm_store_swiglu(t, tok, r0, a.t0);
-    gemm_store_swiglu(t, tok, r0 + GN / 4u, a.h0);
-    gemm_store_swiglu(t, tok + 1u, r0, a.t1);
-    gemm_store_swiglu(t, tok + 1u, r0 + GN / 4u, a.h1);
-    gemm_store_swiglu(t, tok + 2u, r0, a.t2);
-    gemm_store_swiglu(t, tok + 2u, r0 + GN / 4u, a.h2);
-    gemm_store_swiglu(t, tok + 3u, r0, a.t3);
-    gemm_store_swiglu(t, tok + 3u, r0 + GN / 4u, a.h3);
-}
-
-// out[z, row] = silu(gate[row] . x) * (up[row] . x) for GN / 2 rows per workgroup: tile
-// rows 4 m + (0, 1) are gate rows 2 m + (0, 1) and tile rows 4 m + (2, 3) the same rows
-// of the up projection, so invocation tr holds both for output rows row0 + 2 tr + (0, 1)
-// and, from its second row vector (tile rows GN / 2 + 4 tr ..), row0 + GN / 4 + 2 tr + (0, 1).
+// out[z, row] = silu(gate[row] . x) * (up[row] . x), GN / 2 rows per workgroup.
 @compute @workgroup_size(128)
 fn gemm_swiglu(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let t = gemm_tile(wid.y);
-    if (t.count == 0u) {
-        return;
-    }
-    let row0 = wid.x * (GN / 2u);
-    let acc = gemm_accumulate(li, t, row0, true);
-    let tok = (li / (GN / 8u)) * 4u;
-    let r0 = row0 + (li % (GN / 8u)) * 2u;
-    gemm_store_swiglu_acc(t, tok, r0, acc.lo);
-    gemm_store_swiglu_acc(t, tok + GM / 2u, r0, acc.hi);
+    gemm_entry(STORE_SWIGLU, li, wid);
 }
 
 // Narrow tiles: GM_NARROW routes x GN rows, for records that get few routes (a short
-// chunk over many experts: 512 tokens, top-10 of 512 experts, about 10 routes a record),
-// where a tile of GM tokens would leave most of its invocations without work. Each
-// invocation computes 4 x 4 outputs, li = tt * (GN / 4) + tr: tile tokens 4 tt .. 4 tt
-// + 3 over tile rows 4 tr .. 4 tr + 3, so the token quarters without routes are whole
-// warps that skip their arithmetic, and the accumulators take a quarter of the
-// registers, leaving room for more workgroups on a compute unit. The weight tile is
-// gemm's (gemm_fetch_q, gemm_put_q); the activations take the first GM_NARROW * GK / 4
-// vectors of tile_x.
+// chunk over many experts: a 512-token prompt, top-10 of 512 experts, about 10 routes a
+// record), where a tile of GM tokens would leave most of its invocations without work.
+// Each invocation computes 4 x 4 outputs, li = tt * (GN / 4) + tr: tile tokens 4 tt ..
+// 4 tt + 3 over tile rows 4 tr .. 4 tr + 3, so the token quarters without routes are
+// whole warps that skip their arithmetic, and the accumulators take a quarter of the
+// registers. The weight tile is gemm's (gemm_fetch_q, gemm_put_q); the activations take
+// the first GM_NARROW * GK / 4 vectors of tile_x (its whole size is still allocated).
 const GM_NARROW: u32 = 16u;
 
 struct NarrowAcc {
@@ -957,37 +958,29 @@ fn gemm_accumulate_narrow(li: u32, t: GemmTile, row0: u32, swiglu: bool) -> Narr
     return a;
 }
 
-// gemm over narrow tiles (routed = 4 only).
-@compute @workgroup_size(128)
-fn gemm_narrow(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+// gemm_entry over narrow tiles (routed = 4 only).
+fn gemm_narrow_entry(kind: u32, li: u32, wid: vec3<u32>) {
     let t = gemm_tile(wid.y);
     if (t.count == 0u) {
         return;
     }
-    let row0 = wid.x * GN;
-    let a = gemm_accumulate_narrow(li, t, row0, false);
+    let per_vector = gemm_rows_per_vector(kind);
+    let row0 = wid.x * (GN / 4u) * per_vector;
+    let a = gemm_accumulate_narrow(li, t, row0, kind == STORE_SWIGLU);
     let tok = (li / (GN / 4u)) * 4u;
-    let r0 = row0 + (li % (GN / 4u)) * 4u;
-    gemm_store4(t, tok, r0, a.t0);
-    gemm_store4(t, tok + 1u, r0, a.t1);
-    gemm_store4(t, tok + 2u, r0, a.t2);
-    gemm_store4(t, tok + 3u, r0, a.t3);
+    let r0 = row0 + (li % (GN / 4u)) * per_vector;
+    gemm_store4(kind, t, tok, r0, a.t0);
+    gemm_store4(kind, t, tok + 1u, r0, a.t1);
+    gemm_store4(kind, t, tok + 2u, r0, a.t2);
+    gemm_store4(kind, t, tok + 3u, r0, a.t3);
 }
 
-// gemm_swiglu over narrow tiles (routed = 4 only): tile rows 4 tr .. 4 tr + 3 are gate
-// rows row0 + 2 tr + (0, 1), then the same rows of the up projection.
+@compute @workgroup_size(128)
+fn gemm_narrow(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    gemm_narrow_entry(STORE_PLAIN, li, wid);
+}
+
 @compute @workgroup_size(128)
 fn gemm_swiglu_narrow(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let t = gemm_tile(wid.y);
-    if (t.count == 0u) {
-        return;
-    }
-    let row0 = wid.x * (GN / 2u);
-    let a = gemm_accumulate_narrow(li, t, row0, true);
-    let tok = (li / (GN / 4u)) * 4u;
-    let r0 = row0 + (li % (GN / 4u)) * 2u;
-    gemm_store_swiglu(t, tok, r0, a.t0);
-    gemm_store_swiglu(t, tok + 1u, r0, a.t1);
-    gemm_store_swiglu(t, tok + 2u, r0, a.t2);
-    gemm_store_swiglu(t, tok + 3u, r0, a.t3);
+    gemm_narrow_entry(STORE_SWIGLU, li, wid);
 }

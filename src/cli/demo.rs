@@ -93,6 +93,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
             lookahead: OnOff::On,
         },
         trace: TraceArgs::default(),
+        visible_controls: true,
     };
     // The summary alone: the pool's counters as JSON come with --json.
     run_generate(args, false)

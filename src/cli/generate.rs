@@ -59,6 +59,29 @@ pub struct GenerateArgs {
     pub prompt_cache: PromptCacheArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
+    /// Stream control characters (but newline and tab) as visible symbols: the demo's
+    /// random text holds bytes such as BEL that a terminal would act on.
+    #[arg(skip)]
+    pub visible_controls: bool,
+}
+
+/// `piece` with its control characters other than newline and tab shown as Unicode's
+/// control pictures (U+2400 + code for C0, U+2421 for DEL) or U+FFFD (C1).
+fn visible_controls(piece: &str) -> std::borrow::Cow<'_, str> {
+    let hidden = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !piece.chars().any(hidden) {
+        return piece.into();
+    }
+    piece
+        .chars()
+        .map(|c| match c {
+            c if !hidden(c) => c,
+            '\u{0}'..='\u{1f}' => char::from_u32(0x2400 + c as u32).unwrap_or('\u{fffd}'),
+            '\u{7f}' => '\u{2421}',
+            _ => '\u{fffd}',
+        })
+        .collect::<String>()
+        .into()
 }
 
 pub fn generate(args: GenerateArgs) -> Result<()> {
@@ -200,7 +223,11 @@ fn generate_on<B: Backend>(
     let generated = cache.generate(&model, backend, &experts, prompt, &options, |id| {
         let piece = decoder.push(tokenizer, id)?;
         if !args.json {
-            print!("{piece}");
+            if args.visible_controls {
+                print!("{}", visible_controls(&piece));
+            } else {
+                print!("{piece}");
+            }
             let _ = stdout.flush();
         }
         text.push_str(&piece);
@@ -209,7 +236,11 @@ fn generate_on<B: Backend>(
     let (ids, stats) = (&generated.output_ids, &generated.stats);
     let tail = decoder.finish(tokenizer)?;
     if !args.json {
-        print!("{tail}");
+        if args.visible_controls {
+            print!("{}", visible_controls(&tail));
+        } else {
+            print!("{tail}");
+        }
     }
     text.push_str(&tail);
     let pool_stats = pool.as_ref().map(|p| p.stats());
@@ -299,4 +330,18 @@ fn summary(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::visible_controls;
+
+    #[test]
+    fn control_characters_become_visible_and_the_rest_stays() {
+        assert_eq!(visible_controls("plain\ttext\n"), "plain\ttext\n");
+        assert_eq!(
+            visible_controls("a\u{7}b\u{1b}[2J\u{7f}\u{85}"),
+            "a\u{2407}b\u{241b}[2J\u{2421}\u{fffd}"
+        );
+    }
 }

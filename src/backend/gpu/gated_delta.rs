@@ -1,10 +1,10 @@
 //! The gated delta rule recurrence (`wgsl/gated_delta.wgsl`).
 //!
 //! One dispatch per call: one workgroup per (value head, block of state rows), each row
-//! split over a few lanes that hold its columns in registers across the whole token loop. The kernel reads q, k and v straight
-//! from the conv output and b, a from the `[b | a]` projection, normalizes q and k and
-//! computes the decay and write strength itself, so nothing is gathered or normalized by
-//! separate dispatches.
+//! split over a few lanes that hold its columns in registers across the whole token
+//! loop. The kernel reads q, k and v straight from the conv output and b, a from the
+//! `[b | a]` projection, normalizes q and k and computes the decay and write strength
+//! itself, so nothing is gathered or normalized by separate dispatches.
 
 use super::device::{grid, uniform_block, Access, Kernel};
 use super::{GpuBackend, GpuTensor};
@@ -43,7 +43,7 @@ const RECURRENCE: Kernel = Kernel::new(
 
 /// Invocations per workgroup (`WG` in the shader).
 const WG: usize = 256;
-/// State row columns each lane holds (`COLS` in the shader).
+/// State row columns each lane holds (the shader's `Cols`: four vectors).
 const COLS: usize = 16;
 /// Largest key width the shader holds in registers (32 lanes of [`COLS`]).
 const MAX_KEY_DIM: usize = 32 * COLS;
