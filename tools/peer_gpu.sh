@@ -16,13 +16,15 @@
 # by slotstream, its first WARMUP=32 untimed; llama-bench decodes 128), ROUTING (`router`:
 # slotstream routes with the checkpoint's random router, as llama.cpp does with the same
 # router converted, its synthetic routing model set aside for the run; `synthetic`: with
-# that model, whose routes are drawn on the host). Results: $OUT (or /tmp/peer/out): each
-# run's raw output and summary.md with both engines and their ratios.
+# that model, whose routes are drawn on the host), BASELINE (a second slotstream binary,
+# such as .devbin/slotstream-base with its commit in .devbin/commit-base, run after the
+# first in each round: a change and its parent timed in one call). Results: $OUT (or
+# /tmp/peer/out): each run's raw output and summary.md with both engines and their ratios.
 set -euo pipefail
 what=${1:?usage: peer_gpu.sh stage|prepare|run}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 layers=${LAYERS:-24} rounds=${ROUNDS:-2} prompts=${PROMPTS:-512,2048}
-tokens=${TOKENS:-160} warmup=${WARMUP:-32} routing=${ROUTING:-router}
+tokens=${TOKENS:-160} warmup=${WARMUP:-32} routing=${ROUTING:-router} baseline=${BASELINE:-}
 state=/tmp/peer
 gguf=$state/qwen3next-$layers.gguf synth=$state/synth-$layers
 model_file=$synth/synthetic_routing.json
@@ -91,6 +93,7 @@ run() {
     echo "machine: $(nproc) cores, $(free -g | awk '/Mem/{print $2}') GiB; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
     echo "slotstream: $(cat "$repo/.devbin/commit" 2>/dev/null || echo unknown commit) (Vulkan); llama.cpp: llama-cpp-python 0.3.36's tree, CUDA sm_90"
     echo "layers: $layers; rounds: $rounds; prompts: $prompts"
+    [ -z "$baseline" ] || echo "baseline: $baseline, $(cat "$repo/.devbin/commit-base" 2>/dev/null || echo unknown commit)"
     echo "slotstream routing: $routing"
   } | tee "$out/machine.txt"
   case $routing in
@@ -103,13 +106,18 @@ run() {
   for i in $(seq "$rounds"); do
     "$bench" -m "$gguf" -ngl 99 -p "$prompts" -n 128 -r 3 -o json > "$out/llama-$i.json"
     for p in ${prompts//,/ }; do
-      "$repo/.devbin/slotstream" bench --model "$synth" --device gpu --budgets all --lookahead off \
-        --prompt-len "$p" --tokens "$tokens" --warmup "$warmup" --json > "$out/slotstream-$i-$p.json"
+      for which in slotstream ${baseline:+baseline}; do
+        local bin=$repo/.devbin/slotstream
+        [ "$which" = slotstream ] || bin=$baseline
+        "$bin" bench --model "$synth" --device gpu --budgets all --lookahead off \
+          --prompt-len "$p" --tokens "$tokens" --warmup "$warmup" --json > "$out/$which-$i-$p.json"
+      done
     done
   done
-  python3 - "$out" "$rounds" "$prompts" <<'PY' | tee "$out/summary.md"
+  python3 - "$out" "$rounds" "$prompts" "$baseline" <<'PY' | tee "$out/summary.md"
 import json, sys
 out, rounds, prompts = sys.argv[1], int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")]
+runs = ["slotstream"] + (["baseline"] if sys.argv[4] else [])
 print(open(f"{out}/machine.txt").read())
 print("| round | what | llama.cpp tok/s | slotstream tok/s | ratio |")
 print("|---:|---|---:|---:|---:|")
@@ -118,9 +126,11 @@ for i in range(1, rounds + 1):
     pp = {r["n_prompt"]: r["avg_ts"] for r in peer if r["n_prompt"]}
     tg = next(r["avg_ts"] for r in peer if r["n_gen"])
     for p in prompts:
-        ours = json.load(open(f"{out}/slotstream-{i}-{p}.json"))["rows"][0]
-        print(f"| {i} | prefill, {p}-token prompt | {pp[p]:.1f} | {ours['prefill_tps']:.1f} | {ours['prefill_tps'] / pp[p]:.2f} |")
-        print(f"| {i} | decode after {p} | {tg:.1f} | {ours['decode_tps']:.1f} | {ours['decode_tps'] / tg:.2f} |")
+        for which in runs:
+            ours = json.load(open(f"{out}/{which}-{i}-{p}.json"))["rows"][0]
+            tag = "" if which == "slotstream" else " (baseline)"
+            print(f"| {i} | prefill, {p}-token prompt{tag} | {pp[p]:.1f} | {ours['prefill_tps']:.1f} | {ours['prefill_tps'] / pp[p]:.2f} |")
+            print(f"| {i} | decode after {p}{tag} | {tg:.1f} | {ours['decode_tps']:.1f} | {ours['decode_tps'] / tg:.2f} |")
 PY
 }
 
