@@ -214,12 +214,12 @@ impl Engine {
             let (runner, pool, plan): (Box<dyn Runner>, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
-                        let (l, pool, plan) = load_on(b, &ckpt, &options, handle)?;
-                        (Box::new(l), pool, plan)
+                        let o = load_on(b, &ckpt, &options, handle)?;
+                        (Box::new(o.loaded), o.pool, o.plan)
                     }
                     Compute::Gpu(b) => {
-                        let (l, pool, plan) = load_on(*b, &ckpt, &options, handle)?;
-                        (Box::new(l), pool, plan)
+                        let o = load_on(*b, &ckpt, &options, handle)?;
+                        (Box::new(o.loaded), o.pool, o.plan)
                     }
                 };
             let ngram = runner.ngram_tables();
@@ -484,12 +484,19 @@ impl Stream for Generation {
     }
 }
 
+/// A model loaded on one backend ([`load_on`]), with its pool and the plan that sized it.
+struct Opened<B: Backend> {
+    loaded: Loaded<B>,
+    pool: Option<Arc<SlotPool>>,
+    plan: Option<Plan>,
+}
+
 fn load_on<B: Backend + 'static>(
     backend: B,
     ckpt: &Arc<Checkpoint>,
     options: &EngineOptions,
     runtime: tokio::runtime::Handle,
-) -> Result<(Loaded<B>, Option<Arc<SlotPool>>, Option<Plan>)> {
+) -> Result<Opened<B>> {
     let mut model = Model::load(ckpt, &backend)?;
     model.set_context(options.source.context);
     let source = open_source(
@@ -509,7 +516,11 @@ fn load_on<B: Backend + 'static>(
         experts: source.experts,
         cache: Mutex::new(cache),
     };
-    Ok((loaded, source.pool, source.plan))
+    Ok(Opened {
+        loaded,
+        pool: source.pool,
+        plan: source.plan,
+    })
 }
 
 impl<B: Backend> Runner for Loaded<B> {
