@@ -8,83 +8,71 @@
 //! end-of-turn marker and the new message) is tokenized and appended to those ids. When
 //! the rendering does not extend the previous one (a template that rewrites history), the
 //! conversation is tokenized again from the start. Either way the turn continues from the
-//! longest snapshot of the [`PromptCache`] that starts its ids: the end of the last
-//! reply, or an earlier turn's prompt.
+//! longest snapshot of the [`crate::prompt_cache::PromptCache`] that starts its ids: the
+//! end of the last reply, or an earlier turn's prompt.
 
-use crate::backend::Backend;
 use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
 use crate::error::Result;
-use crate::generate::{GenerateOptions, GenerateStats};
-use crate::model::Model;
-use crate::prompt_cache::PromptCache;
-use crate::records::ExpertSource;
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::Tokenizer;
 
-/// One conversation with the prompt cache that holds its states.
-pub struct Conversation<B: Backend> {
+/// One conversation: its messages, and the ids its replies were generated from and as.
+/// It builds each turn's prompt ([`Conversation::next`]); the caller generates the reply
+/// (through a [`crate::prompt_cache::PromptCache`], which reuses the state of the ids
+/// that start the prompt; the binary's `chat` does it through its engine) and keeps it
+/// ([`Conversation::commit`]).
+pub struct Conversation {
     /// The messages so far, with the template's variables (and tools).
     pub chat: Chat,
     /// How many of `chat.messages` the conversation started with (a system prompt):
     /// [`Conversation::reset`] goes back to them.
     start: usize,
-    pub cache: PromptCache<B>,
     /// The rendered conversation so far (the template's output plus replies).
     text: Rendered,
     /// Its ids: prompts as tokenized, replies as generated.
     history: Vec<u32>,
 }
 
-/// What one turn did.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Turn {
-    pub reply: String,
-    /// The conversation's ids the reply was generated from.
-    pub input_ids: Vec<u32>,
-    pub output_ids: Vec<u32>,
-    /// Prompt tokens taken from a snapshot rather than re-read.
-    pub reused_tokens: usize,
-    /// Prompt tokens run through the model for this turn.
-    pub prompt_tokens: usize,
-    pub stats: GenerateStats,
+/// A turn's prompt ([`Conversation::next`]), to generate the reply from and then keep
+/// ([`Conversation::commit`]).
+#[derive(Clone, Debug)]
+pub struct NextTurn {
+    /// The whole conversation's ids, the user's new message and the reply's opening
+    /// included: earlier prompts as tokenized, earlier replies as generated.
+    pub ids: Vec<u32>,
+    /// The conversation with the new message.
+    chat: Chat,
+    /// Its rendering.
+    rendered: Rendered,
 }
 
-impl<B: Backend> Conversation<B> {
+impl Conversation {
     /// A conversation starting from `chat` (usually no messages, or a system prompt, and
-    /// the template's variables such as `enable_thinking`), its states kept in `cache`.
-    pub fn new(chat: Chat, cache: PromptCache<B>) -> Self {
+    /// the template's variables such as `enable_thinking`).
+    pub fn new(chat: Chat) -> Self {
         Conversation {
             start: chat.messages.len(),
             chat,
-            cache,
             text: Rendered::default(),
             history: Vec::new(),
         }
     }
 
-    /// Forgets the turns, keeping the messages the conversation started with (and the
-    /// cache's snapshots: the next turn reuses the system prompt's).
+    /// Forgets the turns, keeping the messages the conversation started with (a prompt
+    /// cache's snapshots stay: the next turn reuses the system prompt's).
     pub fn reset(&mut self) {
         self.chat.messages.truncate(self.start);
         self.text = Rendered::default();
         self.history.clear();
     }
 
-    /// Adds the user's `text`, generates the reply (streamed to `on_text`) and keeps it,
-    /// then saves the turn's snapshots when the cache has a directory.
-    /// Errors: a template or forward-pass error; the conversation is unchanged by a turn
-    /// that failed.
-    #[allow(clippy::too_many_arguments)]
-    pub fn turn<E: ExpertSource>(
-        &mut self,
-        model: &Model<B>,
-        backend: &B,
-        experts: &E,
+    /// The prompt of the turn that adds the user's `text`; the conversation is unchanged
+    /// until [`Conversation::commit`]. Errors: a template or tokenizer error.
+    pub fn next(
+        &self,
         tokenizer: &Tokenizer,
         template: &ChatTemplate,
         text: &str,
-        options: &GenerateOptions,
-        mut on_text: impl FnMut(&str),
-    ) -> Result<Turn> {
+    ) -> Result<NextTurn> {
         let mut chat = self.chat.clone();
         chat.messages.push(Message::new("user", text));
         let rendered = template.render(tokenizer, &chat)?;
@@ -96,34 +84,33 @@ impl<B: Backend> Conversation<B> {
             }
             _ => rendered.encode(tokenizer)?,
         };
-        let mut decoder = StreamDecoder::new();
-        let mut reply = String::new();
-        let generated = self
-            .cache
-            .generate(model, backend, experts, &ids, options, |id| {
-                let piece = decoder.push(tokenizer, id)?;
-                on_text(&piece);
-                reply.push_str(&piece);
-                Ok(true)
-            })?;
-        let tail = decoder.finish(tokenizer)?;
-        on_text(&tail);
-        reply.push_str(&tail);
-        chat.messages.push(Message::new("assistant", &reply));
+        Ok(NextTurn {
+            ids,
+            chat,
+            rendered,
+        })
+    }
+
+    /// Keeps `turn` with its reply: `reply` as decoded, `output_ids` as generated from
+    /// `turn.ids`.
+    pub fn commit(
+        &mut self,
+        tokenizer: &Tokenizer,
+        turn: NextTurn,
+        reply: &str,
+        output_ids: &[u32],
+    ) {
+        let NextTurn {
+            ids,
+            mut chat,
+            rendered,
+        } = turn;
+        chat.messages.push(Message::new("assistant", reply));
         self.chat = chat;
         self.text = rendered;
-        self.text.push_data(tokenizer, &reply);
-        self.history = ids.clone();
-        self.history.extend_from_slice(&generated.output_ids);
-        self.cache.save(model, backend);
-        Ok(Turn {
-            reply,
-            input_ids: ids,
-            output_ids: generated.output_ids,
-            reused_tokens: generated.reused_tokens,
-            prompt_tokens: generated.stats.prompt_tokens,
-            stats: generated.stats,
-        })
+        self.text.push_data(tokenizer, reply);
+        self.history = ids;
+        self.history.extend_from_slice(output_ids);
     }
 }
 

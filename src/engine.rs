@@ -22,6 +22,9 @@
 //! Prompt reuse: the engine keeps snapshots of its sequences' states at prefix boundaries
 //! ([`crate::prompt_cache`]); a request continues from the longest snapshot whose tokens
 //! start its prompt and runs only the rest.
+//!
+//! Besides generation the engine scores token sequences ([`Engine::score`]), and it is
+//! the one load path of the binary's `generate`, `chat`, `score` and `serve`.
 
 use std::path::Path;
 use std::pin::Pin;
@@ -42,9 +45,11 @@ use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
 use crate::model::Model;
 use crate::ngram::{NgramCounts, NgramTable};
-use crate::pool::{PoolStats, SlotPool};
+use crate::plan::Plan;
+use crate::pool::{PoolStats, SlotPool, TraceEvent};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions, PromptCacheStats};
 use crate::sampling::SamplingOptions;
+use crate::score::Score;
 use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 /// How to load a model.
@@ -55,9 +60,10 @@ pub struct EngineOptions {
     /// How a GPU backend is driven (the CLI's come from the environment,
     /// [`GpuOptions::from_env`]).
     pub gpu: GpuOptions,
-    /// Where experts come from (pool size, I/O, lookahead); `source.context` is also the
-    /// most tokens (prompt and generated) one sequence may hold, at most the model's
-    /// `max_position_embeddings` ([`crate::context`]).
+    /// Where experts come from (pool size, I/O, lookahead, the pool's trace:
+    /// [`Engine::take_trace`]); `source.context` is also the most tokens (prompt and
+    /// generated) one sequence may hold, at most the model's `max_position_embeddings`
+    /// ([`crate::context`]).
     pub source: SourceOptions,
     /// Snapshots kept for prompt reuse (in memory, and on disk with a directory); a
     /// memory plan counts their bound (`source.prompt_cache` is set from it).
@@ -135,7 +141,8 @@ pub enum Event {
 /// The engine's counters since it was loaded.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct EngineStats {
-    /// Requests that ran (completed, stopped or failed after starting).
+    /// Requests that ran (completed, stopped or failed after starting): generations and
+    /// scorings.
     pub requests: u64,
     /// Prompt reuse: snapshot hits and misses, reused tokens, bytes in memory and on disk
     /// (as of the end of the last request).
@@ -157,6 +164,8 @@ struct Shared {
     context: usize,
     vocab: usize,
     pool: Option<Arc<SlotPool>>,
+    /// The memory plan that sized the pool, when a budget sized it.
+    plan: Option<Plan>,
     /// The model's n-gram tables, for their counters.
     ngram: Vec<Arc<NgramTable>>,
     stats: Mutex<EngineStats>,
@@ -172,6 +181,9 @@ trait Runner: Send + Sync {
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
     ) -> Result<()>;
+
+    /// Scores `ids` on a fresh sequence ([`crate::score::score`]).
+    fn score(&self, ids: &[u32]) -> Result<Score>;
 
     /// The model's n-gram tables ([`Model::ngram_tables`]).
     fn ngram_tables(&self) -> Vec<Arc<NgramTable>>;
@@ -199,15 +211,15 @@ impl Engine {
             let ckpt = Arc::new(Checkpoint::open(&dir)?);
             let mut options = options;
             options.source.context = crate::context::limit(options.source.context, &ckpt.config);
-            let (runner, pool): (Box<dyn Runner>, _) =
+            let (runner, pool, plan): (Box<dyn Runner>, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
-                        let (l, pool) = load_on(b, &ckpt, &options, handle)?;
-                        (Box::new(l), pool)
+                        let o = load_on(b, &ckpt, &options, handle)?;
+                        (Box::new(o.loaded), o.pool, o.plan)
                     }
                     Compute::Gpu(b) => {
-                        let (l, pool) = load_on(*b, &ckpt, &options, handle)?;
-                        (Box::new(l), pool)
+                        let o = load_on(*b, &ckpt, &options, handle)?;
+                        (Box::new(o.loaded), o.pool, o.plan)
                     }
                 };
             let ngram = runner.ngram_tables();
@@ -229,6 +241,7 @@ impl Engine {
                 context: options.source.context,
                 vocab: ckpt.config.vocab_size,
                 pool,
+                plan,
                 ngram,
                 stats: Mutex::new(stats),
             })
@@ -255,7 +268,7 @@ impl Engine {
             Input::Ids(ids) => {
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= s.vocab) {
                     return Err(Error::InvalidInput(format!(
-                        "token id {bad} is outside the vocabulary of {} tokens",
+                        "token id {bad} is out of range for a vocabulary of {} tokens",
                         s.vocab
                     )));
                 }
@@ -291,6 +304,34 @@ impl Engine {
         self.shared.tokenizer.decode(ids)
     }
 
+    /// The model's tokenizer (for what [`Engine::encode`] does not do: tokenizing a text
+    /// to score, a conversation's next turn with [`crate::chat::Conversation`]).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.shared.tokenizer
+    }
+
+    /// The model's chat template; `None` when it has none (chats are then the messages
+    /// joined by newlines).
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.shared.template.as_ref()
+    }
+
+    /// The memory plan that sized the pool (`source.pool` a
+    /// [`crate::experts::PoolSize::Budget`]); `None` otherwise.
+    pub fn plan(&self) -> Option<&Plan> {
+        self.shared.plan.as_ref()
+    }
+
+    /// The pool's lookups recorded since the load or the last call (`source.trace`);
+    /// empty without a pool or without tracing. Best taken between requests.
+    pub fn take_trace(&self) -> Vec<TraceEvent> {
+        self.shared
+            .pool
+            .as_ref()
+            .map(|p| p.take_trace())
+            .unwrap_or_default()
+    }
+
     /// The engine's counters.
     pub fn stats(&self) -> EngineStats {
         self.shared
@@ -315,6 +356,31 @@ impl Engine {
     /// Slots pinned now (0 between requests).
     pub fn pinned_slots(&self) -> usize {
         self.shared.pool.as_ref().map_or(0, |p| p.pinned_slots())
+    }
+
+    /// Teacher-forced scoring: runs `ids` through a fresh sequence (not the prompt cache)
+    /// once earlier requests are done, and scores each next token
+    /// ([`crate::score::score`]: the mean negative log-likelihood, the perplexity, all
+    /// logits as `[ids.len(), vocab]`). The pool's counters ([`Engine::pool_stats`]) start
+    /// again at zero, as for a generation. The context does not bound it. Errors: fewer
+    /// than two ids, an id outside the vocabulary, a forward-pass error.
+    pub async fn score(&self, ids: Vec<u32>) -> Result<Score> {
+        let shared = self.shared.clone();
+        let guard = shared.runner.clone().lock_owned().await;
+        tokio::task::spawn_blocking(move || {
+            if let Some(pool) = &shared.pool {
+                pool.reset_stats();
+            }
+            let score = guard.score(&ids);
+            shared
+                .stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .requests += 1;
+            score
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("scoring task failed: {e}")))?
     }
 
     /// Starts `request`; its events arrive on the returned stream once earlier requests
@@ -385,6 +451,23 @@ impl Generation {
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::SeqCst);
     }
+
+    /// A handle that cancels this request as [`Generation::cancel`] does, from anywhere
+    /// (a Ctrl-C handler) and for as long as it is kept.
+    pub fn cancel_handle(&self) -> CancelHandle {
+        CancelHandle(self.cancel.clone())
+    }
+}
+
+/// Cancels one request ([`Generation::cancel_handle`]); cheap to clone, `Send + Sync`.
+#[derive(Clone, Debug)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    /// As [`Generation::cancel`]; no effect once the request has ended.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Drop for Generation {
@@ -401,12 +484,19 @@ impl Stream for Generation {
     }
 }
 
+/// A model loaded on one backend ([`load_on`]), with its pool and the plan that sized it.
+struct Opened<B: Backend> {
+    loaded: Loaded<B>,
+    pool: Option<Arc<SlotPool>>,
+    plan: Option<Plan>,
+}
+
 fn load_on<B: Backend + 'static>(
     backend: B,
     ckpt: &Arc<Checkpoint>,
     options: &EngineOptions,
     runtime: tokio::runtime::Handle,
-) -> Result<(Loaded<B>, Option<Arc<SlotPool>>)> {
+) -> Result<Opened<B>> {
     let mut model = Model::load(ckpt, &backend)?;
     model.set_context(options.source.context);
     let source = open_source(
@@ -426,12 +516,20 @@ fn load_on<B: Backend + 'static>(
         experts: source.experts,
         cache: Mutex::new(cache),
     };
-    Ok((loaded, source.pool))
+    Ok(Opened {
+        loaded,
+        pool: source.pool,
+        plan: source.plan,
+    })
 }
 
 impl<B: Backend> Runner for Loaded<B> {
     fn ngram_tables(&self) -> Vec<Arc<NgramTable>> {
         self.model.ngram_tables()
+    }
+
+    fn score(&self, ids: &[u32]) -> Result<Score> {
+        crate::score::score(&self.model, &self.backend, &self.experts, ids)
     }
 
     fn prompt_cache_stats(&self) -> PromptCacheStats {

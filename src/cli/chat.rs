@@ -1,22 +1,16 @@
 //! `slotstream chat`: a conversation in the terminal.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
-use slotstream::backend::gpu::GpuOptions;
-use slotstream::backend::{open_compute, Backend, Compute};
-use slotstream::chat_template::{Chat, ChatTemplate, Message};
-use slotstream::checkpoint::Checkpoint;
-use slotstream::experts::OpenedSource;
-use slotstream::generate::GenerateOptions;
-use slotstream::tokenizer::Tokenizer;
+use slotstream::chat::{read_input, ChatInput, Conversation};
+use slotstream::chat_template::{Chat, Message};
+use slotstream::engine::{Input, Request};
 
 use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
-use super::generate::generate_options;
-use super::streamed::{finish_pool, load_streamed, Streamed};
+use super::load::{engine_options, Loaded, Reply};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -45,41 +39,8 @@ pub struct ChatArgs {
 }
 
 pub fn chat(args: ChatArgs) -> Result<()> {
-    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
-    let tokenizer = Tokenizer::load(&args.model)?;
-    let template = ChatTemplate::load(&args.model)?
-        .with_context(|| format!("{} has no chat template", args.model.display()))?;
-    let options = generate_options(
-        &args.model,
-        &ckpt,
-        &tokenizer,
-        args.max_tokens,
-        &args.sampling,
-    )?;
-    match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
-        Compute::Cpu(b) => chat_on(&b, &ckpt, &tokenizer, &template, &options, &args),
-        Compute::Gpu(b) => chat_on(&*b, &ckpt, &tokenizer, &template, &options, &args),
-    }
-}
-
-fn chat_on<B: Backend>(
-    backend: &B,
-    ckpt: &Arc<Checkpoint>,
-    tokenizer: &Tokenizer,
-    template: &ChatTemplate,
-    options: &GenerateOptions,
-    args: &ChatArgs,
-) -> Result<()> {
-    use slotstream::chat::{read_input, ChatInput};
     use std::io::Write;
-    let cache_options = args.prompt_cache.options(args.stream.memory_budget)?;
-    let Streamed {
-        model,
-        source,
-        cache,
-        _runtime,
-    } = load_streamed(backend, ckpt, &args.stream, &args.trace, &cache_options)?;
-    let OpenedSource { experts, pool, .. } = source;
+    let sampling = args.sampling.options()?;
     let mut start = Chat {
         kwargs: args.template.kwargs()?,
         ..Chat::default()
@@ -87,9 +48,19 @@ fn chat_on<B: Backend>(
     if let Some(system) = &args.system {
         start.messages.push(Message::new("system", system));
     }
-    let mut conversation = slotstream::chat::Conversation::new(start, cache);
+    let options = engine_options(
+        args.device.clone(),
+        &args.stream,
+        args.trace.trace.is_some(),
+        args.prompt_cache.options(args.stream.memory_budget)?,
+    );
+    let loaded = Loaded::load(&args.model, options)?;
+    let engine = &loaded.engine;
+    let template = engine
+        .template()
+        .with_context(|| format!("{} has no chat template", args.model.display()))?;
+    let mut conversation = Conversation::new(start);
     let mut stdin = std::io::stdin().lock();
-    let mut stdout = std::io::stdout();
     eprintln!(
         "type a message (\"\"\" starts and ends one of several lines); /reset forgets the conversation, /exit or end of input ends it"
     );
@@ -105,43 +76,46 @@ fn chat_on<B: Backend>(
             }
             ChatInput::Message(text) => text,
         };
-        let turn = conversation.turn(
-            &model,
-            backend,
-            &experts,
-            tokenizer,
-            template,
-            &text,
-            options,
-            |t| {
+        let turn = conversation.next(engine.tokenizer(), template, &text);
+        let reply = turn.map_err(anyhow::Error::from).and_then(|turn| {
+            let generation = loaded.generate(Request {
+                input: Input::Ids(turn.ids.clone()),
+                max_tokens: args.max_tokens,
+                sampling: sampling.clone(),
+            });
+            let reply = loaded.finish_generation(generation, |t| {
                 print!("{t}");
-                let _ = stdout.flush();
-            },
-        );
+                let _ = std::io::stdout().flush();
+            })?;
+            Ok((turn, reply))
+        });
         println!();
-        let turn = match turn {
-            Ok(turn) => turn,
+        let reply: Reply = match reply {
+            Ok((turn, reply)) => {
+                conversation.commit(engine.tokenizer(), turn, &reply.text, &reply.output_ids);
+                reply
+            }
             // The conversation is kept as it was before the message; the next turn goes on.
             Err(e) => {
-                eprintln!("error: {e}");
+                eprintln!("error: {e:#}");
                 continue;
             }
         };
         if args.stream.stats {
             eprintln!(
                 "[{} new prompt tokens, {} reused; {} tokens at {:.1} tok/s]",
-                turn.prompt_tokens,
-                turn.reused_tokens,
-                turn.stats.generated_tokens,
-                turn.stats.decode_tps
+                reply.stats.prompt_tokens,
+                reply.reused_tokens,
+                reply.stats.generated_tokens,
+                reply.stats.decode_tps
             );
         }
     }
     if args.stream.stats {
         eprintln!(
             "prompt cache: {}",
-            serde_json::to_string(&conversation.cache.stats())?
+            serde_json::to_string(&engine.stats().prompt_cache)?
         );
     }
-    finish_pool(&pool, &args.trace, args.stream.stats)
+    loaded.finish(&args.trace, args.stream.stats)
 }

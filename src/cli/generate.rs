@@ -1,22 +1,18 @@
 //! `slotstream generate`: text from a prompt, streamed to stdout.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use slotstream::backend::gpu::GpuOptions;
-use slotstream::backend::{open_compute, Backend, Compute};
-use slotstream::chat_template::{chat_prompt, Chat, ChatTemplate, Message};
-use slotstream::checkpoint::Checkpoint;
-use slotstream::experts::OpenedSource;
-use slotstream::generate::GenerateOptions;
+use slotstream::chat_template::{Chat, Message};
+use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
-use slotstream::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
 use super::flags::{IdList, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
-use super::streamed::{finish_pool, load_streamed, Streamed};
+use super::load::{engine_options, Loaded};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -91,9 +87,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 
 /// `generate` with `args`; with `--stats`, a summary on stderr; the pool's counters as
 /// JSON after it when `pool_json`.
-pub fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
-    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
-    let tokenizer = Tokenizer::load(&args.model)?;
+pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
+    use std::io::Write;
     let text = match (&args.text, &args.prompt, &args.prompt_file) {
         (Some(t), None, None) | (None, Some(t), None) => Some(t.clone()),
         (None, None, Some(f)) if f.as_os_str() == "-" => {
@@ -108,153 +103,83 @@ pub fn run_generate(mut args: GenerateArgs, pool_json: bool) -> Result<()> {
         (None, None, None) => None,
         _ => bail!("give the prompt once: as an argument, --prompt, --prompt-file or --prompt-ids"),
     };
-    let template = match (&text, args.raw) {
-        (Some(_), false) => ChatTemplate::load(&args.model)?,
-        _ => None,
-    };
-    if args.template.is_set() && template.is_none() {
-        bail!("--think and --chat-template-kwargs set chat template variables: they need a prompt text, without --raw, and a model with a chat template");
+    const TEMPLATE_VARIABLES: &str = "--think and --chat-template-kwargs set chat template variables: they need a prompt text, without --raw, and a model with a chat template";
+    if args.template.is_set() && (text.is_none() || args.raw) {
+        bail!(TEMPLATE_VARIABLES);
     }
-    let prompt = match (&args.prompt_ids, text) {
-        (Some(ids), None) => ids.0.clone(),
-        (None, Some(text)) if template.is_some() => {
-            let chat = Chat {
-                kwargs: args.template.kwargs()?,
-                ..Chat::new(vec![Message::new("user", &text)])
-            };
-            chat_prompt(&tokenizer, template.as_ref(), &chat)?.ids
-        }
-        (None, Some(text)) => tokenizer.encode(&text)?,
+    let kwargs = args.template.kwargs()?;
+    let input = match (&args.prompt_ids, text) {
+        (Some(ids), None) => Input::Ids(ids.0.clone()),
+        (None, Some(text)) => Input::Text(text),
         _ => bail!("give a prompt: as an argument, --prompt, --prompt-file or --prompt-ids"),
     };
-    if prompt.is_empty() {
-        bail!("the prompt is empty");
-    }
-    // Refused before the weights load; generation stops at this context.
-    args.stream.io.context = slotstream::context::limit(args.stream.io.context, &ckpt.config);
-    slotstream::context::room(prompt.len(), args.stream.io.context)?;
+    let sampling = args.sampling.options()?;
     if let Some(path) = &args.trace.trace {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
-    let options = generate_options(
-        &args.model,
-        &ckpt,
-        &tokenizer,
-        args.max_tokens,
-        &args.sampling,
-    )?;
-    match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
-        Compute::Cpu(b) => generate_on(&b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
-        Compute::Gpu(b) => generate_on(&*b, &ckpt, &tokenizer, &prompt, &options, &args, pool_json),
-    }
-}
-
-/// Generation options from the flags, with the model's EOS ids. Errors: bad sampling
-/// flags, unreadable generation config.
-pub fn generate_options(
-    dir: &std::path::Path,
-    ckpt: &Checkpoint,
-    tokenizer: &Tokenizer,
-    max_tokens: usize,
-    sampling: &SamplingArgs,
-) -> Result<GenerateOptions> {
-    Ok(GenerateOptions {
-        max_tokens,
-        sampling: sampling.options()?,
-        eos_ids: eos_ids(
-            dir,
-            &ckpt.config.eos_token_ids,
-            tokenizer,
-            ckpt.config.vocab_size,
-        )?,
-        cancel: None,
-    })
-}
-
-fn generate_on<B: Backend>(
-    backend: &B,
-    ckpt: &Arc<Checkpoint>,
-    tokenizer: &Tokenizer,
-    prompt: &[u32],
-    options: &GenerateOptions,
-    args: &GenerateArgs,
-    pool_json: bool,
-) -> Result<()> {
-    use std::io::Write;
-    let mut cache_options = args.prompt_cache.options(args.stream.memory_budget)?;
-    if cache_options.dir.is_none() {
+    let mut cache = args.prompt_cache.options(args.stream.memory_budget)?;
+    if cache.dir.is_none() {
         // Nothing outlives the run: no snapshots to take.
-        cache_options.memory = 0;
+        cache.memory = 0;
     }
-    let Streamed {
-        model,
-        source,
-        mut cache,
-        _runtime,
-    } = load_streamed(backend, ckpt, &args.stream, &args.trace, &cache_options)?;
-    let OpenedSource {
-        experts,
-        pool,
-        plan,
-    } = source;
-    let mut decoder = StreamDecoder::new();
-    let mut text = String::new();
-    let mut stdout = std::io::stdout();
-    // Ctrl-C stops after the current token; the output so far and the stats still print.
-    let interrupted = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    {
-        let flag = interrupted.clone();
-        // The first Ctrl-C stops at the next token or prompt chunk; a second one ends
-        // the process.
-        if let Err(e) = ctrlc::set_handler(move || {
-            if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                std::process::exit(130);
-            }
-        }) {
-            tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
-        }
+    let options = engine_options(
+        args.device.clone(),
+        &args.stream,
+        args.trace.trace.is_some(),
+        cache,
+    );
+    let loaded = Loaded::load(&args.model, options)?;
+    let engine = &loaded.engine;
+    if args.template.is_set() && engine.template().is_none() {
+        bail!(TEMPLATE_VARIABLES);
     }
-    // The flag also stops a long prompt between its chunks.
-    let options = GenerateOptions {
-        cancel: Some(interrupted.clone()),
-        ..options.clone()
+    // A text is wrapped in the chat template unless --raw (or the model has none).
+    let input = match input {
+        Input::Text(text) if !args.raw && engine.template().is_some() => Input::Chat(Chat {
+            kwargs,
+            ..Chat::new(vec![Message::new("user", &text)])
+        }),
+        input => input,
     };
-    let generated = cache.generate(&model, backend, &experts, prompt, &options, |id| {
-        let piece = decoder.push(tokenizer, id)?;
+    let prompt = engine.encode(&input)?;
+    let generation = loaded.generate(Request {
+        input: Input::Ids(prompt.clone()),
+        max_tokens: args.max_tokens,
+        sampling,
+    });
+    // Ctrl-C stops after the current token, or between a long prompt's chunks; the
+    // output so far and the stats still print. A second one ends the process.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let cancel = generation.cancel_handle();
+    if let Err(e) = ctrlc::set_handler(move || {
+        if interrupted.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        cancel.cancel();
+    }) {
+        tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
+    }
+    let reply = loaded.finish_generation(generation, |piece| {
         if !args.json {
             if args.visible_controls {
-                print!("{}", visible_controls(&piece));
+                print!("{}", visible_controls(piece));
             } else {
                 print!("{piece}");
             }
-            let _ = stdout.flush();
+            let _ = std::io::stdout().flush();
         }
-        text.push_str(&piece);
-        Ok(!interrupted.load(std::sync::atomic::Ordering::SeqCst))
     })?;
-    let (ids, stats) = (&generated.output_ids, &generated.stats);
-    let tail = decoder.finish(tokenizer)?;
-    if !args.json {
-        if args.visible_controls {
-            print!("{}", visible_controls(&tail));
-        } else {
-            print!("{tail}");
-        }
-    }
-    text.push_str(&tail);
-    let pool_stats = pool.as_ref().map(|p| p.stats());
-    cache.save(&model, backend);
     if args.json {
         let out = serde_json::json!({
             "prompt_ids": prompt,
-            "output_ids": ids,
-            "text": text,
-            "stats": stats,
-            "reused_tokens": generated.reused_tokens,
-            "prompt_cache": cache.stats(),
-            "pool": pool_stats,
-            "plan": plan,
+            "output_ids": reply.output_ids,
+            "text": reply.text,
+            "stats": reply.stats,
+            "reused_tokens": reply.reused_tokens,
+            "prompt_cache": engine.stats().prompt_cache,
+            "pool": reply.pool,
+            "plan": engine.plan(),
             "peak_rss_bytes": slotstream::plan::peak_rss(),
         });
         println!("{out}");
@@ -264,10 +189,10 @@ fn generate_on<B: Backend>(
     if args.stream.stats {
         eprint!(
             "{}",
-            summary(stats, generated.reused_tokens, pool_stats.as_ref())
+            summary(&reply.stats, reply.reused_tokens, reply.pool.as_ref())
         );
     }
-    finish_pool(&pool, &args.trace, pool_json)
+    loaded.finish(&args.trace, pool_json)
 }
 
 /// The run in words, for `--stats` and the demo: prefill and decode rates (with the prompt

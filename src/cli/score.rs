@@ -1,20 +1,14 @@
 //! `slotstream score`: teacher-forced log-likelihood and perplexity.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use slotstream::backend::gpu::GpuOptions;
-use slotstream::backend::{open_compute, Backend, Compute};
-use slotstream::checkpoint::Checkpoint;
 use slotstream::prompt_cache::PromptCacheOptions;
-use slotstream::score::Score;
-use slotstream::tokenizer::Tokenizer;
 
 use super::flags::{IdList, StreamArgs, TraceArgs};
-use super::streamed::{finish_pool, load_streamed};
+use super::load::{engine_options, Loaded};
 
 #[derive(Args)]
 pub struct ScoreArgs {
@@ -41,20 +35,33 @@ pub struct ScoreArgs {
 }
 
 pub fn score(args: ScoreArgs) -> Result<()> {
-    let ckpt = Arc::new(Checkpoint::open(&args.model).context("opening the model")?);
-    let ids = match (&args.ids, &args.text) {
-        (Some(ids), None) => ids.0.clone(),
-        (None, Some(text)) => Tokenizer::load(&args.model)?.encode(text)?,
+    let text = match (&args.ids, &args.text) {
+        (Some(_), None) => None,
+        (None, Some(text)) => Some(text),
         _ => bail!("give exactly one of --ids or --text"),
     };
     for path in [&args.logits_out, &args.trace.trace].into_iter().flatten() {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
-    let s = match open_compute(args.device.as_deref(), &GpuOptions::from_env())? {
-        Compute::Cpu(b) => score_on(&b, &ckpt, &ids, &args.stream, &args.trace)?,
-        Compute::Gpu(b) => score_on(&*b, &ckpt, &ids, &args.stream, &args.trace)?,
+    // A fresh sequence: no snapshots to take or reuse.
+    let off = PromptCacheOptions {
+        memory: 0,
+        ..Default::default()
     };
+    let options = engine_options(
+        args.device.clone(),
+        &args.stream,
+        args.trace.trace.is_some(),
+        off,
+    );
+    let loaded = Loaded::load(&args.model, options)?;
+    let ids = match (text, &args.ids) {
+        (Some(text), _) => loaded.engine.tokenizer().encode(text)?,
+        (None, ids) => ids.as_ref().map_or_else(Vec::new, |ids| ids.0.clone()),
+    };
+    let s = loaded.block_on(loaded.engine.score(ids))?;
+    loaded.finish(&args.trace, args.stream.stats)?;
     println!("tokens: {}", s.tokens);
     println!("mean_nll: {:.6}", s.mean_nll);
     println!("perplexity: {:.6}", s.perplexity);
@@ -69,21 +76,4 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn score_on<B: Backend>(
-    backend: &B,
-    ckpt: &Arc<Checkpoint>,
-    ids: &[u32],
-    a: &StreamArgs,
-    trace: &TraceArgs,
-) -> Result<Score> {
-    let off = PromptCacheOptions {
-        memory: 0,
-        ..Default::default()
-    };
-    let m = load_streamed(backend, ckpt, a, trace, &off)?;
-    let s = slotstream::score::score(&m.model, backend, &m.source.experts, ids)?;
-    finish_pool(&m.source.pool, trace, a.stats)?;
-    Ok(s)
 }

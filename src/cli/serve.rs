@@ -5,9 +5,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use slotstream::backend::gpu::GpuOptions;
-
 use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs};
+use super::load::engine_options;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -61,7 +60,7 @@ enum ReasoningFormat {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
-    use slotstream::engine::{Engine, EngineOptions};
+    use slotstream::engine::Engine;
     use slotstream::server::{router, ServerOptions};
     let sampling = args.sampling.options()?;
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
@@ -89,12 +88,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             })?;
         let address = listener.local_addr()?;
         tracing::info!(%address, "listening; loading the model");
-        let options = EngineOptions {
-            device: args.device.clone(),
-            gpu: GpuOptions::from_env(),
-            source: args.stream.source(),
-            prompt_cache: args.prompt_cache.options(args.stream.memory_budget)?,
-        };
+        let options = engine_options(
+            args.device.clone(),
+            &args.stream,
+            false,
+            args.prompt_cache.options(args.stream.memory_budget)?,
+        );
         let engine = Engine::load(&args.model, options)
             .await
             .with_context(|| format!("loading model {}", args.model.display()))?;

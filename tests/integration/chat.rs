@@ -37,24 +37,33 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         ..Default::default()
     };
     let cache = || PromptCache::open(&l.ckpt, &l.model, &CpuBackend, &cache_options).unwrap();
-    let turn = |c: &mut Conversation<CpuBackend>, text: &str| {
-        c.turn(
-            &l.model,
-            &CpuBackend,
-            &l.experts,
-            &tok,
-            &template,
-            text,
-            &options,
-            |_| {},
-        )
-        .unwrap()
+    // A turn as the binary's chat runs it through its engine: the conversation's ids,
+    // generated through the prompt cache, its snapshots saved; (the turn's ids, what the
+    // cache generated).
+    let turn = |c: &mut Conversation, cache: &mut PromptCache<CpuBackend>, text: &str| {
+        let next = c.next(&tok, &template, text).unwrap();
+        let generated = cache
+            .generate(
+                &l.model,
+                &CpuBackend,
+                &l.experts,
+                &next.ids,
+                &options,
+                |_| Ok(true),
+            )
+            .unwrap();
+        cache.save(&l.model, &CpuBackend);
+        let reply = tok.decode(&generated.output_ids).unwrap();
+        let ids = next.ids.clone();
+        c.commit(&tok, next, &reply, &generated.output_ids);
+        (ids, generated)
     };
-    let mut kept = Conversation::new(Chat::default(), cache());
+    let mut kept = Conversation::new(Chat::default());
+    let mut kept_cache = cache();
     let mut reused_any = false;
     let mut first = None;
     for (i, text) in turns.iter().enumerate() {
-        let t = turn(&mut kept, text);
+        let (input_ids, t) = turn(&mut kept, &mut kept_cache, text);
         if i > 0 {
             reused_any |= t.reused_tokens > 0;
         }
@@ -65,7 +74,7 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
             &CpuBackend,
             &l.experts,
             &mut state,
-            &t.input_ids,
+            &input_ids,
             &options,
             |_| Ok(true),
         )
@@ -74,27 +83,30 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
             t.output_ids, fresh,
             "turn {i}: kept state and re-read differ"
         );
-        assert_eq!(t.reused_tokens + t.prompt_tokens, t.input_ids.len());
+        assert_eq!(t.reused_tokens + t.stats.prompt_tokens, input_ids.len());
         if i > 0 {
             assert!(
-                t.prompt_tokens < t.input_ids.len() / 2,
+                t.stats.prompt_tokens < input_ids.len() / 2,
                 "turn {i}: reuse must read only the new tokens"
             );
         }
-        first.get_or_insert(t);
+        first.get_or_insert((input_ids, t));
     }
     assert!(reused_any, "no turn reused the kept state");
     // The first turn again, after a reset and after a restart: all but the prompt's
     // last token come from the snapshot taken at the end of the first turn's prompt.
-    let first = first.unwrap();
+    let (first_ids, first) = first.unwrap();
     let mut after_reset = kept;
     after_reset.reset();
-    for mut conversation in [after_reset, Conversation::new(Chat::default(), cache())] {
-        let t = turn(&mut conversation, turns[0]);
-        assert_eq!(t.input_ids, first.input_ids);
+    for (mut conversation, mut cache) in [
+        (after_reset, kept_cache),
+        (Conversation::new(Chat::default()), cache()),
+    ] {
+        let (ids, t) = turn(&mut conversation, &mut cache, turns[0]);
+        assert_eq!(ids, first_ids);
         assert_eq!(
-            (t.reused_tokens, t.prompt_tokens),
-            (first.input_ids.len() - 1, 1)
+            (t.reused_tokens, t.stats.prompt_tokens),
+            (first_ids.len() - 1, 1)
         );
         assert_eq!(t.output_ids, first.output_ids);
     }

@@ -1,6 +1,7 @@
 //! The library API: an `Engine` shared by concurrent tasks gives each the same greedy
-//! tokens as mlx-lm, dropping a stream cancels its request without leaving pins, and chat
-//! input gets control tokens only from the template. Prompt reuse: warm runs from
+//! tokens as mlx-lm, dropping a stream or a cancel handle stops its request without
+//! leaving pins, scoring gives mlx-lm's perplexity, and chat input gets control tokens
+//! only from the template. Prompt reuse: warm runs from
 //! snapshots give a cold run's greedy ids at prefix lengths around chunk and snapshot
 //! edges (CPU and GPU, every model family and synthetic routing), concurrent requests
 //! share a prefix, a small memory bound evicts the least recently used snapshots, and
@@ -88,6 +89,74 @@ async fn concurrent_requests_match_mlx_lm_and_cancellation_frees_the_engine() {
     .await
     .expect("the engine is free again after a cancelled request");
     assert_eq!(next, expected(name));
+}
+
+/// A cancel handle stops a generation with finish reason "stopped" and its statistics;
+/// the pool's trace holds its decode steps' lookups, taken once. `Engine::score` gives
+/// mlx-lm's perplexity through the pool, counts as a request with the pool's counters
+/// its own (a prompt is read outside the pool: no lookups), and refuses a single id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_handles_traces_and_scoring() {
+    let name = FIXTURES[0];
+    let r = reference(name);
+    let engine = Engine::load(
+        &fixture_dir(name),
+        EngineOptions {
+            source: SourceOptions {
+                pool: Some(PoolSize::Slots(24)),
+                trace: true,
+                ..Default::default()
+            },
+            device: Some("cpu".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut events = engine.generate(Request {
+        input: Input::Ids(r.prompt_ids.clone()),
+        max_tokens: 1000,
+        sampling: Default::default(),
+    });
+    let cancel = events.cancel_handle();
+    let mut tokens = 0;
+    let mut finish = None;
+    while let Some(e) = events.next().await {
+        match e.unwrap() {
+            Event::Token { .. } => {
+                tokens += 1;
+                if tokens == 3 {
+                    cancel.cancel();
+                }
+            }
+            Event::Done { stats, .. } => finish = Some(stats),
+        }
+    }
+    let stats = finish.expect("a Done event after the cancel");
+    assert_eq!(stats.finish_reason, "stopped");
+    // The engine may have run one more token before it saw the flag.
+    assert_eq!(tokens, stats.generated_tokens);
+    assert!((3..=4).contains(&tokens), "{tokens} tokens");
+    let pool = engine.pool_stats().unwrap();
+    assert!(pool.hits + pool.misses > 0, "{pool:?}");
+    assert_eq!(engine.take_trace().len() as u64, pool.hits + pool.misses);
+    assert!(engine.take_trace().is_empty(), "taken once");
+    assert!(engine.plan().is_none(), "a pool sized in slots has no plan");
+
+    let s = engine.score(r.scored_ids.clone()).await.unwrap();
+    assert_eq!((s.tokens, s.vocab), (r.scored_ids.len(), r.vocab));
+    let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
+    assert!(
+        rel < 5e-5,
+        "perplexity {} vs mlx-lm {}",
+        s.perplexity,
+        r.perplexity
+    );
+    assert_eq!(engine.stats().requests, 2);
+    let pool = engine.pool_stats().unwrap();
+    assert_eq!(pool.hits + pool.misses, 0, "{pool:?}");
+    let e = engine.score(vec![1]).await.unwrap_err();
+    assert!(e.to_string().contains("at least two tokens"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

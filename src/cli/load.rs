@@ -1,0 +1,139 @@
+//! The one load path of `generate`, `chat`, `score` and `serve`: an [`Engine`] loaded with
+//! the options their flags give, the runtime it runs on, and what a pool leaves behind
+//! when the run ends.
+
+use std::future::Future;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use futures::StreamExt;
+use slotstream::backend::gpu::GpuOptions;
+
+use slotstream::engine::{Engine, EngineOptions, Event, Generation, Request};
+use slotstream::generate::GenerateStats;
+use slotstream::pool::PoolStats;
+use slotstream::prompt_cache::PromptCacheOptions;
+use slotstream::tools::cachesim;
+
+use super::flags::{StreamArgs, TraceArgs};
+
+/// The engine's options from the flags: `device` (`--device`), the stream flags (pool,
+/// I/O, lookahead, context), the pool's trace when `trace`, the prompt cache; the GPU's
+/// options from the environment ([`GpuOptions::from_env`]).
+pub fn engine_options(
+    device: Option<String>,
+    stream: &StreamArgs,
+    trace: bool,
+    prompt_cache: PromptCacheOptions,
+) -> EngineOptions {
+    let mut source = stream.source();
+    source.trace = trace;
+    EngineOptions {
+        device,
+        gpu: GpuOptions::from_env(),
+        source,
+        prompt_cache,
+    }
+}
+
+/// An engine and the runtime it runs on (the pool's reads, the requests). Fields drop in
+/// order: the engine before its runtime.
+pub struct Loaded {
+    pub engine: Engine,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Loaded {
+    /// Starts a runtime and loads the model in `dir` on it ([`Engine::load`]). Errors: a
+    /// runtime that does not start, what the engine reports (after "loading model DIR").
+    pub fn load(dir: &Path, options: EngineOptions) -> Result<Self> {
+        let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+        let engine = runtime
+            .block_on(Engine::load(dir, options))
+            .with_context(|| format!("loading model {}", dir.display()))?;
+        Ok(Loaded { engine, runtime })
+    }
+
+    /// Runs `future` (a request on the engine) to completion on the engine's runtime.
+    pub fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
+    /// Starts `request` on the engine's runtime ([`Engine::generate`]); its events come
+    /// through [`Loaded::block_on`].
+    pub fn generate(&self, request: Request) -> Generation {
+        let _runtime = self.runtime.enter();
+        self.engine.generate(request)
+    }
+
+    /// Runs `generation` to the end of its stream, passing each piece of text (and the
+    /// tail held back at the end) to `on_text` as it comes. The end of the stream, not
+    /// only its `Done`: the engine's prompt-cache counters then count the snapshots saved
+    /// after the reply. Errors: the request's.
+    pub fn finish_generation(
+        &self,
+        mut generation: Generation,
+        mut on_text: impl FnMut(&str),
+    ) -> Result<Reply> {
+        let mut text = String::new();
+        let mut done = None;
+        while let Some(event) = self.block_on(generation.next()) {
+            match event? {
+                Event::Token { text: piece, .. } => {
+                    on_text(&piece);
+                    text.push_str(&piece);
+                }
+                Event::Done {
+                    output_ids,
+                    tail,
+                    reused_tokens,
+                    stats,
+                    pool,
+                } => {
+                    on_text(&tail);
+                    text.push_str(&tail);
+                    done = Some((output_ids, reused_tokens, stats, pool));
+                }
+            }
+        }
+        let (output_ids, reused_tokens, stats, pool) =
+            done.context("the engine ended the generation without its summary")?;
+        Ok(Reply {
+            text,
+            output_ids,
+            reused_tokens,
+            stats,
+            pool,
+        })
+    }
+
+    /// Writes the pool's trace where `--trace` asks, and prints the pool's statistics as
+    /// JSON on stderr when `json` (`--stats`); nothing without a pool. Errors: the trace
+    /// file cannot be written.
+    pub fn finish(&self, trace: &TraceArgs, json: bool) -> Result<()> {
+        let Some(stats) = self.engine.pool_stats() else {
+            return Ok(());
+        };
+        if let Some(path) = &trace.trace {
+            cachesim::write_trace(path, &self.engine.take_trace())
+                .with_context(|| format!("writing trace {}", path.display()))?;
+        }
+        if json {
+            eprintln!("{}", serde_json::to_string_pretty(&stats)?);
+        }
+        Ok(())
+    }
+}
+
+/// A finished generation ([`Loaded::finish_generation`]).
+pub struct Reply {
+    /// The text, tail included.
+    pub text: String,
+    pub output_ids: Vec<u32>,
+    /// Prompt tokens taken from a snapshot instead of being run.
+    pub reused_tokens: usize,
+    pub stats: GenerateStats,
+    /// The pool's counters for the request, with a pool.
+    pub pool: Option<PoolStats>,
+}
