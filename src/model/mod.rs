@@ -369,11 +369,7 @@ impl<B: Backend> Model<B> {
         let history = &state.tokens;
         let layer_states = &mut state.layers;
         let routing_state = state.routing.as_mut();
-        let mut hold = StepHold::<B, E> {
-            in_use: Vec::new(),
-            layers: Vec::new(),
-            routings: Vec::new(),
-        };
+        let mut hold = StepHold::new(backend);
         let h = std::thread::scope(|scope| -> Result<B::Tensor> {
             // The PLE layers' n-gram rows depend only on the token ids: they are read from
             // the SSD while the layers before them run.
@@ -471,16 +467,14 @@ impl<B: Backend> Model<B> {
                 self.head.forward(backend, cfg, &h, &self.embed)
             }
         };
-        let mut read: Vec<&B::Tensor> = vec![&out];
-        read.extend(hold.routings.iter().map(|(_, r)| r));
-        let mut values = backend.download_many(&read)?.into_iter();
+        // The read-back waits for all recorded work and releases the step's records.
+        let (values, routed_layers) = hold.read_back(&out)?;
+        let mut values = values.into_iter();
         let logits = values.next().unwrap_or_default();
-        for ((layer, _), routing) in hold.routings.iter().zip(values) {
+        for (layer, routing) in routed_layers.into_iter().zip(values) {
             let routing = Routing::from_device(&routing, cfg.num_experts_per_tok, cfg.num_experts)?;
-            experts.count_lookups(*layer, &routing.distinct());
+            experts.count_lookups(layer, &routing.distinct());
         }
-        // The read-back waited for all recorded work: the records are free.
-        drop(hold);
         Ok(if which.is_some() { logits } else { Vec::new() })
     }
 
