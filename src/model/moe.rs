@@ -3,12 +3,12 @@
 
 use super::load::Loader;
 use super::projections::Projections;
-use crate::backend::{distinct_ids, Backend, InFlight, SharedExpert};
+use super::routes::StepSource;
+use crate::backend::{Backend, InFlight, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::records::{ExpertRecord, ExpertSource, HeldRecord};
-use crate::routing_model::StepRoutes;
 
 /// Passes of at least this many tokens get their experts through
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool, unless
@@ -156,10 +156,11 @@ impl<B: Backend> DenseMlp<B> {
 }
 
 impl<B: Backend> Moe<B> {
-    /// The MoE block of `layer`. `hold.layer` holds the previous MoE layer's records: a
-    /// backend may still be reading them (GPU work runs after it is recorded), so they stay
-    /// pinned until this layer's routing read-back, through that guard, has waited for
-    /// that work; this layer's records go in after it.
+    /// The MoE block of `layer`, routed by the step's route source `routes` (the router,
+    /// or a synthetic model whose ids replace the router's). `hold.layer` holds the
+    /// previous MoE layer's records: a backend may still be reading them (GPU work runs
+    /// after it is recorded), so they stay pinned until this layer's routing read-back,
+    /// through that guard, has waited for that work; this layer's records go in after it.
     ///
     /// When the source holds every record of the layer (a pool of every record), the input
     /// is routed on the backend instead, a prompt's chunk as well as a decode step: the
@@ -174,26 +175,24 @@ impl<B: Backend> Moe<B> {
         layout: &RecordLayout,
         layer: usize,
         x: &B::Tensor,
-        routes: Option<&mut StepRoutes>,
+        routes: &mut StepSource,
         experts: &'e E,
         hold: &mut StepHold<'e, B>,
     ) -> Result<B::Tensor> {
         let [logits, shared_gate] = self.gates.apply(backend, x);
         let resident = experts.resident_layer(layer);
-        let k = cfg.num_experts_per_tok;
-        // The synthetic routing model's ids `[T, k]`, when the model has one.
-        let model_ids = routes.map(|r| r.ids(layer)).transpose()?;
+        let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
         if let Some(resident) = resident {
             let resident = hold.step.keep(resident);
-            let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
+            let routed = routes.on_device(backend, layer, &logits, k, norm)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
             // come first.
             let shared = self.shared.forward(backend, x);
             let out = backend.moe_experts_resident(
                 x,
-                &routing,
+                &routed.routing,
                 k,
-                model_ids.as_deref(),
+                routed.ids.as_deref(),
                 &resident.records(),
                 layout,
                 Some(SharedExpert {
@@ -201,18 +200,11 @@ impl<B: Backend> Moe<B> {
                     gate: &shared_gate,
                 }),
             )?;
-            match model_ids {
-                Some(ids) => experts.count_lookups(layer, &distinct_ids(ids)),
-                None => hold.routings.push((layer, routing)),
-            }
+            routed.count(layer, experts, &mut hold.routings);
             return Ok(out);
         }
         // The read-back waits for the previous layer's work: its records are released.
-        let mut routing = hold.layer.router_top_k(&logits, k, cfg.norm_topk_prob)?;
-        if let Some(ids) = model_ids {
-            // The router's weights stay, rank by rank; the routing model picks the ids.
-            routing.ids = ids;
-        }
+        let routing = routes.on_host(layer, &mut hold.layer, &logits, k, norm)?;
         let distinct = routing.distinct();
         let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
             let mut uses = vec![0u32; distinct.len()];
