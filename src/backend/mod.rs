@@ -7,6 +7,9 @@
 
 pub mod cpu;
 pub mod gpu;
+mod in_flight;
+
+pub use in_flight::InFlight;
 
 // The MLX quantized format is the checkpoint's; the backends read it through these.
 pub use crate::checkpoint::{dequantize_row, Floats, QuantView};
@@ -345,8 +348,15 @@ pub trait Backend: Send + Sync {
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
     /// Uploads a column index list for [`Backend::gather_columns`].
     fn upload_index(&self, idx: &[u32]) -> Self::Index;
-    /// Reads a tensor back to the host, row-major. Errors: a lost device.
+    /// Reads a tensor back to the host, row-major. Like every read-back of at least one
+    /// value, it returns only after the device has finished every operation recorded
+    /// before the call ([`InFlight`] relies on it). Errors: a lost device.
     fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>>;
+    /// Waits until the device has finished every operation recorded so far (an
+    /// [`InFlight`] dropped while holding values calls it before releasing them). The CPU
+    /// computes each operation when it is called, so it returns at once.
+    /// Errors: a lost device.
+    fn finish(&self) -> Result<()>;
     /// `(rows, cols)` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
     /// A `[rows, cols]` tensor of zeros.
@@ -520,7 +530,9 @@ pub trait Backend: Send + Sync {
     }
     /// Softmax over each row of router logits `[T, E]` in f32, the `k` largest
     /// probabilities, renormalized to sum 1 if `renormalize`. This is the one read-back of
-    /// a layer: the ids decide which records the pool must hold.
+    /// a layer: the ids decide which records the pool must hold. As a read-back it returns
+    /// only after the device has finished every operation recorded before the call
+    /// (see [`Backend::download`]).
     fn router_top_k(&self, logits: &Self::Tensor, k: usize, renormalize: bool) -> Result<Routing>;
     /// Routed SwiGLU experts: `out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`
     /// with `e = routing.ids[t,j]`, whose record (laid out by `layout`) is `records[t*k + j]`,
@@ -579,7 +591,9 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// Reads several tensors back (a backend may wait for the device once for all).
+    /// Reads several tensors back (a backend may wait for the device once for all); with
+    /// at least one value to read, it returns only after the device has finished every
+    /// operation recorded before the call (see [`Backend::download`]).
     /// Errors: a lost device.
     fn download_many(&self, tensors: &[&Self::Tensor]) -> Result<Vec<Vec<f32>>> {
         tensors.iter().map(|t| self.download(t)).collect()

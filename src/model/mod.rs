@@ -34,6 +34,7 @@ mod moe;
 mod ple;
 mod projections;
 mod residual;
+mod routes;
 mod snapshot;
 
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,8 @@ pub use moe::SWEEP_MIN_TOKENS;
 use moe::{Mlp, StepHold};
 use ple::Ple;
 use residual::{Block, Residual};
+pub use routes::RouteSource;
+use routes::StepSource;
 use snapshot::{lock_kv, SharedKv, Writer};
 pub use snapshot::{ImageTensor, Snapshot, StateImage};
 
@@ -56,7 +59,7 @@ use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::ngram::NgramTable;
 use crate::records::ExpertSource;
-use crate::routing_model::{RoutingModel, RoutingState, StepRoutes, ROUTING_FILE};
+use crate::routing_model::{RoutingModel, RoutingState, ROUTING_FILE};
 
 /// A layer's token mixer.
 enum Mixer<B: Backend> {
@@ -94,9 +97,10 @@ impl<B: Backend> Layer<B> {
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
     pub experts: ExpertIndex,
-    /// The synthetic routing model of the checkpoint directory ([`ROUTING_FILE`]), if it
-    /// has one: it then picks the routed expert ids (the router's mixing weights stay).
-    pub routing: Option<RoutingModel>,
+    /// Where the MoE layers' expert ids come from: the router, or the synthetic routing
+    /// model of the checkpoint directory ([`ROUTING_FILE`]) when it has one (the router's
+    /// mixing weights stay).
+    pub routes: RouteSource,
     /// How the checkpoint stores its `1 + w` norms (Flash-Next only).
     pub norms: Option<NormConvention>,
     embed: B::Weight,
@@ -133,7 +137,8 @@ pub struct SequenceState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// Tokens already processed, in order.
     pub tokens: Vec<u32>,
-    /// The synthetic routing model's state, when the model has one.
+    /// The route source's state ([`RouteSource::new_state`]): the synthetic routing
+    /// model's, when the model has one.
     routing: Option<RoutingState>,
     /// Set while a forward call runs: a call that failed part-way leaves some layers
     /// advanced and others not, so the state must not be used again.
@@ -211,12 +216,15 @@ impl<B: Backend> Model<B> {
                 .collect();
             backend.upload_index(&idx)
         });
-        let routing = open_routing(ckpt)?;
+        let routes = match open_routing(ckpt)? {
+            Some(model) => RouteSource::Synthetic(model),
+            None => RouteSource::Router,
+        };
         Ok(Model {
             context: cfg.max_position_embeddings.unwrap_or(usize::MAX),
             config: cfg.clone(),
             experts,
-            routing,
+            routes,
             norms: l.norms,
             embed,
             head,
@@ -291,7 +299,7 @@ impl<B: Backend> Model<B> {
         SequenceState {
             layers,
             tokens: Vec::new(),
-            routing: self.routing.as_ref().map(RoutingModel::new_state),
+            routing: self.routes.new_state(),
             broken: false,
             writer: Writer::new_line(),
         }
@@ -369,11 +377,7 @@ impl<B: Backend> Model<B> {
         let history = &state.tokens;
         let layer_states = &mut state.layers;
         let routing_state = state.routing.as_mut();
-        let mut hold = StepHold::<B, E> {
-            in_use: Vec::new(),
-            layers: Vec::new(),
-            routings: Vec::new(),
-        };
+        let mut hold = StepHold::new(backend);
         let h = std::thread::scope(|scope| -> Result<B::Tensor> {
             // The PLE layers' n-gram rows depend only on the token ids: they are read from
             // the SSD while the layers before them run.
@@ -388,17 +392,13 @@ impl<B: Backend> Model<B> {
                 .collect();
             // A long chunk reads its experts outside the pool: guesses would only churn it.
             let lookahead = experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS;
-            let mut routes = match (&self.routing, routing_state) {
-                (Some(model), Some(st)) => Some(StepRoutes::spawn(
-                    scope,
-                    model,
-                    st,
-                    cfg.moe_layers(),
-                    (start, ids),
-                    lookahead,
-                )),
-                _ => None,
-            };
+            let mut routes = self.routes.step(
+                scope,
+                routing_state,
+                cfg.moe_layers(),
+                (start, ids),
+                lookahead,
+            )?;
             let embedded = backend.embed(&self.embed, ids)?;
             let mut h = match &self.tile {
                 Some(tile) => backend.gather_columns(&embedded, tile),
@@ -439,7 +439,7 @@ impl<B: Backend> Model<B> {
                 let post = layer.residual.pre_norm(Block::Mlp);
                 (h, normed) = residual::add(backend, eps, &h, &r, inject.as_ref(), post);
                 if lookahead {
-                    self.lookahead(backend, i + 2, &h, experts, routes.as_mut())?;
+                    self.lookahead(backend, i + 2, &h, experts, &mut routes)?;
                 }
                 let (x, inject) = match normed.take() {
                     Some(x) => (x, None),
@@ -448,7 +448,7 @@ impl<B: Backend> Model<B> {
                 let m = match &layer.mlp {
                     Mlp::Moe(w) => {
                         let layout = &self.experts.layout;
-                        let routes = routes.as_mut();
+                        let routes = &mut routes;
                         w.forward(backend, cfg, layout, i, &x, routes, experts, &mut hold)?
                     }
                     Mlp::Dense(w) => w.forward(backend, &x),
@@ -471,31 +471,28 @@ impl<B: Backend> Model<B> {
                 self.head.forward(backend, cfg, &h, &self.embed)
             }
         };
-        let mut read: Vec<&B::Tensor> = vec![&out];
-        read.extend(hold.routings.iter().map(|(_, r)| r));
-        let mut values = backend.download_many(&read)?.into_iter();
+        // The read-back waits for all recorded work and releases the step's records.
+        let (values, routed_layers) = hold.read_back(&out)?;
+        let mut values = values.into_iter();
         let logits = values.next().unwrap_or_default();
-        for ((layer, _), routing) in hold.routings.iter().zip(values) {
+        for (layer, routing) in routed_layers.into_iter().zip(values) {
             let routing = Routing::from_device(&routing, cfg.num_experts_per_tok, cfg.num_experts)?;
-            experts.count_lookups(*layer, &routing.distinct());
+            experts.count_lookups(layer, &routing.distinct());
         }
-        // The read-back waited for all recorded work: the records are free.
-        drop(hold);
         Ok(if which.is_some() { logits } else { Vec::new() })
     }
 
-    /// Lookahead: layer `target`'s router on the current hidden state guesses the experts
-    /// that layer will route to, and the source starts reading them. With a synthetic
-    /// routing model the guess is its forecast instead (the random router knows nothing of
-    /// the ids the model will pick). Guesses change only what is read ahead, never what is
-    /// computed.
+    /// Lookahead: the route source guesses the experts layer `target` will route to (the
+    /// layer's router on the current hidden state, or a synthetic model's forecast), and
+    /// the source starts reading them. Guesses change only what is read ahead, never what
+    /// is computed.
     fn lookahead<E: ExpertSource>(
         &self,
         backend: &B,
         target: usize,
         h: &B::Tensor,
         experts: &E,
-        routes: Option<&mut StepRoutes>,
+        routes: &mut StepSource,
     ) -> Result<()> {
         let Some(Layer {
             residual,
@@ -505,15 +502,14 @@ impl<B: Backend> Model<B> {
         else {
             return Ok(());
         };
-        if let Some(routes) = routes {
-            experts.prefetch(target, &routes.forecast(target)?);
-            return Ok(());
-        }
         let cfg = &self.config;
-        let (x, _) = residual.input(backend, cfg, Block::Mlp, h);
-        let logits = w.gates.first(backend, &x);
-        let guess = backend.router_top_k(&logits, cfg.num_experts_per_tok, false)?;
-        experts.prefetch(target, &guess.distinct());
+        let guess = routes.guess(target, || {
+            let (x, _) = residual.input(backend, cfg, Block::Mlp, h);
+            let logits = w.gates.first(backend, &x);
+            let guess = backend.router_top_k(&logits, cfg.num_experts_per_tok, false)?;
+            Ok(guess.distinct())
+        })?;
+        experts.prefetch(target, &guess);
         Ok(())
     }
 }

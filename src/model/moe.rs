@@ -3,12 +3,12 @@
 
 use super::load::Loader;
 use super::projections::Projections;
-use crate::backend::{distinct_ids, Backend, SharedExpert};
+use super::routes::StepSource;
+use crate::backend::{Backend, InFlight, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::records::{ExpertRecord, ExpertSource, HeldRecord, LayerRecords};
-use crate::routing_model::StepRoutes;
+use crate::records::{ExpertRecord, ExpertSource, HeldRecord};
 
 /// Passes of at least this many tokens get their experts through
 /// [`ExpertSource::fetch_prefill`] (read outside the pool) rather than the pool, unless
@@ -16,16 +16,46 @@ use crate::routing_model::StepRoutes;
 /// [`Moe::forward`], and counts its lookups as hits).
 pub const SWEEP_MIN_TOKENS: usize = 32;
 
-/// What a forward step holds until its final read-back has waited for the device.
-pub(super) struct StepHold<'e, B: Backend, E: ExpertSource + 'e> {
-    /// The previous MoE layer's records (see [`Moe::forward`]).
-    pub(super) in_use: Vec<E::Record<'e>>,
+/// What a forward step keeps for the device: the records its kernels read, in guards
+/// that release them only once the backend has waited for that work ([`InFlight`]), and
+/// the routings whose ids are read back with the logits.
+pub(super) struct StepHold<'a, B: Backend> {
+    /// The previous MoE layer's records (see [`Moe::forward`]): released by the next
+    /// layer's routing read-back, which waits for the work that reads them.
+    pub(super) layer: InFlight<'a, B>,
     /// Whole layers of records routed on the device ([`ExpertSource::resident_layer`]):
     /// nothing waits for the device until the step ends, so they stay held until then.
-    pub(super) layers: Vec<Box<dyn LayerRecords + 'e>>,
+    pub(super) step: InFlight<'a, B>,
     /// Routings that stayed on the device, by MoE layer: their ids are read back with the
     /// logits and counted as lookups then.
     pub(super) routings: Vec<(usize, B::Tensor)>,
+}
+
+impl<'a, B: Backend> StepHold<'a, B> {
+    /// An empty hold for a step on `backend`.
+    pub(super) fn new(backend: &'a B) -> Self {
+        StepHold {
+            layer: InFlight::new(backend),
+            step: InFlight::new(backend),
+            routings: Vec::new(),
+        }
+    }
+
+    /// The step's final read-back: `out` and then every kept routing, in that order (one
+    /// wait for all recorded work); every record is released after it. Errors: a failed
+    /// read-back (the records are released once the device has been waited for).
+    pub(super) fn read_back(self, out: &B::Tensor) -> Result<(Vec<Vec<f32>>, Vec<usize>)> {
+        let StepHold {
+            layer,
+            mut step,
+            routings,
+        } = self;
+        step.absorb(layer);
+        let mut read: Vec<&B::Tensor> = vec![out];
+        read.extend(routings.iter().map(|(_, r)| r));
+        let values = step.read_back(&read)?;
+        Ok((values, routings.into_iter().map(|(l, _)| l).collect()))
+    }
 }
 
 /// A SwiGLU MLP (the shared expert, or a dense layer's MLP).
@@ -126,9 +156,11 @@ impl<B: Backend> DenseMlp<B> {
 }
 
 impl<B: Backend> Moe<B> {
-    /// The MoE block of `layer`. `hold.in_use` holds the previous MoE layer's records: a
-    /// backend may still be reading them (GPU work runs after it is recorded), so they stay
-    /// pinned until this layer's routing read-back has waited for that work.
+    /// The MoE block of `layer`, routed by the step's route source `routes` (the router,
+    /// or a synthetic model whose ids replace the router's). `hold.layer` holds the
+    /// previous MoE layer's records: a backend may still be reading them (GPU work runs
+    /// after it is recorded), so they stay pinned until this layer's routing read-back,
+    /// through that guard, has waited for that work; this layer's records go in after it.
     ///
     /// When the source holds every record of the layer (a pool of every record), the input
     /// is routed on the backend instead, a prompt's chunk as well as a decode step: the
@@ -143,25 +175,24 @@ impl<B: Backend> Moe<B> {
         layout: &RecordLayout,
         layer: usize,
         x: &B::Tensor,
-        routes: Option<&mut StepRoutes>,
+        routes: &mut StepSource,
         experts: &'e E,
-        hold: &mut StepHold<'e, B, E>,
+        hold: &mut StepHold<'e, B>,
     ) -> Result<B::Tensor> {
         let [logits, shared_gate] = self.gates.apply(backend, x);
         let resident = experts.resident_layer(layer);
-        let k = cfg.num_experts_per_tok;
-        // The synthetic routing model's ids `[T, k]`, when the model has one.
-        let model_ids = routes.map(|r| r.ids(layer)).transpose()?;
+        let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
         if let Some(resident) = resident {
-            let routing = backend.router_top_k_device(&logits, k, cfg.norm_topk_prob)?;
+            let resident = hold.step.keep(resident);
+            let routed = routes.on_device(backend, layer, &logits, k, norm)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
             // come first.
             let shared = self.shared.forward(backend, x);
             let out = backend.moe_experts_resident(
                 x,
-                &routing,
+                &routed.routing,
                 k,
-                model_ids.as_deref(),
+                routed.ids.as_deref(),
                 &resident.records(),
                 layout,
                 Some(SharedExpert {
@@ -169,19 +200,11 @@ impl<B: Backend> Moe<B> {
                     gate: &shared_gate,
                 }),
             )?;
-            match model_ids {
-                Some(ids) => experts.count_lookups(layer, &distinct_ids(ids)),
-                None => hold.routings.push((layer, routing)),
-            }
-            hold.layers.push(resident);
+            routed.count(layer, experts, &mut hold.routings);
             return Ok(out);
         }
-        let mut routing = backend.router_top_k(&logits, k, cfg.norm_topk_prob)?;
-        if let Some(ids) = model_ids {
-            // The router's weights stay, rank by rank; the routing model picks the ids.
-            routing.ids = ids;
-        }
-        hold.in_use.clear();
+        // The read-back waits for the previous layer's work: its records are released.
+        let routing = routes.on_host(layer, &mut hold.layer, &logits, k, norm)?;
         let distinct = routing.distinct();
         let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
             let mut uses = vec![0u32; distinct.len()];
@@ -194,6 +217,7 @@ impl<B: Backend> Moe<B> {
         } else {
             experts.fetch(layer, &distinct)?
         };
+        let held = hold.layer.keep(held);
         let records: Vec<ExpertRecord<'_>> = routing
             .ids
             .iter()
@@ -211,8 +235,6 @@ impl<B: Backend> Moe<B> {
             y: &shared,
             gate: &shared_gate,
         };
-        let out = backend.moe_experts(x, &routing, &records, layout, Some(shared));
-        hold.in_use = held;
-        Ok(out)
+        Ok(backend.moe_experts(x, &routing, &records, layout, Some(shared)))
     }
 }

@@ -7,6 +7,7 @@
 mod common;
 
 mod flash_next_kernels;
+mod in_flight;
 mod kernels;
 mod parity;
 mod quant;

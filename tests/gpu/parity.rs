@@ -258,7 +258,7 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
     write_checkpoint_with(dir.path(), &TINY, TINY.layers, false, Some(&params)).unwrap();
     let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
     let model = Model::load(&ckpt, &g).unwrap();
-    assert!(model.routing.is_some());
+    assert!(model.routes.synthetic().is_some());
     let index = Arc::new(model.experts.clone());
     let mapped = MappedExperts::new(ckpt.clone(), index.clone());
     for placement in [Placement::Unified, Placement::Device] {

@@ -390,7 +390,7 @@ fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges_on_the_cpu() {
     .unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     let model = Model::load(&ckpt, &CpuBackend).unwrap();
-    assert!(model.routing.is_some());
+    assert!(model.routes.synthetic().is_some());
     warm_equals_cold(&ckpt, &model, &CpuBackend, &EDGES);
 }
 

@@ -601,6 +601,58 @@ fn dropped_ensure_future_leaks_no_pin() {
     check_all(&rt, &pool, &fx.ckpt, &fx.index);
 }
 
+/// The records a step's kernels read stay pinned in the backend's `InFlight` guard
+/// (ARCHITECTURE.md, "The pin rule"): while it holds them no miss can take their slots,
+/// dropping the handle `keep` returned releases nothing, and only the guard's read-back
+/// (which waits for the device) or its drop (which waits first) unpins them.
+#[test]
+fn records_held_in_flight_stay_pinned_until_the_read_back() {
+    use slotstream::backend::{Backend, InFlight};
+    use slotstream::records::ExpertSource;
+    let fx = fixture(BF16);
+    let rt = runtime();
+    let n = fx.index.num_experts;
+    let cap = 2;
+    let floor = floor_slots(n, cap);
+    let file = Faulty::new(&shard_paths(&fx.ckpt)[0], IoMode::Buffered);
+    let pool = shards_pool(&fx.index, vec![Arc::new(file)], 32, floor, cap, &rt);
+    let source = PoolExperts::new(pool.clone());
+    let backend = CpuBackend;
+    let all: Vec<u32> = (0..n as u32).collect();
+    let layers = &fx.index.moe_layers;
+    let (l0, l1, l2) = (layers[0], layers[1], layers[2]);
+
+    // A step's two layers fill the pool; every slot is pinned through the guard.
+    let mut in_flight = InFlight::new(&backend);
+    let first = in_flight.keep(source.fetch(l0, &all).unwrap());
+    in_flight.keep(source.fetch(l1, &all[..cap]).unwrap());
+    drop(first);
+    assert_eq!(in_flight.len(), 2);
+    assert_eq!(pool.pinned_slots(), floor);
+    // A miss finds no slot to reuse: none of the held records can be overwritten.
+    let Err(e) = source.fetch(l2, &[0]) else {
+        panic!("a miss took a slot the guard holds");
+    };
+    assert!(e.to_string().contains("no free slot"), "{e}");
+    assert_eq!(pool.pinned_slots(), floor);
+
+    // The read-back waits for the device; only then are the slots free again.
+    let t = backend.upload(&[1.0, 2.0], 1, 2);
+    assert_eq!(in_flight.read_back(&[&t]).unwrap(), vec![vec![1.0, 2.0]]);
+    assert!(in_flight.is_empty());
+    assert_eq!(pool.pinned_slots(), 0);
+    let missed = source.fetch(l2, &[0]).unwrap();
+    assert!(missed[0][..] == fx.records[&(l2 as u32, 0)][..]);
+
+    // A guard dropped still holding records (a step that failed part-way) waits for the
+    // device before it releases them.
+    let mut in_flight = InFlight::new(&backend);
+    in_flight.keep(missed);
+    assert_eq!(pool.pinned_slots(), 1);
+    drop(in_flight);
+    assert_eq!(pool.pinned_slots(), 0);
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Fault injection
 // ---------------------------------------------------------------------------------------

@@ -47,8 +47,8 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, model) = write(dir.path(), Some(&params(seed)));
     let routing = model
-        .routing
-        .as_ref()
+        .routes
+        .synthetic()
         .expect("the routing file is picked up");
     assert_eq!(routing.params.seed, seed);
     let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
@@ -136,9 +136,9 @@ fn pool_sees_the_routing_models_ids_and_logits_match_the_mapped_checkpoint() {
 fn opting_out_keeps_the_router_and_removes_a_stale_file() {
     let dir = tempfile::tempdir().unwrap();
     let (_, model) = write(dir.path(), Some(&params(1)));
-    assert!(model.routing.is_some());
+    assert!(model.routes.synthetic().is_some());
     let (_, model) = write(dir.path(), None);
-    assert!(model.routing.is_none());
+    assert!(model.routes.synthetic().is_none());
     assert!(!dir.path().join(ROUTING_FILE).exists());
 }
 
@@ -217,7 +217,7 @@ fn every_record_resident_counts_the_routing_models_ids() {
     let seed: u64 = rand::random();
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, model) = write(dir.path(), Some(&params(seed)));
-    let routing = model.routing.as_ref().unwrap();
+    let routing = model.routes.synthetic().unwrap();
     let mapped = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
     let rt = runtime();
     let index = Arc::new(model.experts.clone());

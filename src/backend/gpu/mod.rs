@@ -489,6 +489,11 @@ impl Backend for GpuBackend {
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 
+    fn finish(&self) -> Result<()> {
+        // Submits what is still recorded, then waits for every submission.
+        self.gpu.sync()
+    }
+
     fn shape(&self, t: &GpuTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }

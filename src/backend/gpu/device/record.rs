@@ -298,7 +298,8 @@ impl Gpu {
     }
 
     /// Submits everything recorded and waits until the device has finished it (for
-    /// benchmarks and tests; the forward pass synchronises through read-backs).
+    /// benchmarks, tests and `Backend::finish`; the forward pass synchronises through
+    /// read-backs).
     pub fn sync(&self) -> Result<()> {
         self.flush();
         self.wait()
