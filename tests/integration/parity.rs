@@ -163,7 +163,13 @@ fn prefill_then_decode_equals_full_forward<B: TestBackend>(b: &B) {
             .unwrap();
         got.extend(
             model
-                .forward(b, &mut state, &ids[split[0]..split[1]], &experts, Logits::All)
+                .forward(
+                    b,
+                    &mut state,
+                    &ids[split[0]..split[1]],
+                    &experts,
+                    Logits::All,
+                )
                 .unwrap(),
         );
         for &id in &ids[split[1]..] {
@@ -183,7 +189,10 @@ fn prefill_then_decode_equals_full_forward<B: TestBackend>(b: &B) {
             );
             worst = worst.max(e);
         }
-        eprintln!("{name} on {}: worst chunked vs full relative error {worst:.3e}", b.name());
+        eprintln!(
+            "{name} on {}: worst chunked vs full relative error {worst:.3e}",
+            b.name()
+        );
     }
 }
 
