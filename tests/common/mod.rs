@@ -9,7 +9,13 @@ use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::model::Model;
 
+pub mod backends;
 pub mod compare;
+#[allow(unused_imports)]
+pub(crate) use backends::backend_tests;
+#[allow(unused_imports)]
+pub use backends::TestBackend;
+#[allow(unused_imports)]
 pub use compare::{rel_err, worst_logit_error};
 
 /// Fixture directories: two Qwen3-Next (`qwen3_next`) and one Qwen3.5-MoE (`qwen3_5_moe`)
@@ -116,6 +122,17 @@ pub fn load_cpu(name: &str) -> Loaded {
     }
 }
 
+/// A fixture loaded on backend `b`, with its experts read from the mapped checkpoint.
+pub fn load<B: slotstream::backend::Backend>(
+    name: &str,
+    b: &B,
+) -> (Arc<Checkpoint>, Model<B>, MappedExperts) {
+    let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
+    let model = Model::load(&ckpt, b).unwrap();
+    let experts = MappedExperts::new(ckpt.clone(), Arc::new(model.experts.clone()));
+    (ckpt, model, experts)
+}
+
 #[allow(unused_imports)]
 pub use slotstream::sampling::argmax;
 
@@ -133,6 +150,14 @@ pub fn gpu() -> slotstream::backend::gpu::GpuBackend {
 #[allow(dead_code)]
 pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
     let (fast, portable) = (gpu_with(false), gpu_with(true));
+    check_fast(&fast);
+    check_portable(&portable);
+    [fast, portable]
+}
+
+/// Panics unless `fast` uses the adapter's subgroup operations and the workgroup memory
+/// for tiles where it has them.
+fn check_fast(fast: &slotstream::backend::gpu::GpuBackend) {
     if let Some((min, _)) = fast.gpu.adapter.subgroup_sizes {
         assert!(
             fast.gpu.subgroup_lanes > 1 || min < 2,
@@ -145,9 +170,12 @@ pub fn gpus() -> [slotstream::backend::gpu::GpuBackend; 2] {
                 < slotstream::backend::gpu::TILE_WORKGROUP_BYTES,
         "the adapter has the workgroup memory for tiles, but the matrix products do not use them"
     );
+}
+
+/// Panics unless `portable` reduces in shared memory alone and multiplies row by row.
+fn check_portable(portable: &slotstream::backend::gpu::GpuBackend) {
     assert_eq!(portable.gpu.subgroup_lanes, 1);
     assert!(!portable.gpu.tiled);
-    [fast, portable]
 }
 
 fn gpu_with(portable: bool) -> slotstream::backend::gpu::GpuBackend {

@@ -368,11 +368,31 @@ fn warm_equals_cold<B: Backend>(ckpt: &Checkpoint, model: &Model<B>, b: &B, reus
 /// edges.
 const EDGES: [usize; 10] = [1, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025];
 
-#[test]
-fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges_on_the_cpu() {
-    for name in [FIXTURES[0], QWEN35, QWEN4_EXP] {
-        let l = load_cpu(name);
-        warm_equals_cold(&l.ckpt, &l.model, &CpuBackend, &EDGES);
+backend_tests!(warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges);
+
+/// [`warm_equals_cold`] on every backend: on the CPU at every edge of [`EDGES`] on three
+/// model families, and on a synthetic routing model (whose state is part of the
+/// snapshot); on a GPU (slower) at two lengths on two families; on a GPU's portable paths
+/// at one length on one.
+fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges<B: TestBackend>(b: &B) {
+    let cases: Vec<(&str, &[usize])> = if b.is_portable() {
+        vec![(FIXTURES[0], &[257][..])]
+    } else {
+        b.pick(
+            vec![
+                (FIXTURES[0], &EDGES[..]),
+                (QWEN35, &EDGES[..]),
+                (QWEN4_EXP, &EDGES[..]),
+            ],
+            vec![(FIXTURES[0], &[1, 257][..]), (QWEN4_EXP, &[64, 1025][..])],
+        )
+    };
+    for (name, reused) in cases {
+        let (ckpt, model, _) = load(name, b);
+        warm_equals_cold(&ckpt, &model, b, reused);
+    }
+    if b.is_gpu() {
+        return;
     }
     // The synthetic routing model's state is part of the snapshot.
     let dir = tempfile::tempdir().unwrap();
@@ -389,19 +409,9 @@ fn warm_runs_equal_cold_runs_at_chunk_and_snapshot_edges_on_the_cpu() {
     )
     .unwrap();
     let ckpt = Checkpoint::open(dir.path()).unwrap();
-    let model = Model::load(&ckpt, &CpuBackend).unwrap();
+    let model = Model::load(&ckpt, b).unwrap();
     assert!(model.routes.synthetic().is_some());
-    warm_equals_cold(&ckpt, &model, &CpuBackend, &EDGES);
-}
-
-#[test]
-fn warm_runs_equal_cold_runs_on_the_gpu() {
-    let g = gpu();
-    for (name, reused) in [(FIXTURES[0], [1, 257]), (QWEN4_EXP, [64, 1025])] {
-        let ckpt = Checkpoint::open(&fixture_dir(name)).unwrap();
-        let model = Model::load(&ckpt, &g).unwrap();
-        warm_equals_cold(&ckpt, &model, &g, &reused);
-    }
+    warm_equals_cold(&ckpt, &model, b, &EDGES);
 }
 
 /// Snapshots every 200 tokens of a 1,100-token prompt (not a multiple of the CPU's
@@ -756,16 +766,20 @@ fn kv_copies<B: Backend>(b: &B, keys: &[f32], values: &[f32], q: &[f32]) -> Vec<
     outs
 }
 
-#[test]
-fn kv_caches_copy_truncate_read_and_load_alike_on_both_backends() {
+backend_tests!(kv_caches_copy_truncate_read_and_load_alike);
+
+/// [`kv_copies`] on every backend; a GPU's outputs agree with the CPU's on the same rows.
+fn kv_caches_copy_truncate_read_and_load_alike<B: TestBackend>(b: &B) {
     let (keys, values, q) = (
         random(48, -1.0, 1.0),
         random(48, -1.0, 1.0),
         random(48, -1.0, 1.0),
     );
-    let cpu = kv_copies(&CpuBackend, &keys, &values, &q);
-    let gpu = kv_copies(&gpu(), &keys, &values, &q);
-    for (g, c) in gpu.iter().zip(&cpu) {
-        assert!(rel_err(g, c) < 1e-6, "{}", rel_err(g, c));
+    let outs = kv_copies(b, &keys, &values, &q);
+    if b.is_gpu() {
+        let cpu = kv_copies(&CpuBackend, &keys, &values, &q);
+        for (g, c) in outs.iter().zip(&cpu) {
+            assert!(rel_err(g, c) < 1e-6, "{}", rel_err(g, c));
+        }
     }
 }

@@ -1,110 +1,19 @@
-//! The whole Qwen3-Next / Qwen3.5-MoE forward pass on the GPU backend against mlx-lm's fixtures, with
-//! experts from the mapped checkpoint and streamed through slot pools from the floor to
-//! every record (mirrored into device arenas). Fails (never skips) without an adapter.
+//! What only a GPU does with the whole forward pass: with every record resident, steps
+//! route on the device and wait once per step (at every placement and arena size, and with
+//! a routing model's ids), and a prefill chunk's dispatches do not grow with its tokens.
+//! Parity with the fixtures' oracles on every backend is tests/integration/parity.rs.
+//! Fails (never skips) without an adapter.
 
 use std::sync::Arc;
 
 use crate::common::*;
-use slotstream::backend::gpu::{GpuBackend, Placement};
-use slotstream::backend::Backend;
+use slotstream::backend::gpu::Placement;
 use slotstream::checkpoint::Checkpoint;
 use slotstream::experts::MappedExperts;
 use slotstream::io::IoMode;
 use slotstream::model::{Logits, Model};
-use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
+use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::records::ExpertSource;
-
-fn greedy<E: ExpertSource>(
-    model: &Model<GpuBackend>,
-    g: &GpuBackend,
-    experts: &E,
-    prompt: &[u32],
-    n: usize,
-) -> Vec<u32> {
-    let mut state = model.new_state(g);
-    let mut logits = model
-        .forward(g, &mut state, prompt, experts, Logits::Last)
-        .unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = argmax(&logits);
-        out.push(next);
-        logits = model
-            .forward(g, &mut state, &[next], experts, Logits::Last)
-            .unwrap();
-    }
-    out
-}
-
-#[test]
-fn gpu_forward_matches_mlx_lm_at_every_pool_size() {
-    let g = gpu();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    for name in FIXTURES {
-        let r = reference(name);
-        let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
-        let model = Model::load(&ckpt, &g).unwrap();
-        let index = Arc::new(model.experts.clone());
-        let mapped = MappedExperts::new(ckpt.clone(), index.clone());
-
-        let s = slotstream::score::score(&model, &g, &mapped, &r.scored_ids).unwrap();
-        let worst = worst_logit_error(name, &s.logits, &r);
-        let rel = (s.perplexity - r.perplexity).abs() / r.perplexity;
-        assert!(
-            rel < 5e-5,
-            "{name}: perplexity {} vs mlx-lm {}",
-            s.perplexity,
-            r.perplexity
-        );
-        eprintln!(
-            "{name} on {}: worst relative logit error {worst:.3e}, perplexity {:.6} vs mlx-lm {:.6} (relative {rel:.1e})",
-            g.name(),
-            s.perplexity,
-            r.perplexity
-        );
-        assert_eq!(
-            greedy(&model, &g, &mapped, &r.prompt_ids, r.greedy_ids.len()),
-            r.greedy_ids,
-            "{name}: mapped"
-        );
-
-        let floor = floor_slots(index.num_experts, 8);
-        // Device placement twice: slots copied into the device arenas by the GPU from the
-        // pool's imported memory, and written through staging memory.
-        for (placement, host_copies) in [
-            (Placement::Unified, true),
-            (Placement::Device, true),
-            (Placement::Device, false),
-        ] {
-            // The floor twice: a second pool of the same shape must not reuse the first one's mirror.
-            for slots in [
-                floor,
-                floor,
-                (floor + index.records()) / 2,
-                index.records().max(floor),
-            ] {
-                let mut options = StreamOptions::with_slots(slots);
-                options.io = IoMode::Direct;
-                let pool =
-                    SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
-                g.gpu.set_host_copies(host_copies);
-                g.place_pool(&pool.memory(), placement)
-                    .unwrap_or_else(|e| panic!("{placement:?}: {e}"));
-                g.gpu.set_host_copies(true);
-                let experts = PoolExperts::new(pool);
-                let got = greedy(&model, &g, &experts, &r.prompt_ids, r.greedy_ids.len());
-                assert_eq!(
-                    got, r.greedy_ids,
-                    "{name}: {placement:?} (host copies {host_copies}) pool of {slots} slots"
-                );
-            }
-        }
-    }
-}
 
 /// With every record resident (loaded before the first step), steps route on the device,
 /// a long prompt's (its routes grouped by record on the device, in tiles) as well as short
@@ -303,51 +212,6 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
         assert_eq!(pool.stats().misses, 0);
         assert_eq!(pool.pinned_slots(), 0);
     }
-}
-
-/// An input longer than the GPU's prefill chunk (chunks of up to 2,048 tokens in tiles)
-/// gives, position by position, the logits the CPU backend gives in its 256-token chunks,
-/// on fresh random ids: the chunk edges of both backends fall inside the sequence.
-#[test]
-fn inputs_longer_than_a_gpu_prefill_chunk_match_the_cpu() {
-    use rand::Rng;
-    use slotstream::backend::cpu::CpuBackend;
-    let g = gpu();
-    let name = FIXTURES[1];
-    let l = load_cpu(name);
-    let model = Model::load(&l.ckpt, &g).unwrap();
-    let chunk = model.prefill_chunk(&g, Logits::All);
-    assert!(
-        chunk > slotstream::backend::PREFILL_CHUNK || !g.gpu.tiled,
-        "a GPU with tiles takes chunks of {chunk} tokens"
-    );
-    let n = chunk + 45;
-    let mut rng = rand::rng();
-    let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..500)).collect();
-    let mapped = MappedExperts::new(l.ckpt.clone(), Arc::new(model.experts.clone()));
-    let mut state = model.new_state(&g);
-    let got = model
-        .forward(&g, &mut state, &ids, &mapped, Logits::All)
-        .unwrap();
-    let mut cpu_state = l.model.new_state(&CpuBackend);
-    let want = l
-        .model
-        .forward(&CpuBackend, &mut cpu_state, &ids, &l.experts, Logits::All)
-        .unwrap();
-    let vocab = model.config.vocab_size;
-    let mut worst = 0.0f64;
-    for t in 0..n {
-        let row = t * vocab..(t + 1) * vocab;
-        let e = rel_err(&got[row.clone()], &want[row]);
-        assert!(
-            e <= 1e-4,
-            "position {t} of {n}: GPU vs CPU relative error {e}"
-        );
-        worst = worst.max(e);
-    }
-    eprintln!(
-        "{name}: {n} tokens in chunks of {chunk}: worst GPU vs CPU relative error {worst:.3e}"
-    );
 }
 
 /// A prefill chunk's dispatches do not grow with its tokens: every matmul, the grouped
