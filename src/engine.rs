@@ -91,10 +91,12 @@ impl Default for EngineOptions {
 /// One generation request.
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// What the prompt is (a chat, a text or ids: [`Engine::encode`]).
     pub input: Input,
     /// At most this many new tokens (fewer if the context fills first: finish reason
     /// "length").
     pub max_tokens: usize,
+    /// How each token is picked (greedy by default); checked when the request starts.
     pub sampling: SamplingOptions,
 }
 

@@ -47,6 +47,7 @@ pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
 /// An engine and the runtime it runs on (the pool's reads, the requests). Fields drop in
 /// order: the engine before its runtime.
 pub struct Loaded {
+    /// The loaded model.
     pub engine: Engine,
     runtime: tokio::runtime::Runtime,
 }
@@ -138,9 +139,11 @@ impl Loaded {
 pub struct Reply {
     /// The text, tail included.
     pub text: String,
+    /// The generated ids (the EOS that ended the reply left out).
     pub output_ids: Vec<u32>,
     /// Prompt tokens taken from a snapshot instead of being run.
     pub reused_tokens: usize,
+    /// Token counts, rates and the finish reason.
     pub stats: GenerateStats,
     /// The pool's counters for the request, with a pool.
     pub pool: Option<PoolStats>,
