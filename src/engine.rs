@@ -25,8 +25,13 @@
 //!
 //! Besides generation the engine scores token sequences ([`Engine::score`]), and it is
 //! the one load path of the binary's `generate`, `chat`, `score` and `serve`.
+//!
+//! Loading has two phases: [`Engine::open`] reads what prompts need (config.json, the
+//! tokenizer, the chat template) in well under a second, so a bad prompt is refused
+//! ([`Prepared::encode`]) before [`Prepared::load`] maps the weights and fills the pool,
+//! which takes tens of seconds for a large model. [`Engine::load`] does both.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,7 +44,7 @@ use tokio::sync::mpsc;
 use crate::backend::gpu::GpuOptions;
 use crate::backend::{open_compute, Backend, Compute};
 use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{open_config, Checkpoint};
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
@@ -86,10 +91,12 @@ impl Default for EngineOptions {
 /// One generation request.
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// What the prompt is (a chat, a text or ids: [`Engine::encode`]).
     pub input: Input,
     /// At most this many new tokens (fewer if the context fills first: finish reason
     /// "length").
     pub max_tokens: usize,
+    /// How each token is picked (greedy by default); checked when the request starts.
     pub sampling: SamplingOptions,
 }
 
@@ -158,11 +165,7 @@ pub struct Engine {
 /// What requests use without waiting for the model: tokenizing, limits, counters.
 struct Shared {
     runner: Arc<tokio::sync::Mutex<Box<dyn Runner>>>,
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
-    eos: Vec<u32>,
-    context: usize,
-    vocab: usize,
+    front: Front,
     pool: Option<Arc<SlotPool>>,
     /// The memory plan that sized the pool, when a budget sized it.
     plan: Option<Plan>,
@@ -199,18 +202,116 @@ struct Loaded<B: Backend> {
     cache: Mutex<PromptCache<B>>,
 }
 
-impl Engine {
-    /// Loads the model in `dir` (on a blocking thread, so the caller's runtime keeps
-    /// serving). Errors: everything [`Checkpoint::open`] and [`Model::load`] report, a
-    /// missing tokenizer, a pool below its floor, a GPU that was asked for and is absent.
-    pub async fn load(dir: &Path, options: EngineOptions) -> Result<Self> {
-        let dir = dir.to_path_buf();
+/// What prompts need, read before the weights ([`Engine::open`]): the tokenizer, the chat
+/// template, the EOS ids and the limits. Shared by [`Prepared`] and [`Engine`].
+struct Front {
+    dir: PathBuf,
+    /// `None` when the directory has no tokenizer.json: ids only (scoring).
+    tokenizer: Option<Tokenizer>,
+    template: Option<ChatTemplate>,
+    /// Empty without a tokenizer (nothing is generated then).
+    eos: Vec<u32>,
+    context: usize,
+    vocab: usize,
+}
+
+impl Front {
+    /// The tokenizer. Errors: the model has no tokenizer.json (the error
+    /// [`Tokenizer::load`] gives).
+    fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::io(
+                self.dir.join("tokenizer.json"),
+                std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
+            )
+        })
+    }
+
+    fn encode(&self, input: &Input) -> Result<Vec<u32>> {
+        let ids = match input {
+            Input::Ids(ids) => {
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab) {
+                    return Err(Error::InvalidInput(format!(
+                        "token id {bad} is out of range for a vocabulary of {} tokens",
+                        self.vocab
+                    )));
+                }
+                ids.clone()
+            }
+            Input::Text(text) => self.tokenizer()?.encode(text)?,
+            Input::Chat(chat) => return Ok(self.encode_chat(chat)?.ids),
+        };
+        self.check_prompt(&ids)?;
+        Ok(ids)
+    }
+
+    fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
+        let prompt = chat_prompt(self.tokenizer()?, self.template.as_ref(), chat)?;
+        self.check_prompt(&prompt.ids)?;
+        Ok(prompt)
+    }
+
+    /// Refuses an empty prompt or one that leaves no room in the context.
+    fn check_prompt(&self, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(Error::InvalidInput("the prompt is empty".into()));
+        }
+        crate::context::room(ids.len(), self.context)?;
+        Ok(())
+    }
+}
+
+/// A model opened but not loaded ([`Engine::open`]): prompts can be encoded and checked
+/// before [`Prepared::load`] reads the weights.
+pub struct Prepared {
+    front: Front,
+    /// With `source.context` limited to the model's.
+    options: EngineOptions,
+}
+
+impl Prepared {
+    /// The model's directory.
+    pub fn dir(&self) -> &Path {
+        &self.front.dir
+    }
+
+    /// The most tokens (prompt and generated) one sequence may hold, as the engine will
+    /// have it ([`Engine::context`]).
+    pub fn context(&self) -> usize {
+        self.front.context
+    }
+
+    /// As [`Engine::encode`], before the weights load.
+    pub fn encode(&self, input: &Input) -> Result<Vec<u32>> {
+        self.front.encode(input)
+    }
+
+    /// As [`Engine::encode_chat`], before the weights load.
+    pub fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
+        self.front.encode_chat(chat)
+    }
+
+    /// As [`Engine::tokenizer`]. Errors: the model has no tokenizer.json.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.front.tokenizer()
+    }
+
+    /// As [`Engine::template`].
+    pub fn template(&self) -> Option<&ChatTemplate> {
+        self.front.template.as_ref()
+    }
+
+    /// Loads the weights and the expert source (on a blocking thread, so the caller's
+    /// runtime keeps serving). Without a tokenizer the engine scores ids
+    /// ([`Engine::score`]) and refuses everything else. Errors: everything
+    /// [`Checkpoint::open`] and [`Model::load`] report, a pool below its floor, a GPU that
+    /// was asked for and is absent.
+    pub async fn load(self) -> Result<Engine> {
+        let Prepared { front, options } = self;
         // The pool's reads run on the caller's runtime.
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
-            let ckpt = Arc::new(Checkpoint::open(&dir)?);
-            let mut options = options;
-            options.source.context = crate::context::limit(options.source.context, &ckpt.config);
+            let ckpt = Arc::new(Checkpoint::open(&front.dir)?);
             let (runner, pool, plan): (Box<dyn Runner>, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
@@ -227,19 +328,9 @@ impl Engine {
                 requests: 0,
                 prompt_cache: runner.prompt_cache_stats(),
             };
-            let tokenizer = Tokenizer::load(&dir)?;
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
-                template: ChatTemplate::load(&dir)?,
-                eos: eos_ids(
-                    &dir,
-                    &ckpt.config.eos_token_ids,
-                    &tokenizer,
-                    ckpt.config.vocab_size,
-                )?,
-                tokenizer,
-                context: options.source.context,
-                vocab: ckpt.config.vocab_size,
+                front,
                 pool,
                 plan,
                 ngram,
@@ -252,68 +343,86 @@ impl Engine {
             shared: Arc::new(shared),
         })
     }
+}
+
+impl Engine {
+    /// Opens the model in `dir` without loading its weights: reads config.json, the
+    /// tokenizer (when tokenizer.json is present), the EOS ids and the chat template, and
+    /// limits `options.source.context` to the model's. Blocking (file reads and parsing,
+    /// well under a second); async callers run it on a blocking thread. Errors: a missing
+    /// directory or config.json, every config error of [`crate::config::ModelConfig::load`],
+    /// a malformed tokenizer, generation_config.json or chat template.
+    pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
+        let config = open_config(dir)?;
+        let mut options = options;
+        options.source.context = crate::context::limit(options.source.context, &config);
+        let tokenizer = if dir.join("tokenizer.json").exists() {
+            Some(Tokenizer::load(dir)?)
+        } else {
+            None
+        };
+        let eos = match &tokenizer {
+            Some(t) => eos_ids(dir, &config.eos_token_ids, t, config.vocab_size)?,
+            None => Vec::new(),
+        };
+        let front = Front {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            template: ChatTemplate::load(dir)?,
+            eos,
+            context: options.source.context,
+            vocab: config.vocab_size,
+        };
+        Ok(Prepared { front, options })
+    }
+
+    /// Opens ([`Engine::open`], on a blocking thread) and loads ([`Prepared::load`]) the
+    /// model in `dir`. Errors: what those report, and a missing tokenizer.
+    pub async fn load(dir: &Path, options: EngineOptions) -> Result<Self> {
+        let dir = dir.to_path_buf();
+        let prepared = tokio::task::spawn_blocking(move || Engine::open(&dir, options))
+            .await
+            .map_err(|e| Error::Internal(format!("opening task failed: {e}")))??;
+        prepared.tokenizer()?;
+        prepared.load().await
+    }
 
     /// The most tokens (prompt and generated) one sequence may hold.
     pub fn context(&self) -> usize {
-        self.shared.context
+        self.shared.front.context
     }
 
     /// The prompt ids `input` stands for: a chat rendered with the template and tokenized
     /// ([`Engine::encode_chat`]), text tokenized, ids checked against the vocabulary. Runs
-    /// without waiting for the model. Errors: a template or tokenizer failure, an id out
-    /// of range, an empty prompt, a prompt that leaves no room in the context.
+    /// without waiting for the model. Errors: a template or tokenizer failure (no
+    /// tokenizer for a text or chat), an id out of range, an empty prompt, a prompt that
+    /// leaves no room in the context.
     pub fn encode(&self, input: &Input) -> Result<Vec<u32>> {
-        let s = &self.shared;
-        let ids = match input {
-            Input::Ids(ids) => {
-                if let Some(bad) = ids.iter().find(|&&id| id as usize >= s.vocab) {
-                    return Err(Error::InvalidInput(format!(
-                        "token id {bad} is out of range for a vocabulary of {} tokens",
-                        s.vocab
-                    )));
-                }
-                ids.clone()
-            }
-            Input::Text(text) => s.tokenizer.encode(text)?,
-            Input::Chat(chat) => return Ok(self.encode_chat(chat)?.ids),
-        };
-        self.check_prompt(&ids)?;
-        Ok(ids)
+        self.shared.front.encode(input)
     }
 
     /// A chat's prompt ([`chat_prompt`]): its ids and how the reply starts (the opening
     /// of a required tool call, an open `<think>` block). Errors: as [`Engine::encode`].
     pub fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
-        let s = &self.shared;
-        let prompt = chat_prompt(&s.tokenizer, s.template.as_ref(), chat)?;
-        self.check_prompt(&prompt.ids)?;
-        Ok(prompt)
-    }
-
-    /// Refuses an empty prompt or one that leaves no room in the context.
-    fn check_prompt(&self, ids: &[u32]) -> Result<()> {
-        if ids.is_empty() {
-            return Err(Error::InvalidInput("the prompt is empty".into()));
-        }
-        crate::context::room(ids.len(), self.shared.context)?;
-        Ok(())
+        self.shared.front.encode_chat(chat)
     }
 
     /// Decodes ids to text (special tokens left out, [`Tokenizer::decode`]).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.shared.tokenizer.decode(ids)
+        self.shared.front.tokenizer()?.decode(ids)
     }
 
     /// The model's tokenizer (for what [`Engine::encode`] does not do: tokenizing a text
-    /// to score, a conversation's next turn with [`crate::chat::Conversation`]).
-    pub fn tokenizer(&self) -> &Tokenizer {
-        &self.shared.tokenizer
+    /// to score, a conversation's next turn with [`crate::chat::Conversation`]). Errors:
+    /// the model has no tokenizer.json (an engine from [`Prepared::load`]).
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.shared.front.tokenizer()
     }
 
     /// The model's chat template; `None` when it has none (chats are then the messages
     /// joined by newlines).
     pub fn template(&self) -> Option<&ChatTemplate> {
-        self.shared.template.as_ref()
+        self.shared.front.template.as_ref()
     }
 
     /// The memory plan that sized the pool (`source.pool` a
@@ -385,7 +494,8 @@ impl Engine {
 
     /// Starts `request`; its events arrive on the returned stream once earlier requests
     /// are done. Dropping the stream cancels the request. The first event is an error
-    /// when [`Engine::encode`] rejects the input or the sampling options are invalid.
+    /// when [`Engine::encode`] rejects the input, the sampling options are invalid or the
+    /// model has no tokenizer.
     pub fn generate(&self, request: Request) -> Generation {
         // Unbounded: a request's events are bounded by its max_tokens, and a slow reader
         // must not hold the engine (and every request behind it) hostage.
@@ -393,11 +503,13 @@ impl Engine {
         let cancel = Arc::new(AtomicBool::new(false));
         let prepared = self.encode(&request.input).and_then(|prompt| {
             request.sampling.validate()?;
+            // The tokens are decoded as they come.
+            self.shared.front.tokenizer()?;
             let options = GenerateOptions {
                 // Generation itself stops at the context.
                 max_tokens: request.max_tokens,
                 sampling: request.sampling,
-                eos_ids: self.shared.eos.clone(),
+                eos_ids: self.shared.front.eos.clone(),
                 cancel: Some(cancel.clone()),
             };
             Ok((prompt, options))
@@ -548,6 +660,7 @@ impl<B: Backend> Runner for Loaded<B> {
         if let Some(pool) = &shared.pool {
             pool.reset_stats();
         }
+        let tokenizer = shared.front.tokenizer()?;
         let mut decoder = StreamDecoder::new();
         let generated = cache.generate(
             &self.model,
@@ -556,7 +669,7 @@ impl<B: Backend> Runner for Loaded<B> {
             prompt,
             options,
             |id| {
-                let text = decoder.push(&shared.tokenizer, id)?;
+                let text = decoder.push(tokenizer, id)?;
                 // A closed channel means the caller dropped the stream: stop.
                 Ok(events.send(Ok(Event::Token { id, text })).is_ok())
             },
@@ -567,7 +680,7 @@ impl<B: Backend> Runner for Loaded<B> {
             s.prompt_cache = cache.stats();
         }
         let generated = generated?;
-        let tail = decoder.finish(&shared.tokenizer)?;
+        let tail = decoder.finish(tokenizer)?;
         let _ = events.send(Ok(Event::Done {
             output_ids: generated.output_ids,
             tail,

@@ -59,6 +59,30 @@ pub struct Checkpoint {
     tensors: HashMap<String, TensorEntry>,
 }
 
+/// Reads the config of the checkpoint in `dir` without touching its shards (what
+/// [`Checkpoint::open`] reads first). Errors: `dir` missing or a file, no config.json, and
+/// every config error of [`ModelConfig::load`].
+pub fn open_config(dir: &Path) -> Result<ModelConfig> {
+    let missing = |what: &str| {
+        Error::io(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()),
+        )
+    };
+    if dir.is_file() {
+        return Err(missing(
+            "is a file; give the model's directory (the one holding config.json)",
+        ));
+    }
+    if !dir.is_dir() {
+        return Err(missing("model directory not found"));
+    }
+    if !dir.join("config.json").is_file() {
+        return Err(missing("not a model directory: it has no config.json"));
+    }
+    ModelConfig::load(dir)
+}
+
 impl Checkpoint {
     /// Opens `dir`: reads config.json, maps every shard and validates all headers.
     ///
@@ -66,24 +90,7 @@ impl Checkpoint {
     /// a tensor the index places in a shard that lacks it), truncated or malformed shards,
     /// a tensor name present in two shards, and every config error of [`ModelConfig::load`].
     pub fn open(dir: &Path) -> Result<Self> {
-        let missing = |what: &str| {
-            Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, what.to_string()),
-            )
-        };
-        if dir.is_file() {
-            return Err(missing(
-                "is a file; give the model's directory (the one holding config.json)",
-            ));
-        }
-        if !dir.is_dir() {
-            return Err(missing("model directory not found"));
-        }
-        if !dir.join("config.json").is_file() {
-            return Err(missing("not a model directory: it has no config.json"));
-        }
-        let config = ModelConfig::load(dir)?;
+        let config = open_config(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
         let (files, weight_map) = if index_path.exists() {
             read_index(&index_path)?

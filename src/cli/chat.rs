@@ -10,7 +10,7 @@ use slotstream::chat_template::{Chat, Message};
 use slotstream::engine::{Input, Request};
 
 use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
-use super::load::{engine_options, Loaded, Reply};
+use super::load::{engine_options, open, Loaded, Reply};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -54,11 +54,15 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         args.trace.trace.is_some(),
         args.prompt_cache.options(args.stream.memory_budget)?,
     );
-    let loaded = Loaded::load(&args.model, options)?;
+    // Refused before the weights load: no tokenizer, no chat template.
+    let prepared = open(&args.model, options)?;
+    prepared.tokenizer()?;
+    let no_template = || format!("{} has no chat template", args.model.display());
+    prepared.template().with_context(no_template)?;
+    let loaded = Loaded::load(prepared)?;
     let engine = &loaded.engine;
-    let template = engine
-        .template()
-        .with_context(|| format!("{} has no chat template", args.model.display()))?;
+    let tokenizer = engine.tokenizer()?;
+    let template = engine.template().with_context(no_template)?;
     let mut conversation = Conversation::new(start);
     let mut stdin = std::io::stdin().lock();
     eprintln!(
@@ -76,7 +80,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             }
             ChatInput::Message(text) => text,
         };
-        let turn = conversation.next(engine.tokenizer(), template, &text);
+        let turn = conversation.next(tokenizer, template, &text);
         let reply = turn.map_err(anyhow::Error::from).and_then(|turn| {
             let generation = loaded.generate(Request {
                 input: Input::Ids(turn.ids.clone()),
@@ -92,7 +96,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         println!();
         let reply: Reply = match reply {
             Ok((turn, reply)) => {
-                conversation.commit(engine.tokenizer(), turn, &reply.text, &reply.output_ids);
+                conversation.commit(tokenizer, turn, &reply.text, &reply.output_ids);
                 reply
             }
             // The conversation is kept as it was before the message; the next turn goes on.

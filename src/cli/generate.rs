@@ -12,7 +12,7 @@ use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
 
 use super::flags::{IdList, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
-use super::load::{engine_options, Loaded};
+use super::load::{engine_options, open, Loaded};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -129,20 +129,22 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
         args.trace.trace.is_some(),
         cache,
     );
-    let loaded = Loaded::load(&args.model, options)?;
-    let engine = &loaded.engine;
-    if args.template.is_set() && engine.template().is_none() {
+    // The prompt is checked before the weights load.
+    let prepared = open(&args.model, options)?;
+    if args.template.is_set() && prepared.template().is_none() {
         bail!(TEMPLATE_VARIABLES);
     }
     // A text is wrapped in the chat template unless --raw (or the model has none).
     let input = match input {
-        Input::Text(text) if !args.raw && engine.template().is_some() => Input::Chat(Chat {
+        Input::Text(text) if !args.raw && prepared.template().is_some() => Input::Chat(Chat {
             kwargs,
             ..Chat::new(vec![Message::new("user", &text)])
         }),
         input => input,
     };
-    let prompt = engine.encode(&input)?;
+    let prompt = prepared.encode(&input)?;
+    let loaded = Loaded::load(prepared)?;
+    let engine = &loaded.engine;
     let generation = loaded.generate(Request {
         input: Input::Ids(prompt.clone()),
         max_tokens: args.max_tokens,

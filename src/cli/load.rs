@@ -1,6 +1,6 @@
-//! The one load path of `generate`, `chat`, `score` and `serve`: an [`Engine`] loaded with
-//! the options their flags give, the runtime it runs on, and what a pool leaves behind
-//! when the run ends.
+//! The one load path of `generate`, `chat`, `score` and `serve`: an [`Engine`] opened
+//! ([`open`]: the prompt is checked then) and loaded with the options their flags give,
+//! the runtime it runs on, and what a pool leaves behind when the run ends.
 
 use std::future::Future;
 use std::path::Path;
@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use futures::StreamExt;
 use slotstream::backend::gpu::GpuOptions;
 
-use slotstream::engine::{Engine, EngineOptions, Event, Generation, Request};
+use slotstream::engine::{Engine, EngineOptions, Event, Generation, Prepared, Request};
 use slotstream::generate::GenerateStats;
 use slotstream::pool::PoolStats;
 use slotstream::prompt_cache::PromptCacheOptions;
@@ -37,20 +37,29 @@ pub fn engine_options(
     }
 }
 
+/// Opens the model in `dir` without its weights ([`Engine::open`]), for the prompt to be
+/// checked before [`Loaded::load`]. Errors: what the engine reports (after "loading model
+/// DIR").
+pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
+    Engine::open(dir, options).with_context(|| format!("loading model {}", dir.display()))
+}
+
 /// An engine and the runtime it runs on (the pool's reads, the requests). Fields drop in
 /// order: the engine before its runtime.
 pub struct Loaded {
+    /// The loaded model.
     pub engine: Engine,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Loaded {
-    /// Starts a runtime and loads the model in `dir` on it ([`Engine::load`]). Errors: a
+    /// Starts a runtime and loads the opened model on it ([`Prepared::load`]). Errors: a
     /// runtime that does not start, what the engine reports (after "loading model DIR").
-    pub fn load(dir: &Path, options: EngineOptions) -> Result<Self> {
+    pub fn load(prepared: Prepared) -> Result<Self> {
         let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+        let dir = prepared.dir().to_path_buf();
         let engine = runtime
-            .block_on(Engine::load(dir, options))
+            .block_on(prepared.load())
             .with_context(|| format!("loading model {}", dir.display()))?;
         Ok(Loaded { engine, runtime })
     }
@@ -130,9 +139,11 @@ impl Loaded {
 pub struct Reply {
     /// The text, tail included.
     pub text: String,
+    /// The generated ids (the EOS that ended the reply left out).
     pub output_ids: Vec<u32>,
     /// Prompt tokens taken from a snapshot instead of being run.
     pub reused_tokens: usize,
+    /// Token counts, rates and the finish reason.
     pub stats: GenerateStats,
     /// The pool's counters for the request, with a pool.
     pub pool: Option<PoolStats>,

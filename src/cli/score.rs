@@ -8,7 +8,7 @@ use clap::Args;
 use slotstream::prompt_cache::PromptCacheOptions;
 
 use super::flags::{IdList, StreamArgs, TraceArgs};
-use super::load::{engine_options, Loaded};
+use super::load::{engine_options, open, Loaded};
 
 #[derive(Args)]
 pub struct ScoreArgs {
@@ -55,11 +55,13 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         args.trace.trace.is_some(),
         off,
     );
-    let loaded = Loaded::load(&args.model, options)?;
+    // The text is tokenized before the weights load; ids need no tokenizer.json.
+    let prepared = open(&args.model, options)?;
     let ids = match (text, &args.ids) {
-        (Some(text), _) => loaded.engine.tokenizer().encode(text)?,
+        (Some(text), _) => prepared.tokenizer()?.encode(text)?,
         (None, ids) => ids.as_ref().map_or_else(Vec::new, |ids| ids.0.clone()),
     };
+    let loaded = Loaded::load(prepared)?;
     let s = loaded.block_on(loaded.engine.score(ids))?;
     loaded.finish(&args.trace, args.stream.stats)?;
     println!("tokens: {}", s.tokens);

@@ -38,6 +38,35 @@ fn ids_arg(ids: &[u32]) -> String {
         .join(",")
 }
 
+/// `score --ids` needs no tokenizer.json (scoring ids reads none); `--text` does, and says
+/// so before the weights load.
+#[test]
+fn score_ids_runs_without_a_tokenizer() {
+    let name = FIXTURES[0];
+    let r = reference(name);
+    let tmp = copy_fixture(name);
+    fs::remove_file(tmp.path().join("tokenizer.json")).unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let ids = ids_arg(&r.scored_ids);
+    let (stdout, _) = ok(&["score", "--model", dir, "--ids", &ids, "--device", "cpu"]);
+    let ppl: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("perplexity: "))
+        .unwrap_or_else(|| panic!("no perplexity in {stdout}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (ppl - r.perplexity).abs() / r.perplexity < 5e-5,
+        "{ppl} vs {}",
+        r.perplexity
+    );
+    let out = slotstream(&["score", "--model", dir, "--text", "hi", "--device", "cpu"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
+
 #[test]
 fn score_cli_matches_mlx_lm_mapped_and_pooled() {
     let tmp = tempfile::tempdir().unwrap();

@@ -159,6 +159,39 @@ async fn cancel_handles_traces_and_scoring() {
     assert!(e.to_string().contains("at least two tokens"), "{e}");
 }
 
+/// Without tokenizer.json: `Engine::load` refuses the model, while an opened one checks
+/// ids before its weights load and then scores them; text and generation are refused
+/// with the missing file's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_a_tokenizer_scores_ids() {
+    let name = FIXTURES[0];
+    let r = reference(name);
+    let tmp = copy_fixture(name);
+    std::fs::remove_file(tmp.path().join("tokenizer.json")).unwrap();
+    let options = EngineOptions {
+        device: Some("cpu".into()),
+        ..Default::default()
+    };
+    let err = Engine::load(tmp.path(), options.clone())
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    let prepared = Engine::open(tmp.path(), options).unwrap();
+    assert!(prepared.encode(&Input::Ids(vec![])).is_err());
+    assert!(prepared.encode(&Input::Text("hi".into())).is_err());
+    let engine = prepared.load().await.unwrap();
+    let s = engine.score(r.scored_ids.clone()).await.unwrap();
+    assert!((s.perplexity - r.perplexity).abs() / r.perplexity < 5e-5);
+    let mut events = engine.generate(Request {
+        input: Input::Ids(r.prompt_ids.clone()),
+        max_tokens: 2,
+        sampling: Default::default(),
+    });
+    let err = events.next().await.unwrap().err().unwrap();
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_input_gets_control_ids_only_from_the_template() {
     let engine = Engine::load(

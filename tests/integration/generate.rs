@@ -466,3 +466,71 @@ fn one_line_says_which_backend_runs_and_why() {
         }
     }
 }
+
+/// The prompt is checked before the weights load: against a copy of a fixture whose
+/// shards are gone, an empty prompt, an id out of range, a prompt that fills the context,
+/// `--think` on a model without a chat template and `chat` on that model report their own
+/// error, not the missing shard (which a prompt that passes the checks meets).
+#[test]
+fn prompt_errors_come_before_the_weights_load() {
+    let tmp = copy_fixture(FIXTURES[0]);
+    for entry in std::fs::read_dir(tmp.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    let bare = copy_dir(tmp.path());
+    edit_json(&bare.path().join("tokenizer_config.json"), |v| {
+        v.as_object_mut().unwrap().remove("chat_template");
+    });
+    let dir = tmp.path().to_str().unwrap();
+    let bare = bare.path().to_str().unwrap();
+    let cpu = ["--device", "cpu"];
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["generate", "--model", dir, "--prompt-ids", "1,99999"],
+            "out of range",
+        ),
+        (
+            &["generate", "--model", dir, "--prompt", "", "--raw"],
+            "the prompt is empty",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt-ids",
+                "1,2,3",
+                "--context",
+                "3",
+            ],
+            "leaves no room in the context of 3 tokens",
+        ),
+        (
+            &[
+                "generate", "--model", bare, "--prompt", "hi", "--think", "on",
+            ],
+            "need a prompt text, without --raw, and a model with a chat template",
+        ),
+        (&["chat", "--model", bare], "has no chat template"),
+        // The control: a good prompt gets as far as the weights.
+        (
+            &["generate", "--model", dir, "--prompt-ids", "1,2"],
+            "model.safetensors",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = slotstream()
+            .args(*args)
+            .args(cpu)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
