@@ -8,6 +8,7 @@ use clap::Args;
 use slotstream::chat::{read_input, ChatInput, Conversation};
 use slotstream::chat_template::{Chat, Message};
 use slotstream::engine::{Input, Request};
+use slotstream::pool::PoolStats;
 
 use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
 use super::load::{engine_options, open, Loaded, Reply};
@@ -64,6 +65,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let tokenizer = engine.tokenizer()?;
     let template = engine.template().with_context(no_template)?;
     let mut conversation = Conversation::new(start);
+    // The pool's counters over the whole chat: the engine counts each turn apart.
+    let mut session: Option<PoolStats> = None;
     let mut stdin = std::io::stdin().lock();
     eprintln!(
         "type a message (\"\"\" starts and ends one of several lines); /reset forgets the conversation, /exit or end of input ends it"
@@ -97,6 +100,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         let reply: Reply = match reply {
             Ok((turn, reply)) => {
                 conversation.commit(tokenizer, turn, &reply.text, &reply.output_ids);
+                if let Some(pool) = &reply.pool {
+                    session.get_or_insert_with(PoolStats::default).add(pool);
+                }
                 reply
             }
             // The conversation is kept as it was before the message; the next turn goes on.
@@ -121,5 +127,10 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             serde_json::to_string(&engine.stats().prompt_cache)?
         );
     }
-    loaded.finish(&args.trace, args.stream.stats)
+    let stats = match session {
+        Some(totals) => Some(totals),
+        // No turn finished: the pool's counters as they stand.
+        None => engine.pool_stats(),
+    };
+    loaded.finish_with(&args.trace, stats.filter(|_| args.stream.stats))
 }

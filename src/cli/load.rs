@@ -117,18 +117,24 @@ impl Loaded {
         })
     }
 
-    /// Writes the pool's trace where `--trace` asks, and prints the pool's statistics as
-    /// JSON on stderr when `json` (`--stats`); nothing without a pool. Errors: the trace
-    /// file cannot be written.
+    /// Writes the pool's trace where `--trace` asks, and prints the pool's statistics of
+    /// the last request as JSON on stderr when `json` (`--stats`); nothing without a
+    /// pool. Errors: the trace file cannot be written.
     pub fn finish(&self, trace: &TraceArgs, json: bool) -> Result<()> {
-        let Some(stats) = self.engine.pool_stats() else {
+        self.finish_with(trace, json.then(|| self.engine.pool_stats()).flatten())
+    }
+
+    /// [`Loaded::finish`], printing `stats` (a chat's turns added up: the engine counts
+    /// each request apart) when given.
+    pub fn finish_with(&self, trace: &TraceArgs, stats: Option<PoolStats>) -> Result<()> {
+        if self.engine.pool_stats().is_none() {
             return Ok(());
-        };
+        }
         if let Some(path) = &trace.trace {
             cachesim::write_trace(path, &self.engine.take_trace())
                 .with_context(|| format!("writing trace {}", path.display()))?;
         }
-        if json {
+        if let Some(stats) = stats {
             eprintln!("{}", serde_json::to_string_pretty(&stats)?);
         }
         Ok(())

@@ -94,6 +94,64 @@ pub struct PoolStats {
     pub(super) in_flight_sum: u64,
 }
 
+impl PoolStats {
+    /// Adds `other`'s counters to these, as if both periods had been counted without a
+    /// reset between them (a chat's turns, each a request the engine counts apart):
+    /// counts, bytes and seconds add, `max_in_flight` is the larger, the rates are
+    /// computed again from the sums; `slots` and `record_bytes` are `other`'s.
+    pub fn add(&mut self, other: &PoolStats) {
+        self.slots = other.slots;
+        self.record_bytes = other.record_bytes;
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.demand_bytes += other.demand_bytes;
+        self.speculative_reads += other.speculative_reads;
+        self.speculative_bytes += other.speculative_bytes;
+        self.prefetches_used += other.prefetches_used;
+        self.prefetches_wasted += other.prefetches_wasted;
+        self.wasted_bytes += other.wasted_bytes;
+        self.wait_seconds += other.wait_seconds;
+        self.decode_wait_seconds += other.decode_wait_seconds;
+        self.max_in_flight = self.max_in_flight.max(other.max_in_flight);
+        self.pack_fallbacks += other.pack_fallbacks;
+        self.sweep_bytes += other.sweep_bytes;
+        self.admitted_bytes += other.admitted_bytes;
+        self.range_reads += other.range_reads;
+        self.range_bytes += other.range_bytes;
+        if self.per_layer.len() < other.per_layer.len() {
+            self.per_layer
+                .resize(other.per_layer.len(), LayerCounts::default());
+        }
+        for (sum, l) in self.per_layer.iter_mut().zip(&other.per_layer) {
+            sum.hits += l.hits;
+            sum.misses += l.misses;
+        }
+        self.in_flight_samples += other.in_flight_samples;
+        self.in_flight_sum += other.in_flight_sum;
+        self.derive();
+    }
+
+    /// The fields computed from the others: `bytes_read`, `hit_rate`, `mean_in_flight`.
+    fn derive(&mut self) {
+        self.bytes_read = self.demand_bytes
+            + self.speculative_bytes
+            + self.sweep_bytes
+            + self.admitted_bytes
+            + self.range_bytes;
+        let lookups = self.hits + self.misses;
+        self.hit_rate = if lookups == 0 {
+            0.0
+        } else {
+            self.hits as f64 / lookups as f64
+        };
+        self.mean_in_flight = if self.in_flight_samples == 0 {
+            0.0
+        } else {
+            self.in_flight_sum as f64 / self.in_flight_samples as f64
+        };
+    }
+}
+
 impl Inner {
     /// Marks resident slot `i` referenced for a lookup: a hit, or a prefetch used when a
     /// lookahead read brought it in.
@@ -143,19 +201,7 @@ impl SlotPool {
     pub fn stats(&self) -> PoolStats {
         let inner = self.lock();
         let mut s = inner.stats.clone();
-        s.bytes_read =
-            s.demand_bytes + s.speculative_bytes + s.sweep_bytes + s.admitted_bytes + s.range_bytes;
-        let lookups = s.hits + s.misses;
-        s.hit_rate = if lookups == 0 {
-            0.0
-        } else {
-            s.hits as f64 / lookups as f64
-        };
-        s.mean_in_flight = if s.in_flight_samples == 0 {
-            0.0
-        } else {
-            s.in_flight_sum as f64 / s.in_flight_samples as f64
-        };
+        s.derive();
         s
     }
 

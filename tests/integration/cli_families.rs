@@ -425,6 +425,52 @@ fn chat_cli_reads_blocks_and_commands() {
     assert_eq!(turns[2], (ids("third"), 0));
 }
 
+/// `chat --stats` through a pool: the pool's counters at the end cover every turn (the
+/// engine counts each request apart; the chat adds them up), as many lookups, hits and
+/// misses as the session's `--trace` recorded.
+#[test]
+fn chat_stats_count_every_turn() {
+    let dir = fixture_dir(FIXTURES[0]);
+    let trace = tempfile::NamedTempFile::new().unwrap();
+    let args = [
+        "chat",
+        "--model",
+        dir.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--pool-slots",
+        "30",
+        "--max-tokens",
+        "3",
+        "--stats",
+        "--trace",
+        trace.path().to_str().unwrap(),
+    ];
+    let (success, _, stderr) = with_stdin(&args, "first\nsecond message\n/exit\n");
+    assert!(success, "{stderr}");
+    // The pool's JSON ends stderr, from its own "{" line on.
+    let at = stderr.rfind("\n{\n").expect("the pool's counters") + 1;
+    let pool: serde_json::Value = serde_json::from_str(&stderr[at..]).unwrap();
+    let csv = std::fs::read_to_string(trace.path()).unwrap();
+    let outcomes: Vec<&str> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.rsplit(',').next().unwrap())
+        .collect();
+    let misses = outcomes.iter().filter(|o| **o == "miss").count() as u64;
+    let hits = outcomes.len() as u64 - misses;
+    assert!(
+        stderr.matches(" new prompt tokens, ").count() == 2,
+        "{stderr}"
+    );
+    assert!(misses > 0, "{csv}");
+    assert_eq!(
+        (pool["hits"].as_u64(), pool["misses"].as_u64()),
+        (Some(hits), Some(misses)),
+        "{stderr}"
+    );
+}
+
 /// `serve` binds its port before loading the model: a busy port fails at once (here the
 /// model does not even exist), naming the address; `--trace` is not offered.
 #[test]

@@ -20,7 +20,7 @@ use slotstream::io::{DiskFile, IoMode, ReadAt, Reader};
 use slotstream::model::Logits;
 use slotstream::pack::{pack, MANIFEST_FILE, PACK_FILE};
 use slotstream::pool::{
-    floor_slots, PoolExperts, PoolOptions, RecordFiles, SlotPool, StreamOptions,
+    floor_slots, PoolExperts, PoolOptions, PoolStats, RecordFiles, SlotPool, StreamOptions,
 };
 
 use crate::common::copy_fixture;
@@ -599,6 +599,57 @@ fn dropped_ensure_future_leaks_no_pin() {
     assert_eq!((st.misses, st.hits), (16, 16), "{st:?}");
     // At the floor, each full layer needs every pin of the previous one released.
     check_all(&rt, &pool, &fx.ckpt, &fx.index);
+}
+
+/// Counters of two periods with a reset between them, added ([`PoolStats::add`], as
+/// `chat --stats` sums its turns), are the counters of the two periods counted at once.
+#[test]
+fn counters_of_periods_add_up_to_the_whole() {
+    use rand::Rng;
+    let fx = fixture(BF16);
+    let rt = runtime();
+    let n = fx.index.num_experts as u32;
+    let mut rng = rand::rng();
+    let mut period = || -> Vec<(usize, Vec<u32>)> {
+        (0..6)
+            .map(|_| {
+                let layer = fx.index.moe_layers[rng.random_range(0..fx.index.moe_layers.len())];
+                let mut ids: Vec<u32> = (0..rng.random_range(1..=4))
+                    .map(|_| rng.random_range(0..n))
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                (layer, ids)
+            })
+            .collect()
+    };
+    let (first, second) = (period(), period());
+    let slots = 2 * fx.index.num_experts;
+    let files = || {
+        let f = Faulty::new(&shard_paths(&fx.ckpt)[0], IoMode::Buffered);
+        vec![Arc::new(f) as Arc<dyn ReadAt>]
+    };
+    let run = |pool: &Arc<SlotPool>, ops: &[(usize, Vec<u32>)]| {
+        for (layer, ids) in ops {
+            rt.block_on(pool.ensure(*layer, ids)).unwrap();
+        }
+    };
+    let whole = shards_pool(&fx.index, files(), 4, slots, 1, &rt);
+    run(&whole, &first);
+    run(&whole, &second);
+    let parts = shards_pool(&fx.index, files(), 4, slots, 1, &rt);
+    run(&parts, &first);
+    let mut sum = parts.stats();
+    parts.reset_stats();
+    run(&parts, &second);
+    sum.add(&parts.stats());
+    let want = whole.stats();
+    let counts = |s: &PoolStats| (s.hits, s.misses, s.demand_bytes, s.bytes_read, s.hit_rate);
+    assert_eq!(counts(&sum), counts(&want), "{sum:?}\n{want:?}");
+    let layers = |s: &PoolStats| -> Vec<(u64, u64)> {
+        s.per_layer.iter().map(|l| (l.hits, l.misses)).collect()
+    };
+    assert_eq!(layers(&sum), layers(&want));
 }
 
 /// The records a step's kernels read stay pinned in the backend's `InFlight` guard
