@@ -127,10 +127,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             serde_json::to_string(&engine.stats().prompt_cache)?
         );
     }
-    let stats = match session {
-        Some(totals) => Some(totals),
-        // No turn finished: the pool's counters as they stand.
-        None => engine.pool_stats(),
-    };
+    // With no finished turn, the pool's counters as they stand.
+    let stats = session.or_else(|| engine.pool_stats());
     loaded.finish_with(&args.trace, stats.filter(|_| args.stream.stats))
 }
