@@ -157,6 +157,12 @@ pub struct EngineStats {
 }
 
 /// A loaded model, shareable across tasks.
+///
+/// Dropping it on a GPU: end the threads that ran its requests (the tokio runtime they
+/// ran on) before the last clone drops. The GPU device is destroyed with the engine, and
+/// NVIDIA's Vulkan driver faults (a segmentation fault, seen on an H200 with driver
+/// 580.159.04) when a thread that made calls on a device exits after that device was
+/// destroyed; the CLI drops its runtime first.
 #[derive(Clone)]
 pub struct Engine {
     shared: Arc<Shared>,

@@ -45,11 +45,12 @@ pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
 }
 
 /// An engine and the runtime it runs on (the pool's reads, the requests). Fields drop in
-/// order: the engine before its runtime.
+/// order: the runtime, whose threads made GPU calls for the engine, ends before the
+/// engine's device is destroyed (see [`Engine`]'s note on dropping it).
 pub struct Loaded {
+    runtime: tokio::runtime::Runtime,
     /// The loaded model.
     pub engine: Engine,
-    runtime: tokio::runtime::Runtime,
 }
 
 impl Loaded {
@@ -61,7 +62,7 @@ impl Loaded {
         let engine = runtime
             .block_on(prepared.load())
             .with_context(|| format!("loading model {}", dir.display()))?;
-        Ok(Loaded { engine, runtime })
+        Ok(Loaded { runtime, engine })
     }
 
     /// Runs `future` (a request on the engine) to completion on the engine's runtime.

@@ -75,7 +75,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
-    runtime.block_on(async {
+    let (engine, served) = runtime.block_on(async {
         // The port first: a busy one fails now, not after loading the model. Connections
         // made while the model loads wait in the backlog.
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
@@ -110,10 +110,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 reasoning: args.reasoning_format == ReasoningFormat::Auto,
             },
         );
-        slotstream::server::serve(listener, app)
+        let served = slotstream::server::serve(listener, app)
             .await
-            .context("serving")?;
-        if args.stream.stats {
+            .context("serving");
+        if served.is_ok() && args.stream.stats {
             eprintln!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
@@ -122,6 +122,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 }))?
             );
         }
-        Ok(())
-    })
+        anyhow::Ok((engine, served))
+    })?;
+    // The runtime's threads end (and the requests still open with them) before the engine's
+    // device is destroyed (see `Engine`).
+    drop(runtime);
+    drop(engine);
+    served
 }

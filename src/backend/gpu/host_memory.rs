@@ -7,6 +7,7 @@
 //! wgpu ([`import`]), as ../shared/DESIGN.md describes.
 
 use std::ffi::{c_void, CStr};
+use std::sync::Arc;
 
 use ash::vk;
 use wgpu::hal::api::Vulkan;
@@ -65,13 +66,22 @@ pub(super) fn supported(device: &wgpu::Device) -> bool {
         .is_some_and(|d| d.enabled_device_extensions().contains(&EXT))
 }
 
-/// Wraps `len` bytes at `ptr` as a storage buffer the GPU reads in place.
+/// Wraps `len` bytes at `ptr` as a storage buffer the GPU reads in place. `owner` (the
+/// allocation `ptr` lies in) is kept alive until the driver has released the imported
+/// memory: wgpu may destroy a dropped buffer late (when a submission that used it is
+/// retired, or with the device), and host pages freed while a `VkDeviceMemory` still
+/// imports them are undefined behaviour (VK_EXT_external_memory_host).
 ///
 /// # Safety
-/// `ptr..ptr+len` must stay allocated, and not be freed or remapped, for as long as the
-/// returned buffer (or any submission using it) lives. `ptr` and `len` must be aligned to
-/// the device's `minImportedHostPointerAlignment` (4096 on the drivers seen).
-pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Result<wgpu::Buffer> {
+/// `ptr..ptr+len` must lie inside `owner`'s allocation, which must not be freed or
+/// remapped while `owner` lives. `ptr` and `len` must be aligned to the device's
+/// `minImportedHostPointerAlignment` (4096 on the drivers seen).
+pub(super) unsafe fn import(
+    device: &wgpu::Device,
+    ptr: *mut u8,
+    len: u64,
+    owner: Arc<dyn Send + Sync>,
+) -> Result<wgpu::Buffer> {
     let gpu_err =
         |what: &str, e: vk::Result| Error::Gpu(format!("importing host memory: {what}: {e}"));
     let hal = device
@@ -153,8 +163,19 @@ pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Re
         raw.free_memory(memory, None);
         return Err(gpu_err("vkBindBufferMemory", e));
     }
-    // wgpu now owns the buffer and the imported memory object (not the host pages).
-    let hal_buffer = wgpu::hal::vulkan::Buffer::from_raw_managed(buffer, memory, 0, len);
+    // The buffer and its memory object are destroyed, and only then `owner` released, when
+    // wgpu drops its last use of the buffer (its device is alive until then).
+    let raw = raw.clone();
+    let release = move || {
+        // SAFETY: wgpu has finished with the buffer; nothing else uses these handles.
+        unsafe {
+            raw.destroy_buffer(buffer, None);
+            raw.free_memory(memory, None);
+        }
+        drop(owner);
+    };
+    let hal_buffer =
+        wgpu::hal::vulkan::Buffer::from_raw_externally_owned(buffer, Box::new(release));
     drop(hal);
     Ok(device.create_buffer_from_hal::<Vulkan>(
         hal_buffer,

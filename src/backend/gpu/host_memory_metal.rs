@@ -32,13 +32,23 @@ pub(super) fn supported(device: &wgpu::Device) -> bool {
     unsafe { device.as_hal::<Metal>() }.is_some()
 }
 
-/// Wraps `len` bytes at `ptr` as a storage buffer the GPU reads in place.
+/// Wraps `len` bytes at `ptr` as a storage buffer the GPU reads in place. `owner` (the
+/// allocation `ptr` lies in) is not held: a no-copy buffer without a deallocator never
+/// frees or unmaps its pages, so only the GPU's reads need the memory, and the caller
+/// keeps it while submissions may read it (the Vulkan version holds `owner` until the
+/// driver has released the imported memory).
 ///
 /// # Safety
 /// `ptr..ptr+len` must stay allocated, and not be freed or remapped, for as long as the
 /// returned buffer (or any submission using it) lives. `ptr` and `len` must be multiples
 /// of [`PAGE`].
-pub(super) unsafe fn import(device: &wgpu::Device, ptr: *mut u8, len: u64) -> Result<wgpu::Buffer> {
+pub(super) unsafe fn import(
+    device: &wgpu::Device,
+    ptr: *mut u8,
+    len: u64,
+    owner: std::sync::Arc<dyn Send + Sync>,
+) -> Result<wgpu::Buffer> {
+    drop(owner);
     if (ptr as usize) % PAGE != 0 || len as usize % PAGE != 0 {
         return Err(Error::Gpu(format!(
             "host memory at {ptr:p} of {len} bytes is not aligned to {PAGE} bytes"

@@ -133,7 +133,8 @@ struct Mirror {
     arenas: Vec<wgpu::Buffer>,
     /// Device placement: generation of the record each slot holds on the device (0: none).
     generations: Vec<u64>,
-    /// Unified placement: the pool memory the arenas import (kept alive here).
+    /// Unified placement: the pool memory the arenas import, kept alive while the mirror
+    /// lives (on Vulkan each imported buffer also holds it until the driver releases it).
     unified: Option<PoolMemory>,
     /// Device placement, where host memory can be imported: the pool's memory as GPU
     /// buffers (a unified mirror), from which slots are copied into the device arenas by
@@ -334,9 +335,15 @@ impl GpuBackend {
                 .min(len - start);
             // SAFETY: the range lies inside the pool's memory and starts on a host page
             // (per_arena * stride is a whole number of pages; the allocation is
-            // page-aligned), and the Mirror keeps the memory alive while the buffers live.
-            let buf =
-                unsafe { host_memory::import(&self.gpu.device, base.add(start), bytes as u64)? };
+            // page-aligned); the buffer holds the memory until the driver releases it.
+            let buf = unsafe {
+                host_memory::import(
+                    &self.gpu.device,
+                    base.add(start),
+                    bytes as u64,
+                    pool.memory.clone(),
+                )?
+            };
             arenas.push(buf);
         }
         Ok(Mirror {
