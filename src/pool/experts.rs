@@ -42,6 +42,42 @@ impl PoolExperts {
     }
 }
 
+/// The `quota` most used experts of a layer's `(uses, expert)` list, most used first (ties
+/// by id): the ones the end of a prompt admits.
+fn hottest(mut list: Vec<(u64, u32)>, quota: usize) -> impl Iterator<Item = u32> {
+    list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    list.into_iter().take(quota).map(|(_, e)| e)
+}
+
+impl PoolExperts {
+    /// Puts the records a sweep of `layer` just read (`ids`, `read`) that the end of the
+    /// prompt would admit (the layer's most used so far, its share of the slots) into
+    /// slots now, from the sweep's buffers, so that the admission does not read them
+    /// again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of 21.74).
+    fn admit_swept(&self, layer: usize, ids: &[u32], read: &[Vec<u8>]) {
+        let quota = self.admission_quota();
+        if quota == 0 || ids.is_empty() {
+            return;
+        }
+        let hot: std::collections::HashSet<u32> = {
+            let counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
+            let list = counts
+                .iter()
+                .filter(|((l, _), _)| *l == layer as u32)
+                .map(|(&(_, e), &n)| (n, e))
+                .collect();
+            hottest(list, quota).collect()
+        };
+        let records: Vec<(Key, &[u8])> = ids
+            .iter()
+            .zip(read)
+            .filter(|(e, _)| hot.contains(e))
+            .map(|(&e, bytes)| ((layer as u32, e), &bytes[..]))
+            .collect();
+        self.pool.admit_read(&records);
+    }
+}
+
 /// A record from [`PoolExperts`]: pinned in a slot, or read for one prefill chunk
 /// outside the pool.
 pub enum PoolRecord {
@@ -108,7 +144,9 @@ impl ExpertSource for PoolExperts {
             .filter(|(_, r)| r.is_none())
             .map(|(&e, _)| e)
             .collect();
-        let mut read = self.pool.read_runs(layer, &missing)?.into_iter();
+        let read = self.pool.read_runs(layer, &missing)?;
+        self.admit_swept(layer, &missing, &read);
+        let mut read = read.into_iter();
         resident
             .into_iter()
             .map(|r| match r {
@@ -133,9 +171,8 @@ impl ExpertSource for PoolExperts {
                 by_layer.entry(l).or_default().push((n, e));
             }
             let mut keys = Vec::new();
-            for (layer, mut list) in by_layer {
-                list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-                keys.extend(list.iter().take(quota).map(|&(_, e)| (layer, e)));
+            for (layer, list) in by_layer {
+                keys.extend(hottest(list, quota).map(|e| (layer, e)));
             }
             // A failure here only means a colder start.
             if let Err(e) = futures::executor::block_on(self.pool.admit(&keys)) {

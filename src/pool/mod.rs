@@ -424,6 +424,32 @@ impl SlotPool {
         Ok(held)
     }
 
+    /// Admits records already read (a prefill sweep's: key and bytes in the record
+    /// layout) into victim slots by copying them, as [`SlotPool::admit`] would by reading
+    /// them; keys already resident are skipped. Stops early when no slot is free (a
+    /// colder start, not an error). Returns how many were admitted.
+    pub fn admit_read(&self, records: &[(Key, &[u8])]) -> usize {
+        let record_bytes = self.index.layout.record_bytes;
+        let mut inner = self.lock();
+        let mut admitted = 0;
+        for &(key, bytes) in records {
+            if inner.map.contains_key(&key) || bytes.len() != record_bytes {
+                continue;
+            }
+            let Some(i) = self.claim_victim(&mut inner, key) else {
+                break;
+            };
+            // SAFETY: slot i was just claimed (`Loading`, unpinned, no load task) and the
+            // lock is held until it is `Ready`, so nothing else reads or writes it.
+            let slot = unsafe { self.slot_bytes_mut(i) };
+            slot[..record_bytes].copy_from_slice(bytes);
+            inner.slots[i].state = State::Ready;
+            inner.stats.sweep_admitted += 1;
+            admitted += 1;
+        }
+        admitted
+    }
+
     /// Reads `keys` that are not resident into the pool and waits for them, without
     /// pinning them and without counting them as lookups (they are counted as
     /// `admitted_bytes`): the end-of-prompt admission of the prompt's hottest experts.

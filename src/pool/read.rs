@@ -15,14 +15,22 @@ use super::{Key, RecordFiles, SlotPool};
 impl SlotPool {
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
     /// the pool, one read per run of consecutive ids (per piece from the shards, or per
-    /// run from a pack), up to the queue depth of runs at once. Counted as `sweep_bytes`,
-    /// not as hits or misses.
+    /// run from a pack), up to the queue depth of runs at once. A run is split into parts
+    /// of at most `experts.len() / queue depth` records (rounded up), so that every
+    /// reader has work: a cold pool's whole layer is one run, which one reader alone
+    /// would read at a queue depth of 1 (0.23 GB/s on the H200 machine's disk, against
+    /// 1.34 at a depth of 32). Counted as `sweep_bytes`, not as hits or misses.
     pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
+        let part = experts
+            .len()
+            .div_ceil(self.reader.queue_depth().max(1))
+            .max(1);
         let mut runs = Vec::new();
         let mut start = 0;
         while start < experts.len() {
             let mut end = start + 1;
-            while end < experts.len() && experts[end] == experts[end - 1] + 1 {
+            while end < experts.len() && end - start < part && experts[end] == experts[end - 1] + 1
+            {
                 end += 1;
             }
             runs.push((experts[start] as usize, end - start));

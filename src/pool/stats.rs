@@ -80,8 +80,12 @@ pub struct PoolStats {
     pub pack_fallbacks: u64,
     /// Bytes read for prefill chunks outside the pool (not part of hits and misses).
     pub sweep_bytes: u64,
-    /// Bytes read to admit a prompt's hottest experts at the end of its prefill.
+    /// Bytes read to admit a prompt's hottest experts at the end of its prefill (those a
+    /// sweep did not already put in slots, see `sweep_admitted`).
     pub admitted_bytes: u64,
+    /// Records a prefill sweep copied into slots as it read them, for the admission at
+    /// the end of the prompt (not read a second time, and not part of `bytes_read`).
+    pub sweep_admitted: u64,
     /// Small reads made for the model besides expert records (n-gram table rows: packed
     /// words, scales and biases), through the same reader.
     pub range_reads: u64,
@@ -116,6 +120,7 @@ impl PoolStats {
         self.pack_fallbacks += other.pack_fallbacks;
         self.sweep_bytes += other.sweep_bytes;
         self.admitted_bytes += other.admitted_bytes;
+        self.sweep_admitted += other.sweep_admitted;
         self.range_reads += other.range_reads;
         self.range_bytes += other.range_bytes;
         if self.per_layer.len() < other.per_layer.len() {

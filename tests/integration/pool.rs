@@ -155,6 +155,9 @@ struct Faulty {
     delay: Option<Duration>,
     calls: AtomicU64,
     bytes: AtomicU64,
+    /// Calls running now, and the most that ever ran at once (shared by the files of a
+    /// checkpoint where a test gives them one gauge).
+    active: Arc<[AtomicU64; 2]>,
 }
 
 impl Faulty {
@@ -169,6 +172,7 @@ impl Faulty {
             delay: None,
             calls: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            active: Arc::default(),
         }
     }
 }
@@ -176,9 +180,29 @@ impl Faulty {
 impl ReadAt for Faulty {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        let now = self.active[0].fetch_add(1, Ordering::SeqCst) + 1;
+        self.active[1].fetch_max(now, Ordering::SeqCst);
         if let Some(d) = self.delay {
             std::thread::sleep(d);
         }
+        let result = self.read_now(buf, offset, call);
+        self.active[0].fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+    fn direct(&self) -> bool {
+        self.inner.direct()
+    }
+    fn check_unchanged(&self) -> std::io::Result<()> {
+        self.inner.check_unchanged()
+    }
+}
+
+impl Faulty {
+    /// `read_at` after its delay: the injected faults, else the file's bytes.
+    fn read_now(&self, buf: &mut [u8], offset: u64, call: u64) -> std::io::Result<usize> {
         if self.eintr && call.is_multiple_of(2) {
             return Err(std::io::Error::from(std::io::ErrorKind::Interrupted));
         }
@@ -193,15 +217,6 @@ impl ReadAt for Faulty {
         let n = self.inner.read_at(&mut buf[..n], offset)?;
         self.bytes.fetch_add(n as u64, Ordering::SeqCst);
         Ok(n)
-    }
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-    fn direct(&self) -> bool {
-        self.inner.direct()
-    }
-    fn check_unchanged(&self) -> std::io::Result<()> {
-        self.inner.check_unchanged()
     }
 }
 
@@ -1351,8 +1366,12 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
             st.sweep_bytes,
             (many.len() * index.layout.record_bytes) as u64
         );
+        // The 8 the admission wants are copied into slots as the sweep reads them ...
+        assert_eq!(st.sweep_admitted, 8, "packed {packed}");
         drop(got);
         source.end_prefill(true);
+        // ... so the admission reads nothing again.
+        assert_eq!(pool.stats().admitted_bytes, 0, "packed {packed}");
         let mut by_use: Vec<(u32, u32)> = many_uses
             .iter()
             .copied()
@@ -1366,8 +1385,63 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
                 rank < 8,
                 "packed {packed}: expert {e} (rank {rank})"
             );
+            if resident {
+                let held = rt.block_on(pool.ensure(layer, &[e])).unwrap();
+                assert!(
+                    held[0][..] == expected(&ckpt, &index, layer, e)[..],
+                    "packed {packed}: admitted expert {e} holds other bytes"
+                );
+            }
         }
+        assert_eq!(pool.stats().misses, 0, "the admitted records are hits");
     }
+}
+
+/// A sweep of one long run of ids (a cold pool's whole layer) is read in parts by
+/// several readers at once, up to the queue depth, and comes back byte-equal to the
+/// checkpoint. (One run was once read by one reader: a queue depth of 1.)
+#[test]
+fn a_long_sweep_run_is_read_at_the_queue_depth() {
+    let fx = fixture(BF16);
+    let rt = runtime();
+    let index = &fx.index;
+    let gauge: Arc<[AtomicU64; 2]> = Arc::default();
+    let files: Vec<Arc<Faulty>> = shard_paths(&fx.ckpt)
+        .iter()
+        .map(|p| {
+            let mut f = Faulty::new(p, IoMode::Buffered);
+            f.delay = Some(Duration::from_millis(5));
+            f.active = gauge.clone();
+            Arc::new(f)
+        })
+        .collect();
+    let readers: Vec<Arc<dyn ReadAt>> =
+        files.iter().map(|f| f.clone() as Arc<dyn ReadAt>).collect();
+    let qd = 4;
+    let pool = shards_pool(
+        index,
+        readers,
+        qd,
+        floor_slots(index.num_experts, 2),
+        2,
+        &rt,
+    );
+    let layer = index.moe_layers[0];
+    let all: Vec<u32> = (0..index.num_experts as u32).collect();
+    let read = pool.read_runs(layer, &all).unwrap();
+    for (bytes, &e) in read.iter().zip(&all) {
+        assert!(
+            bytes[..] == fx.records[&(layer as u32, e)][..],
+            "expert {e}"
+        );
+    }
+    let most = gauge[1].load(Ordering::SeqCst);
+    let total: u64 = files.iter().map(|f| f.calls.load(Ordering::SeqCst)).sum();
+    assert!(most >= 2, "one reader read the run: {total} calls");
+    assert!(
+        most <= qd as u64,
+        "{most} reads at once, above the queue depth"
+    );
 }
 
 const FIXTURES_FOR_SWEEP: &str = "qwen3-next-f32-sharded";
@@ -1432,9 +1506,10 @@ fn bytes_read_counts_everything_the_reader_read() {
     )
     .unwrap();
     let st = pool.stats();
+    // The prompt's hottest experts are admitted from its sweeps (copied, not read again).
+    assert!(st.sweep_admitted > 0, "{st:?}");
     for (what, bytes) in [
         ("sweep", st.sweep_bytes),
-        ("admitted", st.admitted_bytes),
         ("demand", st.demand_bytes),
         ("speculative", st.speculative_bytes),
     ] {
