@@ -8,9 +8,9 @@ use tokio::sync::Semaphore;
 
 use crate::checkpoint::PIECES_PER_RECORD;
 use crate::error::{Error, Result};
-use crate::io::{read_range, AlignedBuf, RangeRead};
+use crate::io::{read_range, with_range, RangeRead};
 
-use super::{Key, RecordFiles, SlotPool};
+use super::{Key, RecordFiles, SlotPool, SweepRecord};
 
 impl SlotPool {
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
@@ -20,7 +20,7 @@ impl SlotPool {
     /// reader has work: a cold pool's whole layer is one run, which one reader alone
     /// would read at a queue depth of 1 (0.23 GB/s on the H200 machine's disk, against
     /// 1.34 at a depth of 32). Counted as `sweep_bytes`, not as hits or misses.
-    pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
+    pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<SweepRecord>> {
         let part = experts
             .len()
             .div_ceil(self.reader.queue_depth().max(1))
@@ -39,7 +39,7 @@ impl SlotPool {
         // Plain threads, as the callers are synchronous; each takes the next run.
         let next = std::sync::atomic::AtomicUsize::new(0);
         // Each run's records once its worker has read them.
-        type RunSlot = Mutex<Option<Result<Vec<Vec<u8>>>>>;
+        type RunSlot = Mutex<Option<Result<Vec<SweepRecord>>>>;
         let results: Vec<RunSlot> = runs.iter().map(|_| Mutex::new(None)).collect();
         let workers = self.reader.queue_depth().min(runs.len());
         std::thread::scope(|scope| {
@@ -62,23 +62,25 @@ impl SlotPool {
     }
 
     /// The records of experts `e0..e0 + n` of `layer`, read as one run.
-    fn read_run(&self, layer: usize, e0: usize, n: usize) -> Result<Vec<Vec<u8>>> {
+    fn read_run(&self, layer: usize, e0: usize, n: usize) -> Result<Vec<SweepRecord>> {
         let layout = &self.index.layout;
-        let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; layout.record_bytes]).collect();
+        let mut out: Vec<SweepRecord> = (0..n).map(|_| self.sweep_record()).collect();
         match &self.files {
             RecordFiles::Packed { pack, pack_file } => {
-                // Aligned memory: a direct read lands in it without a scratch copy (pack
-                // offsets and the stride are multiples of the direct-I/O alignment).
-                let mut buf = AlignedBuf::zeroed(n * self.stride)?;
-                let buf = &mut buf.as_mut_slice()[..n * self.stride];
-                read_range(&*self.reader.file(*pack_file), pack.offset(layer, e0)?, buf)?;
-                for (i, rec) in out.iter_mut().enumerate() {
-                    let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
-                    if !pack.check(layer, e0 + i, bytes) {
-                        self.read_shard_record(layer, e0 + i, rec)?;
-                    } else {
-                        rec.copy_from_slice(bytes);
+                let file = self.reader.file(*pack_file);
+                let mut unusable = Vec::new();
+                with_range(&*file, pack.offset(layer, e0)?, n * self.stride, |buf| {
+                    for (i, rec) in out.iter_mut().enumerate() {
+                        let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
+                        if pack.check(layer, e0 + i, bytes) {
+                            rec.bytes.copy_from_slice(bytes);
+                        } else {
+                            unusable.push(i);
+                        }
                     }
+                })?;
+                for i in unusable {
+                    self.read_shard_record(layer, e0 + i, &mut out[i].bytes)?;
                 }
             }
             RecordFiles::Shards => {
@@ -87,16 +89,42 @@ impl SlotPool {
                 })?;
                 for (k, r) in first.iter().enumerate() {
                     let len = r.len as usize;
-                    let mut buf = vec![0u8; n * len];
-                    read_range(&*self.reader.file(r.shard), r.offset, &mut buf)?;
-                    for (i, rec) in out.iter_mut().enumerate() {
-                        rec[layout.offsets[k]..layout.offsets[k] + len]
-                            .copy_from_slice(&buf[i * len..(i + 1) * len]);
-                    }
+                    with_range(&*self.reader.file(r.shard), r.offset, n * len, |buf| {
+                        for (i, rec) in out.iter_mut().enumerate() {
+                            rec.bytes[layout.offsets[k]..layout.offsets[k] + len]
+                                .copy_from_slice(&buf[i * len..(i + 1) * len]);
+                        }
+                    })?;
                 }
             }
         }
         Ok(out)
+    }
+
+    /// A record-sized buffer for a sweep: a released one (its padding is zero, as every
+    /// read writes only the pieces), else a new zeroed one.
+    fn sweep_record(&self) -> SweepRecord {
+        let record_bytes = self.index.layout.record_bytes;
+        let mut free = self.sweep_free.lock().unwrap_or_else(|p| p.into_inner());
+        let bytes = free
+            .pop()
+            .filter(|b| b.len() == record_bytes)
+            .unwrap_or_else(|| vec![0u8; record_bytes]);
+        SweepRecord {
+            bytes,
+            free: self.sweep_free.clone(),
+            keep: 2 * self.index.num_experts,
+        }
+    }
+
+    /// Frees the buffers kept for sweeps (a prefill has ended: decoding reads no sweeps),
+    /// and the reader's scratch memory ([`crate::io::release_scratch`]).
+    pub fn release_sweep_buffers(&self) {
+        self.sweep_free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        crate::io::release_scratch();
     }
 
     /// Reads one record from the shards, nine pieces, into `dst` (record layout).
