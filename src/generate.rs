@@ -133,7 +133,10 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         let chunk = model.prefill_chunk(backend, Logits::Last);
         for end in stops.at.iter().copied().chain([prompt.len()]) {
             for piece in prompt[done..end].chunks(chunk) {
-                logits = model.forward(backend, state, piece, experts, Logits::Last)?;
+                logits = model
+                    .forward(backend, state, piece, experts, Logits::Last)
+                    // The prefill is over: the source frees what it kept for it.
+                    .inspect_err(|_| experts.end_prefill(false))?;
                 done += piece.len();
                 if options.cancelled() {
                     experts.end_prefill(false);
@@ -144,7 +147,7 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                 }
             }
             if end < prompt.len() {
-                (stops.on_stop)(state)?;
+                (stops.on_stop)(state).inspect_err(|_| experts.end_prefill(false))?;
             }
         }
         experts.end_prefill(true);

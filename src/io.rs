@@ -359,8 +359,10 @@ pub fn with_range<R>(
 /// machine).
 static SCRATCH: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
 
-/// Bytes of scratch buffers kept between reads: a queue depth of 32 readers of 8 MiB.
-const SCRATCH_KEEP_BYTES: usize = 256 << 20;
+/// Bytes of scratch buffers kept between reads: a queue depth of 32 sweep readers of 16
+/// records (28 MB each at Qwen3-Next-80B's records) would need 900 MB; this keeps most
+/// of them, and [`release_scratch`] frees them when the prompt's prefill ends.
+const SCRATCH_KEEP_BYTES: usize = 768 << 20;
 
 /// A scratch buffer of at least `len` bytes (its contents are whatever a read left).
 fn take_scratch(len: usize) -> Result<AlignedBuf> {

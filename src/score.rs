@@ -37,7 +37,10 @@ pub fn score<B: Backend, E: ExpertSource>(
         ));
     }
     let mut state = model.new_state(backend);
-    let logits = model.forward(backend, &mut state, ids, experts, Logits::All)?;
+    let logits = model.forward(backend, &mut state, ids, experts, Logits::All);
+    // A prefill with nothing after it: the source frees what it kept for it.
+    experts.end_prefill(false);
+    let logits = logits?;
     let vocab = model.config.vocab_size;
     let total: f64 = (0..ids.len() - 1)
         .map(|i| {

@@ -101,8 +101,9 @@ impl SlotPool {
         Ok(out)
     }
 
-    /// A record-sized buffer for a sweep: a released one (its padding is zero, as every
-    /// read writes only the pieces), else a new zeroed one.
+    /// A record-sized buffer for a sweep: a released one (a read overwrites every piece;
+    /// the padding between pieces is zero in the shards' reads and the pack's), else a new
+    /// zeroed one.
     fn sweep_record(&self) -> SweepRecord {
         let record_bytes = self.index.layout.record_bytes;
         let mut free = self.sweep_free.lock().unwrap_or_else(|p| p.into_inner());

@@ -220,6 +220,43 @@ impl Gpu {
     }
 
     /// A storage buffer holding `bytes` (padded with zeros to a multiple of 4).
+    /// A storage buffer of `len` bytes (rounded up to 4), zeroed but for `pieces` (byte
+    /// offset, bytes), written through its mapping at creation: for contents gathered from
+    /// several places (a sweep's records) without first copying them into one host
+    /// allocation. Pieces must lie within `len`.
+    pub fn buffer_filled<'a>(
+        &self,
+        len: usize,
+        pieces: impl IntoIterator<Item = (usize, &'a [u8])>,
+    ) -> wgpu::Buffer {
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: len.next_multiple_of(4).max(4) as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: true,
+        });
+        let mapped = buf.slice(..).get_mapped_range_mut();
+        let Ok(mut mapped) = mapped else {
+            // Not expected of a buffer mapped at creation; a host copy works regardless.
+            drop(mapped);
+            buf.unmap();
+            let mut bytes = vec![0u8; len];
+            for (at, piece) in pieces {
+                bytes[at..at + piece.len()].copy_from_slice(piece);
+            }
+            return self.buffer_with(&bytes);
+        };
+        Self::count(&self.counters.buffers_created);
+        for (at, piece) in pieces {
+            mapped.slice(at..at + piece.len()).copy_from_slice(piece);
+        }
+        drop(mapped);
+        buf.unmap();
+        buf
+    }
+
     pub fn buffer_with(&self, bytes: &[u8]) -> wgpu::Buffer {
         let mut padded;
         let contents = if bytes.len().is_multiple_of(4) && !bytes.is_empty() {

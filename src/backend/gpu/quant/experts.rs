@@ -157,12 +157,13 @@ fn place_records(
     }
     let mut arenas = Vec::new();
     for chunk in (0..distinct.len()).collect::<Vec<_>>().chunks(per_arena) {
-        let mut bytes = vec![0u8; stride * chunk.len()];
-        for (slot, &d) in chunk.iter().enumerate() {
+        // Copied straight into the arena's mapping: a host copy of a layer's records first
+        // cost a fresh allocation of up to 906 MB per layer of a long prompt.
+        let pieces = chunk.iter().enumerate().map(|(slot, &d)| {
             let r = records[index_of.iter().position(|&i| i == d).unwrap_or(0)].bytes;
-            bytes[slot * stride..slot * stride + r.len()].copy_from_slice(r);
-        }
-        arenas.push(b.gpu.buffer_with(&bytes));
+            (slot * stride, r)
+        });
+        arenas.push(b.gpu.buffer_filled(stride * chunk.len(), pieces));
     }
     let places = index_of
         .iter()
