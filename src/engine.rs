@@ -214,7 +214,10 @@ struct Front {
     dir: PathBuf,
     /// `None` when the directory has no tokenizer.json: ids only (scoring).
     tokenizer: Option<Tokenizer>,
-    template: Option<ChatTemplate>,
+    /// The chat template, or why it could not be read (the file and the message): kept
+    /// rather than failing the open, so a model whose template is malformed still
+    /// generates from raw text and ids and scores; only a chat needs it.
+    template: std::result::Result<Option<ChatTemplate>, (PathBuf, String)>,
     /// Empty without a tokenizer (nothing is generated then).
     eos: Vec<u32>,
     context: usize,
@@ -231,6 +234,17 @@ impl Front {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
             )
         })
+    }
+
+    /// The chat template (`None`: the model has none). Errors: it could not be read.
+    fn template(&self) -> Result<Option<&ChatTemplate>> {
+        match &self.template {
+            Ok(template) => Ok(template.as_ref()),
+            Err((path, message)) => Err(Error::Template {
+                path: path.clone(),
+                message: message.clone(),
+            }),
+        }
     }
 
     fn encode(&self, input: &Input) -> Result<Vec<u32>> {
@@ -252,7 +266,7 @@ impl Front {
     }
 
     fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
-        let prompt = chat_prompt(self.tokenizer()?, self.template.as_ref(), chat)?;
+        let prompt = chat_prompt(self.tokenizer()?, self.template()?, chat)?;
         self.check_prompt(&prompt.ids)?;
         Ok(prompt)
     }
@@ -303,8 +317,8 @@ impl Prepared {
     }
 
     /// As [`Engine::template`].
-    pub fn template(&self) -> Option<&ChatTemplate> {
-        self.front.template.as_ref()
+    pub fn template(&self) -> Result<Option<&ChatTemplate>> {
+        self.front.template()
     }
 
     /// Loads the weights and the expert source (on a blocking thread, so the caller's
@@ -357,7 +371,8 @@ impl Engine {
     /// limits `options.source.context` to the model's. Blocking (file reads and parsing,
     /// well under a second); async callers run it on a blocking thread. Errors: a missing
     /// directory or config.json, every config error of [`crate::config::ModelConfig::load`],
-    /// a malformed tokenizer, generation_config.json or chat template.
+    /// a malformed tokenizer or generation_config.json (a malformed chat template fails
+    /// only the chats, see [`Engine::template`]).
     pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
         let config = open_config(dir)?;
         let mut options = options;
@@ -374,7 +389,13 @@ impl Engine {
         let front = Front {
             dir: dir.to_path_buf(),
             tokenizer,
-            template: ChatTemplate::load(dir)?,
+            template: ChatTemplate::load(dir).map_err(|e| match e {
+                Error::Template { path, message } | Error::Json { path, message } => {
+                    (path, message)
+                }
+                Error::Io { path, io } => (path, io.to_string()),
+                other => (dir.join("tokenizer_config.json"), other.to_string()),
+            }),
             eos,
             context: options.source.context,
             vocab: config.vocab_size,
@@ -426,9 +447,10 @@ impl Engine {
     }
 
     /// The model's chat template; `None` when it has none (chats are then the messages
-    /// joined by newlines).
-    pub fn template(&self) -> Option<&ChatTemplate> {
-        self.shared.front.template.as_ref()
+    /// joined by newlines). Errors: the template could not be read (a malformed
+    /// tokenizer_config.json or template), which fails only what needs it.
+    pub fn template(&self) -> Result<Option<&ChatTemplate>> {
+        self.shared.front.template()
     }
 
     /// The memory plan that sized the pool (`source.pool` a

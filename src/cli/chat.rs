@@ -59,11 +59,11 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let prepared = open(&args.model, options)?;
     prepared.tokenizer()?;
     let no_template = || format!("{} has no chat template", args.model.display());
-    prepared.template().with_context(no_template)?;
+    prepared.template()?.with_context(no_template)?;
     let loaded = Loaded::load(prepared)?;
     let engine = &loaded.engine;
     let tokenizer = engine.tokenizer()?;
-    let template = engine.template().with_context(no_template)?;
+    let template = engine.template()?.with_context(no_template)?;
     let mut conversation = Conversation::new(start);
     // The pool's counters over the whole chat: the engine counts each turn apart.
     let mut session: Option<PoolStats> = None;

@@ -131,12 +131,18 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     );
     // The prompt is checked before the weights load.
     let prepared = open(&args.model, options)?;
-    if args.template.is_set() && prepared.template().is_none() {
+    // Read only where it is used: a malformed template does not fail --raw or ids.
+    let template = match (&input, args.raw) {
+        (Input::Text(_), false) => prepared.template()?.is_some(),
+        _ if args.template.is_set() => prepared.template()?.is_some(),
+        _ => false,
+    };
+    if args.template.is_set() && !template {
         bail!(TEMPLATE_VARIABLES);
     }
     // A text is wrapped in the chat template unless --raw (or the model has none).
     let input = match input {
-        Input::Text(text) if !args.raw && prepared.template().is_some() => Input::Chat(Chat {
+        Input::Text(text) if !args.raw && template => Input::Chat(Chat {
             kwargs,
             ..Chat::new(vec![Message::new("user", &text)])
         }),

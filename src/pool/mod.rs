@@ -457,25 +457,40 @@ impl SlotPool {
     /// Admits records already read (a prefill sweep's: key and bytes in the record
     /// layout) into victim slots by copying them, as [`SlotPool::admit`] would by reading
     /// them; keys already resident are skipped. Stops early when no slot is free (a
-    /// colder start, not an error). Returns how many were admitted.
+    /// colder start, not an error). Returns how many were admitted. The slots are claimed
+    /// under the pool's lock and filled outside it (a layer's share can be hundreds of
+    /// megabytes), like a read: a lookup of one meanwhile waits for its copy.
     pub fn admit_read(&self, records: &[(Key, &[u8])]) -> usize {
         let record_bytes = self.index.layout.record_bytes;
-        let mut inner = self.lock();
-        let mut admitted = 0;
-        for &(key, bytes) in records {
-            if inner.map.contains_key(&key) || bytes.len() != record_bytes {
-                continue;
+        let claimed: Vec<(usize, &[u8], watch::Sender<Load>)> = {
+            let mut inner = self.lock();
+            let mut claimed = Vec::new();
+            for &(key, bytes) in records {
+                if inner.map.contains_key(&key) || bytes.len() != record_bytes {
+                    continue;
+                }
+                let Some(i) = self.claim_victim(&mut inner, key) else {
+                    break;
+                };
+                let (tx, rx) = watch::channel(Load::Pending);
+                inner.slots[i].load = Some(rx);
+                claimed.push((i, bytes, tx));
             }
-            let Some(i) = self.claim_victim(&mut inner, key) else {
-                break;
-            };
-            // SAFETY: slot i was just claimed (`Loading`, unpinned, no load task) and the
-            // lock is held until it is `Ready`, so nothing else reads or writes it.
+            claimed
+        };
+        let admitted = claimed.len();
+        for (i, bytes, tx) in claimed {
+            // SAFETY: slot i is `Loading` with this call's channel as its load: no read
+            // writes it, and a lookup pins it only to wait for `tx`.
             let slot = unsafe { self.slot_bytes_mut(i) };
             slot[..record_bytes].copy_from_slice(bytes);
-            inner.slots[i].state = State::Ready;
-            inner.stats.sweep_admitted += 1;
-            admitted += 1;
+            {
+                let mut inner = self.lock();
+                inner.slots[i].state = State::Ready;
+                inner.slots[i].load = None;
+                inner.stats.sweep_admitted += 1;
+            }
+            let _ = tx.send(Load::Done);
         }
         admitted
     }

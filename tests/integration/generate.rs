@@ -239,6 +239,92 @@ fn bad_input_gives_clear_errors() {
     }
 }
 
+/// A chat template that cannot be read (chat_template.jinja not UTF-8) or rendered (an
+/// unclosed tag) fails what needs it (a text wrapped in the template, `chat`), naming
+/// the template, and nothing else: raw text, ids and scoring still run.
+#[test]
+fn a_malformed_chat_template_fails_only_what_needs_it() {
+    let unreadable = copy_fixture(FIXTURES[0]);
+    std::fs::write(
+        unreadable.path().join("chat_template.jinja"),
+        b"{{ messages \xff\xfe }}",
+    )
+    .unwrap();
+    let unclosed = copy_fixture(FIXTURES[0]);
+    edit_json(&unclosed.path().join("tokenizer_config.json"), |v| {
+        v["chat_template"] = "{% if messages %}{{ unclosed".into();
+    });
+    for tmp in [&unreadable, &unclosed] {
+        check_malformed_template(tmp.path().to_str().unwrap());
+    }
+}
+
+fn check_malformed_template(dir: &str) {
+    // A chat's first turn, for `chat` to render.
+    let run = |args: &[&str]| {
+        use std::io::Write;
+        let mut child = slotstream()
+            .args(args)
+            .args(["--device", "cpu"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The command may end before it reads (an error at open): a closed pipe is fine.
+        let _ = child.stdin.take().unwrap().write_all(b"hi\n");
+        child.wait_with_output().unwrap()
+    };
+    for args in [
+        &[
+            "generate",
+            "--model",
+            dir,
+            "--prompt",
+            "hi",
+            "--raw",
+            "--max-tokens",
+            "2",
+        ][..],
+        &[
+            "generate",
+            "--model",
+            dir,
+            "--prompt-ids",
+            "1,2",
+            "--max-tokens",
+            "2",
+        ],
+        &["score", "--model", dir, "--ids", "1,2,3"],
+    ] {
+        let out = run(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+    }
+    for args in [
+        &[
+            "generate",
+            "--model",
+            dir,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+        ][..],
+        &["chat", "--model", dir],
+    ] {
+        let out = run(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        // `chat` reports a turn that fails to render and goes on to the next (it ends at
+        // the end of its input); a template it cannot read ends it at once.
+        if args[0] == "generate" {
+            assert!(!out.status.success(), "{args:?} succeeded");
+        }
+        assert!(err.contains("chat template"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 /// `--max-tokens 0` runs nothing, not even the prefill, and the stats lines say so
 /// instead of printing rates and a hit rate of nothing.
 #[test]
