@@ -50,7 +50,7 @@ fn hottest(mut list: Vec<(u64, u32)>, quota: usize) -> impl Iterator<Item = u32>
 }
 
 impl PoolExperts {
-    /// Puts the records a sweep of `layer` just read (`ids`, `read`) that the end of the
+    /// Puts the records a sweep of `layer` just read (`ids`, ascending, and `read`) that the end of the
     /// prompt would admit (the layer's most used so far, its share of the slots) into
     /// slots now, from the sweep's buffers, so that the admission does not read them
     /// again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of 21.74).
@@ -59,7 +59,7 @@ impl PoolExperts {
         if quota == 0 || ids.is_empty() {
             return;
         }
-        let hot: std::collections::HashSet<u32> = {
+        let hot: Vec<u32> = {
             let counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
             let list = counts
                 .iter()
@@ -68,11 +68,13 @@ impl PoolExperts {
                 .collect();
             hottest(list, quota).collect()
         };
-        let records: Vec<(Key, &[u8])> = ids
+        // Hottest first: if the slots run out, the records left out are the coldest.
+        let records: Vec<(Key, &[u8])> = hot
             .iter()
-            .zip(read)
-            .filter(|(e, _)| hot.contains(e))
-            .map(|(&e, bytes)| ((layer as u32, e), &bytes[..]))
+            .filter_map(|e| {
+                let at = ids.binary_search(e).ok()?;
+                Some(((layer as u32, *e), &read[at][..]))
+            })
             .collect();
         self.pool.admit_read(&records);
     }
