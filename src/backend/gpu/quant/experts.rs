@@ -145,24 +145,27 @@ fn place_records(
     // temporary arenas as the binding limit requires.
     let stride = layout.record_bytes.next_multiple_of(16);
     let per_arena = Mirror::slots_per_arena(&b.gpu, stride, 0);
-    let mut distinct: Vec<*const u8> = Vec::new();
-    let mut index_of = Vec::with_capacity(records.len());
-    for r in records {
-        let key = r.bytes.as_ptr();
-        let i = distinct.iter().position(|&p| p == key).unwrap_or_else(|| {
-            distinct.push(key);
-            distinct.len() - 1
-        });
-        index_of.push(i);
-    }
+    // Each distinct record (by address) in order of first use, and each route's index
+    // into them: a map, as a long prompt's chunk has tens of thousands of routes.
+    let mut distinct: Vec<&[u8]> = Vec::new();
+    let mut seen: std::collections::HashMap<*const u8, usize> = Default::default();
+    let index_of: Vec<usize> = records
+        .iter()
+        .map(|r| {
+            *seen.entry(r.bytes.as_ptr()).or_insert_with(|| {
+                distinct.push(r.bytes);
+                distinct.len() - 1
+            })
+        })
+        .collect();
     let mut arenas = Vec::new();
-    for chunk in (0..distinct.len()).collect::<Vec<_>>().chunks(per_arena) {
+    for chunk in distinct.chunks(per_arena) {
         // Copied straight into the arena's mapping: a host copy of a layer's records first
         // cost a fresh allocation of up to 906 MB per layer of a long prompt.
-        let pieces = chunk.iter().enumerate().map(|(slot, &d)| {
-            let r = records[index_of.iter().position(|&i| i == d).unwrap_or(0)].bytes;
-            (slot * stride, r)
-        });
+        let pieces = chunk
+            .iter()
+            .enumerate()
+            .map(|(slot, &r)| (slot * stride, r));
         arenas.push(b.gpu.buffer_filled(stride * chunk.len(), pieces));
     }
     let places = index_of
