@@ -39,6 +39,15 @@ pub const QWEN4_EXP: &str = "qwen4-exp-bf16";
 
 /// `tests/fixtures/<name>`. The crate root comes from `CARGO_MANIFEST_DIR` at run time
 /// when set (a test binary run outside cargo, e.g. on another machine), else at build time.
+/// The tokio runtime the tests run pools and engines on: two workers, as on CI's cores.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
 pub fn fixture_dir(name: &str) -> PathBuf {
     let root = std::env::var("CARGO_MANIFEST_DIR")
         .unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_string());

@@ -23,11 +23,7 @@ use slotstream::records::ExpertSource;
 #[test]
 fn gpu_steps_with_every_record_resident_route_on_the_device() {
     let g = gpu();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     for name in FIXTURES {
         let r = reference(name);
         let ckpt = Arc::new(Checkpoint::open(&fixture_dir(name)).unwrap());
@@ -154,11 +150,7 @@ fn gpu_steps_with_every_record_resident_take_a_routing_models_ids() {
     use slotstream::routing_model::RoutingParams;
     use slotstream::tools::synth::write_checkpoint_with;
     let g = gpu();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let dir = tempfile::tempdir().unwrap();
     let params = RoutingParams {
         seed: rand::random(),

@@ -260,11 +260,13 @@ fn a_malformed_chat_template_fails_only_what_needs_it() {
 }
 
 fn check_malformed_template(dir: &str) {
-    // A chat's first turn, for `chat` to render.
-    let run = |args: &[&str]| {
+    // `command --model dir` with `rest`, and a chat's first turn on stdin for `chat` to
+    // render.
+    let run = |command: &str, rest: &[&str]| {
         use std::io::Write;
         let mut child = slotstream()
-            .args(args)
+            .args([command, "--model", dir])
+            .args(rest)
             .args(["--device", "cpu"])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -275,53 +277,32 @@ fn check_malformed_template(dir: &str) {
         let _ = child.stdin.take().unwrap().write_all(b"hi\n");
         child.wait_with_output().unwrap()
     };
-    for args in [
-        &[
+    let two = ["--max-tokens", "2"];
+    for (command, rest) in [
+        (
             "generate",
-            "--model",
-            dir,
-            "--prompt",
-            "hi",
-            "--raw",
-            "--max-tokens",
-            "2",
-        ][..],
-        &[
-            "generate",
-            "--model",
-            dir,
-            "--prompt-ids",
-            "1,2",
-            "--max-tokens",
-            "2",
-        ],
-        &["score", "--model", dir, "--ids", "1,2,3"],
+            &[&["--prompt", "hi", "--raw"][..], &two].concat(),
+        ),
+        ("generate", &[&["--prompt-ids", "1,2"][..], &two].concat()),
+        ("score", &vec!["--ids", "1,2,3"]),
     ] {
-        let out = run(args);
+        let out = run(command, rest);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{args:?}: {err}");
+        assert!(out.status.success(), "{command} {rest:?}: {err}");
     }
-    for args in [
-        &[
-            "generate",
-            "--model",
-            dir,
-            "--prompt",
-            "hi",
-            "--max-tokens",
-            "2",
-        ][..],
-        &["chat", "--model", dir],
+    for (command, rest) in [
+        ("generate", &[&["--prompt", "hi"][..], &two].concat()),
+        ("chat", &vec![]),
     ] {
-        let out = run(args);
+        let out = run(command, rest);
         let err = String::from_utf8_lossy(&out.stderr);
         // `chat` reports a turn that fails to render and goes on to the next (it ends at
         // the end of its input); a template it cannot read ends it at once.
-        if args[0] == "generate" {
-            assert!(!out.status.success(), "{args:?} succeeded");
+        if command == "generate" {
+            assert!(!out.status.success(), "{command} {rest:?} succeeded");
         }
-        assert!(err.contains("chat template"), "{args:?}: {err}");
-        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.contains("chat template"), "{command} {rest:?}: {err}");
+        assert!(!err.contains("panicked"), "{command} {rest:?}: {err}");
     }
 }
 

@@ -17,11 +17,7 @@ use slotstream::pool::{floor_slots, PoolExperts, SlotPool, StreamOptions};
 backend_tests!(every_combination_matches_mlx_lm);
 
 fn every_combination_matches_mlx_lm<B: TestBackend>(backend: &B) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let portable = backend.is_portable();
     let (depths, lookaheads, ios): (&[usize], &[bool], &[IoMode]) = if portable {
         (&[32], &[true], &[IoMode::Direct])

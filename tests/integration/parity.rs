@@ -81,11 +81,7 @@ fn teacher_forced_logits_match_mlx_lm<B: TestBackend>(b: &B) {
 /// and pools of the floor and of every record (which routes on the device): the
 /// placements are the fast case's to cover, the arithmetic is the same.
 fn greedy_continuation_matches_mlx_lm_mapped_and_through_pools<B: TestBackend>(b: &B) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let placements = if b.is_portable() {
         vec![(None, true)]
     } else {

@@ -23,7 +23,7 @@ use slotstream::pool::{
     floor_slots, PoolExperts, PoolOptions, PoolStats, RecordFiles, SlotPool, StreamOptions,
 };
 
-use crate::common::copy_fixture;
+use crate::common::{copy_fixture, runtime};
 
 const BF16: &str = "qwen3-next-bf16";
 const SHARDED: &str = "qwen3-next-f32-sharded";
@@ -33,14 +33,6 @@ const MODES: [IoMode; 2] = [IoMode::Direct, IoMode::Buffered];
 // ---------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
 
 fn open(dir: &Path) -> (Arc<Checkpoint>, Arc<ExpertIndex>) {
     let ckpt = Arc::new(Checkpoint::open(dir).unwrap());

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::common::TINY;
+use crate::common::{runtime, TINY};
 
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::Checkpoint;
@@ -16,14 +16,6 @@ use slotstream::model::{Logits, Model};
 use slotstream::pool::{PoolExperts, SlotPool, StreamOptions};
 use slotstream::routing_model::{RoutingModel, RoutingParams, ROUTING_FILE};
 use slotstream::tools::synth::write_checkpoint_with;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
 
 fn write(dir: &Path, routing: Option<&RoutingParams>) -> (Arc<Checkpoint>, Model<CpuBackend>) {
     write_checkpoint_with(dir, &TINY, TINY.layers, false, routing).unwrap();
