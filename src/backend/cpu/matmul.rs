@@ -8,11 +8,20 @@
 //! adds `b . sum_g(x)` from group sums of `x` computed once per call ([`Prepared`]). No
 //! weight is dequantized; this is how llama.cpp's and MLX's CPU kernels avoid it too.
 //!
-//! A row is read in chunks of `2 L` columns (`L` f32 lanes: 16 on AVX-512, 8 on AVX2 and
-//! the portable path), each unpacked into two vectors: 4-bit, `L` bytes split into low and
-//! high nibbles (byte `i` holds columns `2i` and `2i + 1`, MLX packing LSB first), so the
-//! activations are put in that order once per call ([`lane_order`]); 8-bit, `2 L` bytes
-//! widened; dense, `2 L` floats. A tile of `R` rows by `T` tokens keeps `R T` accumulators
+//! A row is read in chunks of `PARTS L` columns (`L` f32 lanes: 16 on AVX-512, 8 on AVX2
+//! and the portable path), each unpacked into `PARTS` vectors ([`Format`]):
+//! - 4-bit where a group holds whole chunks of `8 L` columns (group 64 on AVX2):
+//!   `L` u32 words of eight nibbles, each nibble masked in place and converted
+//!   ([`Q4Words`]). Per sixteen weights that is two masks, two conversions and two FMAs,
+//!   where the byte layout below takes a widening, a mask, a shift, two conversions and
+//!   two FMAs: 18% faster at one token on the 2-core Zen 3 machine, whose 4-bit kernel
+//!   is bound by its instructions, not by memory (BENCHMARKS.md, issue 19).
+//! - other 4-bit: `L` bytes split into low and high nibbles ([`Q4`]);
+//! - 8-bit, `2 L` bytes widened; dense, `2 L` floats.
+//!
+//! MLX packs 4-bit LSB first (byte `i` holds columns `2i` and `2i + 1`), so the 4-bit
+//! kernels' activations are put in the order they unpack, once per call ([`lane_order`]).
+//! A tile of `R` rows by `T` tokens keeps `R T` accumulators
 //! in registers: one token (decode) takes four rows, so four independent FMA chains hide
 //! the FMA latency and each chunk of `x` is loaded once for four rows; more tokens (prefill)
 //! take fewer rows, and each weight is unpacked once per tile of up to [`TILE`] tokens.
@@ -44,24 +53,50 @@ const _: () = assert!(TILE == 4);
 /// token tile passes over them.
 const TASK_BYTES: usize = 128 << 10;
 
-/// Whether `w`'s kernel reads its activations in [`lane_order`].
-pub fn wants_lane_order(w: &Rows<'_>) -> bool {
-    matches!(w, Rows::Quant(q) if q.spec.bits == 4)
+/// How a weight's kernel wants its activations ordered within each chunk of columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Order {
+    /// Column order (8-bit and dense weights).
+    Natural,
+    /// 4-bit in chunks of `2 L` columns ([`Q4`]): the even columns, then the odd ones.
+    Pairs,
+    /// 4-bit in chunks of `8 L` columns ([`Q4Words`]), where the group size allows.
+    Words,
 }
 
-/// `x` (rows of a multiple of `2 lanes` columns) with every `2 lanes` consecutive values
-/// reordered as the 4-bit kernel unpacks `lanes` bytes: the `lanes` even columns, then the
-/// odd ones.
-pub fn lane_order(x: &[f32], lanes: usize) -> Vec<f32> {
-    assert_eq!(x.len() % (2 * lanes), 0, "lane order of a partial chunk");
+/// The order `w`'s kernel on `isa` reads its activations in.
+fn order(isa: Isa, w: &Rows<'_>) -> Order {
+    match w {
+        Rows::Quant(q) if q.spec.bits == 4 => {
+            if q.spec.group_size.is_multiple_of(8 * isa.lanes()) {
+                Order::Words
+            } else {
+                Order::Pairs
+            }
+        }
+        _ => Order::Natural,
+    }
+}
+
+/// `x` (rows of a multiple of `parts lanes` columns) with every `parts lanes` consecutive
+/// values `c` reordered as a 4-bit kernel unpacks them into `parts` vectors of `lanes`:
+/// vector `k` holds `c[parts j + k]` for `j < lanes`. For [`Q4Words`] (`parts` 8) each
+/// vector but the last also carries `16^-k`, the inverse of the factor its nibbles come
+/// with ([`Simd::nibble`]). Scaling by a power of two is exact, so each product is the
+/// one the plain kernel forms.
+pub fn lane_order(x: &[f32], lanes: usize, parts: usize) -> Vec<f32> {
+    let chunk = parts * lanes;
+    assert_eq!(x.len() % chunk, 0, "lane order of a partial chunk");
+    let scale = |k: usize| match parts {
+        8 if k < 7 => (16f32).powi(-(k as i32)),
+        _ => 1.0,
+    };
     let mut out = vec![0.0; x.len()];
-    for (o, c) in out
-        .chunks_exact_mut(2 * lanes)
-        .zip(x.chunks_exact(2 * lanes))
-    {
-        for i in 0..lanes {
-            o[i] = c[2 * i];
-            o[lanes + i] = c[2 * i + 1];
+    for (o, c) in out.chunks_exact_mut(chunk).zip(x.chunks_exact(chunk)) {
+        for k in 0..parts {
+            for j in 0..lanes {
+                o[k * lanes + j] = c[parts * j + k] * scale(k);
+            }
         }
     }
     out
@@ -116,11 +151,6 @@ impl Prepared {
     pub fn new(isa: Isa, w: &Rows<'_>, x: &[f32], t: usize) -> Prepared {
         let cols = w.shape().1;
         assert_eq!(x.len(), t * cols, "matmul input width");
-        let x = if wants_lane_order(w) {
-            lane_order(x, isa.lanes())
-        } else {
-            x.to_vec()
-        };
         let group = match w {
             Rows::Quant(q) => q.spec.group_size,
             Rows::Dense { .. } => 0,
@@ -128,6 +158,11 @@ impl Prepared {
         let sums = match group {
             0 => Vec::new(),
             g => x.chunks_exact(g).map(sum).collect(),
+        };
+        let x = match order(isa, w) {
+            Order::Natural => x.to_vec(),
+            Order::Pairs => lane_order(x, isa.lanes(), 2),
+            Order::Words => lane_order(x, isa.lanes(), 8),
         };
         Prepared {
             x,
@@ -234,6 +269,12 @@ struct Block<'a> {
     /// `[rows, cols / group]` scales and biases (empty for dense weights).
     scales: &'a [f32],
     biases: &'a [f32],
+    /// Where the next block's raw scales and biases start (past this block's), and their
+    /// bytes per row: the kernel asks for them while it computes this block, so that
+    /// widening them for the next block does not wait on memory. Hints only: they may
+    /// point past the weight's end.
+    next_scales: [*const u8; 2],
+    scale_row_bytes: usize,
 }
 
 /// Output rows `rows` of `x W^T` for `x` prepared for `w` on `isa`, into `out`
@@ -258,6 +299,10 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
                 scratch.biases.resize(n, 0.0);
                 q.scales.read_into(rows.start * groups, &mut scratch.scales);
                 q.biases.read_into(rows.start * groups, &mut scratch.biases);
+                let width = q.scales.bytes.len() / (all_rows * groups).max(1);
+                let next = |f: &crate::checkpoint::Floats<'_>| {
+                    f.bytes.as_ptr().wrapping_add(rows.end * groups * width)
+                };
                 Block {
                     data: &q.packed[rows.start * row_bytes..rows.end * row_bytes],
                     row_bytes,
@@ -266,6 +311,8 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
                     group: q.spec.group_size,
                     scales: &scratch.scales,
                     biases: &scratch.biases,
+                    next_scales: [next(&q.scales), next(&q.biases)],
+                    scale_row_bytes: groups * width,
                 }
             }
             Rows::Dense { data, .. } => Block {
@@ -276,19 +323,23 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
                 group: cols,
                 scales: &[],
                 biases: &[],
+                next_scales: [std::ptr::null(); 2],
+                scale_row_bytes: 0,
             },
         };
-        let bits = match w {
-            Rows::Quant(q) => q.spec.bits,
-            Rows::Dense { .. } => 32,
+        let kind = match (w, order(isa, w)) {
+            (Rows::Dense { .. }, _) => Kind::F32,
+            (_, Order::Words) => Kind::Q4Words,
+            (_, Order::Pairs) => Kind::Q4,
+            _ => Kind::Q8,
         };
         match isa {
             // SAFETY: `isa` runs on this CPU (asserted above).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { block_avx512(&block, bits, x, out) },
+            Isa::Avx512 => unsafe { block_avx512(&block, kind, x, out) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { block_avx2(&block, bits, x, out) },
-            _ => block_for(Portable, &block, bits, x, out),
+            Isa::Avx2 => unsafe { block_avx2(&block, kind, x, out) },
+            _ => block_for(Portable, &block, kind, x, out),
         }
     })
 }
@@ -299,9 +350,9 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
 /// The CPU has AVX-512F, AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn block_avx512(b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
+unsafe fn block_avx512(b: &Block<'_>, kind: Kind, x: &Prepared, out: &mut [f32]) {
     // SAFETY: the caller's contract.
-    block_for(unsafe { Avx512::new() }, b, bits, x, out)
+    block_for(unsafe { Avx512::new() }, b, kind, x, out)
 }
 
 /// [`block_for`] compiled for AVX2 with FMA.
@@ -310,67 +361,130 @@ unsafe fn block_avx512(b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) 
 /// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_avx2(b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
+unsafe fn block_avx2(b: &Block<'_>, kind: Kind, x: &Prepared, out: &mut [f32]) {
     // SAFETY: the caller's contract.
-    block_for(unsafe { Avx2::new() }, b, bits, x, out)
+    block_for(unsafe { Avx2::new() }, b, kind, x, out)
 }
 
-/// How a row stores a chunk of `2 L` columns.
+/// The row formats the kernel is instantiated for.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Q4,
+    Q4Words,
+    Q8,
+    F32,
+}
+
+/// How a row stores a chunk of `PARTS L` columns.
 trait Format {
     /// Bits a weight takes.
     const BITS: usize;
     /// Quantized (groups with a scale and a bias) rather than f32.
     const QUANT: bool;
-    /// The chunk at `p` as the two vectors the activations' lane order pairs with
-    /// `x[0..L]` and `x[L..2 L]` of the chunk.
+    /// Vectors of `L` columns a chunk unpacks into.
+    const PARTS: usize;
+    /// A chunk as loaded, before it is unpacked.
+    type Raw<S: Simd>: Copy;
+    /// Loads the chunk at `p`.
     ///
     /// # Safety
-    /// `p` is valid for `2 L BITS / 8` bytes.
-    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F);
+    /// `p` is valid for `PARTS L BITS / 8` bytes.
+    unsafe fn load<S: Simd>(s: S, p: *const u8) -> Self::Raw<S>;
+    /// Part `k < PARTS` of the chunk: the vector that the activations' lane order pairs
+    /// with `x[k L .. (k + 1) L]` of the chunk.
+    fn part<S: Simd>(s: S, raw: Self::Raw<S>, k: usize) -> S::F;
 }
 
-/// 4-bit: `L` bytes, low nibbles then high nibbles ([`lane_order`]).
+/// 4-bit in chunks of `L` bytes: low nibbles, then high nibbles ([`Order::Pairs`]).
 struct Q4;
+/// 4-bit in chunks of `L` words of eight nibbles: one load, then a mask and a conversion
+/// per eight columns ([`Order::Words`]; one fewer instruction per sixteen weights than
+/// [`Q4`]'s widen, mask, shift and two conversions).
+struct Q4Words;
 /// 8-bit: `2 L` bytes in column order.
 struct Q8;
 /// f32: `2 L` floats.
 struct F32;
 
+/// Part `k` of a pair.
+#[inline(always)]
+fn of_pair<F: Copy>((a, b): (F, F), k: usize) -> F {
+    if k == 0 {
+        a
+    } else {
+        b
+    }
+}
+
 impl Format for Q4 {
     const BITS: usize = 4;
     const QUANT: bool = true;
+    const PARTS: usize = 2;
+    type Raw<S: Simd> = (S::F, S::F);
     #[inline(always)]
-    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+    unsafe fn load<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
         unsafe { s.nibbles(p) }
+    }
+    #[inline(always)]
+    fn part<S: Simd>(_: S, raw: (S::F, S::F), k: usize) -> S::F {
+        of_pair(raw, k)
+    }
+}
+
+impl Format for Q4Words {
+    const BITS: usize = 4;
+    const QUANT: bool = true;
+    const PARTS: usize = 8;
+    type Raw<S: Simd> = S::I;
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const u8) -> S::I {
+        unsafe { s.words(p) }
+    }
+    #[inline(always)]
+    fn part<S: Simd>(s: S, raw: S::I, k: usize) -> S::F {
+        s.nibble(raw, k)
     }
 }
 
 impl Format for Q8 {
     const BITS: usize = 8;
     const QUANT: bool = true;
+    const PARTS: usize = 2;
+    type Raw<S: Simd> = (S::F, S::F);
     #[inline(always)]
-    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+    unsafe fn load<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
         unsafe { (s.bytes(p), s.bytes(p.add(S::LANES))) }
+    }
+    #[inline(always)]
+    fn part<S: Simd>(_: S, raw: (S::F, S::F), k: usize) -> S::F {
+        of_pair(raw, k)
     }
 }
 
 impl Format for F32 {
     const BITS: usize = 32;
     const QUANT: bool = false;
+    const PARTS: usize = 2;
+    type Raw<S: Simd> = (S::F, S::F);
     #[inline(always)]
-    unsafe fn chunk<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
+    unsafe fn load<S: Simd>(s: S, p: *const u8) -> (S::F, S::F) {
         let p = p.cast::<f32>();
         unsafe { (s.load(p), s.load(p.add(S::LANES))) }
     }
+    #[inline(always)]
+    fn part<S: Simd>(_: S, raw: (S::F, S::F), k: usize) -> S::F {
+        of_pair(raw, k)
+    }
 }
 
-/// Every token tile of `b`'s rows, for weights of `bits`.
+/// Every token tile of `b`'s rows, for weights of `kind`.
 #[inline(always)]
-fn block_for<S: Simd>(s: S, b: &Block<'_>, bits: u32, x: &Prepared, out: &mut [f32]) {
-    match bits {
-        4 => tiles::<S, Q4>(s, b, x, out),
-        8 => tiles::<S, Q8>(s, b, x, out),
-        _ => tiles::<S, F32>(s, b, x, out),
+fn block_for<S: Simd>(s: S, b: &Block<'_>, kind: Kind, x: &Prepared, out: &mut [f32]) {
+    match kind {
+        Kind::Q4 => tiles::<S, Q4>(s, b, x, out),
+        Kind::Q4Words => tiles::<S, Q4Words>(s, b, x, out),
+        Kind::Q8 => tiles::<S, Q8>(s, b, x, out),
+        Kind::F32 => tiles::<S, F32>(s, b, x, out),
     }
 }
 
@@ -419,7 +533,7 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
     out: &mut [f32],
 ) {
     let (cols, lanes) = (b.cols, S::LANES);
-    let chunk_cols = 2 * lanes;
+    let chunk_cols = F::PARTS * lanes;
     let chunk_bytes = chunk_cols * F::BITS / 8;
     let groups = cols / b.group;
     let per_group = b.group / chunk_cols;
@@ -440,6 +554,14 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
     // (BENCHMARKS.md: on the shared machine, no change to +17% at T = 1, -12% at T = 4).
     let next = b.data.as_ptr().wrapping_add((r0 + R) * b.row_bytes);
     let ahead = R * chunk_bytes;
+    if F::QUANT && T == 1 {
+        for p in b.next_scales {
+            let from = p.wrapping_add(r0 * b.scale_row_bytes);
+            for line in (0..R * b.scale_row_bytes).step_by(64) {
+                s.prefetch(from.wrapping_add(line));
+            }
+        }
+    }
     let mut tot = [[s.zero(); T]; R];
     for g in 0..groups {
         let mut acc = [[s.zero(); T]; R];
@@ -452,14 +574,15 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
             for (acc, row) in acc.iter_mut().zip(rows) {
                 // SAFETY: chunk `c < cols / chunk_cols` lies within the row's
                 // `cols * BITS / 8` bytes (asserted above).
-                let (lo, hi) = unsafe { F::chunk(s, row.as_ptr().add(c * chunk_bytes)) };
-                for (a, xt) in acc.iter_mut().zip(xs) {
-                    // SAFETY: the chunk's `2 L` inputs lie within the token's `cols`.
-                    let (x_lo, x_hi) = unsafe {
-                        let p = xt.as_ptr().add(c * chunk_cols);
-                        (s.load(p), s.load(p.add(lanes)))
-                    };
-                    *a = s.fma(hi, x_hi, s.fma(lo, x_lo, *a));
+                let raw = unsafe { F::load(s, row.as_ptr().add(c * chunk_bytes)) };
+                for k in 0..F::PARTS {
+                    let w = F::part(s, raw, k);
+                    for (a, xt) in acc.iter_mut().zip(xs) {
+                        // SAFETY: the chunk's `PARTS L` inputs lie within the token's
+                        // `cols`.
+                        let xk = unsafe { s.load(xt.as_ptr().add(c * chunk_cols + k * lanes)) };
+                        *a = s.fma(w, xk, *a);
+                    }
                 }
             }
         }

@@ -94,6 +94,8 @@ pub trait Simd: Copy {
     const LANES: usize;
     /// A vector of f32.
     type F: Copy;
+    /// A vector of `LANES` u32.
+    type I: Copy;
 
     fn zero(self) -> Self::F;
     fn splat(self, v: f32) -> Self::F;
@@ -109,6 +111,13 @@ pub trait Simd: Copy {
     /// `LANES` bytes from `p` split into nibbles and widened to f32: lane `i` of the first
     /// vector is byte `i`'s low nibble, of the second its high nibble.
     unsafe fn nibbles(self, p: *const u8) -> (Self::F, Self::F);
+    /// `LANES` little-endian u32 words from `p`, eight 4-bit weights each.
+    unsafe fn words(self, p: *const u8) -> Self::I;
+    /// Nibble `k < 8` (bits `4k .. 4k + 4`) of each word as f32: times `16^k` for
+    /// `k < 7`, masked in place so that it takes one `and` before the conversion (the
+    /// activations it meets carry `16^-k`); as is for `k = 7`, shifted down, since masked
+    /// in place it would be a negative `i32`.
+    fn nibble(self, v: Self::I, k: usize) -> Self::F;
     /// Asks for the cache line holding `p` ahead of its use (a hint: any address, valid or
     /// not, is allowed, and the portable path does nothing).
     fn prefetch(self, p: *const u8);
@@ -141,6 +150,7 @@ mod x86 {
     impl Simd for Avx512 {
         const LANES: usize = 16;
         type F = __m512;
+        type I = __m512i;
 
         #[inline(always)]
         fn zero(self) -> __m512 {
@@ -180,6 +190,20 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn words(self, p: *const u8) -> __m512i {
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        fn nibble(self, v: __m512i, k: usize) -> __m512 {
+            unsafe {
+                _mm512_cvtepi32_ps(if k == 7 {
+                    _mm512_srli_epi32::<28>(v)
+                } else {
+                    _mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * k)))
+                })
+            }
+        }
+        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
@@ -203,6 +227,7 @@ mod x86 {
     impl Simd for Avx2 {
         const LANES: usize = 8;
         type F = __m256;
+        type I = __m256i;
 
         #[inline(always)]
         fn zero(self) -> __m256 {
@@ -246,6 +271,20 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn words(self, p: *const u8) -> __m256i {
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline(always)]
+        fn nibble(self, v: __m256i, k: usize) -> __m256 {
+            unsafe {
+                _mm256_cvtepi32_ps(if k == 7 {
+                    _mm256_srli_epi32::<28>(v)
+                } else {
+                    _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * k)))
+                })
+            }
+        }
+        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
@@ -264,6 +303,7 @@ const FUSED: bool = cfg!(any(target_arch = "aarch64", target_feature = "fma"));
 impl Simd for Portable {
     const LANES: usize = 8;
     type F = [f32; 8];
+    type I = [u32; 8];
 
     #[inline(always)]
     fn zero(self) -> [f32; 8] {
@@ -304,6 +344,18 @@ impl Simd for Portable {
     unsafe fn nibbles(self, p: *const u8) -> ([f32; 8], [f32; 8]) {
         let b = unsafe { p.cast::<[u8; 8]>().read_unaligned() };
         (b.map(|v| f32::from(v & 15)), b.map(|v| f32::from(v >> 4)))
+    }
+    #[inline(always)]
+    unsafe fn words(self, p: *const u8) -> [u32; 8] {
+        unsafe { p.cast::<[u32; 8]>().read_unaligned() }.map(u32::from_le)
+    }
+    #[inline(always)]
+    fn nibble(self, v: [u32; 8], k: usize) -> [f32; 8] {
+        if k == 7 {
+            v.map(|w| (w >> 28) as f32)
+        } else {
+            v.map(|w| (w & (15 << (4 * k))) as f32)
+        }
     }
     #[inline(always)]
     fn prefetch(self, _p: *const u8) {}
