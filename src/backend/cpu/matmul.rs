@@ -14,7 +14,7 @@
 //!   `L` u32 words of eight nibbles, each nibble masked in place and converted
 //!   ([`Q4Words`]). Per sixteen weights that is two masks, two conversions and two FMAs,
 //!   where the byte layout below takes a widening, a mask, a shift, two conversions and
-//!   two FMAs: 18% faster at one token on the 2-core Zen 3 machine, whose 4-bit kernel
+//!   two FMAs: 12% faster at one token on the 2-core Zen 3 machine, whose 4-bit kernel
 //!   is bound by its instructions, not by memory (BENCHMARKS.md, issue 19).
 //! - other 4-bit: `L` bytes split into low and high nibbles ([`Q4`]);
 //! - 8-bit, `2 L` bytes widened; dense, `2 L` floats.
@@ -42,6 +42,7 @@ use rayon::prelude::*;
 use super::simd::{Avx2, Avx512};
 use super::simd::{Isa, Portable, Simd};
 use super::{dot, Rows};
+use crate::checkpoint::{Floats, QuantView};
 
 /// Tokens whose dot products share one unpacking of a weight chunk (prefill). Four keep
 /// the accumulators and the unpacked chunk in AVX2's sixteen registers.
@@ -53,49 +54,74 @@ const _: () = assert!(TILE == 4);
 /// token tile passes over them.
 const TASK_BYTES: usize = 128 << 10;
 
-/// How a weight's kernel wants its activations ordered within each chunk of columns.
+/// The row format a weight's kernel is instantiated for, which also fixes the order its
+/// activations are prepared in ([`Kind::lane_order`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Order {
-    /// Column order (8-bit and dense weights).
-    Natural,
-    /// 4-bit in chunks of `2 L` columns ([`Q4`]): the even columns, then the odd ones.
-    Pairs,
-    /// 4-bit in chunks of `8 L` columns ([`Q4Words`]), where the group size allows.
-    Words,
+enum Kind {
+    /// 4-bit in chunks of `2 L` columns ([`Q4`]).
+    Q4,
+    /// 4-bit in chunks of `8 L` columns ([`Q4Words`]), where a group holds whole chunks.
+    Q4Words,
+    /// 8-bit, in column order.
+    Q8,
+    /// Dense f32, in column order.
+    F32,
 }
 
-/// The order `w`'s kernel on `isa` reads its activations in.
-fn order(isa: Isa, w: &Rows<'_>) -> Order {
-    match w {
-        Rows::Quant(q) if q.spec.bits == 4 => {
-            if q.spec.group_size.is_multiple_of(8 * isa.lanes()) {
-                Order::Words
-            } else {
-                Order::Pairs
-            }
+impl Kind {
+    /// `w`'s kind on `isa`. Panics unless [`supports`]`(w)`.
+    fn of(isa: Isa, w: &Rows<'_>) -> Kind {
+        match w {
+            Rows::Dense { .. } => Kind::F32,
+            Rows::Quant(q) => match q.spec.bits {
+                4 if q.spec.group_size.is_multiple_of(8 * isa.lanes()) => Kind::Q4Words,
+                4 => Kind::Q4,
+                8 => Kind::Q8,
+                bits => panic!("no SIMD kernel for {bits}-bit weights"),
+            },
         }
-        _ => Order::Natural,
+    }
+
+    /// `x` (rows of whole chunks) in the order this kind's kernel on `lanes` lanes reads
+    /// it (a copy for 8-bit and dense weights).
+    fn lane_order(self, x: &[f32], lanes: usize) -> Vec<f32> {
+        match self {
+            Kind::Q4 => lane_order(x, lanes, &[1.0; 2]),
+            Kind::Q4Words => lane_order(x, lanes, &WORD_FACTORS),
+            Kind::Q8 | Kind::F32 => x.to_vec(),
+        }
     }
 }
 
-/// `x` (rows of a multiple of `parts lanes` columns) with every `parts lanes` consecutive
-/// values `c` reordered as a 4-bit kernel unpacks them into `parts` vectors of `lanes`:
-/// vector `k` holds `c[parts j + k]` for `j < lanes`. For [`Q4Words`] (`parts` 8) each
-/// vector but the last also carries `16^-k`, the inverse of the factor its nibbles come
-/// with ([`Simd::nibble`]). Scaling by a power of two is exact, so each product is the
-/// one the plain kernel forms.
-pub fn lane_order(x: &[f32], lanes: usize, parts: usize) -> Vec<f32> {
+/// What [`Q4Words`]' activations are multiplied by, per nibble `k`: the inverse of the
+/// factor its nibble comes with ([`Simd::nibble`]), `16^-k`, but for the last, which
+/// comes unscaled.
+const WORD_FACTORS: [f32; 8] = [
+    1.0,
+    1.0 / 16.0,
+    1.0 / 256.0,
+    1.0 / 4096.0,
+    1.0 / 65536.0,
+    1.0 / 1048576.0,
+    1.0 / 16777216.0,
+    1.0,
+];
+
+/// `x` (rows of a multiple of `parts lanes` columns, `parts = factors.len()`) with every
+/// `parts lanes` consecutive values `c` reordered as a 4-bit kernel unpacks them into
+/// `parts` vectors of `lanes`: vector `k` holds `factors[k] c[parts j + k]` for
+/// `j < lanes`. The factors are powers of two, so each product with a nibble scaled by
+/// their inverse is the one the plain kernel forms, unless `|x|` is so small (below
+/// `2^-102` for `16^-6`) that the scaled value is subnormal.
+fn lane_order(x: &[f32], lanes: usize, factors: &[f32]) -> Vec<f32> {
+    let parts = factors.len();
     let chunk = parts * lanes;
     assert_eq!(x.len() % chunk, 0, "lane order of a partial chunk");
-    let scale = |k: usize| match parts {
-        8 if k < 7 => (16f32).powi(-(k as i32)),
-        _ => 1.0,
-    };
     let mut out = vec![0.0; x.len()];
     for (o, c) in out.chunks_exact_mut(chunk).zip(x.chunks_exact(chunk)) {
-        for k in 0..parts {
+        for (k, factor) in factors.iter().enumerate() {
             for j in 0..lanes {
-                o[k * lanes + j] = c[parts * j + k] * scale(k);
+                o[k * lanes + j] = c[parts * j + k] * factor;
             }
         }
     }
@@ -126,11 +152,15 @@ pub fn row_bytes(w: &Rows<'_>) -> usize {
     match w {
         Rows::Quant(q) => {
             let groups = q.cols / q.spec.group_size;
-            let scale_width = q.scales.bytes.len() / (q.rows * groups).max(1);
-            q.cols * q.spec.bits as usize / 8 + 2 * groups * scale_width
+            q.cols * q.spec.bits as usize / 8 + 2 * groups * scale_width(q)
         }
         Rows::Dense { cols, .. } => 4 * cols,
     }
+}
+
+/// Bytes of one of `q`'s scales (and biases).
+fn scale_width(q: &QuantView<'_>) -> usize {
+    q.scales.bytes.len() / (q.rows * (q.cols / q.spec.group_size)).max(1)
 }
 
 /// Activations prepared for one weight's kernel: `t` tokens of `cols` values in its lane
@@ -159,11 +189,7 @@ impl Prepared {
             0 => Vec::new(),
             g => x.chunks_exact(g).map(sum).collect(),
         };
-        let x = match order(isa, w) {
-            Order::Natural => x.to_vec(),
-            Order::Pairs => lane_order(x, isa.lanes(), 2),
-            Order::Words => lane_order(x, isa.lanes(), 8),
-        };
+        let x = Kind::of(isa, w).lane_order(x, isa.lanes());
         Prepared {
             x,
             sums,
@@ -269,10 +295,10 @@ struct Block<'a> {
     /// `[rows, cols / group]` scales and biases (empty for dense weights).
     scales: &'a [f32],
     biases: &'a [f32],
-    /// Where the next block's raw scales and biases start (past this block's), and their
-    /// bytes per row: the kernel asks for them while it computes this block, so that
-    /// widening them for the next block does not wait on memory. Hints only: they may
-    /// point past the weight's end.
+    /// Where the next block's raw scales and biases would start (at row `rows.end`, as the
+    /// next task of a pass usually does), and their bytes per row: a one-token kernel
+    /// asks for them while it computes this block, so that widening them for the next
+    /// block does not wait on memory. Hints only: they may point past the weight's end.
     next_scales: [*const u8; 2],
     scale_row_bytes: usize,
 }
@@ -299,10 +325,9 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
                 scratch.biases.resize(n, 0.0);
                 q.scales.read_into(rows.start * groups, &mut scratch.scales);
                 q.biases.read_into(rows.start * groups, &mut scratch.biases);
-                let width = q.scales.bytes.len() / (all_rows * groups).max(1);
-                let next = |f: &crate::checkpoint::Floats<'_>| {
-                    f.bytes.as_ptr().wrapping_add(rows.end * groups * width)
-                };
+                let width = scale_width(q);
+                let next =
+                    |f: &Floats<'_>| f.bytes.as_ptr().wrapping_add(rows.end * groups * width);
                 Block {
                     data: &q.packed[rows.start * row_bytes..rows.end * row_bytes],
                     row_bytes,
@@ -327,12 +352,7 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
                 scale_row_bytes: 0,
             },
         };
-        let kind = match (w, order(isa, w)) {
-            (Rows::Dense { .. }, _) => Kind::F32,
-            (_, Order::Words) => Kind::Q4Words,
-            (_, Order::Pairs) => Kind::Q4,
-            _ => Kind::Q8,
-        };
+        let kind = Kind::of(isa, w);
         match isa {
             // SAFETY: `isa` runs on this CPU (asserted above).
             #[cfg(target_arch = "x86_64")]
@@ -366,15 +386,6 @@ unsafe fn block_avx2(b: &Block<'_>, kind: Kind, x: &Prepared, out: &mut [f32]) {
     block_for(unsafe { Avx2::new() }, b, kind, x, out)
 }
 
-/// The row formats the kernel is instantiated for.
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Q4,
-    Q4Words,
-    Q8,
-    F32,
-}
-
 /// How a row stores a chunk of `PARTS L` columns.
 trait Format {
     /// Bits a weight takes.
@@ -395,11 +406,11 @@ trait Format {
     fn part<S: Simd>(s: S, raw: Self::Raw<S>, k: usize) -> S::F;
 }
 
-/// 4-bit in chunks of `L` bytes: low nibbles, then high nibbles ([`Order::Pairs`]).
+/// 4-bit in chunks of `L` bytes: low nibbles, then high nibbles.
 struct Q4;
 /// 4-bit in chunks of `L` words of eight nibbles: one load, then a mask and a conversion
-/// per eight columns ([`Order::Words`]; one fewer instruction per sixteen weights than
-/// [`Q4`]'s widen, mask, shift and two conversions).
+/// per vector of `L` columns (one fewer instruction per two vectors than [`Q4`]'s widen,
+/// mask, shift and two conversions).
 struct Q4Words;
 /// 8-bit: `2 L` bytes in column order.
 struct Q8;
@@ -611,6 +622,70 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
                 0.0
             };
             out[r * x.t + t0 + j] = s.sum(t) + bias;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::QuantSpec;
+    use rand::Rng;
+
+    fn quant(bits: u32, group_size: usize) -> Rows<'static> {
+        Rows::Quant(QuantView {
+            spec: QuantSpec { bits, group_size },
+            rows: 1,
+            cols: 128,
+            packed: &[],
+            scales: Floats::f32(&[]),
+            biases: Floats::f32(&[]),
+        })
+    }
+
+    #[test]
+    fn words_are_used_where_a_group_holds_whole_chunks() {
+        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+            let words = |g| Kind::of(isa, &quant(4, g)) == Kind::Q4Words;
+            assert!(!words(32), "{isa}");
+            assert_eq!(words(64), isa.lanes() == 8, "{isa}");
+            assert!(words(128), "{isa}");
+            assert_eq!(Kind::of(isa, &quant(8, 64)), Kind::Q8);
+        }
+    }
+
+    /// The word layout against MLX's byte layout, on 8 and 16 lanes (AVX-512's, which
+    /// this test needs no AVX-512 to check): each word's nibbles unpacked as
+    /// [`Simd::nibble`] does, times the activations [`Kind::lane_order`] lays out, sum to
+    /// the plain dot product.
+    #[test]
+    fn words_and_their_lane_order_give_the_plain_dot_product() {
+        let mut rng = rand::rng();
+        for lanes in [8, 16] {
+            let cols = 8 * lanes * 3;
+            let packed: Vec<u8> = (0..cols / 2).map(|_| rng.random()).collect();
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            // MLX packs LSB first: byte i holds columns 2i (low) and 2i + 1 (high).
+            let q = |c: usize| f32::from((packed[c / 2] >> (4 * (c % 2))) & 15);
+            let want: f32 = (0..cols).map(|c| q(c) * x[c]).sum();
+            let laid = Kind::Q4Words.lane_order(&x, lanes);
+            let mut got = 0.0;
+            for (chunk, xs) in packed
+                .chunks_exact(4 * lanes)
+                .zip(laid.chunks_exact(8 * lanes))
+            {
+                for j in 0..lanes {
+                    let w = u32::from_le_bytes(chunk[4 * j..4 * j + 4].try_into().unwrap());
+                    for k in 0..8 {
+                        let v = if k == 7 { w >> 28 } else { w & (15 << (4 * k)) };
+                        got += v as f32 * xs[k * lanes + j];
+                    }
+                }
+            }
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{lanes} lanes: {got} vs {want}"
+            );
         }
     }
 }

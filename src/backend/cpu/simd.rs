@@ -111,7 +111,8 @@ pub trait Simd: Copy {
     /// `LANES` bytes from `p` split into nibbles and widened to f32: lane `i` of the first
     /// vector is byte `i`'s low nibble, of the second its high nibble.
     unsafe fn nibbles(self, p: *const u8) -> (Self::F, Self::F);
-    /// `LANES` little-endian u32 words from `p`, eight 4-bit weights each.
+    /// `LANES` little-endian u32 words from `p`, eight 4-bit weights each (`p` must be
+    /// valid for `4 LANES` bytes).
     unsafe fn words(self, p: *const u8) -> Self::I;
     /// Nibble `k < 8` (bits `4k .. 4k + 4`) of each word as f32: times `16^k` for
     /// `k < 7`, masked in place so that it takes one `and` before the conversion (the
