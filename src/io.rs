@@ -319,7 +319,7 @@ pub fn read_range(file: &dyn ReadAt, offset: u64, dst: &mut [u8]) -> Result<()> 
 /// Reads `len` bytes at `offset` of `file` into scratch memory (the aligned enclosing
 /// range for direct I/O) and passes them to `f`: for bytes that go to several places (a
 /// sweep's piece of several records) or to a destination direct I/O cannot read into.
-/// The scratch buffers are reused (see [`release_scratch`]). Errors: the read fails or
+/// Errors: the read fails or
 /// the file ends first (naming the file and offset), or the file changed.
 pub fn with_range<R>(
     file: &dyn ReadAt,
@@ -331,7 +331,7 @@ pub fn with_range<R>(
     let start = offset / a * a;
     let end = (offset + len as u64).next_multiple_of(a);
     let span = (end - start) as usize;
-    let mut scratch = take_scratch(span)?;
+    let mut scratch = AlignedBuf::zeroed(span)?;
     // The aligned range may run past the end of the file: read what exists.
     let read = read_until_eof(file, &mut scratch.as_mut_slice()[..span], start);
     let skip = (offset - start) as usize;
@@ -346,54 +346,10 @@ pub fn with_range<R>(
         )),
         Err(e) => Err(e),
     };
-    put_scratch(scratch);
     let value = result?;
     file.check_unchanged()
         .map_err(|e| Error::io(file.path(), e))?;
     Ok(value)
-}
-
-/// Scratch buffers of [`with_range`] kept for reuse, at most [`SCRATCH_KEEP_BYTES`] of
-/// them: a fresh one per read cost a page fault per 4 KiB the read touched (7.6 million
-/// faults, half of a 2,048-token streaming prefill's time in the kernel, on the H200
-/// machine).
-static SCRATCH: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
-
-/// Bytes of scratch buffers kept between reads: a queue depth of 32 sweep readers of 16
-/// records (28 MB each at Qwen3-Next-80B's records) would need 900 MB; this keeps most
-/// of them, and [`release_scratch`] frees them when the prompt's prefill ends.
-const SCRATCH_KEEP_BYTES: usize = 768 << 20;
-
-/// A scratch buffer of at least `len` bytes (its contents are whatever a read left).
-fn take_scratch(len: usize) -> Result<AlignedBuf> {
-    let mut free = SCRATCH.lock().unwrap_or_else(|p| p.into_inner());
-    let fits = free
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| b.capacity() >= len)
-        .min_by_key(|(_, b)| b.capacity())
-        .map(|(i, _)| i);
-    if let Some(i) = fits {
-        let mut buf = free.swap_remove(i);
-        buf.len = len.max(1).next_multiple_of(ALIGN);
-        return Ok(buf);
-    }
-    drop(free);
-    AlignedBuf::zeroed(len)
-}
-
-fn put_scratch(buf: AlignedBuf) {
-    let mut free = SCRATCH.lock().unwrap_or_else(|p| p.into_inner());
-    let kept: usize = free.iter().map(AlignedBuf::capacity).sum();
-    if kept + buf.capacity() <= SCRATCH_KEEP_BYTES {
-        free.push(buf);
-    }
-}
-
-/// Frees the scratch buffers kept for reuse (the pool calls it when a prompt's prefill,
-/// whose sweeps use most of them, is done).
-pub fn release_scratch() {
-    SCRATCH.lock().unwrap_or_else(|p| p.into_inner()).clear();
 }
 
 /// Like [`read_exact_at`] but stops quietly at end of file; returns the bytes read.

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::io::RangeRead;
 use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
 
-use super::{Key, SlotPool, SlotRecord, SweepRecord};
+use super::{Key, SlotPool, SlotRecord};
 
 /// The pool as the model's expert source: `fetch` blocks on `ensure`. Call the forward
 /// pass from a thread that is not one of the runtime's workers (a plain thread or
@@ -54,7 +54,7 @@ impl PoolExperts {
     /// prompt would admit (the layer's most used so far, its share of the slots) into
     /// slots now, from the sweep's buffers, so that the admission does not read them
     /// again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of 21.74).
-    fn admit_swept(&self, layer: usize, ids: &[u32], read: &[SweepRecord]) {
+    fn admit_swept(&self, layer: usize, ids: &[u32], read: &[Vec<u8>]) {
         let quota = self.admission_quota();
         if quota == 0 || ids.is_empty() {
             return;
@@ -84,7 +84,7 @@ impl PoolExperts {
 /// outside the pool.
 pub enum PoolRecord {
     Slot(SlotRecord),
-    Sweep(SweepRecord),
+    Sweep(Vec<u8>),
 }
 
 impl std::ops::Deref for PoolRecord {
@@ -182,7 +182,6 @@ impl ExpertSource for PoolExperts {
             }
         }
         self.pool.lock().stats.decode_wait_seconds = 0.0;
-        self.pool.release_sweep_buffers();
     }
 
     fn begin_step(&self) {

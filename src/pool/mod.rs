@@ -139,37 +139,8 @@ pub struct SlotPool {
     runtime: tokio::runtime::Handle,
     floor: usize,
     in_flight: AtomicUsize,
-    /// Buffers of sweep records that were released, for the next sweeps (see
-    /// [`SweepRecord`]); emptied when a prefill ends.
-    sweep_free: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Process-unique id (see [`SlotTag::pool`](crate::records::SlotTag::pool)).
     id: u64,
-}
-
-/// A record a prefill sweep read outside the slots ([`SlotPool::read_runs`]). Its buffer
-/// goes back to the pool when dropped, for the next layer's sweep: a fresh buffer per
-/// record cost a page fault per 4 KiB (a layer of Qwen3-Next-80B's records is 906 MB).
-pub struct SweepRecord {
-    bytes: Vec<u8>,
-    free: Arc<Mutex<Vec<Vec<u8>>>>,
-    /// Buffers the free list keeps at most (two layers' worth: one computing, one read).
-    keep: usize,
-}
-
-impl std::ops::Deref for SweepRecord {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.bytes
-    }
-}
-
-impl Drop for SweepRecord {
-    fn drop(&mut self) {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if free.len() < self.keep {
-            free.push(std::mem::take(&mut self.bytes));
-        }
-    }
 }
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
@@ -266,7 +237,6 @@ impl SlotPool {
             runtime,
             floor,
             in_flight: AtomicUsize::new(0),
-            sweep_free: Arc::default(),
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
         }))
     }

@@ -10,7 +10,7 @@ use crate::checkpoint::PIECES_PER_RECORD;
 use crate::error::{Error, Result};
 use crate::io::{read_range, with_range, RangeRead};
 
-use super::{Key, RecordFiles, SlotPool, SweepRecord};
+use super::{Key, RecordFiles, SlotPool};
 
 impl SlotPool {
     /// Reads the records of `experts` (ascending ids) of `layer` into new buffers outside
@@ -20,7 +20,7 @@ impl SlotPool {
     /// reader has work: a cold pool's whole layer is one run, which one reader alone
     /// would read at a queue depth of 1 (0.23 GB/s on the H200 machine's disk, against
     /// 1.34 at a depth of 32). Counted as `sweep_bytes`, not as hits or misses.
-    pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<SweepRecord>> {
+    pub fn read_runs(&self, layer: usize, experts: &[u32]) -> Result<Vec<Vec<u8>>> {
         let part = experts
             .len()
             .div_ceil(self.reader.queue_depth().max(1))
@@ -39,7 +39,7 @@ impl SlotPool {
         // Plain threads, as the callers are synchronous; each takes the next run.
         let next = std::sync::atomic::AtomicUsize::new(0);
         // Each run's records once its worker has read them.
-        type RunSlot = Mutex<Option<Result<Vec<SweepRecord>>>>;
+        type RunSlot = Mutex<Option<Result<Vec<Vec<u8>>>>>;
         let results: Vec<RunSlot> = runs.iter().map(|_| Mutex::new(None)).collect();
         let workers = self.reader.queue_depth().min(runs.len());
         std::thread::scope(|scope| {
@@ -62,9 +62,9 @@ impl SlotPool {
     }
 
     /// The records of experts `e0..e0 + n` of `layer`, read as one run.
-    fn read_run(&self, layer: usize, e0: usize, n: usize) -> Result<Vec<SweepRecord>> {
+    fn read_run(&self, layer: usize, e0: usize, n: usize) -> Result<Vec<Vec<u8>>> {
         let layout = &self.index.layout;
-        let mut out: Vec<SweepRecord> = (0..n).map(|_| self.sweep_record()).collect();
+        let mut out = vec![vec![0u8; layout.record_bytes]; n];
         match &self.files {
             RecordFiles::Packed { pack, pack_file } => {
                 let file = self.reader.file(*pack_file);
@@ -73,14 +73,14 @@ impl SlotPool {
                     for (i, rec) in out.iter_mut().enumerate() {
                         let bytes = &buf[i * self.stride..i * self.stride + layout.record_bytes];
                         if pack.check(layer, e0 + i, bytes) {
-                            rec.bytes.copy_from_slice(bytes);
+                            rec.copy_from_slice(bytes);
                         } else {
                             unusable.push(i);
                         }
                     }
                 })?;
                 for i in unusable {
-                    self.read_shard_record(layer, e0 + i, &mut out[i].bytes)?;
+                    self.read_shard_record(layer, e0 + i, &mut out[i])?;
                 }
             }
             RecordFiles::Shards => {
@@ -91,7 +91,7 @@ impl SlotPool {
                     let len = r.len as usize;
                     with_range(&*self.reader.file(r.shard), r.offset, n * len, |buf| {
                         for (i, rec) in out.iter_mut().enumerate() {
-                            rec.bytes[layout.offsets[k]..layout.offsets[k] + len]
+                            rec[layout.offsets[k]..layout.offsets[k] + len]
                                 .copy_from_slice(&buf[i * len..(i + 1) * len]);
                         }
                     })?;
@@ -99,33 +99,6 @@ impl SlotPool {
             }
         }
         Ok(out)
-    }
-
-    /// A record-sized buffer for a sweep: a released one (a read overwrites every piece;
-    /// the padding between pieces is zero in the shards' reads and the pack's), else a new
-    /// zeroed one.
-    fn sweep_record(&self) -> SweepRecord {
-        let record_bytes = self.index.layout.record_bytes;
-        let mut free = self.sweep_free.lock().unwrap_or_else(|p| p.into_inner());
-        let bytes = free
-            .pop()
-            .filter(|b| b.len() == record_bytes)
-            .unwrap_or_else(|| vec![0u8; record_bytes]);
-        SweepRecord {
-            bytes,
-            free: self.sweep_free.clone(),
-            keep: 2 * self.index.num_experts,
-        }
-    }
-
-    /// Frees the buffers kept for sweeps (a prefill has ended: decoding reads no sweeps),
-    /// and the reader's scratch memory ([`crate::io::release_scratch`]).
-    pub fn release_sweep_buffers(&self) {
-        self.sweep_free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        crate::io::release_scratch();
     }
 
     /// Reads one record from the shards, nine pieces, into `dst` (record layout).
