@@ -319,8 +319,8 @@ pub fn read_range(file: &dyn ReadAt, offset: u64, dst: &mut [u8]) -> Result<()> 
 /// Reads `len` bytes at `offset` of `file` into scratch memory (the aligned enclosing
 /// range for direct I/O) and passes them to `f`: for bytes that go to several places (a
 /// sweep's piece of several records) or to a destination direct I/O cannot read into.
-/// Errors: the read fails or
-/// the file ends first (naming the file and offset), or the file changed.
+/// Errors: the read fails or the file ends first (naming the file and offset), or the
+/// file changed.
 pub fn with_range<R>(
     file: &dyn ReadAt,
     offset: u64,

@@ -50,10 +50,11 @@ fn hottest(mut list: Vec<(u64, u32)>, quota: usize) -> impl Iterator<Item = u32>
 }
 
 impl PoolExperts {
-    /// Puts the records a sweep of `layer` just read (`ids`, ascending, and `read`) that the end of the
-    /// prompt would admit (the layer's most used so far, its share of the slots) into
-    /// slots now, from the sweep's buffers, so that the admission does not read them
-    /// again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of 21.74).
+    /// Puts the records a sweep of `layer` just read (`ids`, ascending, and `read`) that
+    /// the end of the prompt would admit (the layer's most used so far, its share of the
+    /// slots) into slots now, from the sweep's buffers, so that the admission does not
+    /// read them again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of
+    /// 21.74).
     fn admit_swept(&self, layer: usize, ids: &[u32], read: &[Vec<u8>]) {
         let quota = self.admission_quota();
         if quota == 0 || ids.is_empty() {

@@ -21,12 +21,13 @@
 //!
 //! MLX packs 4-bit LSB first (byte `i` holds columns `2i` and `2i + 1`), so the 4-bit
 //! kernels' activations are put in the order they unpack, once per call ([`lane_order`]).
-//! A tile of `R` rows by `T` tokens keeps `R T` accumulators
-//! in registers: one token (decode) takes four rows, so four independent FMA chains hide
-//! the FMA latency and each chunk of `x` is loaded once for four rows; more tokens (prefill)
-//! take fewer rows, and each weight is unpacked once per tile of up to [`TILE`] tokens.
-//! Output rows are split into blocks computed in parallel on rayon's pool, whose threads
-//! stay alive between calls.
+//!
+//! A tile of `R` rows by `T` tokens keeps `R T` accumulators in registers: one token
+//! (decode) takes four rows, so four independent FMA chains hide the FMA latency and each
+//! chunk of `x` is loaded once for four rows; more tokens (prefill) take fewer rows, and
+//! each weight is unpacked once per tile of up to [`TILE`] tokens. Output rows are split
+//! into blocks computed in parallel on rayon's pool, whose threads stay alive between
+//! calls.
 //!
 //! The vector operations come from [`Simd`] (simd.rs): `std::arch` intrinsics for AVX-512
 //! and AVX2 on x86-64, picked at run time, else plain Rust that LLVM vectorizes (NEON on
@@ -589,8 +590,7 @@ fn tile<S: Simd, F: Format, const R: usize, const T: usize>(
                 for k in 0..F::PARTS {
                     let w = F::part(s, raw, k);
                     for (a, xt) in acc.iter_mut().zip(xs) {
-                        // SAFETY: the chunk's `PARTS L` inputs lie within the token's
-                        // `cols`.
+                        // SAFETY: the chunk's `PARTS L` inputs lie within the token's `cols`.
                         let xk = unsafe { s.load(xt.as_ptr().add(c * chunk_cols + k * lanes)) };
                         *a = s.fma(w, xk, *a);
                     }
