@@ -197,36 +197,16 @@ fn scale4(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-// Exact f32 of unsigned integers below 2^23 without an integer-to-float conversion,
-// which NVIDIA GPUs issue at an eighth of their FMA rate (a 4-bit matvec converts one
-// value per weight, and that, not memory, bounded it): the integer ORed into the
-// mantissa of 2^23 is 2^23 + v exactly, and subtracting 2^23 leaves v exactly.
-fn small_to_f32(v: vec4<u32>) -> vec4<f32> {
-    return bitcast<vec4<f32>>(v | vec4<u32>(0x4B000000u)) - vec4<f32>(8388608.0);
-}
-
-// The low and high four 4-bit values of a word, LSB first.
-fn nibbles_lo(word: u32) -> vec4<f32> {
-    return small_to_f32(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
-}
-
-fn nibbles_hi(word: u32) -> vec4<f32> {
-    return small_to_f32(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
-}
-
-// The four bytes of a word, LSB first.
-fn bytes4(word: u32) -> vec4<f32> {
-    return small_to_f32(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
-}
-
 // One packed 4-bit word against its 8 activations: xa for the low 16 bits, xc the high.
 fn dot_nibbles(word: u32, xa: vec4<f32>, xc: vec4<f32>) -> f32 {
-    return dot(nibbles_lo(word), xa) + dot(nibbles_hi(word), xc);
+    let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+    let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+    return dot(lo, xa) + dot(hi, xc);
 }
 
 // One packed 8-bit word against its 4 activations.
 fn dot_bytes(word: u32, xa: vec4<f32>) -> f32 {
-    return dot(bytes4(word), xa);
+    return dot(vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu)), xa);
 }
 
 // A 16-byte vector of packed 4-bit words against its 32 activations x0 .. x7.
@@ -678,10 +658,10 @@ fn gemm_put_q(i: u32, per_row: u32, q: vec4<u32>, sb: vec2<f32>) {
         gemm_store_nibbles(col + 16u, j, q.z, sb.x, sb.y);
         gemm_store_nibbles(col + 24u, j, q.w, sb.x, sb.y);
     } else {
-        gemm_store_w(col, j, bytes4(q.x) * sb.x + sb.y);
-        gemm_store_w(col + 4u, j, bytes4(q.y) * sb.x + sb.y);
-        gemm_store_w(col + 8u, j, bytes4(q.z) * sb.x + sb.y);
-        gemm_store_w(col + 12u, j, bytes4(q.w) * sb.x + sb.y);
+        gemm_store_w(col, j, gemm_bytes(q.x) * sb.x + sb.y);
+        gemm_store_w(col + 4u, j, gemm_bytes(q.y) * sb.x + sb.y);
+        gemm_store_w(col + 8u, j, gemm_bytes(q.z) * sb.x + sb.y);
+        gemm_store_w(col + 12u, j, gemm_bytes(q.w) * sb.x + sb.y);
     }
 }
 
@@ -724,10 +704,16 @@ fn gemm_store_w(col: u32, j: u32, v: vec4<f32>) {
 
 // The eight 4-bit values of a word, LSB first, dequantized into tile columns col ...
 fn gemm_store_nibbles(col: u32, j: u32, word: u32, scale: f32, bias: f32) {
-    gemm_store_w(col, j, nibbles_lo(word) * scale + bias);
-    gemm_store_w(col + 4u, j, nibbles_hi(word) * scale + bias);
+    let lo = vec4<f32>(vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xFu));
+    let hi = vec4<f32>(vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xFu));
+    gemm_store_w(col, j, lo * scale + bias);
+    gemm_store_w(col + 4u, j, hi * scale + bias);
 }
 
+// The four bytes of a word, LSB first.
+fn gemm_bytes(word: u32) -> vec4<f32> {
+    return vec4<f32>(vec4<u32>(word, word >> 8u, word >> 16u, word >> 24u) & vec4<u32>(0xFFu));
+}
 
 // Four tokens' outputs over an invocation's eight tile rows: tN holds token N's rows
 // (4 tr .. 4 tr + 3), hN the same token's rows (GN / 2 + 4 tr ..).
