@@ -13,14 +13,18 @@
 //   4: out   - f32 output
 //   5: table - the matmuls, routed = 2 and 3: (arena, record base) per expert; the
 //              combine's shared expert gate logits (f32 bits)
-//   6-8: qmatmul_parts' further outputs
+//   6: shared - the matvecs, routed = 2 and 3: the shared expert's weight (its stacked
+//              gate and up, or its down), for the routes from p.shared_from on
+//   7-9: qmatmul_parts' further outputs
 //
 // Routed matmuls find each route's record base and input row either in a table built on
 // the host, (base, token) per route in `aux`, all of them computed (routed = 1), or from
 // the routed expert ids themselves (`aux`: a routing left on the device, or ids from the
 // host) through the layer's expert table; then a dispatch computes only the routes whose
 // records lie in the arena it binds (`p.arena`), the input row being the route's token
-// (routed = 2) or the route (3).
+// (routed = 2) or the route (3). From p.shared_from on (when not 0), routed = 2 and 3 also
+// compute the MoE block's shared expert, one route per token after the routed ones, from
+// the weight at binding 6 quantized as p.sh_* say: so it costs no dispatch of its own.
 
 struct Params {
     rows: u32,        // output features
@@ -55,7 +59,8 @@ struct Params {
     // host checks the ids when it reads them back).
     experts: u32,
     // moe_combine: 1 adds the shared expert (its output in `w`, its gate logit in `table`,
-    // both f32 bits).
+    // both f32 bits); 2 adds it from the rows of `act` from element p.shared_at on (the
+    // routed matvecs computed it, see route_of).
     add_shared: u32,
     // qmatmul_parts: the rows where the first three parts of the output end; the rest
     // is the fourth (see qmatmul_parts).
@@ -69,6 +74,22 @@ struct Params {
     // gemm entries, routed = 4: the tile list entry of this dispatch's first tile (a
     // list built on the device holds every arena's tiles, see wgsl/route_tiles.wgsl).
     first_tile: u32,
+    // routed = 2, 3: the first shared-expert route (0: none; route shared_from + t is
+    // token t's), and the shared weight's quantization: bits, group size, scale dtype,
+    // and its (words, scales, biases) offsets for the gate (or down) and the up rows.
+    shared_from: u32,
+    sh_bits: u32,
+    sh_group: u32,
+    sh_dtype: u32,
+    sh_w_off: u32,
+    sh_s_off: u32,
+    sh_b_off: u32,
+    sh_w_off2: u32,
+    sh_s_off2: u32,
+    sh_b_off2: u32,
+    // moe_combine with add_shared = 2: where the shared expert's rows start in `act`
+    // (elements).
+    shared_at: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -123,19 +144,23 @@ fn elems_per_word() -> u32 {
     return select(2u, 1u, p.scale_dtype == 0u);
 }
 
-// The record base (u32 words) and input row of workgroup z, and whether this dispatch
-// computes it (1): from the route table (routed = 1) or the routed ids and the expert
-// table (2, 3), else the resident weight (base 0) and token z.
-fn route_of(z: u32) -> vec3<u32> {
+// The record base (u32 words) and input row of workgroup z, whether this dispatch
+// computes it (1), and whether it is a shared-expert route (1): from the route table
+// (routed = 1) or the routed ids and the expert table (2, 3), else the resident weight
+// (base 0) and token z.
+fn route_of(z: u32) -> vec4<u32> {
     if (p.routed == 1u) {
-        return vec3<u32>(aux[z * 2u], aux[z * 2u + 1u], 1u);
+        return vec4<u32>(aux[z * 2u], aux[z * 2u + 1u], 1u, 0u);
     }
     if (p.routed >= 2u) {
+        if (p.shared_from != 0u && z >= p.shared_from) {
+            return vec4<u32>(0u, select(z - p.shared_from, z, p.routed == 3u), 1u, 1u);
+        }
         let e = min(aux[z], p.experts - 1u) * 2u;
         let row = select(z / p.k, z, p.routed == 3u);
-        return vec3<u32>(table[e + 1u], row, select(0u, 1u, table[e] == p.arena));
+        return vec4<u32>(table[e + 1u], row, select(0u, 1u, table[e] == p.arena), 0u);
     }
-    return vec3<u32>(0u, z, 1u);
+    return vec4<u32>(0u, z, 1u, 0u);
 }
 
 fn out_cols() -> u32 {
@@ -152,7 +177,7 @@ const ROWS: u32 = 4u;
 // What one invocation of a matmul entry computes: output rows `row ..` (`per` of them) of
 // route (or token) `z`, as lane `lane` of its lane group, from the record at word `base`
 // with input row `t`; `computed` is 0 for rows past the end or a route this dispatch
-// leaves to another.
+// leaves to another; `shared` is 1 for a shared-expert route (its weight at binding 6).
 struct Job {
     z: u32,
     lane: u32,
@@ -160,6 +185,7 @@ struct Job {
     base: u32,
     t: u32,
     computed: u32,
+    is_shared: u32,
 }
 
 fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>, per: u32) -> Job {
@@ -167,7 +193,39 @@ fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>, per: u32) -> Job {
     let row = ((wid.x + wid.y * nwg.x) * (WG / n) + li / n) * max(per, 1u);
     let r = route_of(wid.z);
     let computed = select(0u, 1u, r.z == 1u && row < p.rows);
-    return Job(wid.z, li % n, row, r.x, r.y, computed);
+    return Job(wid.z, li % n, row, r.x, r.y, computed, r.w);
+}
+
+// Where a matvec reads a projection: the weight (1) or the shared expert's (2, binding 6),
+// its bits, group size and scale dtype, and its (words, scales, biases) offsets.
+struct Src {
+    is_shared: bool,
+    bits: u32,
+    gs: u32,
+    dtype: u32,
+    offs: vec3<u32>,
+}
+
+// A job's first projection (the gate, or the only one) and the SwiGLU entries' second
+// (the up projection). Outside the SHARED_ROUTES variants they are the uniform block's
+// alone, so a compiler that cannot see that a job's route is the same for the whole
+// workgroup still sees that the bits and dtype branches are.
+fn src_first(j: Job) -> Src {
+    if (SHARED_ROUTES) {
+        if (j.is_shared == 1u) {
+            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off, p.sh_s_off, p.sh_b_off));
+        }
+    }
+    return Src(false, p.bits, p.group_size, p.scale_dtype, vec3<u32>(p.w_off, p.s_off, p.b_off));
+}
+
+fn src_second(j: Job) -> Src {
+    if (SHARED_ROUTES) {
+        if (j.is_shared == 1u) {
+            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off2, p.sh_s_off2, p.sh_b_off2));
+        }
+    }
+    return Src(false, p.bits2, p.group_size2, p.scale_dtype, vec3<u32>(p.w_off2, p.s_off2, p.b_off2));
 }
 
 fn sigmoid(v: f32) -> f32 {
@@ -184,17 +242,40 @@ fn sigmoid(v: f32) -> f32 {
 @group(0) @binding(1) var<storage, read> act4: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> w4: array<vec4<u32>>;
 
-// scale_elem over the vec4 view: an entry point may use only one view of a binding.
-fn scale4(e: u32) -> f32 {
-    if (p.scale_dtype == 0u) {
-        return bitcast<f32>(w4[e >> 2u][e & 3u]);
+// The shared expert's weight for routed = 2, 3 (see route_of).
+@group(0) @binding(6) var<storage, read> shared4: array<vec4<u32>>;
+
+// Whether this compilation reads the shared expert's weight at all: true only in the
+// variants of the matvec entries that compute shared-expert routes (the host's
+// SHARED_ROUTES), so the other matvecs' loads carry no branch.
+const SHARED_ROUTES: bool = false;
+
+// 16-byte vector i of the weight `is_shared` names.
+fn wvec(is_shared: bool, i: u32) -> vec4<u32> {
+    if (SHARED_ROUTES) {
+        if (is_shared) {
+            return shared4[i];
+        }
     }
-    let word = w4[e >> 3u][(e >> 1u) & 3u];
+    return w4[i];
+}
+
+// scale_elem over the vec4 view (an entry point may use only one view of a binding), of
+// scale dtype `dtype` in the weight `is_shared` names.
+fn scale_in(is_shared: bool, dtype: u32, e: u32) -> f32 {
+    if (dtype == 0u) {
+        return bitcast<f32>(wvec(is_shared, e >> 2u)[e & 3u]);
+    }
+    let word = wvec(is_shared, e >> 3u)[(e >> 1u) & 3u];
     let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
-    if (p.scale_dtype == 2u) {
+    if (dtype == 2u) {
         return bitcast<f32>(bits16 << 16u);
     }
     return f16_bits_to_f32(bits16);
+}
+
+fn scale4(e: u32) -> f32 {
+    return scale_in(false, p.scale_dtype, e);
 }
 
 // One packed 4-bit word against its 8 activations: xa for the low 16 bits, xc the high.
@@ -221,24 +302,27 @@ fn dot_q8(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f3
     return dot_bytes(q.x, x0) + dot_bytes(q.y, x1) + dot_bytes(q.z, x2) + dot_bytes(q.w, x3);
 }
 
-// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < p.row_group, W's words, scales
-// and biases at (w_off, s_off, b_off) from the record base, quantized at `bits` (4 or 8)
-// in groups of `gs`; per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv
-// accumulates it). A row past the last is computed as the last (its loads stay in the
-// weight) and left unwritten by the caller.
-fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, lane: u32) -> vec4<f32> {
+// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < p.row_group, W read as
+// `src` says (words, scales and biases at its offsets from the record base, quantized at
+// its bits, 4 or 8, in groups of its size); per group, scale * sum(q x) + bias * sum(x)
+// (as MLX's qmv accumulates it). A row past the last is computed as the last (its loads
+// stay in the weight) and left unwritten by the caller.
+fn lane_dot(base: u32, src: Src, row0: u32, t: u32, lane: u32) -> vec4<f32> {
+    let bits = src.bits;
+    let offs = src.offs;
     // Columns per 16-byte vector of packed words.
     let span = 128u / bits;
     let vecs_per_row = p.cols / span;
-    let groups = p.cols / gs;
+    let groups = p.cols / src.gs;
     let last = p.rows - 1u;
     let rows = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
     let v0 = vec4<u32>((base + offs.x) / 4u) + rows * vecs_per_row;
-    let sbase = vec4<u32>(base * elems_per_word() + offs.y) + rows * groups;
-    let bbase = vec4<u32>(base * elems_per_word() + offs.z) + rows * groups;
+    let per_word = select(2u, 1u, src.dtype == 0u);
+    let sbase = vec4<u32>(base * per_word + offs.y) + rows * groups;
+    let bbase = vec4<u32>(base * per_word + offs.z) + rows * groups;
     let xrow = t * p.cols / 4u;
     // Groups are a power of two wide: a shift, not a division, in the loop.
-    let group_shift = countTrailingZeros(gs);
+    let group_shift = countTrailingZeros(src.gs);
     var acc = vec4<f32>(0.0);
     let four = p.row_group == ROWS;
     for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
@@ -258,11 +342,11 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, l
             let x6 = act4[xb + 6u];
             let x7 = act4[xb + 7u];
             sx = dot(x0 + x1, one) + dot(x2 + x3, one) + dot(x4 + x5, one) + dot(x6 + x7, one);
-            qx.x = dot_q4(w4[v0.x + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+            qx.x = dot_q4(wvec(src.is_shared, v0.x + vi), x0, x1, x2, x3, x4, x5, x6, x7);
             if (four) {
-                qx.y = dot_q4(w4[v0.y + vi], x0, x1, x2, x3, x4, x5, x6, x7);
-                qx.z = dot_q4(w4[v0.z + vi], x0, x1, x2, x3, x4, x5, x6, x7);
-                qx.w = dot_q4(w4[v0.w + vi], x0, x1, x2, x3, x4, x5, x6, x7);
+                qx.y = dot_q4(wvec(src.is_shared, v0.y + vi), x0, x1, x2, x3, x4, x5, x6, x7);
+                qx.z = dot_q4(wvec(src.is_shared, v0.z + vi), x0, x1, x2, x3, x4, x5, x6, x7);
+                qx.w = dot_q4(wvec(src.is_shared, v0.w + vi), x0, x1, x2, x3, x4, x5, x6, x7);
             }
         } else {
             let x0 = act4[xb];
@@ -270,18 +354,20 @@ fn lane_dot(base: u32, offs: vec3<u32>, bits: u32, gs: u32, row0: u32, t: u32, l
             let x2 = act4[xb + 2u];
             let x3 = act4[xb + 3u];
             sx = dot(x0, one) + dot(x1, one) + dot(x2, one) + dot(x3, one);
-            qx.x = dot_q8(w4[v0.x + vi], x0, x1, x2, x3);
+            qx.x = dot_q8(wvec(src.is_shared, v0.x + vi), x0, x1, x2, x3);
             if (four) {
-                qx.y = dot_q8(w4[v0.y + vi], x0, x1, x2, x3);
-                qx.z = dot_q8(w4[v0.z + vi], x0, x1, x2, x3);
-                qx.w = dot_q8(w4[v0.w + vi], x0, x1, x2, x3);
+                qx.y = dot_q8(wvec(src.is_shared, v0.y + vi), x0, x1, x2, x3);
+                qx.z = dot_q8(wvec(src.is_shared, v0.z + vi), x0, x1, x2, x3);
+                qx.w = dot_q8(wvec(src.is_shared, v0.w + vi), x0, x1, x2, x3);
             }
         }
-        var s = vec4<f32>(scale4(sbase.x + g), 0.0, 0.0, 0.0);
-        var b = vec4<f32>(scale4(bbase.x + g), 0.0, 0.0, 0.0);
+        let sh = src.is_shared;
+        let dt = src.dtype;
+        var s = vec4<f32>(scale_in(sh, dt, sbase.x + g), 0.0, 0.0, 0.0);
+        var b = vec4<f32>(scale_in(sh, dt, bbase.x + g), 0.0, 0.0, 0.0);
         if (four) {
-            s = vec4<f32>(s.x, scale4(sbase.y + g), scale4(sbase.z + g), scale4(sbase.w + g));
-            b = vec4<f32>(b.x, scale4(bbase.y + g), scale4(bbase.z + g), scale4(bbase.w + g));
+            s = vec4<f32>(s.x, scale_in(sh, dt, sbase.y + g), scale_in(sh, dt, sbase.z + g), scale_in(sh, dt, sbase.w + g));
+            b = vec4<f32>(b.x, scale_in(sh, dt, bbase.y + g), scale_in(sh, dt, bbase.z + g), scale_in(sh, dt, bbase.w + g));
         }
         acc += s * qx + b * sx;
     }
@@ -310,7 +396,7 @@ fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
     let j = job(li, wid, nwg, p.row_group);
     var acc = vec4<f32>(0.0);
     if (j.computed == 1u) {
-        acc = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
+        acc = lane_dot(j.base, src_first(j), j.row, j.t, j.lane);
     }
     return RowDot(j, row_sums(li, acc));
 }
@@ -339,9 +425,9 @@ fn qmatmul(@builtin(local_invocation_index) li: u32,
 // before part_end_a go to `out`, then up to part_end_b to out_b, up to part_end_c to
 // out_c, and the rest to out_d. One dispatch for projections of one input that were
 // stacked at load (a part with no rows is never written; its binding may repeat `out`).
-@group(0) @binding(6) var<storage, read_write> out_b: array<f32>;
-@group(0) @binding(7) var<storage, read_write> out_c: array<f32>;
-@group(0) @binding(8) var<storage, read_write> out_d: array<f32>;
+@group(0) @binding(7) var<storage, read_write> out_b: array<f32>;
+@group(0) @binding(8) var<storage, read_write> out_c: array<f32>;
+@group(0) @binding(9) var<storage, read_write> out_d: array<f32>;
 
 @compute @workgroup_size(256)
 fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
@@ -378,8 +464,8 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
     var gate = vec4<f32>(0.0);
     var up = vec4<f32>(0.0);
     if (j.computed == 1u) {
-        gate = lane_dot(j.base, vec3<u32>(p.w_off, p.s_off, p.b_off), p.bits, p.group_size, j.row, j.t, j.lane);
-        up = lane_dot(j.base, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), p.bits2, p.group_size2, j.row, j.t, j.lane);
+        gate = lane_dot(j.base, src_first(j), j.row, j.t, j.lane);
+        up = lane_dot(j.base, src_second(j), j.row, j.t, j.lane);
     }
     gate = row_sums(li, gate);
     up = row_sums(li, up);
@@ -449,6 +535,8 @@ fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
     }
     if (p.add_shared == 1u) {
         acc = acc + bitcast<f32>(w[i]) * sigmoid(bitcast<f32>(table[t]));
+    } else if (p.add_shared == 2u) {
+        acc = acc + act[p.shared_at + i] * sigmoid(bitcast<f32>(table[t]));
     }
     out[i] = acc;
 }

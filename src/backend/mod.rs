@@ -567,8 +567,9 @@ pub trait Backend: Send + Sync {
     /// [`Backend::router_top_k_device`] tensor), the ids from `ids` (`[T, k]`, e.g. a
     /// synthetic routing model's) or else from `routing`, so a backend can route without
     /// reading anything back; the shared expert, when given, is added as by
-    /// [`Backend::moe_experts`]. The default reads the routing back and calls
-    /// [`Backend::moe_experts`]. Errors: a failed read-back, an id beyond `layer`.
+    /// [`Backend::moe_experts`] (computed here from its weights where given so, see
+    /// [`Shared`]). The default reads the routing back and calls [`Backend::moe_experts`].
+    /// Errors: a failed read-back, an id beyond `layer`.
     #[allow(clippy::too_many_arguments)]
     fn moe_experts_resident(
         &self,
@@ -578,7 +579,7 @@ pub trait Backend: Send + Sync {
         ids: Option<&[u32]>,
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
-        shared: Option<SharedExpert<'_, Self::Tensor>>,
+        shared: Option<Shared<'_, Self>>,
     ) -> Result<Self::Tensor> {
         check_routed_ids(ids, routing_routes(self, routing), layer.len())?;
         moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
@@ -655,6 +656,54 @@ pub struct SharedExpert<'a, T> {
     pub gate: &'a T,
 }
 
+/// A MoE block's shared expert for [`Backend::moe_experts_resident`]: its output, or its
+/// SwiGLU MLP's weights (a stacked `[Wg; Wu]` `[2 I, hidden]` for
+/// [`Backend::matmul_swiglu`] and the down projection `[hidden, I]`), so that a backend
+/// can compute it in the passes that compute the routed experts rather than in passes of
+/// its own; `gate` `[T, 1]` is its gate logit either way.
+pub enum Shared<'a, B: Backend + ?Sized> {
+    Output(SharedExpert<'a, B::Tensor>),
+    Mlp {
+        gate_up: &'a B::Weight,
+        down: &'a B::Weight,
+        gate: &'a B::Tensor,
+    },
+}
+
+// By hand, as for SharedExpert: only references are copied.
+impl<B: Backend + ?Sized> Clone for Shared<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for Shared<'_, B> {}
+
+impl<'a, B: Backend + ?Sized> Shared<'a, B> {
+    /// The shared expert's output on `x` where only its weights are given
+    /// (`down(matmul_swiglu(x))`, as the model's dense MLP computes it), else `None`.
+    pub fn output(&self, b: &B, x: &B::Tensor) -> Option<B::Tensor> {
+        match self {
+            Shared::Output(_) => None,
+            Shared::Mlp { gate_up, down, .. } => Some(b.matmul(&b.matmul_swiglu(x, gate_up), down)),
+        }
+    }
+
+    /// The shared expert as its output: `y` is [`Shared::output`]'s result, which
+    /// [`Shared::Mlp`] needs. Panics on [`Shared::Mlp`] without `y`.
+    pub fn computed<'b>(self, y: Option<&'b B::Tensor>) -> SharedExpert<'b, B::Tensor>
+    where
+        'a: 'b,
+    {
+        match self {
+            Shared::Output(s) => s,
+            Shared::Mlp { gate, .. } => SharedExpert {
+                y: y.expect("the shared expert's output"),
+                gate,
+            },
+        }
+    }
+}
+
 // By hand: the derives would ask `T: Copy`, and only the references are copied.
 impl<T> Clone for SharedExpert<'_, T> {
     fn clone(&self) -> Self {
@@ -677,8 +726,9 @@ impl<T> SharedExpert<'_, T> {
 }
 
 /// [`Backend::moe_experts_resident`] by reading the routing back and gathering the routed
-/// records with [`Backend::moe_experts`] (which adds `shared`): the trait's default, and a
-/// backend's path for records it cannot route on the device. `ids` must have passed [`check_routed_ids`].
+/// records with [`Backend::moe_experts`] (which adds `shared`, computed first where only
+/// its weights are given): the trait's default, and a backend's path for records it
+/// cannot route on the device. `ids` must have passed [`check_routed_ids`].
 /// Errors: a failed read-back, an id beyond `layer`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts_read_back<B: Backend + ?Sized>(
@@ -689,8 +739,10 @@ pub fn moe_experts_read_back<B: Backend + ?Sized>(
     ids: Option<&[u32]>,
     layer: &[ExpertRecord<'_>],
     layout: &RecordLayout,
-    shared: Option<SharedExpert<'_, B::Tensor>>,
+    shared: Option<Shared<'_, B>>,
 ) -> Result<B::Tensor> {
+    let y = shared.and_then(|s| s.output(b, x));
+    let shared = shared.map(|s| s.computed(y.as_ref()));
     let mut r = Routing::from_device(&b.download(routing)?, k, layer.len())?;
     if let Some(ids) = ids {
         r.ids.copy_from_slice(ids);

@@ -4,7 +4,7 @@
 use super::load::Loader;
 use super::projections::Projections;
 use super::routes::StepSource;
-use crate::backend::{Backend, InFlight, SharedExpert};
+use crate::backend::{Backend, InFlight, Shared, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -186,8 +186,22 @@ impl<B: Backend> Moe<B> {
             let resident = hold.step.keep(resident);
             let routed = routes.on_device(backend, layer, &logits, k, norm)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
-            // come first.
-            let shared = self.shared.forward(backend, x);
+            // come first where the backend does not compute it with the routed experts.
+            let computed;
+            let shared = match &self.shared.gate_up {
+                GateUp::Stacked(gate_up) => Shared::Mlp {
+                    gate_up,
+                    down: &self.shared.down,
+                    gate: &shared_gate,
+                },
+                GateUp::Separate { .. } => {
+                    computed = self.shared.forward(backend, x);
+                    Shared::Output(SharedExpert {
+                        y: &computed,
+                        gate: &shared_gate,
+                    })
+                }
+            };
             let out = backend.moe_experts_resident(
                 x,
                 &routed.routing,
@@ -195,10 +209,7 @@ impl<B: Backend> Moe<B> {
                 routed.ids.as_deref(),
                 &resident.records(),
                 layout,
-                Some(SharedExpert {
-                    y: &shared,
-                    gate: &shared_gate,
-                }),
+                Some(shared),
             )?;
             routed.count(layer, experts, &mut hold.routings);
             return Ok(out);

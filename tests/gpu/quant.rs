@@ -6,10 +6,10 @@ use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::gpu::GpuBackend;
 
-use slotstream::backend::{Backend, Routing, SharedExpert};
+use slotstream::backend::{Backend, Routing, Shared, SharedExpert};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
-use slotstream::records::{ExpertRecord, ExpertSource};
+use slotstream::records::{ExpertRecord, ExpertSource, SlotTag};
 
 use crate::common::compare::{abs_products, assert_rel, assert_scaled};
 
@@ -365,6 +365,109 @@ fn routed_experts_match_cpu() {
                 .collect();
             assert_eq!(with, direct, "{name} T={t}: CPU shared expert");
             assert_rel(&format!("{name} experts + shared T={t}"), &got, &with, 1e-5);
+        }
+    }
+}
+
+/// With every record of a layer at hand and the routing on the device, a shared expert
+/// given by its weights is computed as one more route per token by the routed experts'
+/// dispatches: a step of a few tokens takes three (gate and up, down, the combine) where
+/// it took five, and matches the CPU backend (which computes the shared expert apart).
+#[test]
+fn the_shared_expert_rides_in_the_routed_experts_dispatches() {
+    let cpu = CpuBackend;
+    let mut rng = rand::rng();
+    for name in crate::common::FIXTURES {
+        let g = crate::common::gpu();
+        let l = crate::common::load_cpu(name);
+        let layout = &l.model.experts.layout;
+        let (e, k) = (
+            l.model.config.num_experts,
+            l.model.config.num_experts_per_tok,
+        );
+        let all: Vec<u32> = (0..e as u32).collect();
+        let held = l.experts.fetch(1, &all).unwrap();
+        // Slot tags make the backend mirror the records, as a pool of every record does.
+        let stride = layout.record_bytes.next_multiple_of(4096);
+        let layer: Vec<ExpertRecord<'_>> = held
+            .iter()
+            .enumerate()
+            .map(|(slot, r)| ExpertRecord {
+                bytes: r,
+                slot: Some(SlotTag {
+                    pool: 1,
+                    slot,
+                    generation: 1,
+                    slots: e,
+                    stride,
+                    layer_records: e,
+                }),
+            })
+            .collect();
+        let (d, inter) = (layout.hidden, layout.intermediate);
+        let gate_up = random_quantized(2 * inter, d, layout.specs[0], layout.scale_dtype);
+        let down = random_quantized(d, inter, layout.specs[2], layout.scale_dtype);
+        let cpu_weights = (
+            cpu.upload_weight(gate_up.clone()).unwrap(),
+            cpu.upload_weight(down.clone()).unwrap(),
+        );
+        let gpu_weights = (
+            g.upload_weight(gate_up).unwrap(),
+            g.upload_weight(down).unwrap(),
+        );
+        for t in [1usize, 1, 3, 7] {
+            let mut ids = Vec::new();
+            for _ in 0..t {
+                let mut pick = all.clone();
+                for i in 0..k {
+                    let j = rng.random_range(i..pick.len());
+                    pick.swap(i, j);
+                }
+                ids.extend_from_slice(&pick[..k]);
+            }
+            let routing = Routing {
+                top_k: k,
+                weights: (0..t * k).map(|_| rng.random_range(0.0f32..1.0)).collect(),
+                ids,
+            }
+            .to_device();
+            let (x, gate) = (random(t * d), random(t));
+            let want = {
+                let gate = cpu.upload(&gate, t, 1);
+                let shared = Shared::Mlp {
+                    gate_up: &cpu_weights.0,
+                    down: &cpu_weights.1,
+                    gate: &gate,
+                };
+                let routing = cpu.upload(&routing, 1, routing.len());
+                let x = cpu.upload(&x, t, d);
+                let out =
+                    cpu.moe_experts_resident(&x, &routing, k, None, &layer, layout, Some(shared));
+                cpu.download(&out.unwrap()).unwrap()
+            };
+            let (gx, groute, ggate) = (
+                g.upload(&x, t, d),
+                g.upload(&routing, 1, routing.len()),
+                g.upload(&gate, t, 1),
+            );
+            let shared = Shared::Mlp {
+                gate_up: &gpu_weights.0,
+                down: &gpu_weights.1,
+                gate: &ggate,
+            };
+            let before = g.gpu.counters();
+            let out = g
+                .moe_experts_resident(&gx, &groute, k, None, &layer, layout, Some(shared))
+                .unwrap();
+            let dispatches = (g.gpu.counters() - before).dispatches;
+            let got = g.download(&out).unwrap();
+            assert_eq!(dispatches, 3, "{name} T={t}: dispatches");
+            assert_rel(
+                &format!("{name} resident experts + shared T={t}"),
+                &got,
+                &want,
+                1e-5,
+            );
         }
     }
 }

@@ -30,7 +30,7 @@ pub use device::{
     TILE_WORKGROUP_BYTES,
 };
 
-use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, SharedExpert, PREFILL_CHUNK};
+use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, Shared, SharedExpert, PREFILL_CHUNK};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::Result;
@@ -714,7 +714,7 @@ impl Backend for GpuBackend {
         ids: Option<&[u32]>,
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
-        shared: Option<SharedExpert<'_, GpuTensor>>,
+        shared: Option<Shared<'_, Self>>,
     ) -> Result<GpuTensor> {
         super::check_routed_ids(ids, super::routing_routes(self, routing), layer.len())?;
         let routes = (routing, k, ids);

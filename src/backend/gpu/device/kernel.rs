@@ -18,6 +18,10 @@ pub struct Kernel {
     pub source: &'static str,
     pub entry: &'static str,
     pub bindings: &'static [Access],
+    /// Lines of the source replaced in this kernel's compilation, `(line, replacement)`:
+    /// a variant of an entry point with a constant set otherwise (a branch the driver
+    /// then removes from the other variant), compiled and cached apart.
+    pub defines: &'static [(&'static str, &'static str)],
 }
 
 impl Kernel {
@@ -32,7 +36,29 @@ impl Kernel {
             source: shader(file),
             entry,
             bindings,
+            defines: &[],
         }
+    }
+
+    /// This kernel with `defines` (see [`Kernel::defines`]).
+    pub const fn with_defines(self, defines: &'static [(&'static str, &'static str)]) -> Kernel {
+        Kernel { defines, ..self }
+    }
+
+    /// The WGSL the device compiles for this kernel: [`kernel_source`] with its defines
+    /// applied. Panics if a defined line is not in the source exactly once (a bug).
+    pub fn wgsl(&self, subgroup_lanes: u32) -> String {
+        let mut source = kernel_source(self.source, subgroup_lanes);
+        for (line, replacement) in self.defines {
+            assert_eq!(
+                source.matches(line).count(),
+                1,
+                "{}: `{line}` must occur once",
+                self.file
+            );
+            source = source.replace(line, replacement);
+        }
+        source
     }
 }
 

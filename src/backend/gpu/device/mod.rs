@@ -52,6 +52,12 @@ use record::Recording;
 
 /// A kernel's compute pipeline and the layout of its bind group.
 type CompiledKernel = (wgpu::ComputePipeline, wgpu::BindGroupLayout);
+/// What tells compiled kernels apart: file, entry point and defines ([`Kernel::defines`]).
+type PipelineKey = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
 
 /// The device, its queue and the compiled kernels.
 pub struct Gpu {
@@ -61,7 +67,8 @@ pub struct Gpu {
     pub limits: wgpu::Limits,
     /// Whether host memory can be imported as GPU buffers (unified placement).
     pub host_import: bool,
-    /// A 4-byte buffer bound where a kernel's binding is unused.
+    /// A 16-byte buffer bound where a kernel's binding is unused (16: a binding of `vec4`
+    /// elements takes at least one).
     pub dummy: wgpu::Buffer,
     /// Invocations known to share a subgroup: the adapter's smallest subgroup size where
     /// subgroup operations are on and laid out as the reductions assume (checked by
@@ -81,7 +88,7 @@ pub struct Gpu {
     /// zeroing these kernels do not need (see [`Gpu::pipeline`]).
     all_checks: bool,
     poison: bool,
-    pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<CompiledKernel>>>,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<CompiledKernel>>>,
     recording: Mutex<Recording>,
     /// The uniform blocks of the recorded dispatches, one per `uniform_stride` bytes,
     /// uploaded just before the encoder is submitted (one buffer instead of one each).
@@ -189,7 +196,7 @@ impl Gpu {
         let host_import = super::host_memory::supported(&device);
         let dummy = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("unused binding"),
-            size: 4,
+            size: 16,
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
@@ -277,6 +284,7 @@ impl Gpu {
             source: SUBGROUP_PROBE,
             entry: "subgroup_probe",
             bindings: &[Access::ReadWrite],
+            defines: &[],
         };
         uniform_block! {
             /// The probe reads no parameters; a block is bound all the same.
@@ -325,13 +333,11 @@ impl Gpu {
     fn pipeline(&self, k: &Kernel) -> Arc<CompiledKernel> {
         let mut cache = self.pipelines.lock().unwrap_or_else(|p| p.into_inner());
         cache
-            .entry((k.file, k.entry))
+            .entry((k.file, k.entry, k.defines))
             .or_insert_with(|| {
                 let desc = wgpu::ShaderModuleDescriptor {
                     label: Some(k.file),
-                    source: wgpu::ShaderSource::Wgsl(
-                        kernel_source(k.source, self.subgroup_lanes).into(),
-                    ),
+                    source: wgpu::ShaderSource::Wgsl(k.wgsl(self.subgroup_lanes).into()),
                 };
                 let module = if self.all_checks {
                     self.device.create_shader_module(desc)

@@ -5,11 +5,11 @@
 
 use super::super::device::{grid, Bind};
 use super::super::route_tiles;
-use super::super::{GpuBackend, GpuTensor, Mirror};
+use super::super::{DeviceBuffer, GpuBackend, GpuTensor, Mirror};
 use super::params::{
     Params, COMBINE, NARROW_MAX_MEAN_ROUTES, NARROW_TILE_ROUTES, TILED_MIN_TOKENS, TILE_TOKENS,
 };
-use crate::backend::{Routing, SharedExpert};
+use crate::backend::{Routing, Shared, SharedExpert};
 use crate::checkpoint::{Projection, RecordLayout};
 use crate::records::ExpertRecord;
 
@@ -47,9 +47,53 @@ fn routed_swiglu(
     out: &GpuTensor,
 ) {
     let params = which.apply(Params::routed_gate_up(layout, out.rows));
-    let binds = [x, arena, aux, Bind::Buffer(&out.buf), table];
+    let binds = [
+        x,
+        arena,
+        aux,
+        Bind::Buffer(&out.buf),
+        table,
+        Bind::Buffer(&b.gpu.dummy),
+    ];
     let (kernel, params, groups) = params.launch(out.rows, false, b.gpu.invocations);
     b.gpu.dispatch_with(kernel, &params, &binds, groups);
+}
+
+/// A shared expert the routed matvecs compute as one more route per token (see
+/// `route_of` in `wgsl/quant.wgsl`): its stacked gate and up and its down projection as
+/// resident parameters and buffers, and its gate logits `[T, 1]`.
+struct FusedShared<'a> {
+    gate_up: (Params, &'a DeviceBuffer),
+    down: (Params, &'a DeviceBuffer),
+    gate: &'a GpuTensor,
+}
+
+impl<'a> FusedShared<'a> {
+    /// `shared` when it is given by weights that the routed matvecs can read beside
+    /// records of `layout`: quantized (4 or 8 bits), of the records' shapes.
+    fn of(shared: Shared<'a, GpuBackend>, layout: &RecordLayout) -> Option<Self> {
+        let Shared::Mlp {
+            gate_up,
+            down,
+            gate,
+        } = shared
+        else {
+            return None;
+        };
+        let gate_up = Params::resident_swiglu(gate_up)?;
+        let down = Params::resident(down)?;
+        let (d, inter) = (layout.hidden as u32, layout.intermediate as u32);
+        let fits = (gate_up.0.rows, gate_up.0.cols, down.0.rows, down.0.cols)
+            == (inter, d, d, inter)
+            && [gate_up.0.bits, down.0.bits]
+                .iter()
+                .all(|b| matches!(b, 4 | 8));
+        fits.then_some(FusedShared {
+            gate_up,
+            down,
+            gate,
+        })
+    }
 }
 
 /// Bytes of mirror copies queued before they are submitted and waited for, which bounds
@@ -214,7 +258,8 @@ pub(in crate::backend::gpu) fn moe_experts(
             })
             .collect();
         let y = tiled_experts(b, x, routing.top_k, layout, (routes, tile), &ranges);
-        return combine(b, &y, (weights, 0, routing.top_k), shared);
+        let shared = shared.map(AddShared::Output);
+        return combine(b, &y, routing.tokens(), (weights, 0, routing.top_k), shared);
     }
     // Route tables from the host: every route of an arena's table computed.
     let which = |arena| Routes {
@@ -286,6 +331,7 @@ pub(in crate::backend::gpu) fn moe_experts(
             Bind::Data(bytemuck::cast_slice(&down_table)),
             Bind::Buffer(&target.buf),
             Bind::Buffer(&b.gpu.dummy),
+            Bind::Buffer(&b.gpu.dummy),
         ];
         let (kernel, params, groups) = params.launch(n, false, b.gpu.invocations);
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
@@ -293,7 +339,8 @@ pub(in crate::backend::gpu) fn moe_experts(
             scatter(&target, &y, order);
         }
     }
-    combine(b, &y, (weights, 0, routing.top_k), shared)
+    let shared = shared.map(AddShared::Output);
+    combine(b, &y, routing.tokens(), (weights, 0, routing.top_k), shared)
 }
 
 /// Routes per tile for a layer's routed tiled products, `routes` routes over `records`
@@ -392,6 +439,7 @@ fn tiled_experts(
             r.list,
             Bind::Buffer(&h.buf),
             dummy,
+            dummy,
         ];
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
         let down = Params::routed(layout, Projection::Down, routes);
@@ -402,43 +450,61 @@ fn tiled_experts(
             r.list,
             Bind::Buffer(&y.buf),
             dummy,
+            dummy,
         ];
         b.gpu.dispatch_with(kernel, &params, &binds, groups);
     }
     y
 }
 
-/// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each token, the weights
-/// (f32 bits) from word `w_off` of `weights`, plus the shared expert when given; `y` is
-/// `[T k, hidden]`.
+/// Where [`combine`] finds the shared expert.
+enum AddShared<'a> {
+    /// Its output `[T, hidden]` and gate logits `[T, 1]`.
+    Output(SharedExpert<'a, GpuTensor>),
+    /// Its output in the routed outputs' rows `T k ..` (the routed matvecs computed it,
+    /// see [`FusedShared`]), and its gate logits `[T, 1]`.
+    InRoutes(&'a GpuTensor),
+}
+
+/// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each of `tokens` tokens,
+/// the weights (f32 bits) from word `w_off` of `weights`, plus the shared expert when
+/// given; `y` is `[T k, hidden]`, or `[T k + T, hidden]` with the shared expert's rows
+/// last ([`AddShared::InRoutes`]).
 fn combine(
     b: &GpuBackend,
     y: &GpuTensor,
+    tokens: usize,
     (weights, w_off, k): (Bind<'_>, usize, usize),
-    shared: Option<SharedExpert<'_, GpuTensor>>,
+    shared: Option<AddShared<'_>>,
 ) -> GpuTensor {
+    let in_routes = matches!(shared, Some(AddShared::InRoutes(_)));
     assert!(
-        k > 0 && y.rows.is_multiple_of(k),
-        "combine: {} routes of top-{k}",
+        k > 0 && y.rows == tokens * k + if in_routes { tokens } else { 0 },
+        "combine: {} rows for {tokens} tokens of top-{k}",
         y.rows
     );
-    let (tokens, d) = (y.rows / k, y.cols);
+    let d = y.cols;
     let out = b.empty(tokens, d);
+    let dummy = Bind::Buffer(&b.gpu.dummy);
+    let (shared_y, gate, add_shared) = match shared {
+        Some(AddShared::Output(s)) => {
+            s.check_shapes(b, tokens, d);
+            (Bind::Buffer(&s.y.buf), Bind::Buffer(&s.gate.buf), 1)
+        }
+        Some(AddShared::InRoutes(gate)) => {
+            assert_eq!((gate.rows, gate.cols), (tokens, 1), "shared expert gate");
+            (dummy, Bind::Buffer(&gate.buf), 2)
+        }
+        None => (dummy, dummy, 0),
+    };
     let params = Params {
         rows: d as u32,
         k: k as u32,
         tokens: tokens as u32,
         w_off: w_off as u32,
-        add_shared: u32::from(shared.is_some()),
+        add_shared,
+        shared_at: (tokens * k * d) as u32,
         ..Default::default()
-    };
-    let dummy = Bind::Buffer(&b.gpu.dummy);
-    let (shared_y, gate) = match shared {
-        Some(s) => {
-            s.check_shapes(b, tokens, d);
-            (Bind::Buffer(&s.y.buf), Bind::Buffer(&s.gate.buf))
-        }
-        None => (dummy, dummy),
     };
     let binds = [
         Bind::Buffer(&y.buf),
@@ -446,6 +512,7 @@ fn combine(
         weights,
         Bind::Buffer(&out.buf),
         gate,
+        dummy,
     ];
     let [gx, gy] = grid((tokens * d).div_ceil(256) as u32);
     b.gpu.dispatch_with(&COMBINE, &params, &binds, [gx, gy, 1]);
@@ -468,10 +535,11 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
     (routing, k, ids): (&GpuTensor, usize, Option<&[u32]>),
     layer: &[ExpertRecord<'_>],
     layout: &RecordLayout,
-    shared: Option<SharedExpert<'_, GpuTensor>>,
+    shared: Option<Shared<'_, GpuBackend>>,
 ) -> Option<GpuTensor> {
     let routes = routing.cols / 2;
-    assert_eq!(routes, x.rows * k, "moe_experts_resident: routes");
+    let tokens = x.rows;
+    assert_eq!(routes, tokens * k, "moe_experts_resident: routes");
     let (arenas, places) = mirror_places(b, layer)?;
     let mut used: Vec<usize> = places.iter().map(|p| p.0).collect();
     used.sort_unstable();
@@ -481,6 +549,8 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
         // The ids lead the routing tensor.
         None => Bind::Buffer(&routing.buf),
     };
+    // The weights follow the ids in the routing tensor.
+    let weights = (Bind::Buffer(&routing.buf), routes, k);
     // Many tokens: the routes grouped by record on the device, in tiles.
     if b.gpu.tiled
         && x.rows >= TILED_MIN_TOKENS
@@ -505,45 +575,70 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
             })
             .collect();
         let y = tiled_experts(b, x, k, layout, (routes, tile), &ranges);
-        return Some(combine(
-            b,
-            &y,
-            (Bind::Buffer(&routing.buf), routes, k),
-            shared,
-        ));
+        let shared_y = shared.and_then(|s| s.output(b, x));
+        let shared = shared.map(|s| AddShared::Output(s.computed(shared_y.as_ref())));
+        return Some(combine(b, &y, tokens, weights, shared));
     }
     let table: Vec<u32> = places
         .iter()
         .flat_map(|&(arena, base)| [arena as u32, base])
         .collect();
     let table = Bind::Data(bytemuck::cast_slice(&table));
-    let d = layout.hidden;
-    let which = |arena, routed| Routes {
-        arena,
-        routed,
-        k,
-        experts: layer.len(),
+    // The shared expert as one more route per token where its weights allow (no
+    // dispatches of its own), else computed first.
+    let fused = shared.and_then(|s| FusedShared::of(s, layout));
+    let shared_y = match fused {
+        Some(_) => None,
+        None => shared.and_then(|s| s.output(b, x)),
     };
-    // Each arena's dispatch writes only the rows of the routes whose records it holds.
-    let h = b.empty(routes, layout.intermediate);
-    for &a in &used {
-        let binds = [Bind::Buffer(&x.buf), Bind::Buffer(&arenas[a]), ids, table];
-        routed_swiglu(b, layout, binds, which(a, 2), &h);
+    let all = routes + if fused.is_some() { tokens } else { 0 };
+    let h = b.empty(all, layout.intermediate);
+    let y = b.empty(all, layout.hidden);
+    let stages = [
+        (
+            Params::routed_gate_up(layout, routes),
+            2,
+            x,
+            &h,
+            fused.as_ref().map(|f| f.gate_up),
+        ),
+        (
+            Params::routed(layout, Projection::Down, routes),
+            3,
+            &h,
+            &y,
+            fused.as_ref().map(|f| f.down),
+        ),
+    ];
+    for (params, routed, input, out, with_shared) in stages {
+        // Each arena's dispatch writes only the rows of the routes whose records it holds;
+        // the first also the shared expert's.
+        for (i, &arena) in used.iter().enumerate() {
+            let which = Routes {
+                arena,
+                routed,
+                k,
+                experts: layer.len(),
+            };
+            let (params, z, weight) = match with_shared.filter(|_| i == 0) {
+                Some((sp, buf)) => (which.apply(params).with_shared(routes, &sp), all, &**buf),
+                None => (which.apply(params), routes, &b.gpu.dummy),
+            };
+            let binds = [
+                Bind::Buffer(&input.buf),
+                Bind::Buffer(&arenas[arena]),
+                ids,
+                Bind::Buffer(&out.buf),
+                table,
+                Bind::Buffer(weight),
+            ];
+            let (kernel, params, groups) = params.launch(z, false, b.gpu.invocations);
+            b.gpu.dispatch_with(kernel, &params, &binds, groups);
+        }
     }
-    let y = b.empty(routes, d);
-    for &a in &used {
-        let params = which(a, 3).apply(Params::routed(layout, Projection::Down, routes));
-        let binds = [
-            Bind::Buffer(&h.buf),
-            Bind::Buffer(&arenas[a]),
-            ids,
-            Bind::Buffer(&y.buf),
-            table,
-        ];
-        let (kernel, params, groups) = params.launch(routes, false, b.gpu.invocations);
-        b.gpu.dispatch_with(kernel, &params, &binds, groups);
-    }
-    // The weights follow the ids in the routing tensor.
-    let weights = (Bind::Buffer(&routing.buf), routes, k);
-    Some(combine(b, &y, weights, shared))
+    let shared = match (&fused, shared) {
+        (Some(f), _) => Some(AddShared::InRoutes(f.gate)),
+        (None, s) => s.map(|s| AddShared::Output(s.computed(shared_y.as_ref()))),
+    };
+    Some(combine(b, &y, tokens, weights, shared))
 }

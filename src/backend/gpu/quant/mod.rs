@@ -116,32 +116,17 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
 /// [`crate::backend::Backend::matmul_swiglu`]: a quantized `[Wg; Wu]` in one fused
 /// dispatch, a dense one as a matmul and an elementwise SwiGLU over the halves.
 pub(super) fn matmul_swiglu(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight) -> GpuTensor {
-    let Some((whole, data)) = Params::resident(w) else {
+    let Some((params, data)) = Params::resident_swiglu(w) else {
         return super::elementwise::swiglu_halves(b, &matmul(b, x, w));
     };
-    let (rows, cols) = (whole.rows as usize, whole.cols as usize);
-    assert_eq!(x.cols, cols, "matmul_swiglu input width");
-    assert_eq!(rows % 2, 0, "matmul_swiglu: odd row count {rows}");
-    let inter = rows / 2;
-    // The up projection's rows start `inter` rows into each part.
-    let words = inter * cols / (32 / whole.bits as usize);
-    let groups = (inter * cols / whole.group_size as usize) as u32;
-    let params = Params {
-        rows: inter as u32,
-        w_off2: words as u32,
-        s_off2: whole.s_off + groups,
-        b_off2: whole.b_off + groups,
-        bits2: whole.bits,
-        group_size2: whole.group_size,
-        ..whole
-    };
-    let out = b.empty(x.rows, inter);
+    assert_eq!(x.cols, params.cols as usize, "matmul_swiglu input width");
+    let out = b.empty(x.rows, params.rows as usize);
     let (kernel, params, groups) = params.launch(x.rows, b.gpu.tiled, b.gpu.invocations);
     let dummy = &b.gpu.dummy;
     b.gpu.dispatch(
         kernel,
         &params,
-        &[&x.buf, data, dummy, &out.buf, dummy],
+        &[&x.buf, data, dummy, &out.buf, dummy, dummy],
         groups,
     );
     out
@@ -251,7 +236,17 @@ pub(super) fn matmul_parts(
     b.gpu.dispatch(
         kernel,
         &params,
-        &[&x.buf, data, dummy, out(0), dummy, out(1), out(2), out(3)],
+        &[
+            &x.buf,
+            data,
+            dummy,
+            out(0),
+            dummy,
+            dummy,
+            out(1),
+            out(2),
+            out(3),
+        ],
         groups,
     );
     outs
@@ -281,7 +276,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
             b.gpu.dispatch(
                 kernel,
                 &params,
-                &[&x.buf, data, dummy, &out.buf, dummy],
+                &[&x.buf, data, dummy, &out.buf, dummy, dummy],
                 groups,
             );
         }
@@ -295,7 +290,7 @@ fn matmul_into(b: &GpuBackend, x: &GpuTensor, w: &GpuWeight, out: &GpuTensor, fi
             b.gpu.dispatch(
                 kernel,
                 &params,
-                &[&x.buf, data, dummy, &out.buf, dummy],
+                &[&x.buf, data, dummy, &out.buf, dummy, dummy],
                 groups,
             );
         }

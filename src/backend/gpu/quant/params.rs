@@ -11,19 +11,21 @@ use crate::checkpoint::{PieceKind, Projection, RecordLayout};
 
 /// act, w, aux, out (see `wgsl/quant.wgsl`).
 const BINDINGS: &[Access] = &[Access::Read, Access::Read, Access::Read, Access::ReadWrite];
-/// The matmul entries also bind the expert table.
+/// The matmul entries also bind the expert table and the shared expert's weight (the
+/// routed matvecs compute it beside the routed experts; unused elsewhere).
 const MATMUL_BINDINGS: &[Access] = &[
     Access::Read,
     Access::Read,
     Access::Read,
     Access::ReadWrite,
     Access::Read,
+    Access::Read,
 ];
 const fn matmul_kernel(entry: &'static str) -> Kernel {
     Kernel::new("quant.wgsl", entry, MATMUL_BINDINGS)
 }
 const QMATMUL: Kernel = matmul_kernel("qmatmul");
-/// [`QMATMUL`] with three more outputs (bindings 6 to 8).
+/// [`QMATMUL`] with three more outputs (bindings 7 to 9).
 const QMATMUL_PARTS: Kernel = Kernel::new(
     "quant.wgsl",
     "qmatmul_parts",
@@ -33,6 +35,7 @@ const QMATMUL_PARTS: Kernel = Kernel::new(
         Access::Read,
         Access::ReadWrite,
         Access::Read,
+        Access::Read,
         Access::ReadWrite,
         Access::ReadWrite,
         Access::ReadWrite,
@@ -41,6 +44,14 @@ const QMATMUL_PARTS: Kernel = Kernel::new(
 /// Most parts [`QMATMUL_PARTS`] writes.
 pub(super) const MAX_PARTS: usize = 4;
 const QMATMUL_SWIGLU: Kernel = matmul_kernel("qmatmul_swiglu");
+/// The routed matvec variants that also compute the shared expert's routes
+/// ([`Params::with_shared`]); the others are compiled without its branch.
+const SHARED_ROUTES: &[(&str, &str)] = &[(
+    "const SHARED_ROUTES: bool = false;",
+    "const SHARED_ROUTES: bool = true;",
+)];
+const QMATMUL_SHARED: Kernel = QMATMUL.with_defines(SHARED_ROUTES);
+const QMATMUL_SWIGLU_SHARED: Kernel = QMATMUL_SWIGLU.with_defines(SHARED_ROUTES);
 /// The tiled entries of many tokens: like [`QMATMUL`], [`QMATMUL_PARTS`] and
 /// [`QMATMUL_SWIGLU`].
 const GEMM: Kernel = matmul_kernel("gemm");
@@ -143,6 +154,22 @@ uniform_block! {
         pub(super) row_group: u32,
         /// gemm entries, routed = 4: the tile list entry of the dispatch's first tile.
         pub(super) first_tile: u32,
+        /// Routed matvecs (routed = 2, 3): the first route that is the shared expert's (0:
+        /// none), and the shared weight's bits, group size, scale dtype and offsets, like
+        /// `bits` ... `b_off2` (see [`Params::with_shared`]).
+        pub(super) shared_from: u32,
+        pub(super) sh_bits: u32,
+        pub(super) sh_group: u32,
+        pub(super) sh_dtype: u32,
+        pub(super) sh_w_off: u32,
+        pub(super) sh_s_off: u32,
+        pub(super) sh_b_off: u32,
+        pub(super) sh_w_off2: u32,
+        pub(super) sh_s_off2: u32,
+        pub(super) sh_b_off2: u32,
+        /// moe_combine with `add_shared` = 2: the element of its input where the shared
+        /// expert's rows start.
+        pub(super) shared_at: u32,
     }
 }
 
@@ -202,10 +229,12 @@ impl Params {
             (&DENSE, cols)
         } else {
             self.check_vec4();
+            let shared = self.shared_from != 0;
             if self.parts() {
                 (&QMATMUL_PARTS, cols * bits / 128)
             } else if self.bits2 == 0 {
-                (&QMATMUL, cols * bits / 128)
+                let kernel = if shared { &QMATMUL_SHARED } else { &QMATMUL };
+                (kernel, cols * bits / 128)
             } else {
                 Params {
                     bits: self.bits2,
@@ -214,7 +243,12 @@ impl Params {
                     ..self
                 }
                 .check_vec4();
-                (&QMATMUL_SWIGLU, cols * bits / 128)
+                let kernel = if shared {
+                    &QMATMUL_SWIGLU_SHARED
+                } else {
+                    &QMATMUL_SWIGLU
+                };
+                (kernel, cols * bits / 128)
             }
         };
         let rows = self.rows as usize;
@@ -311,6 +345,28 @@ impl Params {
         Some((params, data))
     }
 
+    /// [`Params::resident`] of a stacked `[Wg; Wu]` `[2 I, in]` for the SwiGLU entries:
+    /// `I` rows, the up projection's words, scales and biases `I` rows in (`bits2` ...
+    /// `b_off2`). Panics on an odd row count.
+    pub(super) fn resident_swiglu(w: &GpuWeight) -> Option<(Self, &DeviceBuffer)> {
+        let (whole, data) = Self::resident(w)?;
+        let (rows, cols) = (whole.rows as usize, whole.cols as usize);
+        assert_eq!(rows % 2, 0, "matmul_swiglu: odd row count {rows}");
+        let inter = rows / 2;
+        let words = inter * cols / (32 / whole.bits as usize);
+        let groups = (inter * cols / whole.group_size as usize) as u32;
+        let params = Params {
+            rows: inter as u32,
+            w_off2: words as u32,
+            s_off2: whole.s_off + groups,
+            b_off2: whole.b_off + groups,
+            bits2: whole.bits,
+            group_size2: whole.group_size,
+            ..whole
+        };
+        Some((params, data))
+    }
+
     /// Parameters of projection `proj` of records laid out by `layout` over `routes`
     /// routes (which ones, and how they are found,
     /// [`Routes::apply`](super::experts::Routes::apply) sets).
@@ -345,6 +401,25 @@ impl Params {
             bits2: up.bits,
             group_size2: up.group_size,
             ..Self::routed(layout, Projection::Gate, routes)
+        }
+    }
+
+    /// These routed matvec parameters with routes from `from` on computed from the shared
+    /// expert's weight `shared` (resident parameters, [`Params::resident`]), with
+    /// `shared`'s up projection's offsets where it has them (`bits2`).
+    pub(super) fn with_shared(self, from: usize, shared: &Params) -> Self {
+        Params {
+            shared_from: from as u32,
+            sh_bits: shared.bits,
+            sh_group: shared.group_size,
+            sh_dtype: shared.scale_dtype,
+            sh_w_off: shared.w_off,
+            sh_s_off: shared.s_off,
+            sh_b_off: shared.b_off,
+            sh_w_off2: shared.w_off2,
+            sh_s_off2: shared.s_off2,
+            sh_b_off2: shared.b_off2,
+            ..self
         }
     }
 }
