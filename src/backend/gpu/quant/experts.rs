@@ -527,8 +527,12 @@ fn combine(
 /// computing only the routes whose records lie in it, so every output row is written by
 /// exactly one dispatch. A chunk of [`TILED_MIN_TOKENS`] or more on a device with tiles
 /// has its routes grouped by record on the device instead (`route_tiles`) and runs the
-/// tiled entries. `None` when the records do not all come from a pool (no mirror to read
-/// them from), or when such a chunk's layer has more experts than the device groups.
+/// tiled entries. A shared expert given by weights of the records' shapes
+/// ([`FusedShared`]) is computed by the first arena's matvecs as one more route per
+/// token, so a decode step's MoE block takes no dispatches for it; otherwise (and in
+/// tiles) it is computed first and added by the combine. `None` when the records do not
+/// all come from a pool (no mirror to read them from), or when such a chunk's layer has
+/// more experts than the device groups.
 pub(in crate::backend::gpu) fn moe_experts_resident(
     b: &GpuBackend,
     x: &GpuTensor,
