@@ -30,7 +30,9 @@ impl<'a> From<&'a wgpu::Buffer> for Bind<'a> {
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub(super) struct BindKey {
-    pub(super) kernel: (&'static str, &'static str),
+    /// The kernel's pipeline ([`super::PipelineKey`]): a bind group is made for one
+    /// pipeline's layout.
+    pub(super) kernel: super::PipelineKey,
     /// (buffer, offset, size) per storage binding.
     pub(super) buffers: Vec<(wgpu::Buffer, u64, u64)>,
 }

@@ -53,7 +53,7 @@ use record::Recording;
 /// A kernel's compute pipeline and the layout of its bind group.
 type CompiledKernel = (wgpu::ComputePipeline, wgpu::BindGroupLayout);
 /// What tells compiled kernels apart: file, entry point and defines ([`Kernel::defines`]).
-type PipelineKey = (
+pub(super) type PipelineKey = (
     &'static str,
     &'static str,
     &'static [(&'static str, &'static str)],

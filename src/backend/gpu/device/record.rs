@@ -193,7 +193,7 @@ impl Gpu {
         rec.uniforms.extend_from_slice(block);
         rec.uniforms.resize(offset + self.uniform_stride, 0);
         let key = BindKey {
-            kernel: (k.file, k.entry),
+            kernel: (k.file, k.entry, k.defines),
             buffers: ranges,
         };
         let bind = {

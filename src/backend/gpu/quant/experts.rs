@@ -70,7 +70,8 @@ struct FusedShared<'a> {
 
 impl<'a> FusedShared<'a> {
     /// `shared` when it is given by weights that the routed matvecs can read beside
-    /// records of `layout`: quantized (4 or 8 bits), of the records' shapes.
+    /// records of `layout`: quantized as their 16-byte loads need
+    /// ([`Params::fits_vec4`], each projection), of the records' shapes.
     fn of(shared: Shared<'a, GpuBackend>, layout: &RecordLayout) -> Option<Self> {
         let Shared::Mlp {
             gate_up,
@@ -85,9 +86,9 @@ impl<'a> FusedShared<'a> {
         let (d, inter) = (layout.hidden as u32, layout.intermediate as u32);
         let fits = (gate_up.0.rows, gate_up.0.cols, down.0.rows, down.0.cols)
             == (inter, d, d, inter)
-            && [gate_up.0.bits, down.0.bits]
+            && [gate_up.0, gate_up.0.up_half(), down.0]
                 .iter()
-                .all(|b| matches!(b, 4 | 8));
+                .all(Params::fits_vec4);
         fits.then_some(FusedShared {
             gate_up,
             down,
@@ -529,8 +530,9 @@ fn combine(
 /// has its routes grouped by record on the device instead (`route_tiles`) and runs the
 /// tiled entries. A shared expert given by weights of the records' shapes
 /// ([`FusedShared`]) is computed by the first arena's matvecs as one more route per
-/// token, so a decode step's MoE block takes no dispatches for it; otherwise (and in
-/// tiles) it is computed first and added by the combine. `None` when the records do not
+/// token, so a decode step's MoE block takes no dispatches for it; otherwise it is
+/// computed apart (before the routed matvecs, or in tiles after the routed tiles) and
+/// added by the combine. `None` when the records do not
 /// all come from a pool (no mirror to read them from), or when such a chunk's layer has
 /// more experts than the device groups.
 pub(in crate::backend::gpu) fn moe_experts_resident(

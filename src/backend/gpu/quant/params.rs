@@ -185,13 +185,8 @@ impl Params {
     /// 64 or 128 dividing the input size; record pieces on 16-byte boundaries), so a
     /// failure is a bug, not bad input.
     pub(super) fn check_vec4(&self) {
-        let span = 128 / self.bits.max(1);
         assert!(
-            matches!(self.bits, 4 | 8)
-                && self.cols.is_multiple_of(span)
-                && self.group_size.is_power_of_two()
-                && self.group_size.is_multiple_of(span)
-                && self.w_off.is_multiple_of(4),
+            self.fits_vec4(),
             "quantized matmul: {} bits, {} columns, groups of {}, words at {}",
             self.bits,
             self.cols,
@@ -200,10 +195,34 @@ impl Params {
         );
     }
 
+    /// Whether these parameters meet what [`Params::check_vec4`] checks.
+    pub(super) fn fits_vec4(&self) -> bool {
+        let span = 128 / self.bits.max(1);
+        matches!(self.bits, 4 | 8)
+            && self.cols.is_multiple_of(span)
+            && self.group_size.is_power_of_two()
+            && self.group_size.is_multiple_of(span)
+            && self.w_off.is_multiple_of(4)
+    }
+
+    /// The up projection's half of SwiGLU parameters (`bits2` ... `b_off2`) as parameters
+    /// of their own.
+    pub(super) fn up_half(&self) -> Params {
+        Params {
+            bits: self.bits2,
+            group_size: self.group_size2,
+            w_off: self.w_off2,
+            s_off: self.s_off2,
+            b_off: self.b_off2,
+            ..*self
+        }
+    }
+
     /// The entry, uniform words and workgroup grid of a matmul of these parameters over
     /// `z` tokens or routes: `matmul_dense` for dense weights (no bits), `qmatmul_parts`
     /// for an output in parts, `qmatmul_swiglu` when an up projection is given (`bits2`),
-    /// else `qmatmul`; a quantized projection
+    /// else `qmatmul` (their variants that read the shared expert's routes where
+    /// [`Params::with_shared`] gave some); a quantized projection
     /// must meet [`Params::check_vec4`]. Lanes per row: 16, doubled while the dispatch has
     /// fewer than `invocations` invocations (the device's
     /// [`Gpu::invocations`](super::super::Gpu::invocations)) and a row has work for them
@@ -236,13 +255,7 @@ impl Params {
                 let kernel = if shared { &QMATMUL_SHARED } else { &QMATMUL };
                 (kernel, cols * bits / 128)
             } else {
-                Params {
-                    bits: self.bits2,
-                    group_size: self.group_size2,
-                    w_off: self.w_off2,
-                    ..self
-                }
-                .check_vec4();
+                self.up_half().check_vec4();
                 let kernel = if shared {
                     &QMATMUL_SWIGLU_SHARED
                 } else {
