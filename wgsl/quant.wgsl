@@ -140,8 +140,9 @@ fn scale_elem(e: u32) -> f32 {
     return f16_bits_to_f32(bits16);
 }
 
-fn elems_per_word() -> u32 {
-    return select(2u, 1u, p.scale_dtype == 0u);
+// Scale elements per u32 word for scale dtype `dtype` (0 = f32, else 16-bit).
+fn elems_per_word(dtype: u32) -> u32 {
+    return select(2u, 1u, dtype == 0u);
 }
 
 // The record base (u32 words) and input row of workgroup z, whether this dispatch
@@ -177,7 +178,7 @@ const ROWS: u32 = 4u;
 // What one invocation of a matmul entry computes: output rows `row ..` (`per` of them) of
 // route (or token) `z`, as lane `lane` of its lane group, from the record at word `base`
 // with input row `t`; `computed` is 0 for rows past the end or a route this dispatch
-// leaves to another; `shared` is 1 for a shared-expert route (its weight at binding 6).
+// leaves to another; `is_shared` is 1 for a shared-expert route (its weight at binding 6).
 struct Job {
     z: u32,
     lane: u32,
@@ -196,8 +197,9 @@ fn job(li: u32, wid: vec3<u32>, nwg: vec3<u32>, per: u32) -> Job {
     return Job(wid.z, li % n, row, r.x, r.y, computed, r.w);
 }
 
-// Where a matvec reads a projection: the weight (1) or the shared expert's (2, binding 6),
-// its bits, group size and scale dtype, and its (words, scales, biases) offsets.
+// Where a matvec reads a projection: the weight at binding 2, or with `is_shared` the
+// shared expert's at binding 6; its bits, group size and scale dtype, and its (words,
+// scales, biases) offsets.
 struct Src {
     is_shared: bool,
     bits: u32,
@@ -317,7 +319,7 @@ fn lane_dot(base: u32, src: Src, row0: u32, t: u32, lane: u32) -> vec4<f32> {
     let last = p.rows - 1u;
     let rows = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
     let v0 = vec4<u32>((base + offs.x) / 4u) + rows * vecs_per_row;
-    let per_word = select(2u, 1u, src.dtype == 0u);
+    let per_word = elems_per_word(src.dtype);
     let sbase = vec4<u32>(base * per_word + offs.y) + rows * groups;
     let bbase = vec4<u32>(base * per_word + offs.z) + rows * groups;
     let xrow = t * p.cols / 4u;
@@ -671,7 +673,7 @@ fn gemm_fetch_q(base: u32, row0: u32, k0: u32, swiglu: bool, i: u32) -> GemmQ {
     }
     let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
     let g = wr.x * (p.cols / p.group_size) + (c >> countTrailingZeros(p.group_size));
-    let s0 = base * elems_per_word();
+    let s0 = base * elems_per_word(p.scale_dtype);
     return GemmQ(
         w4[(base + offs.x) / 4u + wr.x * (p.cols / span) + c / span],
         vec2<f32>(scale4(s0 + offs.y + g), scale4(s0 + offs.z + g)),
