@@ -262,13 +262,21 @@ fn wvec(is_shared: bool, i: u32) -> vec4<u32> {
     return w4[i];
 }
 
+// Component i (0 to 3) of v, by selects: NVIDIA's compiler (Vulkan, the H200) makes a
+// dynamically indexed component of a loaded vector cost about as much as the matvec's
+// arithmetic (lm_head 158 -> 146 us, the DeltaNet qkv projection 17.4 -> 15.0 us in the
+// kernel bench with selects; BENCHMARKS.md).
+fn pick(v: vec4<u32>, i: u32) -> u32 {
+    return select(select(v.x, v.y, i == 1u), select(v.z, v.w, i == 3u), i >= 2u);
+}
+
 // scale_elem over the vec4 view (an entry point may use only one view of a binding), of
 // scale dtype `dtype` in the weight `is_shared` names.
 fn scale_in(is_shared: bool, dtype: u32, e: u32) -> f32 {
     if (dtype == 0u) {
-        return bitcast<f32>(wvec(is_shared, e >> 2u)[e & 3u]);
+        return bitcast<f32>(pick(wvec(is_shared, e >> 2u), e & 3u));
     }
-    let word = wvec(is_shared, e >> 3u)[(e >> 1u) & 3u];
+    let word = pick(wvec(is_shared, e >> 3u), (e >> 1u) & 3u);
     let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
     if (dtype == 2u) {
         return bitcast<f32>(bits16 << 16u);
@@ -304,17 +312,61 @@ fn dot_q8(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f3
     return dot_bytes(q.x, x0) + dot_bytes(q.y, x1) + dot_bytes(q.z, x2) + dot_bytes(q.w, x3);
 }
 
-// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < p.row_group, W read as
-// `src` says (words, scales and biases at its offsets from the record base, quantized at
-// its bits, 4 or 8, in groups of its size); per group, scale * sum(q x) + bias * sum(x)
-// (as MLX's qmv accumulates it). A row past the last is computed as the last (its loads
-// stay in the weight) and left unwritten by the caller.
-fn lane_dot(base: u32, src: Src, row0: u32, t: u32, lane: u32) -> vec4<f32> {
+// The matvecs read their input row from workgroup memory, XS_COLS columns at a time,
+// staged once per workgroup (stage_x). Read from the buffer, each lane's 32 (4-bit) or 16
+// (8-bit) activations of a step lie 128 or 64 bytes from the next lane's, so each 16-byte
+// load of them touches as many cache lines as the lane group has lanes; staged so that
+// the lanes of a step read consecutive 16-byte vectors, they touch the fewest banks (on
+// the H200: lm_head 178 -> 170 us, the DeltaNet qkv projection 20.7 -> 17.4 us).
+const XS_COLS: u32 = 2048u;
+// Column quad q of a chunk (4 activations) is at xs[xs_at(q)]: its quad in an 8-quad
+// (32-column) block picks the rank of XS_STRIDE vectors, the block the position in it.
+// Quad k of consecutive blocks is then consecutive (the 4-bit step's loads), and the odd
+// stride spreads an 8-bit step's (two blocks per 8 quads) and the staging's stores over
+// the banks too.
+const XS_STRIDE: u32 = XS_COLS / 32u + 1u;
+var<workgroup> xs: array<vec4<f32>, 520>;
+
+fn xs_at(q: u32) -> u32 {
+    return (q & 7u) * XS_STRIDE + (q >> 3u);
+}
+
+// Stages columns c0 .. c0 + XS_COLS (or to the end) of input row t into xs. Every
+// invocation of the workgroup must call it, with the same t and c0 (it has barriers).
+fn stage_x(li: u32, t: u32, c0: u32) {
+    // The previous chunk's reads are done before its quads are overwritten.
+    workgroupBarrier();
+    let quads = min(XS_COLS, p.cols - c0) / 4u;
+    let row_at = (t * p.cols + c0) / 4u;
+    for (var q = li; q < quads; q += WG) {
+        xs[xs_at(q)] = act4[row_at + q];
+    }
+    workgroupBarrier();
+}
+
+// Activations 4k .. 4k + 3 of step vi of the staged chunk that begins at step `first`, a
+// step spanning `quads` quads (8 at 4 bits, 4 at 8).
+fn xs_step(vi: u32, first: u32, quads: u32, k: u32) -> vec4<f32> {
+    return xs[xs_at((vi - first) * quads + k)];
+}
+
+// This lane's share of dequant(W)[row0 + i, :] . x[t, :] for i < p.row_group, over the
+// columns of the chunk staged from c0 (stage_x), added to `acc`; W read as `src` says
+// (words, scales and biases at its offsets from the record base, quantized at its bits, 4
+// or 8, in groups of its size); per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv
+// accumulates it). A lane takes the steps (16-byte vectors of a row's packed words) lane,
+// lane + lanes, ... in order across the chunks, so a row's sums do not depend on the
+// chunk size. A row past the last is computed as the last (its loads stay in the weight)
+// and left unwritten by the caller.
+fn lane_dot(base: u32, src: Src, row0: u32, c0: u32, lane: u32, acc_in: vec4<f32>) -> vec4<f32> {
     let bits = src.bits;
     let offs = src.offs;
     // Columns per 16-byte vector of packed words.
     let span = 128u / bits;
+    let quads = span / 4u;
     let vecs_per_row = p.cols / span;
+    let first = c0 / span;
+    let end = min(first + XS_COLS / span, vecs_per_row);
     let groups = p.cols / src.gs;
     let last = p.rows - 1u;
     let rows = min(vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
@@ -322,27 +374,28 @@ fn lane_dot(base: u32, src: Src, row0: u32, t: u32, lane: u32) -> vec4<f32> {
     let per_word = elems_per_word(src.dtype);
     let sbase = vec4<u32>(base * per_word + offs.y) + rows * groups;
     let bbase = vec4<u32>(base * per_word + offs.z) + rows * groups;
-    let xrow = t * p.cols / 4u;
     // Groups are a power of two wide: a shift, not a division, in the loop.
     let group_shift = countTrailingZeros(src.gs);
-    var acc = vec4<f32>(0.0);
+    var acc = acc_in;
     let four = p.row_group == ROWS;
-    for (var vi = lane; vi < vecs_per_row; vi += lanes()) {
+    let n = lanes();
+    // This lane's first step in the chunk.
+    let skip = select(0u, (first - lane + n - 1u) / n, first > lane);
+    for (var vi = lane + skip * n; vi < end; vi += n) {
         let g = (vi * span) >> group_shift;
-        let xb = xrow + vi * (span / 4u);
         // This vector's activations, loaded once for the rows.
         let one = vec4<f32>(1.0);
         var qx = vec4<f32>(0.0);
         var sx: f32;
         if (bits == 4u) {
-            let x0 = act4[xb];
-            let x1 = act4[xb + 1u];
-            let x2 = act4[xb + 2u];
-            let x3 = act4[xb + 3u];
-            let x4 = act4[xb + 4u];
-            let x5 = act4[xb + 5u];
-            let x6 = act4[xb + 6u];
-            let x7 = act4[xb + 7u];
+            let x0 = xs_step(vi, first, quads, 0u);
+            let x1 = xs_step(vi, first, quads, 1u);
+            let x2 = xs_step(vi, first, quads, 2u);
+            let x3 = xs_step(vi, first, quads, 3u);
+            let x4 = xs_step(vi, first, quads, 4u);
+            let x5 = xs_step(vi, first, quads, 5u);
+            let x6 = xs_step(vi, first, quads, 6u);
+            let x7 = xs_step(vi, first, quads, 7u);
             sx = dot(x0 + x1, one) + dot(x2 + x3, one) + dot(x4 + x5, one) + dot(x6 + x7, one);
             qx.x = dot_q4(wvec(src.is_shared, v0.x + vi), x0, x1, x2, x3, x4, x5, x6, x7);
             if (four) {
@@ -351,10 +404,10 @@ fn lane_dot(base: u32, src: Src, row0: u32, t: u32, lane: u32) -> vec4<f32> {
                 qx.w = dot_q4(wvec(src.is_shared, v0.w + vi), x0, x1, x2, x3, x4, x5, x6, x7);
             }
         } else {
-            let x0 = act4[xb];
-            let x1 = act4[xb + 1u];
-            let x2 = act4[xb + 2u];
-            let x3 = act4[xb + 3u];
+            let x0 = xs_step(vi, first, quads, 0u);
+            let x1 = xs_step(vi, first, quads, 1u);
+            let x2 = xs_step(vi, first, quads, 2u);
+            let x3 = xs_step(vi, first, quads, 3u);
             sx = dot(x0, one) + dot(x1, one) + dot(x2, one) + dot(x3, one);
             qx.x = dot_q8(wvec(src.is_shared, v0.x + vi), x0, x1, x2, x3);
             if (four) {
@@ -397,8 +450,11 @@ struct RowDot {
 fn row_dot(li: u32, wid: vec3<u32>, nwg: vec3<u32>) -> RowDot {
     let j = job(li, wid, nwg, p.row_group);
     var acc = vec4<f32>(0.0);
-    if (j.computed == 1u) {
-        acc = lane_dot(j.base, src_first(j), j.row, j.t, j.lane);
+    for (var c0 = 0u; c0 < p.cols; c0 += XS_COLS) {
+        stage_x(li, j.t, c0);
+        if (j.computed == 1u) {
+            acc = lane_dot(j.base, src_first(j), j.row, c0, j.lane, acc);
+        }
     }
     return RowDot(j, row_sums(li, acc));
 }
@@ -465,9 +521,12 @@ fn qmatmul_swiglu(@builtin(local_invocation_index) li: u32,
     let j = job(li, wid, nwg, p.row_group);
     var gate = vec4<f32>(0.0);
     var up = vec4<f32>(0.0);
-    if (j.computed == 1u) {
-        gate = lane_dot(j.base, src_first(j), j.row, j.t, j.lane);
-        up = lane_dot(j.base, src_second(j), j.row, j.t, j.lane);
+    for (var c0 = 0u; c0 < p.cols; c0 += XS_COLS) {
+        stage_x(li, j.t, c0);
+        if (j.computed == 1u) {
+            gate = lane_dot(j.base, src_first(j), j.row, c0, j.lane, gate);
+            up = lane_dot(j.base, src_second(j), j.row, c0, j.lane, up);
+        }
     }
     gate = row_sums(li, gate);
     up = row_sums(li, up);
