@@ -42,7 +42,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
     let preset = slotstream::tools::synth::DEMO;
     if !dir.join("model.safetensors.index.json").exists() {
         eprintln!(
-            "creating the demo model in {} (first run only, 240 MB)",
+            "creating the demo model in {} (first run only, 236 MB)",
             dir.display()
         );
         slotstream::tools::synth::write_checkpoint(&dir, &preset, preset.layers, true)

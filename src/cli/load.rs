@@ -38,10 +38,10 @@ pub fn engine_options(
 }
 
 /// Opens the model in `dir` without its weights ([`Engine::open`]), for the prompt to be
-/// checked before [`Loaded::load`]. Errors: what the engine reports (after "loading model
-/// DIR").
+/// checked before [`Loaded::load`]. Errors: what the engine reports (after "loading the
+/// model"; its errors name the file or directory at fault).
 pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
-    Engine::open(dir, options).with_context(|| format!("loading model {}", dir.display()))
+    Engine::open(dir, options).context("loading the model")
 }
 
 /// An engine and the runtime it runs on (the pool's reads, the requests). Fields drop in
@@ -55,13 +55,12 @@ pub struct Loaded {
 
 impl Loaded {
     /// Starts a runtime and loads the opened model on it ([`Prepared::load`]). Errors: a
-    /// runtime that does not start, what the engine reports (after "loading model DIR").
+    /// runtime that does not start, what the engine reports (after "loading the model").
     pub fn load(prepared: Prepared) -> Result<Self> {
         let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
-        let dir = prepared.dir().to_path_buf();
         let engine = runtime
             .block_on(prepared.load())
-            .with_context(|| format!("loading model {}", dir.display()))?;
+            .context("loading the model")?;
         Ok(Loaded { runtime, engine })
     }
 

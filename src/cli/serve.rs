@@ -96,7 +96,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         );
         let engine = Engine::load(&args.model, options)
             .await
-            .with_context(|| format!("loading model {}", args.model.display()))?;
+            .context("loading the model")?;
         eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
         let app = router(
             engine.clone(),

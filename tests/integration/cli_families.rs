@@ -484,7 +484,7 @@ fn serve_fails_fast_on_a_busy_port() {
         stderr.contains(&format!("binding 127.0.0.1:{port}")),
         "{stderr}"
     );
-    assert!(!stderr.contains("loading model"), "{stderr}");
+    assert!(!stderr.contains("loading the model"), "{stderr}");
     let out = slotstream(&["serve", "--model", "/nonexistent/model", "--trace", "t.csv"]);
     assert_eq!(out.status.code(), Some(2), "a usage error");
 }

@@ -109,7 +109,7 @@ fn bad_input_gives_clear_errors() {
         ),
         (
             &["serve", "--model", "/no/such/model"],
-            "loading model /no/such/model: /no/such/model: model directory not found",
+            "loading the model: /no/such/model: model directory not found",
         ),
         (
             &["generate", "--model", dir, "--prompt-ids", "1,x"],
