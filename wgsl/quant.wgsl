@@ -262,10 +262,10 @@ fn wvec(is_shared: bool, i: u32) -> vec4<u32> {
     return w4[i];
 }
 
-// Component i (0 to 3) of v, by selects: NVIDIA's compiler (Vulkan, the H200) makes a
-// dynamically indexed component of a loaded vector cost about as much as the matvec's
-// arithmetic (lm_head 158 -> 146 us, the DeltaNet qkv projection 17.4 -> 15.0 us in the
-// kernel bench with selects; BENCHMARKS.md).
+// Component i (0 to 3) of v, by selects. On NVIDIA's Vulkan driver (the H200) a
+// dynamically indexed component of a loaded vector, under wgpu's bounds checks, cost as
+// much as turning the checks off gains: lm_head 158 -> 146 us, the DeltaNet qkv
+// projection 17.4 -> 15.0 us in the kernel bench with selects (BENCHMARKS.md).
 fn pick(v: vec4<u32>, i: u32) -> u32 {
     return select(select(v.x, v.y, i == 1u), select(v.z, v.w, i == 3u), i >= 2u);
 }
@@ -315,8 +315,8 @@ fn dot_q8(q: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f3
 // The matvecs read their input row from workgroup memory, XS_COLS columns at a time,
 // staged once per workgroup (stage_x). Read from the buffer, each lane's 32 (4-bit) or 16
 // (8-bit) activations of a step lie 128 or 64 bytes from the next lane's, so each 16-byte
-// load of them touches as many cache lines as the lane group has lanes; staged so that
-// the lanes of a step read consecutive 16-byte vectors, they touch the fewest banks (on
+// load of them touches up to as many cache lines as the lane group has lanes; staged so
+// that the lanes of a step read consecutive 16-byte vectors, they touch the fewest banks (on
 // the H200: lm_head 178 -> 170 us, the DeltaNet qkv projection 20.7 -> 17.4 us).
 const XS_COLS: u32 = 2048u;
 // Column quad q of a chunk (4 activations) is at xs[xs_at(q)]: its quad in an 8-quad
@@ -325,7 +325,7 @@ const XS_COLS: u32 = 2048u;
 // stride spreads an 8-bit step's (two blocks per 8 quads) and the staging's stores over
 // the banks too.
 const XS_STRIDE: u32 = XS_COLS / 32u + 1u;
-var<workgroup> xs: array<vec4<f32>, 520>;
+var<workgroup> xs: array<vec4<f32>, 8u * XS_STRIDE>;
 
 fn xs_at(q: u32) -> u32 {
     return (q & 7u) * XS_STRIDE + (q >> 3u);

@@ -55,12 +55,14 @@ pub struct Loaded {
 
 impl Loaded {
     /// Starts a runtime and loads the opened model on it ([`Prepared::load`]). Errors: a
-    /// runtime that does not start, what the engine reports (after "loading the model").
+    /// runtime that does not start, what the engine reports (after "loading the weights
+    /// of DIR": not every error of a weight names the checkpoint).
     pub fn load(prepared: Prepared) -> Result<Self> {
         let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+        let dir = prepared.dir().to_path_buf();
         let engine = runtime
             .block_on(prepared.load())
-            .context("loading the model")?;
+            .with_context(|| format!("loading the weights of {}", dir.display()))?;
         Ok(Loaded { runtime, engine })
     }
 

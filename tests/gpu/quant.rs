@@ -70,7 +70,8 @@ fn quantized_matmul_matches_cpu() {
             group_size: group,
         };
         // Lanes per row follow the dispatch's size (16 to 256): the few-row, wide shapes
-        // take 128 and 256 (a workgroup of one or two rows). A large matrix (4,099 x 1,024
+        // take 128 and 256 (a workgroup of one or two rows); 3,072 columns end in a partial
+        // chunk of the staged input row. A large matrix (4,099 x 1,024
         // at 2 tokens) takes four rows per lane group, the last group partial. From 16
         // tokens the product
         // runs in tiles where the adapter has them: partial tiles of tokens (tiles of 64:
@@ -84,6 +85,7 @@ fn quantized_matmul_matches_cpu() {
             (64, 384, 17),
             (1, 8192, 1),
             (3, 4096, 1),
+            (3, 3072, 1),
             (200, 512, 70),
             (130, 2048, 33),
             (5, 128, 16),
@@ -496,11 +498,13 @@ fn matmul_swiglu_matches_cpu() {
             bits: 12 - bits,
             group_size: 64,
         };
-        // 1,030 x 2,048 at 4 tokens: four rows per lane group at 4 and 8 bits.
+        // 1,030 x 2,048 at 4 tokens: four rows per lane group at 4 and 8 bits. 3,072
+        // columns: the matvec's staged input row in a whole and a partial chunk.
         for (inter, cols, t) in [
             (96, 256, 1),
             (300, 512, 5),
             (8, 4096, 1),
+            (8, 3072, 1),
             (77, 256, 45),
             (1030, 2048, 4),
         ] {
