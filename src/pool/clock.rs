@@ -37,8 +37,9 @@ impl SlotPool {
         }
     }
 
-    /// Picks a victim by CLOCK (near the floor, a same-layer victim first), evicts it
-    /// and maps `key` to it in the `Loading` state.
+    /// Picks a victim (a slot [`SlotPool::evict`] emptied first, then by CLOCK; near the
+    /// floor, a same-layer victim first), evicts it and maps `key` to it in the `Loading`
+    /// state.
     pub(super) fn claim_victim(&self, inner: &mut Inner, key: Key) -> Option<usize> {
         let n = inner.slots.len();
         let free = |s: &Slot| s.pins == 0 && s.state != State::Loading;
@@ -54,6 +55,14 @@ impl SlotPool {
                 .moe_position(key.0 as usize)
                 .map(|pos| pos * self.index.num_experts + key.1 as usize)
                 .filter(|&i| i < n && free(&inner.slots[i]));
+        }
+        // A slot `evict` emptied, if nothing took it since (a pool of every record keeps
+        // its fixed places, above).
+        while victim.is_none() && n < self.index.records() {
+            let Some(i) = inner.emptied.pop() else {
+                break;
+            };
+            victim = Some(i).filter(|&i| free(&inner.slots[i]) && inner.slots[i].key.is_none());
         }
         if victim.is_none() && n < 2 * self.floor {
             // Near the floor, evicting another layer's expert would likely evict one the

@@ -1,6 +1,6 @@
 //! The pool as the model's [`ExpertSource`]: [`PoolExperts`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
@@ -16,8 +16,29 @@ pub struct PoolExperts {
     pub pool: Arc<SlotPool>,
     /// Run the lookahead routers and prefetch what they pick.
     pub lookahead: bool,
-    /// Routes per (layer, expert) during the current prompt's prefill, for admission.
-    prompt_uses: Mutex<HashMap<Key, u64>>,
+    /// What the current prompt's prefill has done so far.
+    prompt: Mutex<Prompt>,
+}
+
+/// A prompt's prefill so far, for the admission of its most used experts.
+#[derive(Default)]
+struct Prompt {
+    /// Routes per (layer, expert).
+    uses: HashMap<Key, u64>,
+    /// Per layer, the experts its sweeps have put into slots.
+    swept: HashMap<u32, HashSet<u32>>,
+}
+
+impl Prompt {
+    /// The experts `layer`'s sweeps put into slots that are not in `hot`.
+    fn stale(&self, layer: u32, hot: &[u32]) -> Vec<Key> {
+        self.swept.get(&layer).map_or_else(Vec::new, |held| {
+            held.iter()
+                .filter(|e| !hot.contains(e))
+                .map(|&e| (layer, e))
+                .collect()
+        })
+    }
 }
 
 impl PoolExperts {
@@ -26,7 +47,7 @@ impl PoolExperts {
         PoolExperts {
             pool,
             lookahead: true,
-            prompt_uses: Mutex::default(),
+            prompt: Mutex::default(),
         }
     }
 
@@ -54,30 +75,59 @@ impl PoolExperts {
     /// the end of the prompt would admit (the layer's most used so far, its share of the
     /// slots) into slots now, from the sweep's buffers, so that the admission does not
     /// read them again (a 2,048-token prompt on 30% of the records re-read 6.05 GB of
-    /// 21.74).
+    /// 21.74). The records earlier chunks' sweeps put in that are no longer among the
+    /// most used are given back first, so the layer's sweeps never hold more than its
+    /// share.
     fn admit_swept(&self, layer: usize, ids: &[u32], read: &[Vec<u8>]) {
         let quota = self.admission_quota();
         if quota == 0 || ids.is_empty() {
             return;
         }
-        let hot: Vec<u32> = {
-            let counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
-            let list = counts
+        let l = layer as u32;
+        let (hot, stale) = {
+            let prompt = self.lock_prompt();
+            let list = prompt
+                .uses
                 .iter()
-                .filter(|((l, _), _)| *l == layer as u32)
+                .filter(|((pl, _), _)| *pl == l)
                 .map(|(&(_, e), &n)| (n, e))
                 .collect();
-            hottest(list, quota).collect()
+            let hot: Vec<u32> = hottest(list, quota).collect();
+            let stale = prompt.stale(l, &hot);
+            (hot, stale)
+        };
+        let given_back = self.pool.evict(&stale);
+        let room = {
+            let mut prompt = self.lock_prompt();
+            let held = prompt.swept.entry(l).or_default();
+            for (_, e) in &given_back {
+                held.remove(e);
+            }
+            // What other reads evicted meanwhile holds no slot; stale records still pinned
+            // (this chunk uses them) count against the share.
+            held.retain(|&e| self.pool.resident((l, e)).is_some());
+            quota.saturating_sub(held.len())
         };
         // Hottest first: if the slots run out, the records left out are the coldest.
         let records: Vec<(Key, &[u8])> = hot
             .iter()
             .filter_map(|e| {
                 let at = ids.binary_search(e).ok()?;
-                Some(((layer as u32, *e), &read[at][..]))
+                Some(((l, *e), &read[at][..]))
             })
+            .filter(|(key, _)| self.pool.resident(*key).is_none())
+            .take(room)
             .collect();
-        self.pool.admit_read(&records);
+        let admitted = self.pool.admit_read(&records);
+        self.lock_prompt()
+            .swept
+            .entry(l)
+            .or_default()
+            .extend(admitted.iter().map(|&(_, e)| e));
+    }
+
+    fn lock_prompt(&self) -> std::sync::MutexGuard<'_, Prompt> {
+        self.prompt.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -131,9 +181,9 @@ impl ExpertSource for PoolExperts {
         uses: &[u32],
     ) -> Result<Vec<PoolRecord>> {
         {
-            let mut counts = self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner());
+            let mut prompt = self.lock_prompt();
             for (&e, &n) in experts.iter().zip(uses) {
-                *counts.entry((layer as u32, e)).or_default() += n as u64;
+                *prompt.uses.entry((layer as u32, e)).or_default() += n as u64;
             }
         }
         if experts.len() <= self.admission_quota() {
@@ -164,19 +214,24 @@ impl ExpertSource for PoolExperts {
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots
     /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
+    /// What the sweeps put in that is not among them is given back first.
     fn end_prefill(&self, admit: bool) {
-        let counts =
-            std::mem::take(&mut *self.prompt_uses.lock().unwrap_or_else(|p| p.into_inner()));
-        if admit && !counts.is_empty() {
+        let prompt = std::mem::take(&mut *self.lock_prompt());
+        if admit && !prompt.uses.is_empty() {
             let quota = self.admission_quota();
             let mut by_layer: std::collections::BTreeMap<u32, Vec<(u64, u32)>> = Default::default();
-            for ((l, e), n) in counts {
+            for (&(l, e), &n) in &prompt.uses {
                 by_layer.entry(l).or_default().push((n, e));
             }
-            let mut keys = Vec::new();
+            let (mut keys, mut stale) = (Vec::new(), Vec::new());
             for (layer, list) in by_layer {
-                keys.extend(hottest(list, quota).map(|e| (layer, e)));
+                let hot: Vec<u32> = hottest(list, quota).collect();
+                stale.extend(prompt.stale(layer, &hot));
+                keys.extend(hot.into_iter().map(|e| (layer, e)));
             }
+            // What the sweeps put in and is no longer among the most used makes room
+            // first (nothing pins it now).
+            self.pool.evict(&stale);
             // A failure here only means a colder start.
             if let Err(e) = futures::executor::block_on(self.pool.admit(&keys)) {
                 tracing::warn!(error = %e, "admitting the prompt's experts failed");

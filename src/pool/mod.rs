@@ -125,6 +125,8 @@ struct Inner {
     /// Per layer, the slots of all its experts as [`SlotPool::pin_layer`] last found them
     /// (checked against the slots before use, so evictions only cost a fresh lookup).
     layer_slots: HashMap<usize, Vec<usize>>,
+    /// Slots [`SlotPool::evict`] emptied, which a claim takes before any other victim.
+    emptied: Vec<usize>,
 }
 
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
@@ -227,6 +229,7 @@ impl SlotPool {
                 trace: None,
                 token: 0,
                 layer_slots: HashMap::new(),
+                emptied: Vec::new(),
             }),
             memory,
             stride,
@@ -427,12 +430,12 @@ impl SlotPool {
     /// Admits records already read (a prefill sweep's: key and bytes in the record
     /// layout) into victim slots by copying them, as [`SlotPool::admit`] would by reading
     /// them; keys already resident are skipped. Stops early when no slot is free (a
-    /// colder start, not an error). Returns how many were admitted. The slots are claimed
+    /// colder start, not an error). Returns the keys admitted. The slots are claimed
     /// under the pool's lock and filled outside it (a layer's share can be hundreds of
     /// megabytes), like a read: a lookup of one meanwhile waits for its copy.
-    pub fn admit_read(&self, records: &[(Key, &[u8])]) -> usize {
+    pub fn admit_read(&self, records: &[(Key, &[u8])]) -> Vec<Key> {
         let record_bytes = self.index.layout.record_bytes;
-        let claimed: Vec<(usize, &[u8], watch::Sender<Load>)> = {
+        let claimed: Vec<(usize, Key, &[u8], watch::Sender<Load>)> = {
             let mut inner = self.lock();
             let mut claimed = Vec::new();
             for &(key, bytes) in records {
@@ -444,12 +447,12 @@ impl SlotPool {
                 };
                 let (tx, rx) = watch::channel(Load::Pending);
                 inner.slots[i].load = Some(rx);
-                claimed.push((i, bytes, tx));
+                claimed.push((i, key, bytes, tx));
             }
             claimed
         };
-        let admitted = claimed.len();
-        for (i, bytes, tx) in claimed {
+        let admitted = claimed.iter().map(|c| c.1).collect();
+        for (i, _, bytes, tx) in claimed {
             // SAFETY: slot i is `Loading` with this call's channel as its load: no read
             // writes it, and a lookup pins it only to wait for `tx`.
             let slot = unsafe { self.slot_bytes_mut(i) };
@@ -463,6 +466,32 @@ impl SlotPool {
             let _ = tx.send(Load::Done);
         }
         admitted
+    }
+
+    /// Empties the slots of those of `keys` that are resident, loaded and not pinned, for
+    /// the next claims to take before any other victim; returns the keys emptied. A
+    /// prompt's sweeps give back this way the records they admitted that are no longer
+    /// among their layer's most used.
+    pub fn evict(&self, keys: &[Key]) -> Vec<Key> {
+        let mut inner = self.lock();
+        let mut evicted = Vec::new();
+        for &key in keys {
+            let Some(&i) = inner.map.get(&key) else {
+                continue;
+            };
+            let s = &mut inner.slots[i];
+            if s.pins != 0 || s.state != State::Ready {
+                continue;
+            }
+            s.key = None;
+            s.state = State::Empty;
+            s.referenced = false;
+            s.speculative = false;
+            inner.map.remove(&key);
+            inner.emptied.push(i);
+            evicted.push(key);
+        }
+        evicted
     }
 
     /// Reads `keys` that are not resident into the pool and waits for them, without
