@@ -115,10 +115,8 @@ impl PoolExperts {
                 let at = ids.binary_search(e).ok()?;
                 Some(((l, *e), &read[at][..]))
             })
-            .filter(|(key, _)| self.pool.resident(*key).is_none())
-            .take(room)
             .collect();
-        let admitted = self.pool.admit_read(&records);
+        let admitted = self.pool.admit_read(&records, room);
         self.lock_prompt()
             .swept
             .entry(l)

@@ -430,15 +430,19 @@ impl SlotPool {
     /// Admits records already read (a prefill sweep's: key and bytes in the record
     /// layout) into victim slots by copying them, as [`SlotPool::admit`] would by reading
     /// them; keys already resident are skipped. Stops early when no slot is free (a
-    /// colder start, not an error). Returns the keys admitted. The slots are claimed
-    /// under the pool's lock and filled outside it (a layer's share can be hundreds of
-    /// megabytes), like a read: a lookup of one meanwhile waits for its copy.
-    pub fn admit_read(&self, records: &[(Key, &[u8])]) -> Vec<Key> {
+    /// colder start, not an error), and after `limit` admitted. Returns the keys
+    /// admitted. The slots are claimed under the pool's lock and filled outside it (a
+    /// layer's share can be hundreds of megabytes), like a read: a lookup of one meanwhile
+    /// waits for its copy.
+    pub fn admit_read(&self, records: &[(Key, &[u8])], limit: usize) -> Vec<Key> {
         let record_bytes = self.index.layout.record_bytes;
         let claimed: Vec<(usize, Key, &[u8], watch::Sender<Load>)> = {
             let mut inner = self.lock();
             let mut claimed = Vec::new();
             for &(key, bytes) in records {
+                if claimed.len() == limit {
+                    break;
+                }
                 if inner.map.contains_key(&key) || bytes.len() != record_bytes {
                     continue;
                 }
@@ -468,25 +472,28 @@ impl SlotPool {
         admitted
     }
 
-    /// Empties the slots of those of `keys` that are resident, loaded and not pinned, for
-    /// the next claims to take before any other victim; returns the keys emptied. A
-    /// prompt's sweeps give back this way the records they admitted that are no longer
-    /// among their layer's most used.
+    /// Empties the slots of those of `keys` that are resident, loaded, not pinned and not
+    /// a prefetch's, for the next claims to take before any other victim; returns the
+    /// keys emptied. A prompt's sweeps give back this way the records they admitted that
+    /// are no longer among their layer's most used. A pool of every record keeps each in
+    /// its place: nothing is emptied.
     pub fn evict(&self, keys: &[Key]) -> Vec<Key> {
         let mut inner = self.lock();
         let mut evicted = Vec::new();
+        if inner.slots.len() >= self.index.records() {
+            return evicted;
+        }
         for &key in keys {
             let Some(&i) = inner.map.get(&key) else {
                 continue;
             };
             let s = &mut inner.slots[i];
-            if s.pins != 0 || s.state != State::Ready {
+            if s.pins != 0 || s.state != State::Ready || s.speculative {
                 continue;
             }
             s.key = None;
             s.state = State::Empty;
             s.referenced = false;
-            s.speculative = false;
             inner.map.remove(&key);
             inner.emptied.push(i);
             evicted.push(key);

@@ -1392,12 +1392,16 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
 /// A prompt of several chunks: each chunk's sweep keeps the layer's most used experts so
 /// far in slots, giving back the ones that fell out of them, so the layer never holds
 /// more than its share of the slots (8 here), and the end of the prompt finds its hottest
-/// experts resident.
+/// experts resident. Each chunk's uses outweigh all before it, so the most used change
+/// from chunk to chunk and records are given back.
 #[test]
 fn sweeps_of_several_chunks_keep_a_layer_within_its_share() {
+    use rand::rngs::StdRng;
     use rand::seq::SliceRandom;
-    use rand::Rng;
+    use rand::{Rng, SeedableRng};
     use slotstream::records::ExpertSource;
+    let seed: u64 = rand::random();
+    let mut rng = StdRng::seed_from_u64(seed);
     let rt = runtime();
     let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
     let (ckpt, index) = open(tmp.path());
@@ -1412,16 +1416,20 @@ fn sweeps_of_several_chunks_keep_a_layer_within_its_share() {
             .filter(|&e| pool.resident((layer as u32, e)).is_some())
             .collect::<Vec<u32>>()
     };
-    // Three chunks of 12 distinct experts each, random uses: every chunk is past the
-    // share of 8, so it sweeps; the hottest 8 so far change from chunk to chunk.
-    let mut rng = rand::rng();
+    // Three chunks of 12 distinct experts each: every chunk is past the share of 8, so
+    // it sweeps.
     let mut total: HashMap<u32, u64> = HashMap::new();
-    for chunk in 0..3 {
+    let mut given_back = 0;
+    let mut before: Vec<u32> = Vec::new();
+    for chunk in 0..3u32 {
         let mut ids: Vec<u32> = (0..experts).collect();
         ids.shuffle(&mut rng);
         ids.truncate(12);
         ids.sort_unstable();
-        let uses: Vec<u32> = ids.iter().map(|_| rng.random_range(1..20)).collect();
+        let uses: Vec<u32> = ids
+            .iter()
+            .map(|_| rng.random_range(1..20) * 100u32.pow(chunk))
+            .collect();
         for (&e, &n) in ids.iter().zip(&uses) {
             *total.entry(e).or_default() += n as u64;
         }
@@ -1429,19 +1437,25 @@ fn sweeps_of_several_chunks_keep_a_layer_within_its_share() {
         for (r, &e) in got.iter().zip(&ids) {
             assert!(
                 r[..] == expected(&ckpt, &index, layer, e)[..],
-                "chunk {chunk}: expert {e}"
+                "seed {seed}, chunk {chunk}: expert {e}"
             );
         }
         drop(got);
         let held = resident();
-        assert!(held.len() <= 8, "chunk {chunk}: the layer holds {held:?}");
+        assert!(
+            held.len() <= 8,
+            "seed {seed}, chunk {chunk}: the layer holds {held:?}"
+        );
+        given_back += before.iter().filter(|e| !held.contains(e)).count();
+        before = held;
     }
+    assert!(given_back > 0, "seed {seed}: no record was given back");
     source.end_prefill(true);
     let mut by_use: Vec<(u64, u32)> = total.iter().map(|(&e, &n)| (n, e)).collect();
     by_use.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut hottest: Vec<u32> = by_use.iter().take(8).map(|&(_, e)| e).collect();
     hottest.sort_unstable();
-    assert_eq!(resident(), hottest, "after the prompt");
+    assert_eq!(resident(), hottest, "seed {seed}: after the prompt");
 }
 
 /// A sweep of one long run of ids (a cold pool's whole layer) is read in parts by
