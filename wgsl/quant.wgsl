@@ -127,17 +127,21 @@ fn f16_bits_to_f32(h: u32) -> f32 {
     return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
 }
 
+// 16-bit scale element e (1 = f16, 2 = bf16 `dtype`) from `word`, the u32 that holds it.
+fn scale16(dtype: u32, word: u32, e: u32) -> f32 {
+    let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
+    if (dtype == 2u) {
+        return bitcast<f32>(bits16 << 16u);
+    }
+    return f16_bits_to_f32(bits16);
+}
+
 // Element e of the scale dtype, counted from the start of `w`.
 fn scale_elem(e: u32) -> f32 {
     if (p.scale_dtype == 0u) {
         return bitcast<f32>(w[e]);
     }
-    let word = w[e >> 1u];
-    let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
-    if (p.scale_dtype == 2u) {
-        return bitcast<f32>(bits16 << 16u);
-    }
-    return f16_bits_to_f32(bits16);
+    return scale16(p.scale_dtype, w[e >> 1u], e);
 }
 
 // Scale elements per u32 word for scale dtype `dtype` (0 = f32, else 16-bit).
@@ -276,12 +280,7 @@ fn scale_in(is_shared: bool, dtype: u32, e: u32) -> f32 {
     if (dtype == 0u) {
         return bitcast<f32>(pick(wvec(is_shared, e >> 2u), e & 3u));
     }
-    let word = pick(wvec(is_shared, e >> 3u), (e >> 1u) & 3u);
-    let bits16 = select(word & 0xFFFFu, word >> 16u, (e & 1u) == 1u);
-    if (dtype == 2u) {
-        return bitcast<f32>(bits16 << 16u);
-    }
-    return f16_bits_to_f32(bits16);
+    return scale16(dtype, pick(wvec(is_shared, e >> 3u), (e >> 1u) & 3u), e);
 }
 
 fn scale4(e: u32) -> f32 {

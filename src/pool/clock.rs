@@ -56,9 +56,9 @@ impl SlotPool {
                 .map(|pos| pos * self.index.num_experts + key.1 as usize)
                 .filter(|&i| i < n && free(&inner.slots[i]));
         }
-        // A slot `evict` emptied, if nothing took it since (a pool of every record keeps
-        // its fixed places, above).
-        while victim.is_none() && n < self.index.records() {
+        // A slot `evict` emptied (never in a pool of every record), if nothing took it
+        // since.
+        while victim.is_none() {
             let Some(i) = inner.emptied.pop() else {
                 break;
             };
