@@ -495,8 +495,11 @@ fn qmatmul_parts(@builtin(local_invocation_index) li: u32,
     if (row == 0xffffffffu) {
         return;
     }
-    let z = r.j.z;
-    let v = r.total[r.j.lane];
+    store_part(r.j.z, row, r.total[r.j.lane]);
+}
+
+// Stores output `row` of token (or route) z in its part (see qmatmul_parts).
+fn store_part(z: u32, row: u32, v: f32) {
     let a = p.part_end_a;
     let b = p.part_end_b;
     let c = p.part_end_c;
@@ -949,19 +952,7 @@ fn gemm_store_part(t: GemmTile, tok: u32, row: u32, v: f32) {
     if (tok >= t.count || row >= p.rows) {
         return;
     }
-    let z = gemm_rows(t, tok).y;
-    let a = p.part_end_a;
-    let b = p.part_end_b;
-    let c = p.part_end_c;
-    if (row < a) {
-        out[z * a + row] = v;
-    } else if (row < b) {
-        out_b[z * (b - a) + row - a] = v;
-    } else if (row < c) {
-        out_c[z * (c - b) + row - b] = v;
-    } else {
-        out_d[z * (p.rows - c) + row - c] = v;
-    }
+    store_part(gemm_rows(t, tok).y, row, v);
 }
 
 // One token's row vector of sums: four output rows from r0 on, or for STORE_SWIGLU gate
