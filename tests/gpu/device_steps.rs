@@ -1,6 +1,7 @@
 //! What only a GPU does with the whole forward pass: with every record resident, steps
 //! route on the device and wait once per step (at every placement and arena size, and with
-//! a routing model's ids), and a prefill chunk's dispatches do not grow with its tokens.
+//! a routing model's ids), a decode step's dispatches stay within today's counts, and a
+//! prefill chunk's dispatches do not grow with its tokens.
 //! Parity with the fixtures' oracles on every backend is tests/integration/parity.rs.
 //! Fails (never skips) without an adapter.
 
@@ -20,6 +21,7 @@ use slotstream::records::ExpertSource;
 /// ones: the top-k ids never come back per layer, only once per step with the logits
 /// (one wait per step), and the logits equal the mapped path's. The lookups are still
 /// counted (all hits, one trace event each) and every pin is released after each step.
+/// The decode steps' dispatches (one arena) are checked against [`DECODE_DISPATCHES`].
 #[test]
 fn gpu_steps_with_every_record_resident_route_on_the_device() {
     let g = gpu();
@@ -124,6 +126,9 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
                     "{name}: {placement:?}: pins left after step {i}"
                 );
             }
+            if (placement, arena_slots) == (Placement::Device, 0) {
+                check_decode_dispatches(name, &one_arena_dispatches[steps.len() - 12..]);
+            }
             let st = pool.stats();
             let trace = pool.take_trace();
             assert_eq!(st.misses, 0, "{name}: {placement:?}");
@@ -141,6 +146,37 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
                 .all(|t| (t.expert as usize) < index.num_experts));
         }
     }
+}
+
+/// Dispatches a decode step issues with every record resident in one arena, by fixture
+/// (4 layers each): today's counts, so a change that adds dispatches to a step fails here
+/// and one that removes them lowers these. Issue 18 asks for at most 6 a layer plus a
+/// constant; Qwen3-Next takes about 13 a layer today, Flash-Next (hyper-connections, PLE)
+/// about 30.
+const DECODE_DISPATCHES: [(&str, u64); 4] = [
+    ("qwen3-next-bf16", 57),
+    ("qwen3-next-f32-sharded", 57),
+    ("qwen3_5-moe-bf16", 65),
+    ("qwen4-exp-bf16", 129),
+];
+
+/// Asserts that every decode step of fixture `name` (`counts`, one token each) issues the
+/// same number of dispatches, at most its [`DECODE_DISPATCHES`].
+fn check_decode_dispatches(name: &str, counts: &[u64]) {
+    let (_, most) = DECODE_DISPATCHES
+        .iter()
+        .find(|(fixture, _)| *fixture == name)
+        .unwrap_or_else(|| panic!("{name}: no decode dispatch count"));
+    eprintln!("{name}: {counts:?} dispatches a decode step");
+    assert!(
+        counts.iter().all(|&c| c == counts[0]),
+        "{name}: decode steps issue {counts:?} dispatches"
+    );
+    assert!(
+        counts[0] <= *most,
+        "{name}: a decode step issues {} dispatches, over {most}",
+        counts[0]
+    );
 }
 
 /// The same with a synthetic routing model (as `slotstream bench` runs): its ids go to the
