@@ -53,10 +53,11 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
         };
         let (long, middle) = (random_ids(300), random_ids(72));
         let prompt = &r.prompt_ids[r.prompt_ids.len() - 5..];
+        let decode_steps = 12;
         let steps: Vec<&[u32]> = [long.as_slice(), middle.as_slice(), prompt]
             .into_iter()
             .filter(|ids| !ids.is_empty())
-            .chain(r.greedy_ids[..12].chunks(1))
+            .chain(r.greedy_ids[..decode_steps].chunks(1))
             .collect();
         let mut state = model.new_state(&g);
         let want: Vec<Vec<f32>> = steps
@@ -127,7 +128,7 @@ fn gpu_steps_with_every_record_resident_route_on_the_device() {
                 );
             }
             if (placement, arena_slots) == (Placement::Device, 0) {
-                check_decode_dispatches(name, &one_arena_dispatches[steps.len() - 12..]);
+                check_decode_dispatches(name, &one_arena_dispatches[steps.len() - decode_steps..]);
             }
             let st = pool.stats();
             let trace = pool.take_trace();
