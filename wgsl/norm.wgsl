@@ -115,28 +115,47 @@ fn rms_norm_gated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
     }
 }
 
+// Columns an add_rms_norm invocation takes at once: their loads go out together and the
+// sums stay in registers for the norm, where one column at a time would wait on each
+// load in turn (a decode step's norm is one workgroup, 8 columns a lane at 2,048).
+const COLS: u32 = 8u;
+
 @compute @workgroup_size(256)
 fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
     let l = lid.x;
     let lane = l % p.tpg;
     let g = (wid.x + wid.y * nwg.x) * p.gpw + l / p.tpg;
+    let live = g < p.groups;
+    let base = g * p.group;
+    let span = COLS * p.tpg;
     var ss = 0.0;
-    if (g < p.groups) {
-        let base = g * p.group;
-        for (var i = lane; i < p.group; i += p.tpg) {
-            let v = x[base + i] + gate[base + i];
-            sum[base + i] = v;
-            ss += v * v;
+    for (var c0 = lane; live && c0 < p.group; c0 += span) {
+        var v: array<f32, COLS>;
+        for (var u = 0u; u < COLS; u++) {
+            let i = base + min(c0 + u * p.tpg, p.group - 1u);
+            v[u] = x[i] + gate[i];
+        }
+        for (var u = 0u; u < COLS; u++) {
+            let c = c0 + u * p.tpg;
+            if (c < p.group) {
+                sum[base + c] = v[u];
+                ss += v[u] * v[u];
+            }
         }
     }
     let inv = segment_inv(ss, l);
-    if (g >= p.groups) {
-        return;
-    }
-    let base = g * p.group;
-    for (var i = lane; i < p.group; i += p.tpg) {
-        let v = x[base + i] + gate[base + i];
-        out[base + i] = p.scale * (weight(base + i) * (v * inv));
+    for (var c0 = lane; live && c0 < p.group; c0 += span) {
+        var v: array<f32, COLS>;
+        for (var u = 0u; u < COLS; u++) {
+            let i = base + min(c0 + u * p.tpg, p.group - 1u);
+            v[u] = x[i] + gate[i];
+        }
+        for (var u = 0u; u < COLS; u++) {
+            let c = c0 + u * p.tpg;
+            if (c < p.group) {
+                out[base + c] = p.scale * (weight(base + c) * (v[u] * inv));
+            }
+        }
     }
 }
