@@ -1,7 +1,9 @@
 // MLX affine-quantized matrices (../shared/spec/models.md §3): element c of row r is
 // scale[r, c / g] * q + bias[r, c / g], q packed LSB first, 32 / bits values per u32.
 // Scales and biases are read in their stored dtype (0 = f32, 1 = f16, 2 = bf16) from the
-// same u32 buffer as the packed words, at element offsets of that dtype.
+// same u32 buffer as the packed words, at element offsets of that dtype: in MLX's layout
+// (scales [rows, groups], then biases) for expert records, in row quads (quad_sb) for
+// resident weights, as p.quads says.
 //
 // The entry points share these bindings (unused ones are bound to a dummy buffer; embed
 // has no binding 5):
@@ -90,6 +92,16 @@ struct Params {
     // moe_combine with add_shared = 2: where the shared expert's rows start in `act`
     // (elements).
     shared_at: u32,
+    // moe_combine: 0 writes the combined output, 1 adds it to `resid`, 2 also writes the
+    // sum's RMSNorm (weight `norm_w`, epsilon `eps`) to out_b; invocations per token (a
+    // power of two, at most 256) and tokens per workgroup (256 / tpg), as in norm.wgsl.
+    residual: u32,
+    eps: f32,
+    tpg: u32,
+    gpw: u32,
+    // Whether scales and biases lie in row quads (see quad_sb) rather than MLX's layout:
+    // bit 0 for the weight at binding 2, bit 1 for the shared expert's at binding 6.
+    quads: u32,
 };
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -210,6 +222,8 @@ struct Src {
     gs: u32,
     dtype: u32,
     offs: vec3<u32>,
+    // Scales and biases in row quads (offs.y their block, see quad_sb; offs.z unused).
+    quads: bool,
 }
 
 // A job's first projection (the gate, or the only one) and the SwiGLU entries' second
@@ -219,19 +233,19 @@ struct Src {
 fn src_first(j: Job) -> Src {
     if (SHARED_ROUTES) {
         if (j.is_shared == 1u) {
-            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off, p.sh_s_off, p.sh_b_off));
+            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off, p.sh_s_off, p.sh_b_off), (p.quads & 2u) != 0u);
         }
     }
-    return Src(false, p.bits, p.group_size, p.scale_dtype, vec3<u32>(p.w_off, p.s_off, p.b_off));
+    return Src(false, p.bits, p.group_size, p.scale_dtype, vec3<u32>(p.w_off, p.s_off, p.b_off), (p.quads & 1u) != 0u);
 }
 
 fn src_second(j: Job) -> Src {
     if (SHARED_ROUTES) {
         if (j.is_shared == 1u) {
-            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off2, p.sh_s_off2, p.sh_b_off2));
+            return Src(true, p.sh_bits, p.sh_group, p.sh_dtype, vec3<u32>(p.sh_w_off2, p.sh_s_off2, p.sh_b_off2), (p.quads & 2u) != 0u);
         }
     }
-    return Src(false, p.bits2, p.group_size2, p.scale_dtype, vec3<u32>(p.w_off2, p.s_off2, p.b_off2));
+    return Src(false, p.bits2, p.group_size2, p.scale_dtype, vec3<u32>(p.w_off2, p.s_off2, p.b_off2), (p.quads & 1u) != 0u);
 }
 
 fn sigmoid(v: f32) -> f32 {
@@ -285,6 +299,38 @@ fn scale_in(is_shared: bool, dtype: u32, e: u32) -> f32 {
 
 fn scale4(e: u32) -> f32 {
     return scale_in(false, p.scale_dtype, e);
+}
+
+// Component i (0 to 3) of v, by selects (see pick).
+fn pick_f(v: vec4<f32>, i: u32) -> f32 {
+    return select(select(v.x, v.y, i == 1u), select(v.z, v.w, i == 3u), i >= 2u);
+}
+
+// Scales and biases in row quads: for rows 4q .. 4q + 3 (the last quad padded) and group
+// g, the four rows' scales then their four biases, from element quad_at(s_off, q, g,
+// groups) of the scale dtype. A lane that computes four rows loads them as one 16-byte
+// vector (two at f32), where MLX's layout takes a load per row for each (the host lays
+// resident weights out so, src/backend/gpu/quant/mod.rs).
+struct QuadSb {
+    s: vec4<f32>,
+    b: vec4<f32>,
+}
+
+fn quad_at(s_off: u32, q: u32, g: u32, groups: u32) -> u32 {
+    return s_off + (q * groups + g) * 8u;
+}
+
+// The block at element `at` (16-byte aligned) of the weight `is_shared` names.
+fn quad_sb(is_shared: bool, dtype: u32, at: u32) -> QuadSb {
+    if (dtype == 0u) {
+        return QuadSb(bitcast<vec4<f32>>(wvec(is_shared, at >> 2u)),
+                      bitcast<vec4<f32>>(wvec(is_shared, (at >> 2u) + 1u)));
+    }
+    let v = wvec(is_shared, at >> 3u);
+    return QuadSb(
+        vec4<f32>(scale16(dtype, v.x, 0u), scale16(dtype, v.x, 1u), scale16(dtype, v.y, 0u), scale16(dtype, v.y, 1u)),
+        vec4<f32>(scale16(dtype, v.z, 0u), scale16(dtype, v.z, 1u), scale16(dtype, v.w, 0u), scale16(dtype, v.w, 1u)),
+    );
 }
 
 // One packed 4-bit word against its 8 activations: xa for the low 16 bits, xc the high.
@@ -373,6 +419,7 @@ fn lane_dot(base: u32, src: Src, row0: u32, c0: u32, lane: u32, acc_in: vec4<f32
     let per_word = elems_per_word(src.dtype);
     let sbase = vec4<u32>(base * per_word + offs.y) + rows * groups;
     let bbase = vec4<u32>(base * per_word + offs.z) + rows * groups;
+    let qbase = base * per_word + offs.y;
     // Groups are a power of two wide: a shift, not a division, in the loop.
     let group_shift = countTrailingZeros(src.gs);
     var acc = acc_in;
@@ -417,11 +464,25 @@ fn lane_dot(base: u32, src: Src, row0: u32, c0: u32, lane: u32, acc_in: vec4<f32
         }
         let sh = src.is_shared;
         let dt = src.dtype;
-        var s = vec4<f32>(scale_in(sh, dt, sbase.x + g), 0.0, 0.0, 0.0);
-        var b = vec4<f32>(scale_in(sh, dt, bbase.x + g), 0.0, 0.0, 0.0);
-        if (four) {
-            s = vec4<f32>(s.x, scale_in(sh, dt, sbase.y + g), scale_in(sh, dt, sbase.z + g), scale_in(sh, dt, sbase.w + g));
-            b = vec4<f32>(b.x, scale_in(sh, dt, bbase.y + g), scale_in(sh, dt, bbase.z + g), scale_in(sh, dt, bbase.w + g));
+        var s: vec4<f32>;
+        var b: vec4<f32>;
+        if (src.quads) {
+            // A lane group's four rows are one quad (row0 a multiple of 4); one row is
+            // its quad's component row0 % 4.
+            let sb = quad_sb(sh, dt, quad_at(qbase, row0 >> 2u, g, groups));
+            s = sb.s;
+            b = sb.b;
+            if (!four) {
+                s.x = pick_f(sb.s, row0 & 3u);
+                b.x = pick_f(sb.b, row0 & 3u);
+            }
+        } else {
+            s = vec4<f32>(scale_in(sh, dt, sbase.x + g), 0.0, 0.0, 0.0);
+            b = vec4<f32>(scale_in(sh, dt, bbase.x + g), 0.0, 0.0, 0.0);
+            if (four) {
+                s = vec4<f32>(s.x, scale_in(sh, dt, sbase.y + g), scale_in(sh, dt, sbase.z + g), scale_in(sh, dt, sbase.w + g));
+                b = vec4<f32>(b.x, scale_in(sh, dt, bbase.y + g), scale_in(sh, dt, bbase.z + g), scale_in(sh, dt, bbase.w + g));
+            }
         }
         acc += s * qx + b * sx;
     }
@@ -575,33 +636,90 @@ fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: v
     for (var c = li; c < p.cols; c += 256u) {
         let word = w[p.w_off + row * words_per_row + c / per_word];
         let q = (word >> ((c % per_word) * p.bits)) & mask;
-        let g = row * groups + c / p.group_size;
-        out[t * p.cols + c] = scale_elem(p.s_off + g) * f32(q) + scale_elem(p.b_off + g);
+        var s_at = p.s_off + row * groups + c / p.group_size;
+        var b_at = p.b_off + row * groups + c / p.group_size;
+        if ((p.quads & 1u) != 0u) {
+            s_at = quad_at(p.s_off, row >> 2u, c / p.group_size, groups) + (row & 3u);
+            b_at = s_at + 4u;
+        }
+        out[t * p.cols + c] = scale_elem(s_at) * f32(q) + scale_elem(b_at);
     }
 }
 
-// out[t, d] = sum_j weight[t, j] * y[t * k + j, d], weights as f32 bits in aux from word
-// p.w_off; with p.add_shared, plus sigmoid(gate[t]) * shared[t, d] (the shared expert, added
-// in this pass rather than by a mul_sigmoid of its own).
+// The combine's residual add and norm (p.residual 1 and 2): the residual the block's
+// output is added to, and the next block's norm weight (one per column). They alias
+// out_c and out_d, which only the parts entries use.
+@group(0) @binding(8) var<storage, read> resid: array<f32>;
+@group(0) @binding(9) var<storage, read> norm_w: array<f32>;
+
+// Columns a combine invocation takes at once: their loads go out together, where one
+// column at a time would wait on each route's load in turn (a decode step's combine is
+// one workgroup).
+const COMBINE_COLS: u32 = 8u;
+
+// y[t, d] = sum_j weight[t, j] * act[t * k + j, d], weights as f32 bits in aux from word
+// p.w_off; with p.add_shared, plus sigmoid(gate[t]) * shared[t, d] (the shared expert,
+// added in this pass rather than by a mul_sigmoid of its own). Then out = y (p.residual
+// 0), or out = resid + y (1), or also out_b = norm_w * out / sqrt(mean(out^2) + eps) (2:
+// the residual add and the next block's norm, as norm.wgsl's add_rms_norm computes them,
+// in the same order, so the result is that kernel's bit for bit). A workgroup takes
+// p.gpw tokens, p.tpg invocations each (norm.wgsl's layout); an invocation takes
+// columns lane, lane + tpg, ... in that order.
 @compute @workgroup_size(256)
-fn moe_combine(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let i = gid.x + gid.y * nwg.x * 256u;
-    if (i >= p.tokens * p.rows) {
+fn moe_combine(@builtin(local_invocation_index) li: u32,
+               @builtin(workgroup_id) wid: vec3<u32>,
+               @builtin(num_workgroups) nwg: vec3<u32>) {
+    let lane = li % p.tpg;
+    let t = (wid.x + wid.y * nwg.x) * p.gpw + li / p.tpg;
+    let live = t < p.tokens;
+    let gate = select(0.0, sigmoid(bitcast<f32>(table[min(t, p.tokens - 1u)])), p.add_shared != 0u);
+    let span = COMBINE_COLS * p.tpg;
+    var ss = 0.0;
+    for (var c0 = lane; live && c0 < p.rows; c0 += span) {
+        var acc: array<f32, COMBINE_COLS>;
+        for (var j = 0u; j < p.k; j++) {
+            let r = t * p.k + j;
+            let wj = bitcast<f32>(aux[p.w_off + r]);
+            for (var u = 0u; u < COMBINE_COLS; u++) {
+                let d = min(c0 + u * p.tpg, p.rows - 1u);
+                acc[u] += wj * act[r * p.rows + d];
+            }
+        }
+        for (var u = 0u; u < COMBINE_COLS; u++) {
+            let d = c0 + u * p.tpg;
+            if (d < p.rows) {
+                let i = t * p.rows + d;
+                var v = acc[u];
+                if (p.add_shared == 1u) {
+                    v = v + bitcast<f32>(w[i]) * gate;
+                } else if (p.add_shared == 2u) {
+                    v = v + act[p.shared_at + i] * gate;
+                }
+                if (p.residual != 0u) {
+                    v = resid[i] + v;
+                }
+                out[i] = v;
+                ss += v * v;
+            }
+        }
+    }
+    if (p.residual != 2u) {
         return;
     }
-    let t = i / p.rows;
-    let d = i % p.rows;
-    var acc = 0.0;
-    for (var j = 0u; j < p.k; j++) {
-        let r = t * p.k + j;
-        acc += bitcast<f32>(aux[p.w_off + r]) * act[r * p.rows + d];
+    // Uniform: every invocation reaches the reduction.
+    let inv = 1.0 / sqrt(segment_sum(li, p.tpg, ss) / f32(p.rows) + p.eps);
+    for (var c0 = lane; live && c0 < p.rows; c0 += span) {
+        var v: array<f32, COMBINE_COLS>;
+        for (var u = 0u; u < COMBINE_COLS; u++) {
+            v[u] = out[t * p.rows + min(c0 + u * p.tpg, p.rows - 1u)];
+        }
+        for (var u = 0u; u < COMBINE_COLS; u++) {
+            let d = c0 + u * p.tpg;
+            if (d < p.rows) {
+                out_b[t * p.rows + d] = norm_w[d] * (v[u] * inv);
+            }
+        }
     }
-    if (p.add_shared == 1u) {
-        acc = acc + bitcast<f32>(w[i]) * sigmoid(bitcast<f32>(table[t]));
-    } else if (p.add_shared == 2u) {
-        acc = acc + act[p.shared_at + i] * sigmoid(bitcast<f32>(table[t]));
-    }
-    out[i] = acc;
 }
 
 // ---- Tiled matrix products for many tokens (prefill) ----
@@ -733,12 +851,18 @@ fn gemm_fetch_q(base: u32, row0: u32, k0: u32, swiglu: bool, i: u32) -> GemmQ {
         return GemmQ(vec4<u32>(0u), vec2<f32>(0.0));
     }
     let offs = select(vec3<u32>(p.w_off, p.s_off, p.b_off), vec3<u32>(p.w_off2, p.s_off2, p.b_off2), wr.y == 1u);
-    let g = wr.x * (p.cols / p.group_size) + (c >> countTrailingZeros(p.group_size));
+    let groups = p.cols / p.group_size;
+    let gc = c >> countTrailingZeros(p.group_size);
+    let g = wr.x * groups + gc;
     let s0 = base * elems_per_word(p.scale_dtype);
-    return GemmQ(
-        w4[(base + offs.x) / 4u + wr.x * (p.cols / span) + c / span],
-        vec2<f32>(scale4(s0 + offs.y + g), scale4(s0 + offs.z + g)),
-    );
+    var sb: vec2<f32>;
+    if ((p.quads & 1u) != 0u) {
+        let q = quad_sb(false, p.scale_dtype, quad_at(s0 + offs.y, wr.x >> 2u, gc, groups));
+        sb = vec2<f32>(pick_f(q.s, wr.x & 3u), pick_f(q.b, wr.x & 3u));
+    } else {
+        sb = vec2<f32>(scale4(s0 + offs.y + g), scale4(s0 + offs.z + g));
+    }
+    return GemmQ(w4[(base + offs.x) / 4u + wr.x * (p.cols / span) + c / span], sb);
 }
 
 struct GemmQ {

@@ -568,7 +568,11 @@ pub trait Backend: Send + Sync {
     /// synthetic routing model's) or else from `routing`, so a backend can route without
     /// reading anything back; the shared expert, when given, is added as by
     /// [`Backend::moe_experts`] (computed here from its weights where given so, see
-    /// [`Shared`]). The default reads the routing back and calls [`Backend::moe_experts`].
+    /// [`Shared`]). Returns the block's output `[T, hidden]`, or with `then` the sum
+    /// `h + out` and, where `then` has a norm, the next block's input `rms_norm(h + out)`
+    /// as [`Backend::add_rms_norm`] computes it (a backend may do both in the pass that
+    /// combines the experts). The default reads the routing back and calls
+    /// [`Backend::moe_experts`], then [`ResidualAdd::apply`].
     /// Errors: a failed read-back, an id beyond `layer`.
     #[allow(clippy::too_many_arguments)]
     fn moe_experts_resident(
@@ -580,9 +584,11 @@ pub trait Backend: Send + Sync {
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
         shared: Option<Shared<'_, Self>>,
-    ) -> Result<Self::Tensor> {
+        then: Option<ResidualAdd<'_, Self::Tensor>>,
+    ) -> Result<(Self::Tensor, Option<Self::Tensor>)> {
         check_routed_ids(ids, routing_routes(self, routing), layer.len())?;
-        moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
+        let out = moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)?;
+        Ok(ResidualAdd::apply_to(then, self, out))
     }
 
     /// Gets records that will be computed from soon ready where the backend reads them
@@ -654,6 +660,49 @@ pub fn matmul_parts_by_gather<B: Backend + ?Sized>(
 pub struct SharedExpert<'a, T> {
     pub y: &'a T,
     pub gate: &'a T,
+}
+
+/// What a block's output `y` is added to where the block ends: the residual stream `h`
+/// `[T, hidden]` and, where the next block is pre-normed, that block's norm weight
+/// `[hidden]` and epsilon (see [`Backend::moe_experts_resident`], which may fold both
+/// into its last pass).
+pub struct ResidualAdd<'a, T> {
+    pub h: &'a T,
+    pub norm: Option<(&'a T, f32)>,
+}
+
+// By hand, as for SharedExpert: only references are copied.
+impl<T> Clone for ResidualAdd<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for ResidualAdd<'_, T> {}
+
+impl<T> ResidualAdd<'_, T> {
+    /// `(h + y, rms_norm(h + y, w))` by [`Backend::add_rms_norm`] with a norm, else
+    /// `(h + y, None)`.
+    pub fn apply<B: Backend<Tensor = T> + ?Sized>(&self, b: &B, y: &T) -> (T, Option<T>) {
+        match self.norm {
+            Some((w, eps)) => {
+                let (sum, normed) = b.add_rms_norm(self.h, y, w, eps);
+                (sum, Some(normed))
+            }
+            None => (b.add(self.h, y), None),
+        }
+    }
+
+    /// [`ResidualAdd::apply`] where there is something to add `y` to, else `(y, None)`.
+    pub fn apply_to<B: Backend<Tensor = T> + ?Sized>(
+        then: Option<Self>,
+        b: &B,
+        y: T,
+    ) -> (T, Option<T>) {
+        match then {
+            Some(r) => r.apply(b, &y),
+            None => (y, None),
+        }
+    }
 }
 
 /// A MoE block's shared expert for [`Backend::moe_experts_resident`]: its output, or its

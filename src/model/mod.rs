@@ -53,7 +53,7 @@ use routes::StepSource;
 use snapshot::{lock_kv, SharedKv, Writer};
 pub use snapshot::{ImageTensor, Snapshot, StateImage};
 
-use crate::backend::{Backend, KeyMask, Routing};
+use crate::backend::{Backend, KeyMask, ResidualAdd, Routing};
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -445,17 +445,27 @@ impl<B: Backend> Model<B> {
                     Some(x) => (x, None),
                     None => layer.residual.input(backend, cfg, Block::Mlp, &h),
                 };
-                let m = match &layer.mlp {
-                    Mlp::Moe(w) => {
-                        let layout = &self.experts.layout;
-                        let routes = &mut routes;
-                        w.forward(backend, cfg, layout, i, &x, routes, experts, &mut hold)?
-                    }
-                    Mlp::Dense(w) => w.forward(backend, &x),
-                };
                 let next = self.layers.get(i + 1).filter(|l| l.ple.is_none());
                 let input = next.and_then(|l| l.residual.pre_norm(Block::Mixer));
-                (h, normed) = residual::add(backend, eps, &h, &m, inject.as_ref(), input);
+                // A pre-norm layer's MoE block adds its output to `h` and norms the sum for
+                // the next block in its own last pass where the backend can.
+                let then = inject.is_none().then_some(ResidualAdd {
+                    h: &h,
+                    norm: input.map(|w| (w, eps)),
+                });
+                let (out, out_normed) = match &layer.mlp {
+                    Mlp::Moe(w) => {
+                        let layout = &self.experts.layout;
+                        let (routes, hold) = (&mut routes, &mut hold);
+                        w.forward(backend, cfg, layout, i, &x, routes, experts, hold, then)?
+                    }
+                    Mlp::Dense(w) => ResidualAdd::apply_to(then, backend, w.forward(backend, &x)),
+                };
+                (h, normed) = match &inject {
+                    // Hyper-connections: `out` is the block's output, added per stream.
+                    Some(inject) => (backend.hyper_inject(&h, &out, inject), None),
+                    None => (out, out_normed),
+                };
             }
             Ok(h)
         })?;

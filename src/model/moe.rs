@@ -4,7 +4,7 @@
 use super::load::Loader;
 use super::projections::Projections;
 use super::routes::StepSource;
-use crate::backend::{Backend, InFlight, Shared, SharedExpert};
+use crate::backend::{Backend, InFlight, ResidualAdd, Shared, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -162,6 +162,10 @@ impl<B: Backend> Moe<B> {
     /// after it is recorded), so they stay pinned until this layer's routing read-back,
     /// through that guard, has waited for that work; this layer's records go in after it.
     ///
+    /// Returns the block's output, or with `then` the residual sum and the next block's
+    /// input as [`Backend::moe_experts_resident`] returns them (the backend may fold them
+    /// into the experts' last pass; otherwise they are computed after it).
+    ///
     /// When the source holds every record of the layer (a pool of every record), the input
     /// is routed on the backend instead, a prompt's chunk as well as a decode step: the
     /// router's top-k stays on the device and the backend picks the records from the whole
@@ -178,7 +182,8 @@ impl<B: Backend> Moe<B> {
         routes: &mut StepSource,
         experts: &'e E,
         hold: &mut StepHold<'e, B>,
-    ) -> Result<B::Tensor> {
+        then: Option<ResidualAdd<'_, B::Tensor>>,
+    ) -> Result<(B::Tensor, Option<B::Tensor>)> {
         let [logits, shared_gate] = self.gates.apply(backend, x);
         let resident = experts.resident_layer(layer);
         let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
@@ -210,6 +215,7 @@ impl<B: Backend> Moe<B> {
                 &resident.records(),
                 layout,
                 Some(shared),
+                then,
             )?;
             routed.count(layer, experts, &mut hold.routings);
             return Ok(out);
@@ -246,6 +252,7 @@ impl<B: Backend> Moe<B> {
             y: &shared,
             gate: &shared_gate,
         };
-        Ok(backend.moe_experts(x, &routing, &records, layout, Some(shared)))
+        let out = backend.moe_experts(x, &routing, &records, layout, Some(shared));
+        Ok(ResidualAdd::apply_to(then, backend, out))
     }
 }

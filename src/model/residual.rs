@@ -3,7 +3,7 @@
 //! streams side by side and mix them into each block's input.
 
 use super::load::Loader;
-use crate::backend::Backend;
+use crate::backend::{Backend, ResidualAdd};
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -138,12 +138,12 @@ pub(super) fn add<B: Backend>(
     inject: Option<&B::Tensor>,
     next: Option<&B::Tensor>,
 ) -> (B::Tensor, Option<B::Tensor>) {
-    match (inject, next) {
-        (Some(inject), _) => (backend.hyper_inject(h, y, inject), None),
-        (None, Some(w)) => {
-            let (sum, normed) = backend.add_rms_norm(h, y, w, eps);
-            (sum, Some(normed))
+    match inject {
+        Some(inject) => (backend.hyper_inject(h, y, inject), None),
+        None => ResidualAdd {
+            h,
+            norm: next.map(|w| (w, eps)),
         }
-        (None, None) => (backend.add(h, y), None),
+        .apply(backend, y),
     }
 }

@@ -6,7 +6,7 @@ use safetensors::Dtype;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::backend::gpu::GpuBackend;
 
-use slotstream::backend::{Backend, Routing, Shared, SharedExpert};
+use slotstream::backend::{Backend, ResidualAdd, Routing, Shared, SharedExpert};
 use slotstream::checkpoint::{DenseMatrix, LinearWeight, QuantizedMatrix};
 use slotstream::config::QuantSpec;
 use slotstream::records::{ExpertRecord, ExpertSource, SlotTag};
@@ -374,7 +374,9 @@ fn routed_experts_match_cpu() {
 /// With every record of a layer at hand and the routing on the device, a shared expert
 /// given by its weights is computed as one more route per token by the routed experts'
 /// dispatches: a step of a few tokens takes three (gate and up, down, the combine) where
-/// it took five, and matches the CPU backend (which computes the shared expert apart).
+/// it took five, and matches the CPU backend (which computes the shared expert apart). The
+/// combine also adds the block's output to the residual and norms the sum for the next
+/// block when asked, in the same three dispatches.
 #[test]
 fn the_shared_expert_rides_in_the_routed_experts_dispatches() {
     let cpu = CpuBackend;
@@ -434,44 +436,100 @@ fn the_shared_expert_rides_in_the_routed_experts_dispatches() {
             }
             .to_device();
             let (x, gate) = (random(t * d), random(t));
-            let want = {
-                let gate = cpu.upload(&gate, t, 1);
-                let shared = Shared::Mlp {
-                    gate_up: &cpu_weights.0,
-                    down: &cpu_weights.1,
-                    gate: &gate,
+            let (h, norm) = (random(t * d), random(d));
+            // Without a residual, with one, and with the residual and the next norm.
+            for mode in 0..3 {
+                let want = {
+                    let gate = cpu.upload(&gate, t, 1);
+                    let shared = Shared::Mlp {
+                        gate_up: &cpu_weights.0,
+                        down: &cpu_weights.1,
+                        gate: &gate,
+                    };
+                    let routing = cpu.upload(&routing, 1, routing.len());
+                    let x = cpu.upload(&x, t, d);
+                    let (h, norm) = (cpu.upload(&h, t, d), cpu.upload(&norm, 1, d));
+                    let then = residual_add(mode, &h, &norm);
+                    let (out, normed) = cpu
+                        .moe_experts_resident(
+                            &x,
+                            &routing,
+                            k,
+                            None,
+                            &layer,
+                            layout,
+                            Some(shared),
+                            then,
+                        )
+                        .unwrap();
+                    assert_eq!(normed.is_some(), mode == 2, "{name}: CPU norm");
+                    (
+                        cpu.download(&out).unwrap(),
+                        normed.map(|n| cpu.download(&n).unwrap()),
+                    )
                 };
-                let routing = cpu.upload(&routing, 1, routing.len());
-                let x = cpu.upload(&x, t, d);
-                let out =
-                    cpu.moe_experts_resident(&x, &routing, k, None, &layer, layout, Some(shared));
-                cpu.download(&out.unwrap()).unwrap()
-            };
-            let (gx, groute, ggate) = (
-                g.upload(&x, t, d),
-                g.upload(&routing, 1, routing.len()),
-                g.upload(&gate, t, 1),
-            );
-            let shared = Shared::Mlp {
-                gate_up: &gpu_weights.0,
-                down: &gpu_weights.1,
-                gate: &ggate,
-            };
-            let before = g.gpu.counters();
-            let out = g
-                .moe_experts_resident(&gx, &groute, k, None, &layer, layout, Some(shared))
-                .unwrap();
-            let dispatches = (g.gpu.counters() - before).dispatches;
-            let got = g.download(&out).unwrap();
-            assert_eq!(dispatches, 3, "{name} T={t}: dispatches");
-            assert_rel(
-                &format!("{name} resident experts + shared T={t}"),
-                &got,
-                &want,
-                1e-5,
-            );
+                let (gx, groute, ggate) = (
+                    g.upload(&x, t, d),
+                    g.upload(&routing, 1, routing.len()),
+                    g.upload(&gate, t, 1),
+                );
+                let (gh, gnorm) = (g.upload(&h, t, d), g.upload(&norm, 1, d));
+                let shared = Shared::Mlp {
+                    gate_up: &gpu_weights.0,
+                    down: &gpu_weights.1,
+                    gate: &ggate,
+                };
+                let before = g.gpu.counters();
+                let then = residual_add(mode, &gh, &gnorm);
+                let (out, normed) = g
+                    .moe_experts_resident(&gx, &groute, k, None, &layer, layout, Some(shared), then)
+                    .unwrap();
+                let dispatches = (g.gpu.counters() - before).dispatches;
+                assert_eq!(dispatches, 3, "{name} T={t} mode {mode}: dispatches");
+                let what = format!("{name} resident experts + shared T={t} mode {mode}");
+                assert_rel(&what, &g.download(&out).unwrap(), &want.0, 1e-5);
+                assert_eq!(normed.is_some(), mode == 2, "{what}: norm");
+                if let (Some(got), Some(want)) = (&normed, &want.1) {
+                    assert_rel(
+                        &format!("{what}: norm"),
+                        &g.download(got).unwrap(),
+                        want,
+                        1e-5,
+                    );
+                }
+                if mode == 0 {
+                    continue;
+                }
+                // The residual and norm folded into the combine give what the backend's own
+                // add (or add_rms_norm) gives after a combine without them, bit for bit.
+                let (alone, _) = g
+                    .moe_experts_resident(&gx, &groute, k, None, &layer, layout, Some(shared), None)
+                    .unwrap();
+                let (sum, apart) = residual_add(mode, &gh, &gnorm).unwrap().apply(&g, &alone);
+                assert_eq!(
+                    g.download(&out).unwrap(),
+                    g.download(&sum).unwrap(),
+                    "{what}: sum against the add apart"
+                );
+                if let (Some(got), Some(apart)) = (&normed, &apart) {
+                    assert_eq!(
+                        g.download(got).unwrap(),
+                        g.download(apart).unwrap(),
+                        "{what}: norm against add_rms_norm"
+                    );
+                }
+            }
         }
     }
+}
+
+/// What [`Backend::moe_experts_resident`] adds its output to in the test above: nothing
+/// (mode 0), the residual `h` (1), or `h` and the next block's norm (2).
+fn residual_add<'a, T>(mode: usize, h: &'a T, norm: &'a T) -> Option<ResidualAdd<'a, T>> {
+    (mode > 0).then_some(ResidualAdd {
+        h,
+        norm: (mode == 2).then_some((norm, 1e-6)),
+    })
 }
 
 /// The fused gate/up SwiGLU of a stacked `[Wg; Wu]` against the CPU backend's SwiGLU of

@@ -30,7 +30,10 @@ pub use device::{
     TILE_WORKGROUP_BYTES,
 };
 
-use super::{AttnDims, Backend, DeltaDims, KeyMask, Routing, Shared, SharedExpert, PREFILL_CHUNK};
+use super::{
+    AttnDims, Backend, DeltaDims, KeyMask, ResidualAdd, Routing, Shared, SharedExpert,
+    PREFILL_CHUNK,
+};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::GateActivation;
 use crate::error::Result;
@@ -56,7 +59,8 @@ pub enum GpuWeight {
         /// 0 = f32, 1 = f16, 2 = bf16 (see `wgsl/quant.wgsl`).
         scale_dtype: u32,
         /// Offsets of the scales and biases in `data`, in elements of `scale_dtype`
-        /// (the packed words start at 0).
+        /// (the packed words start at 0): they lie in row quads (`row_quads` in
+        /// `quant/mod.rs`), a row's bias 4 elements after its scale.
         s_off: u32,
         b_off: u32,
         data: DeviceBuffer,
@@ -715,15 +719,18 @@ impl Backend for GpuBackend {
         layer: &[ExpertRecord<'_>],
         layout: &RecordLayout,
         shared: Option<Shared<'_, Self>>,
-    ) -> Result<GpuTensor> {
+        then: Option<ResidualAdd<'_, GpuTensor>>,
+    ) -> Result<(GpuTensor, Option<GpuTensor>)> {
         super::check_routed_ids(ids, super::routing_routes(self, routing), layer.len())?;
         let routes = (routing, k, ids);
-        if let Some(out) = quant::moe_experts_resident(self, x, routes, layer, layout, shared) {
+        if let Some(out) = quant::moe_experts_resident(self, x, routes, layer, layout, shared, then)
+        {
             return Ok(out);
         }
         // Records outside a pool, or a chunk's routes of more experts than the device
         // groups: read the routing back and gather them as usual.
-        super::moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)
+        let out = super::moe_experts_read_back(self, x, routing, k, ids, layer, layout, shared)?;
+        Ok(ResidualAdd::apply_to(then, self, out))
     }
 
     fn prepare_records(&self, records: &[ExpertRecord<'_>]) -> Result<()> {

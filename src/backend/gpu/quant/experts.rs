@@ -9,7 +9,7 @@ use super::super::{DeviceBuffer, GpuBackend, GpuTensor, Mirror};
 use super::params::{
     Params, COMBINE, NARROW_MAX_MEAN_ROUTES, NARROW_TILE_ROUTES, TILED_MIN_TOKENS, TILE_TOKENS,
 };
-use crate::backend::{Routing, Shared, SharedExpert};
+use crate::backend::{ResidualAdd, Routing, Shared, SharedExpert};
 use crate::checkpoint::{Projection, RecordLayout};
 use crate::records::ExpertRecord;
 
@@ -241,8 +241,9 @@ pub(in crate::backend::gpu) fn moe_experts(
     };
     let (d, inter) = (layout.hidden, layout.intermediate);
     let weights = Bind::Data(bytemuck::cast_slice(&routing.weights));
+    let tokens = routing.tokens();
     let gate_up = Params::routed_gate_up(layout, routes);
-    if b.gpu.tiled && routing.tokens() >= TILED_MIN_TOKENS && gate_up.tileable() {
+    if b.gpu.tiled && tokens >= TILED_MIN_TOKENS && gate_up.tileable() {
         let mut records = places.clone();
         records.sort_unstable();
         records.dedup();
@@ -260,7 +261,7 @@ pub(in crate::backend::gpu) fn moe_experts(
             .collect();
         let y = tiled_experts(b, x, routing.top_k, layout, (routes, tile), &ranges);
         let shared = shared.map(AddShared::Output);
-        return combine(b, &y, routing.tokens(), (weights, 0, routing.top_k), shared);
+        return combine(b, &y, tokens, (weights, 0, routing.top_k), shared, None).0;
     }
     // Route tables from the host: every route of an arena's table computed.
     let which = |arena| Routes {
@@ -341,7 +342,7 @@ pub(in crate::backend::gpu) fn moe_experts(
         }
     }
     let shared = shared.map(AddShared::Output);
-    combine(b, &y, routing.tokens(), (weights, 0, routing.top_k), shared)
+    combine(b, &y, tokens, (weights, 0, routing.top_k), shared, None).0
 }
 
 /// Routes per tile for a layer's routed tiled products, `routes` routes over `records`
@@ -470,14 +471,18 @@ enum AddShared<'a> {
 /// `out[t] = sum_j w[t, j] * y[t k + j]` over the `k` routes of each of `tokens` tokens,
 /// the weights (f32 bits) from word `w_off` of `weights`, plus the shared expert when
 /// given; `y` is `[T k, hidden]`, or `[T k + T, hidden]` with the shared expert's rows
-/// last ([`AddShared::InRoutes`]).
+/// last ([`AddShared::InRoutes`]). With `then`, `out` is added to its residual in the same
+/// pass and the sum returned, with its norm where `then` has one (as
+/// [`crate::backend::Backend::add_rms_norm`] computes it, bit for bit: the norm's layout
+/// of invocations, see `moe_combine` in `wgsl/quant.wgsl`).
 fn combine(
     b: &GpuBackend,
     y: &GpuTensor,
     tokens: usize,
     (weights, w_off, k): (Bind<'_>, usize, usize),
     shared: Option<AddShared<'_>>,
-) -> GpuTensor {
+    then: Option<ResidualAdd<'_, GpuTensor>>,
+) -> (GpuTensor, Option<GpuTensor>) {
     let in_routes = matches!(shared, Some(AddShared::InRoutes(_)));
     assert!(
         k > 0 && y.rows == tokens * k + if in_routes { tokens } else { 0 },
@@ -498,6 +503,17 @@ fn combine(
         }
         None => (dummy, dummy, 0),
     };
+    if let Some(r) = &then {
+        assert_eq!((r.h.rows, r.h.cols), (tokens, d), "combine: residual");
+        if let Some((w, _)) = r.norm {
+            assert_eq!(w.rows * w.cols, d, "combine: norm weight");
+        }
+    }
+    let normed = then.and_then(|r| r.norm).map(|_| b.empty(tokens, d));
+    // The norm's layout (norm.wgsl): the power of two that covers a row, at most 256
+    // invocations, and as many tokens as fit a workgroup.
+    let tpg = d.next_power_of_two().min(256);
+    let gpw = 256 / tpg;
     let params = Params {
         rows: d as u32,
         k: k as u32,
@@ -505,6 +521,10 @@ fn combine(
         w_off: w_off as u32,
         add_shared,
         shared_at: (tokens * k * d) as u32,
+        residual: then.map_or(0, |r| if r.norm.is_some() { 2 } else { 1 }),
+        eps: then.and_then(|r| r.norm).map_or(0.0, |(_, eps)| eps),
+        tpg: tpg as u32,
+        gpw: gpw as u32,
         ..Default::default()
     };
     let binds = [
@@ -514,10 +534,15 @@ fn combine(
         Bind::Buffer(&out.buf),
         gate,
         dummy,
+        // Unwritten without a norm: `out` stands in (a second read-write binding of it).
+        Bind::Buffer(&normed.as_ref().unwrap_or(&out).buf),
+        then.map_or(dummy, |r| Bind::Buffer(&r.h.buf)),
+        then.and_then(|r| r.norm)
+            .map_or(dummy, |(w, _)| Bind::Buffer(&w.buf)),
     ];
-    let [gx, gy] = grid((tokens * d).div_ceil(256) as u32);
+    let [gx, gy] = grid(tokens.div_ceil(gpw) as u32);
     b.gpu.dispatch_with(&COMBINE, &params, &binds, [gx, gy, 1]);
-    out
+    (out, normed)
 }
 
 /// Routed experts with every record of the layer at hand (`layer[e]` is expert `e`'s) and
@@ -532,9 +557,10 @@ fn combine(
 /// ([`FusedShared`]) is computed by the first arena's matvecs as one more route per
 /// token, so a decode step's MoE block takes no dispatches for it; otherwise it is
 /// computed apart (before the routed matvecs, or in tiles after the routed tiles) and
-/// added by the combine. `None` when the records do not
-/// all come from a pool (no mirror to read them from), or when such a chunk's layer has
-/// more experts than the device groups.
+/// added by the combine. The combine also adds the output to `then`'s residual and norms
+/// the sum where asked (see [`combine`]). `None` when the records do not all come from a
+/// pool (no mirror to read them from), or when such a chunk's layer has more experts than
+/// the device groups.
 pub(in crate::backend::gpu) fn moe_experts_resident(
     b: &GpuBackend,
     x: &GpuTensor,
@@ -542,7 +568,8 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
     layer: &[ExpertRecord<'_>],
     layout: &RecordLayout,
     shared: Option<Shared<'_, GpuBackend>>,
-) -> Option<GpuTensor> {
+    then: Option<ResidualAdd<'_, GpuTensor>>,
+) -> Option<(GpuTensor, Option<GpuTensor>)> {
     let routes = routing.cols / 2;
     let tokens = x.rows;
     assert_eq!(routes, tokens * k, "moe_experts_resident: routes");
@@ -583,7 +610,7 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
         let y = tiled_experts(b, x, k, layout, (routes, tile), &ranges);
         let shared_y = shared.and_then(|s| s.output(b, x));
         let shared = shared.map(|s| AddShared::Output(s.computed(shared_y.as_ref())));
-        return Some(combine(b, &y, tokens, weights, shared));
+        return Some(combine(b, &y, tokens, weights, shared, then));
     }
     let table: Vec<u32> = places
         .iter()
@@ -646,5 +673,5 @@ pub(in crate::backend::gpu) fn moe_experts_resident(
         (Some(f), _) => Some(AddShared::InRoutes(f.gate)),
         (None, s) => s.map(|s| AddShared::Output(s.computed(shared_y.as_ref()))),
     };
-    Some(combine(b, &y, tokens, weights, shared))
+    Some(combine(b, &y, tokens, weights, shared, then))
 }

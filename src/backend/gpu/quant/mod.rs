@@ -25,21 +25,24 @@ use crate::error::{Error, Result};
 
 use params::{dtype_code, elem_bytes, EMBED, MAX_PARTS};
 
-/// Packed words, scales and biases in one buffer (each part starting on a 4-byte
-/// boundary, the whole padded to 16 bytes), as the kernels read them.
+/// Packed words, then scales and biases in row quads ([`row_quads`]), in one buffer (the
+/// quads starting on a 16-byte boundary, which also ends the whole), as the kernels read
+/// them.
 pub(super) fn upload_weight(b: &GpuBackend, w: LinearWeight) -> Result<GpuWeight> {
     let max = b.gpu.limits.max_storage_buffer_binding_size;
     let (rows, cols) = w.shape();
-    // Bytes per row as laid out below, and the padding a part may add.
-    let row_bytes = match &w {
+    // Bytes per row as laid out below, and the padding a part may add (16-byte alignment,
+    // and a last row quad of up to three rows past the end).
+    let (row_bytes, padding) = match &w {
         LinearWeight::Quantized(q) => {
-            (q.packed.len() * 4 + q.scales.len() + q.biases.len()) as u64 / rows.max(1) as u64
+            let rows = rows.max(1) as u64;
+            let sb = (q.scales.len() + q.biases.len()) as u64 / rows;
+            (q.packed.len() as u64 * 4 / rows + sb, 32 + 3 * sb)
         }
-        LinearWeight::Dense(_) => cols as u64 * 4,
+        LinearWeight::Dense(_) => (cols as u64 * 4, 0),
     };
-    const PADDING: u64 = 32;
-    if row_bytes * rows as u64 + PADDING > max {
-        let per = (max.saturating_sub(PADDING) / row_bytes.max(1)) as usize;
+    if row_bytes * rows as u64 + padding > max {
+        let per = (max.saturating_sub(padding) / row_bytes.max(1)) as usize;
         if per == 0 {
             return Err(Error::Gpu(format!(
                 "one row of a {rows}x{cols} weight needs {row_bytes} bytes, above the adapter's storage binding limit of {max}"
@@ -69,13 +72,17 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
         LinearWeight::Quantized(q) => {
             let code = dtype_code(q.scale_dtype);
             let mut bytes: Vec<u8> = bytemuck::cast_slice(&q.packed).to_vec();
-            let s_start = bytes.len();
-            bytes.extend_from_slice(&q.scales);
-            bytes.resize(bytes.len().next_multiple_of(4), 0);
-            let b_start = bytes.len();
-            bytes.extend_from_slice(&q.biases);
-            // Whole 16-byte vectors, so the matmuls' vec4 view reaches the last bias.
+            // The row quads' blocks start on a 16-byte vector.
             bytes.resize(bytes.len().next_multiple_of(16), 0);
+            let s_start = bytes.len();
+            let groups = q.cols / q.spec.group_size;
+            bytes.extend(row_quads(
+                &q.scales,
+                &q.biases,
+                q.rows,
+                groups,
+                elem_bytes(code),
+            ));
             if bytes.len() as u64 > max {
                 return Err(Error::Gpu(format!(
                     "a {}x{} weight needs {} bytes, above the adapter's storage binding limit of {max}",
@@ -90,7 +97,8 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
                 cols: q.cols,
                 scale_dtype: code,
                 s_off: (s_start / elem_bytes(code)) as u32,
-                b_off: (b_start / elem_bytes(code)) as u32,
+                // A row's bias lies 4 elements after its scale.
+                b_off: (s_start / elem_bytes(code)) as u32 + 4,
                 data: b.gpu.plain(b.gpu.buffer_with(&bytes)),
             })
         }
@@ -111,6 +119,24 @@ fn upload_part(b: &GpuBackend, w: LinearWeight, max: u64) -> Result<GpuWeight> {
             })
         }
     }
+}
+
+/// A `rows x groups` weight's scales and biases (MLX's layout: all scales by row, then all
+/// biases, `elem` bytes each) in row quads: for rows `4q .. 4q + 3` and group `g`, the
+/// four rows' scales then their four biases (zeros past the last row), block `q groups + g`.
+/// A matvec lane that computes four rows loads them as one 16-byte vector (two at f32)
+/// where MLX's layout takes one per row for each (`quad_sb` in `wgsl/quant.wgsl`).
+fn row_quads(scales: &[u8], biases: &[u8], rows: usize, groups: usize, elem: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows.div_ceil(4) * groups * 8 * elem];
+    for r in 0..rows {
+        for g in 0..groups {
+            let from = (r * groups + g) * elem;
+            let to = ((r / 4 * groups + g) * 8 + r % 4) * elem;
+            out[to..to + elem].copy_from_slice(&scales[from..from + elem]);
+            out[to + 4 * elem..to + 5 * elem].copy_from_slice(&biases[from..from + elem]);
+        }
+    }
+    out
 }
 
 /// [`crate::backend::Backend::matmul_swiglu`]: a quantized `[Wg; Wu]` in one fused

@@ -79,8 +79,23 @@ pub(super) const TILED_MIN_TOKENS: usize = 16;
 const DENSE: Kernel = matmul_kernel("matmul_dense");
 pub(super) const EMBED: Kernel = Kernel::new("quant.wgsl", "embed", BINDINGS);
 /// The combine binds the shared expert's output and gate where the matmuls bind the
-/// weights and the expert table.
-pub(super) const COMBINE: Kernel = matmul_kernel("moe_combine");
+/// weights and the expert table, then the norm's output (7), the residual (8) and the
+/// norm's weight (9).
+pub(super) const COMBINE: Kernel = Kernel::new(
+    "quant.wgsl",
+    "moe_combine",
+    &[
+        Access::Read,
+        Access::Read,
+        Access::Read,
+        Access::ReadWrite,
+        Access::Read,
+        Access::Read,
+        Access::ReadWrite,
+        Access::Read,
+        Access::Read,
+    ],
+);
 /// Invocations per qmatmul workgroup (`WG` in the shader).
 const WG: usize = 256;
 /// Output rows each lane group of a large quantized matvec computes (`ROWS` in the
@@ -170,6 +185,17 @@ uniform_block! {
         /// moe_combine with `add_shared` = 2: the element of its input where the shared
         /// expert's rows start.
         pub(super) shared_at: u32,
+        /// moe_combine: 0 writes the combined output, 1 adds it to the residual, 2 also
+        /// writes the sum's RMSNorm with epsilon `eps`; invocations per token and tokens
+        /// per workgroup (`norm.wgsl`'s `tpg` and `gpw`).
+        pub(super) residual: u32,
+        pub(super) eps: f32,
+        pub(super) tpg: u32,
+        pub(super) gpw: u32,
+        /// Whether scales and biases lie in row quads (a resident weight, see
+        /// [`super::upload_weight`]) rather than MLX's layout (a record): bit 0 for the
+        /// weight, bit 1 for the shared expert's weight ([`Params::with_shared`]).
+        pub(super) quads: u32,
     }
 }
 
@@ -353,6 +379,7 @@ impl Params {
             scale_dtype: *scale_dtype,
             s_off: *s_off,
             b_off: *b_off,
+            quads: 1,
             ..Default::default()
         };
         Some((params, data))
@@ -360,19 +387,24 @@ impl Params {
 
     /// [`Params::resident`] of a stacked `[Wg; Wu]` `[2 I, in]` for the SwiGLU entries:
     /// `I` rows, the up projection's words, scales and biases `I` rows in (`bits2` ...
-    /// `b_off2`). Panics on an odd row count.
+    /// `b_off2`); `None` where `I` is not a multiple of 4 (the up rows would not start a
+    /// row quad). Panics on an odd row count.
     pub(super) fn resident_swiglu(w: &GpuWeight) -> Option<(Self, &DeviceBuffer)> {
         let (whole, data) = Self::resident(w)?;
         let (rows, cols) = (whole.rows as usize, whole.cols as usize);
         assert_eq!(rows % 2, 0, "matmul_swiglu: odd row count {rows}");
         let inter = rows / 2;
+        if !inter.is_multiple_of(4) {
+            return None;
+        }
         let words = inter * cols / (32 / whole.bits as usize);
-        let groups = (inter * cols / whole.group_size as usize) as u32;
+        // In row quads, I rows' scales and biases take 2 elements per group and row.
+        let elems = (2 * inter * cols / whole.group_size as usize) as u32;
         let params = Params {
             rows: inter as u32,
             w_off2: words as u32,
-            s_off2: whole.s_off + groups,
-            b_off2: whole.b_off + groups,
+            s_off2: whole.s_off + elems,
+            b_off2: whole.b_off + elems,
             bits2: whole.bits,
             group_size2: whole.group_size,
             ..whole
@@ -432,6 +464,7 @@ impl Params {
             sh_w_off2: shared.w_off2,
             sh_s_off2: shared.s_off2,
             sh_b_off2: shared.b_off2,
+            quads: self.quads | (shared.quads & 1) << 1,
             ..self
         }
     }
