@@ -64,23 +64,37 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         s += exp(logits[base + e] - row_max);
     }
     let sum = segment_sum(l, WG, s);
-    // In the workgroup path each invocation reads back only the experts it wrote: no
-    // barrier needed there.
+    // Each invocation reads back only the experts it wrote: no barrier needed.
     for (var e = l; e < min(p.experts, CACHED); e += WG) {
         probs[e] = exp(logits[base + e] - row_max) / sum;
     }
 
     // k rounds of argmax over the experts after the previous pick.
-    if (SUBGROUP_LANES >= 8u) {
-        // In the first subgroup alone, from the cached probabilities: a round is one
-        // butterfly of shuffles, where the whole workgroup's reduction takes barriers
-        // (the picks, and so the weights, are the same either way).
-        workgroupBarrier();
-        if (l < SUBGROUP_LANES) {
-            pick_in_subgroup(l, base, row_max, sum);
+    var prev_p = 3.40282347e38;
+    var prev_id = REDUCE_NONE;
+    for (var r = 0u; r < p.k; r++) {
+        var best_p = -1.0;
+        var best_id = REDUCE_NONE;
+        for (var e = l; e < p.experts; e += WG) {
+            var pe = 0.0;
+            if (e < CACHED) {
+                pe = probs[e];
+            } else {
+                pe = exp(logits[base + e] - row_max) / sum;
+            }
+            let eligible = r == 0u || before(prev_p, prev_id, pe, e);
+            if (eligible && (best_id == REDUCE_NONE || before(pe, e, best_p, best_id))) {
+                best_p = pe;
+                best_id = e;
+            }
         }
-    } else {
-        pick_in_workgroup(l, base, row_max, sum);
+        let pick = segment_reduce(REDUCE_BEST, l, WG, Reduced(best_p, best_id));
+        prev_p = pick.v;
+        prev_id = pick.id;
+        if (l == 0u) {
+            picked_p[r] = prev_p;
+            picked_id[r] = prev_id;
+        }
     }
 
     // Only invocation 0 wrote the picks, so it reads them without a barrier.
@@ -98,57 +112,6 @@ fn router_top_k(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
         for (var r = 0u; r < p.k; r++) {
             out[o + r] = picked_id[r];
             out[weights + o + r] = bitcast<u32>(picked_p[r] / norm);
-        }
-    }
-}
-
-// Probability of expert e of the token whose logits start at `base`: cached, or computed
-// as the cache was.
-fn prob(base: u32, e: u32, row_max: f32, sum: f32) -> f32 {
-    if (e < CACHED) {
-        return probs[e];
-    }
-    return exp(logits[base + e] - row_max) / sum;
-}
-
-// The best expert, among those invocation l scans (l, l + n, ...), that comes after the
-// previous pick (any in round 0); REDUCE_NONE when none does.
-fn best_after(l: u32, n: u32, base: u32, row_max: f32, sum: f32, r: u32, prev: Reduced) -> Reduced {
-    var best = Reduced(-1.0, REDUCE_NONE);
-    for (var e = l; e < p.experts; e += n) {
-        let pe = prob(base, e, row_max, sum);
-        let eligible = r == 0u || before(prev.v, prev.id, pe, e);
-        if (eligible && (best.id == REDUCE_NONE || before(pe, e, best.v, best.id))) {
-            best = Reduced(pe, e);
-        }
-    }
-    return best;
-}
-
-// The k rounds over the whole workgroup (every invocation calls it: it has barriers);
-// invocation 0 writes the picks.
-fn pick_in_workgroup(l: u32, base: u32, row_max: f32, sum: f32) {
-    var prev = Reduced(3.40282347e38, REDUCE_NONE);
-    for (var r = 0u; r < p.k; r++) {
-        let best = best_after(l, WG, base, row_max, sum, r, prev);
-        prev = segment_reduce(REDUCE_BEST, l, WG, best);
-        if (l == 0u) {
-            picked_p[r] = prev.v;
-            picked_id[r] = prev.id;
-        }
-    }
-}
-
-// The k rounds in the first subgroup (invocations 0 .. SUBGROUP_LANES, called by them
-// alone after the probabilities are cached and a barrier); invocation 0 writes the picks.
-fn pick_in_subgroup(l: u32, base: u32, row_max: f32, sum: f32) {
-    var prev = Reduced(3.40282347e38, REDUCE_NONE);
-    for (var r = 0u; r < p.k; r++) {
-        let best = best_after(l, SUBGROUP_LANES, base, row_max, sum, r, prev);
-        prev = reduce_lanes(REDUCE_BEST, best, SUBGROUP_LANES);
-        if (l == 0u) {
-            picked_p[r] = prev.v;
-            picked_id[r] = prev.id;
         }
     }
 }
