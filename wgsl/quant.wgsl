@@ -656,6 +656,8 @@ fn embed(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: v
 // column at a time would wait on each route's load in turn (a decode step's combine is
 // one workgroup).
 const COMBINE_COLS: u32 = 8u;
+// Routes whose rows a combine invocation loads at once, for the same reason.
+const COMBINE_ROUTES: u32 = 4u;
 
 // y[t, d] = sum_j weight[t, j] * act[t * k + j, d], weights as f32 bits in aux from word
 // p.w_off; with p.add_shared, plus sigmoid(gate[t]) * shared[t, d] (the shared expert,
@@ -677,12 +679,23 @@ fn moe_combine(@builtin(local_invocation_index) li: u32,
     var ss = 0.0;
     for (var c0 = lane; live && c0 < p.rows; c0 += span) {
         var acc: array<f32, COMBINE_COLS>;
-        for (var j = 0u; j < p.k; j++) {
-            let r = t * p.k + j;
-            let wj = bitcast<f32>(aux[p.w_off + r]);
-            for (var u = 0u; u < COMBINE_COLS; u++) {
-                let d = min(c0 + u * p.tpg, p.rows - 1u);
-                acc[u] += wj * act[r * p.rows + d];
+        // COMBINE_ROUTES routes' rows loaded at once, then added in route order.
+        for (var j0 = 0u; j0 < p.k; j0 += COMBINE_ROUTES) {
+            var wj: array<f32, COMBINE_ROUTES>;
+            var yj: array<f32, COMBINE_ROUTES * COMBINE_COLS>;
+            for (var i = 0u; i < COMBINE_ROUTES; i++) {
+                let r = t * p.k + min(j0 + i, p.k - 1u);
+                wj[i] = bitcast<f32>(aux[p.w_off + r]);
+                for (var u = 0u; u < COMBINE_COLS; u++) {
+                    yj[i * COMBINE_COLS + u] = act[r * p.rows + min(c0 + u * p.tpg, p.rows - 1u)];
+                }
+            }
+            for (var i = 0u; i < COMBINE_ROUTES; i++) {
+                if (j0 + i < p.k) {
+                    for (var u = 0u; u < COMBINE_COLS; u++) {
+                        acc[u] += wj[i] * yj[i * COMBINE_COLS + u];
+                    }
+                }
             }
         }
         for (var u = 0u; u < COMBINE_COLS; u++) {
