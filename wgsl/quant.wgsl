@@ -17,7 +17,8 @@
 //              combine's shared expert gate logits (f32 bits)
 //   6: shared - the matvecs, routed = 2 and 3: the shared expert's weight (its stacked
 //              gate and up, or its down), for the routes from p.shared_from on
-//   7-9: qmatmul_parts' further outputs
+//   7-9: qmatmul_parts' further outputs; the combine's norm output (7), residual (8) and
+//        norm weight (9)
 //
 // Routed matmuls find each route's record base and input row either in a table built on
 // the host, (base, token) per route in `aux`, all of them computed (routed = 1), or from
@@ -401,8 +402,9 @@ fn xs_step(vi: u32, first: u32, quads: u32, k: u32) -> vec4<f32> {
 // or 8, in groups of its size); per group, scale * sum(q x) + bias * sum(x) (as MLX's qmv
 // accumulates it). A lane takes the steps (16-byte vectors of a row's packed words) lane,
 // lane + lanes, ... in order across the chunks, so a row's sums do not depend on the
-// chunk size. A row past the last is computed as the last (its loads stay in the weight)
-// and left unwritten by the caller.
+// chunk size. A row past the last is computed as the last (its loads stay in the weight;
+// in row quads its scales and biases are the last quad's zero padding) and left unwritten
+// by the caller.
 fn lane_dot(base: u32, src: Src, row0: u32, c0: u32, lane: u32, acc_in: vec4<f32>) -> vec4<f32> {
     let bits = src.bits;
     let offs = src.offs;
@@ -473,8 +475,8 @@ fn lane_dot(base: u32, src: Src, row0: u32, c0: u32, lane: u32, acc_in: vec4<f32
             s = sb.s;
             b = sb.b;
             if (!four) {
-                s.x = pick_f(sb.s, row0 & 3u);
-                b.x = pick_f(sb.b, row0 & 3u);
+                s = vec4<f32>(pick_f(sb.s, row0 & 3u), 0.0, 0.0, 0.0);
+                b = vec4<f32>(pick_f(sb.b, row0 & 3u), 0.0, 0.0, 0.0);
             }
         } else {
             s = vec4<f32>(scale_in(sh, dt, sbase.x + g), 0.0, 0.0, 0.0);

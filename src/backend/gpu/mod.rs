@@ -48,8 +48,8 @@ pub struct GpuTensor {
     pub cols: usize,
 }
 
-/// A resident weight: raw MLX bytes for quantized matrices (scales and biases are
-/// unpacked from bf16 / f16 / f32 in the shader), f32 for dense ones.
+/// A resident weight: MLX's packed words for quantized matrices, their scales and biases
+/// (bf16 / f16 / f32, unpacked in the shader) in row quads, f32 for dense ones.
 #[derive(Debug)]
 pub enum GpuWeight {
     Quantized {
