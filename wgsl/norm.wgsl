@@ -120,6 +120,17 @@ fn rms_norm_gated(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups
 // load in turn (a decode step's norm is one workgroup, 8 columns a lane at 2,048).
 const COLS: u32 = 8u;
 
+// x + gate at columns c0, c0 + tpg, ... (COLS of them) of the group at `base`, loaded at
+// once (a column past the group repeats its last).
+fn added(base: u32, c0: u32) -> array<f32, COLS> {
+    var v: array<f32, COLS>;
+    for (var u = 0u; u < COLS; u++) {
+        let i = base + min(c0 + u * p.tpg, p.group - 1u);
+        v[u] = x[i] + gate[i];
+    }
+    return v;
+}
+
 @compute @workgroup_size(256)
 fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                 @builtin(local_invocation_id) lid: vec3<u32>) {
@@ -131,11 +142,7 @@ fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     let span = COLS * p.tpg;
     var ss = 0.0;
     for (var c0 = lane; live && c0 < p.group; c0 += span) {
-        var v: array<f32, COLS>;
-        for (var u = 0u; u < COLS; u++) {
-            let i = base + min(c0 + u * p.tpg, p.group - 1u);
-            v[u] = x[i] + gate[i];
-        }
+        var v = added(base, c0);
         for (var u = 0u; u < COLS; u++) {
             let c = c0 + u * p.tpg;
             if (c < p.group) {
@@ -146,11 +153,7 @@ fn add_rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) 
     }
     let inv = segment_inv(ss, l);
     for (var c0 = lane; live && c0 < p.group; c0 += span) {
-        var v: array<f32, COLS>;
-        for (var u = 0u; u < COLS; u++) {
-            let i = base + min(c0 + u * p.tpg, p.group - 1u);
-            v[u] = x[i] + gate[i];
-        }
+        var v = added(base, c0);
         for (var u = 0u; u < COLS; u++) {
             let c = c0 + u * p.tpg;
             if (c < p.group) {
