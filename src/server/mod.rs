@@ -14,6 +14,7 @@
 //! Chat replies come back as OpenAI's `content`, `reasoning_content` (a thinking model's
 //! `<think>` block) and `tool_calls` ([`crate::reply`]).
 
+mod body;
 mod chat_reply;
 pub mod error;
 pub mod openai;
@@ -23,8 +24,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::{Request as HttpRequest, State};
 use axum::http::{header, Method, Uri};
 use axum::middleware::{self, Next};
@@ -195,26 +195,19 @@ async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
     }))
 }
 
-async fn chat_completions(
-    State(app): State<Arc<App>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     handle::<ChatRequest>(app, Endpoint::Chat, body).await
 }
 
-async fn completions(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
     handle::<CompletionRequest>(app, Endpoint::Completion, body).await
 }
 
 /// Parses and checks a request of either endpoint, then answers it.
-async fn handle<R: ApiRequest>(
-    app: Arc<App>,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
     // An unreadable body (too large: 413) gets an OpenAI-shaped error too.
-    let parsed = body
-        .map_err(|e| ApiError::unreadable_body(e.status(), e.body_text()))
+    let parsed = body::read_body(body)
+        .await
         .and_then(|b| R::parse(&b))
         .and_then(|r| Ok((r.input()?, r.common().params(&app.options.sampling)?)));
     match parsed {
