@@ -14,10 +14,10 @@
 //! Chat replies come back as OpenAI's `content`, `reasoning_content` (a thinking model's
 //! `<think>` block) and `tool_calls` ([`crate::reply`]).
 
-mod body;
 mod chat_reply;
 pub mod error;
 pub mod openai;
+mod request_body;
 mod stop;
 
 use std::convert::Infallible;
@@ -206,7 +206,7 @@ async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
 /// Parses and checks a request of either endpoint, then answers it.
 async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
     // An unreadable body (too large: 413) gets an OpenAI-shaped error too.
-    let parsed = body::read_body(body)
+    let parsed = request_body::read_body(body)
         .await
         .and_then(|b| R::parse(&b))
         .and_then(|r| Ok((r.input()?, r.common().params(&app.options.sampling)?)));
