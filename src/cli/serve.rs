@@ -110,7 +110,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 reasoning: args.reasoning_format == ReasoningFormat::Auto,
             },
         );
-        let served = slotstream::server::serve(listener, app)
+        let served = slotstream::server::serve(listener, app, Default::default())
             .await
             .context("serving");
         if served.is_ok() && args.stream.stats {

@@ -36,10 +36,7 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tower_http::timeout::RequestBodyTimeoutLayer;
 
-/// How long a request body may take to arrive.
-const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a shutdown waits for requests in progress before the process exits.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -99,28 +96,85 @@ pub fn router(engine: Engine, options: ServerOptions) -> Router {
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::method_not_allowed(&method, uri.path())
         })
-        // A client that stops sending its body mid-way is dropped, not waited for.
-        .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT))
         .layer(middleware::from_fn(log_request))
         .with_state(app)
 }
 
-/// Serves `router` on `listener` until Ctrl-C. Requests in progress then get up to 30 s
-/// to finish; a second Ctrl-C, or the end of that grace, ends the process.
-pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down: finishing requests in progress (Ctrl-C again to stop now)");
-            tokio::spawn(async {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!("requests still open after the grace period"),
+/// How long and how many connections the server keeps open.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Time a connection has to send a request's headers (from its opening, or from the
+    /// end of its previous request): a client that sends nothing, or trickles its headers,
+    /// is closed rather than holding a file descriptor for ever.
+    pub header_timeout: Duration,
+    /// Connections open at once; further ones wait in the listener's backlog.
+    pub connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    /// 30 s for headers (hyper's default, nginx's is 60 s); 1,024 connections (a common
+    /// default open-file limit is 1,024 or more; requests beyond the queue get 503 anyway).
+    fn default() -> Self {
+        ConnectionLimits {
+            header_timeout: Duration::from_secs(30),
+            connections: 1024,
+        }
+    }
+}
+
+/// Serves `router` on `listener` (HTTP/1.1) within `limits` until Ctrl-C. Requests in
+/// progress then get up to 30 s to finish; a second Ctrl-C, or the end of that grace,
+/// ends the process.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let open = Arc::new(Semaphore::new(limits.connections.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    loop {
+        let permit = tokio::select! {
+            permit = open.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            _ = &mut ctrl_c => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait rather than spin.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
                 }
-                std::process::exit(130);
-            });
-        })
-        .await
+            },
+            _ = &mut ctrl_c => break,
+        };
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_timeout)
+            .serve_connection(
+                TokioIo::new(stream),
+                hyper_util::service::TowerToHyperService::new(router.clone()),
+            );
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection closed");
+            }
+            drop(permit);
+        });
+    }
+    tracing::info!("shutting down: finishing requests in progress (Ctrl-C again to stop now)");
+    tokio::select! {
+        _ = graceful.shutdown() => Ok(()),
+        _ = tokio::signal::ctrl_c() => std::process::exit(130),
+        _ = tokio::time::sleep(SHUTDOWN_GRACE) => {
+            tracing::warn!("requests still open after the grace period");
+            std::process::exit(130)
+        }
+    }
 }
 
 async fn authenticate(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {

@@ -14,6 +14,8 @@ use crate::sampling::{SamplingInput, SamplingOptions};
 
 /// The longest stop sequence accepted (they are matched against the text after each token).
 const MAX_STOP_BYTES: usize = 256;
+/// The longest model name accepted: every response (each streamed chunk) repeats it.
+const MAX_MODEL_BYTES: usize = 256;
 
 /// Fields both endpoints take.
 #[derive(Debug, Default, Deserialize)]
@@ -40,6 +42,7 @@ pub struct Common {
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub logprobs: Option<Value>,
+    pub top_logprobs: Option<Value>,
     /// Tool definitions: the chat endpoint renders them; a completion refuses them.
     pub tools: Option<Vec<Value>>,
     /// Refused unless plain text: the engine does not constrain output or bias logits, and
@@ -119,7 +122,17 @@ pub struct ContentPart {
 #[derive(Debug)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    pub completion: CompletionFields,
     pub common: Common,
+}
+
+/// The completion endpoint's own fields besides `prompt`: refused unless at their
+/// defaults, since ignoring them would answer something other than asked.
+#[derive(Debug, Default, Deserialize)]
+pub struct CompletionFields {
+    pub echo: Option<bool>,
+    pub best_of: Option<u64>,
+    pub suffix: Option<String>,
 }
 
 /// Parses a JSON object body; errors name the field at fault (`messages[2].content`).
@@ -281,12 +294,28 @@ impl Common {
             }
         }
         if self
+            .model
+            .as_ref()
+            .is_some_and(|m| m.len() > MAX_MODEL_BYTES)
+        {
+            return Err(ApiError::invalid(
+                "model",
+                &format!("model names have at most {MAX_MODEL_BYTES} bytes"),
+            ));
+        }
+        if self
             .logprobs
             .as_ref()
             .is_some_and(|v| !(v.is_null() || *v == Value::Bool(false)))
         {
             return Err(ApiError::invalid(
                 "logprobs",
+                "log probabilities are not supported",
+            ));
+        }
+        if self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(
+                "top_logprobs",
                 "log probabilities are not supported",
             ));
         }
@@ -453,6 +482,7 @@ impl ApiRequest for CompletionRequest {
         let value = parse_object(body)?;
         Ok(CompletionRequest {
             prompt: required(&value, "prompt")?,
+            completion: typed(&value, "")?,
             common: typed(&value, "")?,
         })
     }
@@ -463,13 +493,30 @@ impl ApiRequest for CompletionRequest {
 
     /// The prompt as text (tokenized as is, special-token texts included: the text is the
     /// whole prompt, as llama.cpp reads it) or ids. Errors: a batch of more than one,
-    /// tools (a completion has no template to render them).
+    /// tools (a completion has no template to render them), `echo`, `best_of` above 1 or
+    /// a `suffix`.
     fn input(&self) -> Result<Input, ApiError> {
         if self.common.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid(
                 "tools",
                 "a text completion cannot call tools (use /v1/chat/completions)",
             ));
+        }
+        let c = &self.completion;
+        if c.echo == Some(true) {
+            return Err(ApiError::invalid(
+                "echo",
+                "echoing the prompt is not supported",
+            ));
+        }
+        if c.best_of.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid(
+                "best_of",
+                "only best_of = 1 is supported",
+            ));
+        }
+        if c.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "insertion is not supported"));
         }
         let batch = |n: usize| {
             ApiError::invalid(

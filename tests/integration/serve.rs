@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use slotstream::engine::{Engine, EngineOptions};
 use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::prompt_cache::PromptCacheOptions;
-use slotstream::server::{router, ServerOptions};
+use slotstream::server::{router, serve, ConnectionLimits, ServerOptions};
 
 const NAME: &str = "qwen3-next-bf16";
 /// The fixture's end-of-sequence ids (config.json).
@@ -47,6 +47,19 @@ async fn start_on(
     api_key: Option<&str>,
     reasoning: bool,
 ) -> Server {
+    let (engine, app) = app_on(dir, context, queue, prompt_cache, api_key, reasoning).await;
+    listen(engine, app, ConnectionLimits::default()).await
+}
+
+/// The engine and router [`start_on`] serves.
+async fn app_on(
+    dir: &std::path::Path,
+    context: usize,
+    queue: usize,
+    prompt_cache: u64,
+    api_key: Option<&str>,
+    reasoning: bool,
+) -> (Engine, axum::Router) {
     let engine = Engine::load(
         dir,
         EngineOptions {
@@ -77,9 +90,14 @@ async fn start_on(
             reasoning,
         },
     );
+    (engine, app)
+}
+
+/// `app` served on a free port within `limits`.
+async fn listen(engine: Engine, app: axum::Router, limits: ConnectionLimits) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    tokio::spawn(serve(listener, app, limits));
     Server {
         base,
         engine,
@@ -87,7 +105,33 @@ async fn start_on(
     }
 }
 
+/// A server on a copy of the fixture without an end of sequence (its streams run to their
+/// token limit, so none ends by itself while a test holds it open), and the copy.
+async fn start_without_eos(queue: usize) -> (Server, tempfile::TempDir) {
+    let tmp = copy_fixture(NAME);
+    without_eos(tmp.path());
+    let context = SourceOptions::default().context;
+    (
+        start_on(tmp.path(), context, queue, 0, None, true).await,
+        tmp,
+    )
+}
+
 impl Server {
+    /// `/stats`' count of requests queued or running.
+    async fn queued_or_running(&self) -> u64 {
+        let stats: Value = self
+            .client
+            .get(format!("{}/stats", self.base))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        stats["queued_or_running"].as_u64().unwrap()
+    }
+
     async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let r = self
             .client
@@ -340,6 +384,11 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ("/v1/completions", json!({ "prompt": ["a", "b"] }).to_string(), 400, "prompt"),
         ("/v1/completions", json!({ "prompt": [1, 2, 99999] }).to_string(), 400, ""),
         ("/v1/completions", json!({ "prompt": long }).to_string(), 400, ""),
+        ("/v1/completions", json!({ "prompt": "hi", "echo": true }).to_string(), 400, "echo"),
+        ("/v1/completions", json!({ "prompt": "hi", "best_of": 3 }).to_string(), 400, "best_of"),
+        ("/v1/completions", json!({ "prompt": "hi", "suffix": "end" }).to_string(), 400, "suffix"),
+        ("/v1/completions", json!({ "prompt": "hi", "model": "m".repeat(300) }).to_string(), 400, "model"),
+        ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "a" }], "top_logprobs": 2 }).to_string(), 400, "top_logprobs"),
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "a" }], "tool_choice": "required" }).to_string(), 400, "tool_choice"),
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "a" }], "tool_choice": 7 }).to_string(), 400, "tool_choice"),
         ("/v1/chat/completions", json!({ "messages": [{ "role": "user", "content": "a" }], "tools": [{ "type": "function" }] }).to_string(), 400, "tools[0]"),
@@ -582,7 +631,7 @@ async fn reasoning_content_split_and_reasoning_format_none() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_abandoned_while_queued_never_runs() {
-    let s = start(4, 0, None).await;
+    let (s, _tmp) = start_without_eos(4).await;
     let r = reference(NAME);
     let long =
         json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
@@ -605,7 +654,16 @@ async fn a_stream_abandoned_while_queued_never_runs() {
         (200, 200)
     );
     drop(queued);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The abandoned stream gives its place back once the server sees its client gone;
+    // the first one runs on until dropped (it has no end of sequence).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while s.queued_or_running().await != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the abandoned stream kept its place"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     drop(running);
     let next = json!({ "prompt": r.prompt_ids, "max_tokens": 4 });
     let (status, _) =
@@ -631,7 +689,7 @@ async fn a_stream_abandoned_while_queued_never_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_503_with_retry_after() {
-    let s = start(1, 0, None).await;
+    let (s, _tmp) = start_without_eos(1).await;
     let r = reference(NAME);
     let body =
         json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
@@ -902,4 +960,68 @@ async fn cli_and_server_read_sampling_values_alike() {
         .post("/v1/completions", &json!({ "prompt": prompt, "seed": -2 }))
         .await;
     assert_eq!((status, &v["error"]["param"]), (400, &json!("seed")), "{v}");
+}
+
+/// A connection that sends no complete headers is closed after the header timeout, and
+/// connections beyond the limit wait for a place rather than being refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_trickling_connections_are_closed() {
+    use std::io::{Read, Write};
+    let (engine, app) = app_on(
+        &fixture_dir(NAME),
+        SourceOptions::default().context,
+        4,
+        0,
+        None,
+        true,
+    )
+    .await;
+    let limits = ConnectionLimits {
+        header_timeout: Duration::from_secs(1),
+        connections: 2,
+    };
+    let s = listen(engine, app, limits).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    // Two connections take both places: one sends half a request's headers, one nothing.
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let idle = std::net::TcpStream::connect(&addr).unwrap();
+    let start = std::time::Instant::now();
+    // A third is served once the timeout has closed them.
+    let r = tokio::time::timeout(
+        Duration::from_secs(30),
+        s.client.get(format!("{}/health", s.base)).send(),
+    )
+    .await
+    .expect("a waiting connection was served")
+    .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(
+        start.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        start.elapsed()
+    );
+    for mut stream in [half, idle] {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut buf = Vec::new();
+            stream.read_to_end(&mut buf).map(|_| buf)
+        })
+        .await
+        .unwrap();
+        // Closed (an end of stream, or a reset), not timed out here: no request answered.
+        match read {
+            Ok(buf) => assert!(!String::from_utf8_lossy(&buf).contains("200 OK"), "{buf:?}"),
+            Err(e) => assert!(
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "the connection stayed open: {e}"
+            ),
+        }
+    }
 }
