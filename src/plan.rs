@@ -28,7 +28,8 @@ pub struct Plan {
     pub context_state: u64,
     pub context: usize,
     /// Activations of one prefill chunk with logits for every position, and the
-    /// chunk's expert records read outside the pool.
+    /// chunk's expert records read outside the pool (a layer's, and the next layer's
+    /// read ahead with their read buffers).
     pub workspaces: u64,
     /// Aligned scratch of the reads in flight.
     pub staging: u64,
@@ -87,9 +88,10 @@ impl Plan {
         let chunk = chunk as u64;
         let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
         // Plus a prefill chunk's experts read outside the pool: up to a whole layer's,
-        // held once as records and once as the aligned read buffer.
+        // held as records while the next layer's are read ahead into records and through
+        // the aligned read buffers.
         let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4
-            + 2 * index.num_experts as u64 * slot_bytes;
+            + 3 * index.num_experts as u64 * slot_bytes;
         let staging = queue_depth as u64 * slot_bytes;
         let runtime = RUNTIME_BYTES;
         let fixed =

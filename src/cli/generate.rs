@@ -251,6 +251,12 @@ fn summary(
             .filter(|&(_, bytes)| bytes > 0)
             .map(|(what, bytes)| format!("{} {what}", human(bytes)))
             .collect();
+            if p.sweep_wait_seconds > 0.0 {
+                out += &format!(
+                    "prefill sweeps: {:.2} s waiting on reads, {} records read ahead and not routed to\n",
+                    p.sweep_wait_seconds, p.sweep_unused
+                );
+            }
             out += &format!(
                 "pool: hit rate {:.3}, {} read from disk ({}), {} prefetches used, {} wasted, {:.0}% of decode time waiting on reads\n",
                 p.hit_rate,

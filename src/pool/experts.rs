@@ -2,6 +2,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::io::RangeRead;
@@ -18,6 +20,38 @@ pub struct PoolExperts {
     pub lookahead: bool,
     /// What the current prompt's prefill has done so far.
     prompt: Mutex<Prompt>,
+    /// The next MoE layer's sweep, when one was started ahead of its chunk.
+    ahead: Mutex<Option<ReadAhead>>,
+}
+
+/// A chunk that routes to at least this share of a layer's experts has the next MoE
+/// layer's missing records read while it computes (the next layer's routes most likely
+/// touch as many: a chunk of 256 tokens with top-10 of 512 experts touches 99% of them),
+/// so the disk reads while the device computes, and at most a tenth of what is read
+/// ahead goes unused.
+const READ_AHEAD_SHARE: f64 = 0.9;
+
+/// A sweep of a layer's records started before its chunk asked for them.
+struct ReadAhead {
+    layer: usize,
+    /// The records it reads (ascending ids): those the pool lacked when it started.
+    ids: Vec<u32>,
+    reads: JoinHandle<Result<Vec<Vec<u8>>>>,
+}
+
+impl ReadAhead {
+    /// Its records, once read; `None` if the read failed (the chunk then reads them
+    /// itself, and reports the error if it fails again).
+    fn join(self) -> Option<(Vec<u32>, Vec<Vec<u8>>)> {
+        match self.reads.join() {
+            Ok(Ok(reads)) => Some((self.ids, reads)),
+            Ok(Err(e)) => {
+                tracing::debug!(layer = self.layer, error = %e, "a sweep read ahead failed");
+                None
+            }
+            Err(_) => None,
+        }
+    }
 }
 
 /// A prompt's prefill so far, for the admission of its most used experts.
@@ -48,6 +82,7 @@ impl PoolExperts {
             pool,
             lookahead: true,
             prompt: Mutex::default(),
+            ahead: Mutex::default(),
         }
     }
 
@@ -127,6 +162,95 @@ impl PoolExperts {
     fn lock_prompt(&self) -> std::sync::MutexGuard<'_, Prompt> {
         self.prompt.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The sweep read ahead for `layer` (`None`: for none), once read; one for another
+    /// layer is waited for, dropped and counted as unused.
+    fn take_ahead(&self, layer: Option<usize>) -> Option<(Vec<u32>, Vec<Vec<u8>>)> {
+        let ahead = self
+            .ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        let same = Some(ahead.layer) == layer;
+        let read = ahead.join()?;
+        if same {
+            return Some(read);
+        }
+        self.pool.lock().stats.sweep_unused += read.0.len() as u64;
+        None
+    }
+
+    /// Starts reading the records of the MoE layer after `layer` that the pool lacks,
+    /// when `layer`'s chunk routed to `touched` experts, at least [`READ_AHEAD_SHARE`] of
+    /// them.
+    fn read_ahead_after(&self, layer: usize, touched: usize) {
+        let index = &self.pool.index;
+        if (touched as f64) < READ_AHEAD_SHARE * index.num_experts as f64 {
+            return;
+        }
+        let Some(&next) = index.moe_layers.iter().find(|&&l| l > layer) else {
+            return;
+        };
+        let ids: Vec<u32> = (0..index.num_experts as u32)
+            .filter(|&e| self.pool.resident((next as u32, e)).is_none())
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let (pool, read) = (self.pool.clone(), ids.clone());
+        match std::thread::Builder::new()
+            .name("sweep-ahead".into())
+            .spawn(move || pool.read_runs(next, &read))
+        {
+            Ok(reads) => {
+                *self.ahead.lock().unwrap_or_else(|p| p.into_inner()) = Some(ReadAhead {
+                    layer: next,
+                    ids,
+                    reads,
+                })
+            }
+            // The chunk reads them itself then.
+            Err(e) => tracing::debug!(error = %e, "no thread for a sweep read ahead"),
+        }
+    }
+
+    /// The records of `missing` (ascending ids) of `layer`: from the sweep read ahead
+    /// for it, the rest read now. Counts the records read ahead that the chunk did not
+    /// need, and the time spent waiting for reads.
+    fn sweep(&self, layer: usize, missing: &[u32]) -> Result<Vec<Vec<u8>>> {
+        let start = Instant::now();
+        let read = match self.take_ahead(Some(layer)) {
+            None => self.pool.read_runs(layer, missing),
+            Some((ids, mut reads)) => {
+                let taken: Vec<Option<Vec<u8>>> = missing
+                    .iter()
+                    .map(|e| {
+                        ids.binary_search(e)
+                            .ok()
+                            .map(|at| std::mem::take(&mut reads[at]))
+                    })
+                    .collect();
+                let rest: Vec<u32> = missing
+                    .iter()
+                    .zip(&taken)
+                    .filter(|(_, r)| r.is_none())
+                    .map(|(&e, _)| e)
+                    .collect();
+                let used = missing.len() - rest.len();
+                self.pool.lock().stats.sweep_unused += (ids.len() - used) as u64;
+                let mut rest = self.pool.read_runs(layer, &rest)?.into_iter();
+                taken
+                    .into_iter()
+                    .map(|r| {
+                        r.or_else(|| rest.next())
+                            .ok_or_else(|| Error::Internal("a sweep read went missing".into()))
+                    })
+                    .collect()
+            }
+        };
+        self.pool.lock().stats.sweep_wait_seconds += start.elapsed().as_secs_f64();
+        read
+    }
 }
 
 /// A record from [`PoolExperts`]: pinned in a slot, or read for one prefill chunk
@@ -195,7 +319,8 @@ impl ExpertSource for PoolExperts {
             .filter(|(_, r)| r.is_none())
             .map(|(&e, _)| e)
             .collect();
-        let read = self.pool.read_runs(layer, &missing)?;
+        let read = self.sweep(layer, &missing)?;
+        self.read_ahead_after(layer, experts.len());
         self.admit_swept(layer, &missing, &read);
         let mut read = read.into_iter();
         resident
@@ -214,6 +339,8 @@ impl ExpertSource for PoolExperts {
     /// per layer, hottest first), so decoding starts warm, and starts counting decode waits.
     /// What the sweeps put in that is not among them is given back first.
     fn end_prefill(&self, admit: bool) {
+        // A sweep read ahead for a chunk that never came (the prompt ended early).
+        self.take_ahead(None);
         let prompt = std::mem::take(&mut *self.lock_prompt());
         if admit && !prompt.uses.is_empty() {
             let quota = self.admission_quota();

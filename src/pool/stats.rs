@@ -83,6 +83,11 @@ pub struct PoolStats {
     /// Bytes read to admit a prompt's hottest experts at the end of its prefill (those a
     /// sweep did not already put in slots, see `sweep_admitted`).
     pub admitted_bytes: u64,
+    /// Records a sweep read ahead of its layer's chunk (while the layer before computed)
+    /// that the chunk did not route to (part of `sweep_bytes`).
+    pub sweep_unused: u64,
+    /// Seconds prefill chunks waited for their sweeps' reads (those read ahead included).
+    pub sweep_wait_seconds: f64,
     /// Records a prefill sweep copied into slots as it read them, for the admission at
     /// the end of the prompt (not read a second time, and not part of `bytes_read`).
     pub sweep_admitted: u64,
@@ -121,6 +126,8 @@ impl PoolStats {
         self.sweep_bytes += other.sweep_bytes;
         self.admitted_bytes += other.admitted_bytes;
         self.sweep_admitted += other.sweep_admitted;
+        self.sweep_unused += other.sweep_unused;
+        self.sweep_wait_seconds += other.sweep_wait_seconds;
         self.range_reads += other.range_reads;
         self.range_bytes += other.range_bytes;
         if self.per_layer.len() < other.per_layer.len() {

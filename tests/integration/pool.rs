@@ -1458,6 +1458,65 @@ fn sweeps_of_several_chunks_keep_a_layer_within_its_share() {
     assert_eq!(resident(), hottest, "seed {seed}: after the prompt");
 }
 
+/// A chunk that routes to nearly every expert of a layer (90% or more) has the next MoE
+/// layer's missing records read while it computes: that layer's chunk then gets them
+/// byte-equal to the checkpoint without reading them again, and what it did not route to
+/// is counted unused. A chunk of fewer experts reads nothing ahead, and a read ahead
+/// that no chunk takes is dropped (and counted) at the end of the prompt.
+#[test]
+fn a_chunk_of_nearly_every_expert_reads_the_next_layer_ahead() {
+    use rand::seq::SliceRandom;
+    use slotstream::records::ExpertSource;
+    let rt = runtime();
+    let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
+    let (ckpt, index) = open(tmp.path());
+    let mut options = StreamOptions::with_slots(40);
+    options.io = IoMode::Direct;
+    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+    let source = PoolExperts::new(pool.clone());
+    let experts = index.num_experts as u32;
+    let record = index.layout.record_bytes as u64;
+    let (first, next, last) = (
+        index.moe_layers[0],
+        index.moe_layers[1],
+        index.moe_layers[2],
+    );
+    let all: Vec<u32> = (0..experts).collect();
+    let uses =
+        |ids: &[u32]| -> Vec<u32> { ids.iter().map(|_| rand::random_range(1..50)).collect() };
+    let mut some = all.clone();
+    some.shuffle(&mut rand::rng());
+    some.truncate(12);
+    some.sort_unstable();
+
+    // Every expert of the first layer: the next one's are read ahead.
+    drop(source.fetch_prefill(first, &all, &uses(&all)).unwrap());
+    // The next layer's chunk takes 12 of them and reads nothing (the read ahead counts
+    // its bytes when it is done); 12 of 16 experts reads nothing ahead either.
+    let got = source.fetch_prefill(next, &some, &uses(&some)).unwrap();
+    for (r, &e) in got.iter().zip(&some) {
+        assert!(
+            r[..] == expected(&ckpt, &index, next, e)[..],
+            "{some:?}: expert {e}"
+        );
+    }
+    drop(got);
+    let st = pool.stats();
+    assert_eq!(st.sweep_bytes, 2 * experts as u64 * record, "{st:?}");
+    assert_eq!(st.sweep_unused, (experts - 12) as u64, "{st:?}");
+    // Every expert of the second layer again, the last layer's read ahead, and the
+    // prompt ends before a chunk takes it.
+    drop(source.fetch_prefill(next, &all, &uses(&all)).unwrap());
+    source.end_prefill(true);
+    let st = pool.stats();
+    let resident_last = (0..experts)
+        .filter(|&e| pool.resident((last as u32, e)).is_some())
+        .count() as u64;
+    assert_eq!(resident_last, 0, "nothing of the last layer is admitted");
+    assert!(st.sweep_unused > (experts - 12) as u64, "{st:?}");
+    assert_eq!(pool.pinned_slots(), 0);
+}
+
 /// A sweep of one long run of ids (a cold pool's whole layer) is read in parts by
 /// several readers at once, up to the queue depth, and comes back byte-equal to the
 /// checkpoint. (One run was once read by one reader: a queue depth of 1.)
