@@ -72,6 +72,7 @@ def main():
     try:
         client = openai.OpenAI(base_url=base, api_key=KEY)
         name = client.models.list().data[0].id
+        check("models.retrieve", client.models.retrieve(name).id, name)
         messages = [{"role": "user", "content": question}]
 
         r = client.chat.completions.create(

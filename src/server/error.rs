@@ -91,6 +91,16 @@ impl ApiError {
         )
     }
 
+    /// 404: a model this server does not serve (`GET /v1/models/{id}`).
+    pub fn no_model(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            format!("the model `{id}` does not exist"),
+        )
+    }
+
     /// 404: an unknown path.
     pub fn no_route(path: &str) -> Self {
         Self::new(

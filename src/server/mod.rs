@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::extract::{Request as HttpRequest, State};
+use axum::extract::{Path, Request as HttpRequest, State};
 use axum::http::{header, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -85,6 +85,7 @@ pub fn router(engine: Engine, options: ServerOptions) -> Router {
     });
     let authenticated = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/stats", get(stats))
@@ -231,13 +232,25 @@ fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outc
     );
 }
 
-async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+/// The model objects `/v1/models` lists: the loaded model's name, then its aliases.
+fn model_objects(app: &App) -> impl Iterator<Item = Value> + '_ {
     let o = &app.options;
-    let data: Vec<Value> = std::iter::once(&o.model_id)
+    std::iter::once(&o.model_id)
         .chain(&o.aliases)
         .map(|id| json!({ "id": id, "object": "model", "created": app.created, "owned_by": "slotstream" }))
-        .collect();
+}
+
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    let data: Vec<Value> = model_objects(&app).collect();
     Json(json!({ "object": "list", "data": data }))
+}
+
+/// One listed model (the OpenAI clients' `models.retrieve`); 404 for another name.
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    match model_objects(&app).find(|m| m["id"] == id.as_str()) {
+        Some(m) => Json(m).into_response(),
+        None => ApiError::no_model(&id).into_response(),
+    }
 }
 
 async fn stats(State(app): State<Arc<App>>) -> Json<Value> {
@@ -475,9 +488,15 @@ fn stream_response(
         });
         // A client that leaves while the request waits or prefills has sent nothing to
         // fail on: watch the channel, and drop (cancel) the generation when it closes.
+        let gone = || {
+            tracing::info!(
+                "POST {} 499 (streamed): the client went away",
+                meta.endpoint.route()
+            )
+        };
         let result = tokio::select! {
             r = driven => r,
-            _ = tx.closed() => return,
+            _ = tx.closed() => return gone(),
         };
         match result {
             Ok(Some(outcome)) => {
@@ -502,7 +521,7 @@ fn stream_response(
                 }
                 log_generation(meta.endpoint.route(), 200, meta.prompt_tokens, &outcome);
             }
-            Ok(None) => return, // the client went away
+            Ok(None) => return gone(),
             Err(e) => {
                 let error = ApiError::engine(&e);
                 tracing::info!(

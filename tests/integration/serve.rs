@@ -367,6 +367,26 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         .map(|m| m["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, [NAME, "alias-a", "alias-b"]);
+    // One model by name (an alias too), as listed; another name is 404.
+    for (i, id) in ids.iter().enumerate() {
+        let one: Value = auth(s.client.get(url(&format!("/v1/models/{id}"))))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(one, models["data"][i]);
+    }
+    let r = auth(s.client.get(url("/v1/models/gpt-4o")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["error"]["code"],
+        "model_not_found"
+    );
 
     let long: Vec<u32> = (0..5000).map(|i| i % 500).collect();
     let cases: Vec<(&str, String, u16, &str)> = vec![
