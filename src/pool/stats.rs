@@ -84,7 +84,8 @@ pub struct PoolStats {
     /// sweep did not already put in slots, see `sweep_admitted`).
     pub admitted_bytes: u64,
     /// Records a sweep read ahead of its layer's chunk (while the layer before computed)
-    /// that the chunk did not route to (part of `sweep_bytes`).
+    /// that the chunk did not take: not routed to, resident by then, or the whole read
+    /// ahead when no sweep of that layer came (their bytes are part of `sweep_bytes`).
     pub sweep_unused: u64,
     /// Seconds prefill chunks waited for their sweeps' reads (those read ahead included).
     pub sweep_wait_seconds: f64,

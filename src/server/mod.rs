@@ -113,14 +113,49 @@ pub struct ConnectionLimits {
 }
 
 impl Default for ConnectionLimits {
-    /// 30 s for headers (hyper's default, nginx's is 60 s); 1,024 connections (a common
-    /// default open-file limit is 1,024 or more; requests beyond the queue get 503 anyway).
+    /// 20 s for headers (Apache's default; shorter than the shutdown's grace, so a
+    /// half-sent request cannot hold a shutdown to its end); 1,024 connections, fewer where
+    /// the open-file limit leaves less room (see [`serve`]). Requests beyond the queue get
+    /// 503 anyway.
     fn default() -> Self {
         ConnectionLimits {
-            header_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(20),
             connections: 1024,
         }
     }
+}
+
+/// Descriptors kept free of connections for everything else the process opens
+/// (checkpoint shards, prompt-cache snapshots, the listener).
+const RESERVED_DESCRIPTORS: usize = 256;
+
+/// Connections that fit the process's open-file limit, at most `wanted`: the soft limit is
+/// raised to the hard one first (as Go's runtime does), since 1,024, a common soft limit,
+/// would otherwise run out before the connection cap.
+fn descriptor_room(wanted: usize) -> usize {
+    #[cfg(unix)]
+    {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read or write the struct passed, nothing else.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0 {
+            if limit.rlim_cur < limit.rlim_max {
+                let raised = libc::rlimit {
+                    rlim_cur: limit.rlim_max,
+                    rlim_max: limit.rlim_max,
+                };
+                // SAFETY: as above.
+                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+                    limit = raised;
+                }
+            }
+            let room = usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX);
+            return wanted.min(room.saturating_sub(RESERVED_DESCRIPTORS).max(16));
+        }
+    }
+    wanted
 }
 
 /// Serves `router` on `listener` (HTTP/1.1) within `limits` until Ctrl-C. Requests in
@@ -132,7 +167,7 @@ pub async fn serve(
     limits: ConnectionLimits,
 ) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
-    let open = Arc::new(Semaphore::new(limits.connections.max(1)));
+    let open = Arc::new(Semaphore::new(descriptor_room(limits.connections).max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
     loop {
@@ -143,6 +178,13 @@ pub async fn serve(
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
+                // A client that gave up before its connection was taken: nothing to wait on.
+                Err(e) if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
+                ) => continue,
                 Err(e) => {
                     // Out of file descriptors, say: wait rather than spin.
                     tracing::warn!(error = %e, "accepting a connection failed");
@@ -152,6 +194,8 @@ pub async fn serve(
             },
             _ = &mut ctrl_c => break,
         };
+        // Token-sized SSE writes go out at once rather than waiting on Nagle's algorithm.
+        let _ = stream.set_nodelay(true);
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
@@ -167,6 +211,8 @@ pub async fn serve(
             drop(permit);
         });
     }
+    // New clients are refused at once, rather than waiting in the backlog to be reset.
+    drop(listener);
     tracing::info!("shutting down: finishing requests in progress (Ctrl-C again to stop now)");
     tokio::select! {
         _ = graceful.shutdown() => Ok(()),
@@ -475,10 +521,16 @@ fn stream_response(
     let (tx, rx) = mpsc::unbounded_channel::<String>();
     tokio::spawn(async move {
         let _permit = permit;
+        let gone = || {
+            tracing::info!(
+                "POST {} 499 (streamed): the client went away",
+                meta.endpoint.route()
+            )
+        };
         if meta.endpoint == Endpoint::Chat {
             let first = meta.chunk(json!({ "role": "assistant", "content": "" }), None);
             if tx.send(first.to_string()).is_err() {
-                return;
+                return gone();
             }
         }
         let send = |delta: Value| tx.send(meta.chunk(delta, None).to_string()).is_ok();
@@ -488,12 +540,6 @@ fn stream_response(
         });
         // A client that leaves while the request waits or prefills has sent nothing to
         // fail on: watch the channel, and drop (cancel) the generation when it closes.
-        let gone = || {
-            tracing::info!(
-                "POST {} 499 (streamed): the client went away",
-                meta.endpoint.route()
-            )
-        };
         let result = tokio::select! {
             r = driven => r,
             _ = tx.closed() => return gone(),
@@ -503,7 +549,7 @@ fn stream_response(
                 let mut finish = outcome.finish_reason;
                 if let Some(r) = &mut reply {
                     if !r.finish_deltas().into_iter().all(send) {
-                        return;
+                        return gone();
                     }
                     finish = r.finish_reason(finish);
                 }

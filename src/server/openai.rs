@@ -313,7 +313,11 @@ impl Common {
                 "log probabilities are not supported",
             ));
         }
-        if self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+        if self
+            .top_logprobs
+            .as_ref()
+            .is_some_and(|v| !(v.is_null() || v.as_u64() == Some(0)))
+        {
             return Err(ApiError::invalid(
                 "top_logprobs",
                 "log probabilities are not supported",
