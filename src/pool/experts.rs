@@ -105,6 +105,28 @@ fn hottest(mut list: Vec<(u64, u32)>, quota: usize) -> impl Iterator<Item = u32>
     list.into_iter().take(quota).map(|(_, e)| e)
 }
 
+/// The ids of `ids` whose entry in `found` is `None` (what is left to read), in order.
+fn gaps<T>(ids: &[u32], found: &[Option<T>]) -> Vec<u32> {
+    ids.iter()
+        .zip(found)
+        .filter(|(_, r)| r.is_none())
+        .map(|(&e, _)| e)
+        .collect()
+}
+
+/// `found` with each `None` filled, in order, from `read` (the reads of its [`gaps`]).
+/// Errors: fewer reads than gaps.
+fn fill_gaps<T>(found: Vec<Option<T>>, read: Vec<T>) -> Result<Vec<T>> {
+    let mut read = read.into_iter();
+    found
+        .into_iter()
+        .map(|r| {
+            r.or_else(|| read.next())
+                .ok_or_else(|| Error::Internal("a sweep read went missing".into()))
+        })
+        .collect()
+}
+
 impl PoolExperts {
     /// Puts the records a sweep of `layer` just read (`ids`, ascending, and `read`) that
     /// the end of the prompt would admit (the layer's most used so far, its share of the
@@ -230,22 +252,12 @@ impl PoolExperts {
                             .map(|at| std::mem::take(&mut reads[at]))
                     })
                     .collect();
-                let rest: Vec<u32> = missing
-                    .iter()
-                    .zip(&taken)
-                    .filter(|(_, r)| r.is_none())
-                    .map(|(&e, _)| e)
-                    .collect();
+                let rest = gaps(missing, &taken);
                 let used = missing.len() - rest.len();
                 self.pool.lock().stats.sweep_unused += (ids.len() - used) as u64;
-                let mut rest = self.pool.read_runs(layer, &rest)?.into_iter();
-                taken
-                    .into_iter()
-                    .map(|r| {
-                        r.or_else(|| rest.next())
-                            .ok_or_else(|| Error::Internal("a sweep read went missing".into()))
-                    })
-                    .collect()
+                self.pool
+                    .read_runs(layer, &rest)
+                    .and_then(|read| fill_gaps(taken, read))
             }
         };
         self.pool.lock().stats.sweep_wait_seconds += start.elapsed().as_secs_f64();
@@ -313,26 +325,17 @@ impl ExpertSource for PoolExperts {
         }
         // Records already in the pool are used where they are; the rest are read in runs.
         let resident = self.pool.pin_resident(layer, experts);
-        let missing: Vec<u32> = experts
-            .iter()
-            .zip(&resident)
-            .filter(|(_, r)| r.is_none())
-            .map(|(&e, _)| e)
-            .collect();
+        let missing = gaps(experts, &resident);
         let read = self.sweep(layer, &missing)?;
         self.read_ahead_after(layer, experts.len());
         self.admit_swept(layer, &missing, &read);
-        let mut read = read.into_iter();
-        resident
-            .into_iter()
-            .map(|r| match r {
-                Some(r) => Ok(PoolRecord::Slot(r)),
-                None => read
-                    .next()
-                    .map(PoolRecord::Sweep)
-                    .ok_or_else(|| Error::Internal("a sweep read went missing".into())),
-            })
-            .collect()
+        fill_gaps(
+            resident
+                .into_iter()
+                .map(|r| r.map(PoolRecord::Slot))
+                .collect(),
+            read.into_iter().map(PoolRecord::Sweep).collect(),
+        )
     }
 
     /// Admits the prompt's most used experts into the pool (an equal share of the slots

@@ -1306,9 +1306,7 @@ fn prefill_sweep_reads_runs_outside_the_pool_and_admits_hot_experts() {
             pack(&ckpt, &index, tmp.path(), false).unwrap();
         }
         let open_pool = || {
-            let mut options = StreamOptions::with_slots(40);
-            options.io = IoMode::Direct;
-            let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+            let pool = sweep_pool(&ckpt, &index, &rt);
             assert_eq!(pool.packed(), packed);
             pool
         };
@@ -1405,9 +1403,7 @@ fn sweeps_of_several_chunks_keep_a_layer_within_its_share() {
     let rt = runtime();
     let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
     let (ckpt, index) = open(tmp.path());
-    let mut options = StreamOptions::with_slots(40);
-    options.io = IoMode::Direct;
-    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+    let pool = sweep_pool(&ckpt, &index, &rt);
     let source = PoolExperts::new(pool.clone());
     let layer = index.moe_layers[1];
     let experts = index.num_experts as u32;
@@ -1470,9 +1466,7 @@ fn a_chunk_of_nearly_every_expert_reads_the_next_layer_ahead() {
     let rt = runtime();
     let tmp = copy_fixture(FIXTURES_FOR_SWEEP);
     let (ckpt, index) = open(tmp.path());
-    let mut options = StreamOptions::with_slots(40);
-    options.io = IoMode::Direct;
-    let pool = SlotPool::open(&ckpt, index.clone(), options, rt.handle().clone()).unwrap();
+    let pool = sweep_pool(&ckpt, &index, &rt);
     let source = PoolExperts::new(pool.clone());
     let experts = index.num_experts as u32;
     let record = index.layout.record_bytes as u64;
@@ -1565,6 +1559,18 @@ fn a_long_sweep_run_is_read_at_the_queue_depth() {
 }
 
 const FIXTURES_FOR_SWEEP: &str = "qwen3-next-f32-sharded";
+
+/// A pool of 40 slots reading `ckpt` with direct I/O (a layer's share of the slots for a
+/// prompt: (40 - 24 + 16) / 4 = 8).
+fn sweep_pool(
+    ckpt: &Checkpoint,
+    index: &Arc<ExpertIndex>,
+    rt: &tokio::runtime::Runtime,
+) -> Arc<SlotPool> {
+    let mut options = StreamOptions::with_slots(40);
+    options.io = IoMode::Direct;
+    SlotPool::open(ckpt, index.clone(), options, rt.handle().clone()).unwrap()
+}
 
 /// A pool of every record gives each record a slot of its own in layer order, whatever
 /// order the records are first asked for in (so a layer's records lie together for

@@ -118,18 +118,21 @@ async fn start_without_eos(queue: usize) -> (Server, tempfile::TempDir) {
 }
 
 impl Server {
-    /// `/stats`' count of requests queued or running.
-    async fn queued_or_running(&self) -> u64 {
-        let stats: Value = self
-            .client
+    /// `/stats`.
+    async fn stats(&self) -> Value {
+        self.client
             .get(format!("{}/stats", self.base))
             .send()
             .await
             .unwrap()
             .json()
             .await
-            .unwrap();
-        stats["queued_or_running"].as_u64().unwrap()
+            .unwrap()
+    }
+
+    /// `/stats`' count of requests queued or running.
+    async fn queued_or_running(&self) -> u64 {
+        self.stats().await["queued_or_running"].as_u64().unwrap()
     }
 
     async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
@@ -693,15 +696,7 @@ async fn a_stream_abandoned_while_queued_never_runs() {
     assert_eq!(status, 200);
     // The first stream and this request ran; the abandoned one never reached the model.
     assert_eq!(s.engine.stats().requests, 2);
-    let stats: Value = s
-        .client
-        .get(format!("{}/stats", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = s.stats().await;
     assert_eq!(stats["queued_or_running"], 0);
     // A model without an n-gram table has no n-gram counters.
     assert!(stats["ngram"].is_null(), "{stats}");
@@ -785,16 +780,7 @@ async fn a_follow_up_reuses_the_kept_state_and_matches_a_cold_run() {
     assert_eq!(v3["slotstream_stats"]["reused_prompt_tokens"], 0);
     assert_eq!(v2["choices"][0]["text"], v3["choices"][0]["text"]);
     assert_eq!(warm.engine.stats().prompt_cache.hits, 1);
-    let stats: Value = warm
-        .client
-        .get(format!("{}/stats", warm.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(stats["engine"]["prompt_cache"]["hits"], 1);
+    assert_eq!(warm.stats().await["engine"]["prompt_cache"]["hits"], 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
