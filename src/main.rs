@@ -6,7 +6,7 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 
-use cli::{bench, chat, demo, devices, generate, pack, plan, routing, score, serve, synth};
+use cli::{bench, chat, demo, devices, generate, launch, pack, plan, routing, score, serve, synth};
 
 #[derive(Parser)]
 #[command(
@@ -47,6 +47,11 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the OpenAI API (chat and text completions, streaming or not) over HTTP.
     Serve(serve::ServeArgs),
+    /// Run a coding agent (Claude Code, Codex, opencode) against a slotstream server on
+    /// this machine, starting one in the background when none runs on the port.
+    Launch(launch::LaunchArgs),
+    /// Stop a server that `launch` started.
+    Stop(launch::StopArgs),
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
     /// that holds a third of its experts.
     Demo(demo::DemoArgs),
@@ -74,6 +79,8 @@ fn main() {
         Command::Synth(args) => synth::synth(args),
         Command::Demo(args) => demo::demo(args),
         Command::Serve(args) => serve::serve(args),
+        Command::Launch(args) => launch::launch(args),
+        Command::Stop(args) => launch::stop(args),
         Command::Bench(args) => bench::bench(args),
     };
     if let Err(e) = result {

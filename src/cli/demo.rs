@@ -33,11 +33,7 @@ pub struct DemoArgs {
 pub fn demo(args: DemoArgs) -> Result<()> {
     let dir = match args.dir {
         Some(d) => d,
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap_or_else(std::env::temp_dir)
-            .join("slotstream/demo"),
+        None => super::cache_dir().join("demo"),
     };
     let preset = slotstream::tools::synth::DEMO;
     if !dir.join("model.safetensors.index.json").exists() {

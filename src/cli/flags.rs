@@ -313,3 +313,38 @@ impl StreamArgs {
         }
     }
 }
+
+/// A time given in minutes, fractions allowed (`0.5` is 30 s); 0 means never
+/// (`--idle-exit` of `serve` and `launch`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Minutes(f64);
+
+impl Minutes {
+    /// The time, or `None` for 0 (never).
+    pub fn duration(self) -> Option<std::time::Duration> {
+        (self.0 > 0.0).then(|| std::time::Duration::from_secs_f64(self.0 * 60.0))
+    }
+}
+
+impl std::str::FromStr for Minutes {
+    type Err = String;
+
+    /// A non-negative number of minutes that fits a `Duration`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().parse::<f64>() {
+            Ok(m) if m >= 0.0 && std::time::Duration::try_from_secs_f64(m * 60.0).is_ok() => {
+                Ok(Minutes(m))
+            }
+            _ => Err(format!(
+                "`{s}` is not a number of minutes (0 or more; 0: never)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Minutes {
+    /// As given (`f64`'s shortest form, which parses back to the same value).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}

@@ -1,12 +1,15 @@
 //! `slotstream serve`: the OpenAI-compatible HTTP API.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use super::flags::{PromptCacheArgs, SamplingArgs, StreamArgs};
+use super::flags::{Minutes, PromptCacheArgs, SamplingArgs, StreamArgs};
 use super::load::engine_options;
+
+/// The port `serve` and `launch` use unless told (Ollama's, which its clients expect).
+pub const DEFAULT_PORT: u16 = 11434;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -17,7 +20,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Port to listen on (0: any free port, printed at start).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = DEFAULT_PORT)]
     port: u16,
     /// Require `Authorization: Bearer <KEY>` on /v1/... and /stats.
     #[arg(long, env = "SLOTSTREAM_API_KEY", hide_env_values = true)]
@@ -50,6 +53,10 @@ pub struct ServeArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    /// Exit, as on Ctrl-C, after this many minutes without a request (fractions allowed;
+    /// 0: never). A request counts until its response has been sent.
+    #[arg(long, default_value = "0")]
+    idle_exit: Minutes,
 }
 
 /// Where a thinking model's reasoning goes in the server's replies.
@@ -61,18 +68,15 @@ enum ReasoningFormat {
 
 pub fn serve(args: ServeArgs) -> Result<()> {
     use slotstream::engine::Engine;
-    use slotstream::server::{router, ServerOptions};
+    use slotstream::server::idle::Idle;
+    use slotstream::server::{router, serve_until, ServerOptions};
     let sampling = args.sampling.options()?;
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
     }
     let model_id = match &args.model_name {
         Some(n) => n.clone(),
-        // A missing or unreadable directory is reported by the loader below.
-        None => std::fs::canonicalize(&args.model)
-            .unwrap_or_else(|_| args.model.clone())
-            .file_name()
-            .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+        None => model_name(&args.model),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
     let (engine, served) = runtime.block_on(async {
@@ -98,7 +102,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .await
             .context("loading the model")?;
         eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
-        let app = router(
+        let idle = Idle::new();
+        let app = idle.track(router(
             engine.clone(),
             ServerOptions {
                 model_id,
@@ -109,8 +114,17 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 sampling,
                 reasoning: args.reasoning_format == ReasoningFormat::Auto,
             },
-        );
-        let served = slotstream::server::serve(listener, app, Default::default())
+        ));
+        let idle_exit = async {
+            match args.idle_exit.duration() {
+                Some(after) => {
+                    idle.elapsed(after).await;
+                    tracing::info!("no request for {} minutes (--idle-exit)", args.idle_exit);
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let served = serve_until(listener, app, Default::default(), idle_exit)
             .await
             .context("serving");
         if served.is_ok() && args.stream.stats {
@@ -129,4 +143,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     drop(runtime);
     drop(engine);
     served
+}
+
+/// The name a model directory is served under without `--model-name`: the directory's
+/// own name (`.` resolved). A missing or unreadable directory is left for the loader to
+/// report.
+pub fn model_name(dir: &Path) -> String {
+    std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned())
 }

@@ -16,6 +16,7 @@
 
 mod chat_reply;
 pub mod error;
+pub mod idle;
 pub mod openai;
 mod request_body;
 mod stop;
@@ -158,22 +159,38 @@ fn descriptor_room(wanted: usize) -> usize {
     wanted
 }
 
-/// Serves `router` on `listener` (HTTP/1.1) within `limits` until Ctrl-C. Requests in
-/// progress then get up to 30 s to finish; a second Ctrl-C, or the end of that grace,
-/// ends the process.
+/// Serves `router` on `listener` (HTTP/1.1) within `limits` until Ctrl-C or SIGTERM.
+/// Requests in progress then get up to 30 s to finish; a second signal, or the end of
+/// that grace, ends the process.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     limits: ConnectionLimits,
 ) -> std::io::Result<()> {
+    serve_until(listener, router, limits, std::future::pending()).await
+}
+
+/// As [`serve`], and shuts down the same way when `stop` resolves too (`--idle-exit`:
+/// [`idle::Idle::elapsed`]).
+pub async fn serve_until(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
     use hyper_util::rt::{TokioIo, TokioTimer};
     let open = Arc::new(Semaphore::new(descriptor_room(limits.connections).max(1)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    let mut stop = std::pin::pin!(async {
+        tokio::select! {
+            _ = terminated() => {}
+            _ = stop => {}
+        }
+    });
     loop {
         let permit = tokio::select! {
             permit = open.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-            _ = &mut ctrl_c => break,
+            _ = &mut stop => break,
         };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -192,7 +209,7 @@ pub async fn serve(
                     continue;
                 }
             },
-            _ = &mut ctrl_c => break,
+            _ = &mut stop => break,
         };
         // Token-sized SSE writes go out at once rather than waiting on Nagle's algorithm.
         let _ = stream.set_nodelay(true);
@@ -216,12 +233,30 @@ pub async fn serve(
     tracing::info!("shutting down: finishing requests in progress (Ctrl-C again to stop now)");
     tokio::select! {
         _ = graceful.shutdown() => Ok(()),
-        _ = tokio::signal::ctrl_c() => std::process::exit(130),
+        _ = terminated() => std::process::exit(130),
         _ = tokio::time::sleep(SHUTDOWN_GRACE) => {
             tracing::warn!("requests still open after the grace period");
             std::process::exit(130)
         }
     }
+}
+
+/// Resolves at Ctrl-C (SIGINT) or, on Unix, SIGTERM (what `kill` and service managers
+/// send). Listening starts at the first poll, and from then on neither signal ends the
+/// process by itself.
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 async fn authenticate(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
@@ -278,12 +313,14 @@ fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outc
     );
 }
 
-/// The model objects `/v1/models` lists: the loaded model's name, then its aliases.
+/// The model objects `/v1/models` lists: the loaded model's name, then its aliases, each
+/// with the context in tokens (`context_window`, which `launch` hands to the tools).
 fn model_objects(app: &App) -> impl Iterator<Item = Value> + '_ {
     let o = &app.options;
-    std::iter::once(&o.model_id)
-        .chain(&o.aliases)
-        .map(|id| json!({ "id": id, "object": "model", "created": app.created, "owned_by": "slotstream" }))
+    std::iter::once(&o.model_id).chain(&o.aliases).map(|id| {
+        json!({ "id": id, "object": "model", "created": app.created, "owned_by": "slotstream",
+                          "context_window": app.engine.context() })
+    })
 }
 
 async fn models(State(app): State<Arc<App>>) -> Json<Value> {
