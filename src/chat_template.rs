@@ -160,6 +160,9 @@ pub struct Chat {
     /// "function": {...}}`); the template renders them as it does in transformers.
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
+    /// Only the reply's first tool call is kept, the later ones dropped (OpenAI's
+    /// `parallel_tool_calls: false`); the template is not told.
+    pub single_tool_call: bool,
     /// Extra template variables (`chat_template_kwargs`), e.g. `enable_thinking`, passed
     /// to the template as transformers passes `apply_chat_template`'s keyword arguments.
     pub kwargs: Map<String, Value>,

@@ -77,6 +77,12 @@ pub enum Error {
     #[error("none of the {vocab} logits of a step is finite (NaN or infinite): the model's output is broken (check its weights)")]
     NoFiniteLogits { vocab: usize },
 
+    /// A state restored from a prompt-cache snapshot of `tokens` tokens gave logits that
+    /// are not all finite on its first step: the snapshot is broken. The prompt cache drops
+    /// it and runs the prompt from the start, so a request never fails with it.
+    #[error("a snapshot of {tokens} tokens gave logits that are not finite")]
+    BrokenSnapshot { tokens: usize },
+
     /// A bug or a crashed task inside the engine (not the caller's fault).
     #[error("internal error: {0}")]
     Internal(String),

@@ -70,6 +70,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     let stops = PrefillStops {
         at: &[],
         on_stop: |_: &SequenceState<B>| Ok(()),
+        restored: false,
     };
     generate_with(
         model, backend, experts, state, prompt, options, stops, on_token,
@@ -82,11 +83,16 @@ pub fn generate<B: Backend, E: ExpertSource>(
 pub struct PrefillStops<'a, F> {
     pub at: &'a [usize],
     pub on_stop: F,
+    /// The state was restored from a snapshot: the first forward pass's logits must all
+    /// be finite, else the run ends with [`Error::BrokenSnapshot`] before any stop or
+    /// token (a snapshot with a NaN in it gives no finite logit from then on).
+    pub restored: bool,
 }
 
 /// [`generate`], pausing the prefill at `stops`. The prompt runs in chunks of
 /// [`Model::prefill_chunk`] between stops. Errors: as [`generate`], stops that are not
-/// ascending or not inside the prompt, and what `on_stop` returns.
+/// ascending or not inside the prompt, what `on_stop` returns, and
+/// [`Error::BrokenSnapshot`] (see [`PrefillStops::restored`]).
 #[allow(clippy::too_many_arguments)]
 pub fn generate_with<B: Backend, E: ExpertSource>(
     model: &Model<B>,
@@ -113,6 +119,7 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
     let max_tokens = options.max_tokens.min(room);
+    let restored_tokens = state.tokens.len();
     // The prefill and decode loop, in a closure so that the warning below is logged
     // however it ends.
     let mut run = || -> Result<(Vec<u32>, GenerateStats)> {
@@ -137,6 +144,12 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     .forward(backend, state, piece, experts, Logits::Last)
                     // The prefill is over: the source frees what it kept for it.
                     .inspect_err(|_| experts.end_prefill(false))?;
+                if done == 0 && stops.restored && !logits.iter().all(|v| v.is_finite()) {
+                    experts.end_prefill(false);
+                    return Err(Error::BrokenSnapshot {
+                        tokens: restored_tokens,
+                    });
+                }
                 done += piece.len();
                 if options.cancelled() {
                     experts.end_prefill(false);

@@ -9,6 +9,12 @@
 //! before `</think>`, after `</think>` and a tool call, and before a tool call. A call that
 //! does not parse comes back as text, tags included; so does a call or reasoning cut off
 //! by the token limit (reasoning stays reasoning).
+//!
+//! A call is read as its format defines it, not to the first `</tool_call>`: a JSON call
+//! to the end of its JSON value (a `</tool_call>` inside a string stays in the string, as
+//! llama.cpp reads it), an XML call parameter by parameter, each to its `</parameter>`.
+//! With reasoning left in the text, a `<think>` block is text, whole and in place: no
+//! call is taken from inside it.
 
 use serde_json::{Map, Value};
 
@@ -28,6 +34,9 @@ pub struct ReplyOptions {
     /// Parse tool calls, with these tool definitions (which give XML parameters their
     /// JSON types); `None`: calls stay in the text.
     pub tools: Option<Vec<Value>>,
+    /// Keep the reply's first tool call only (OpenAI's `parallel_tool_calls: false`); the
+    /// later ones are dropped, with a warning.
+    pub single_call: bool,
 }
 
 /// A piece of a reply.
@@ -84,6 +93,8 @@ enum Mode {
     Reasoning { started: bool },
     /// Text; `skip_space` right after markup, whose trailing newlines are dropped.
     Content { skip_space: bool },
+    /// Inside a `<think>` block that stays text (reasoning off): no calls are read.
+    TextThink,
     /// Inside `<tool_call>`.
     Call,
 }
@@ -94,12 +105,15 @@ pub struct ReplyParser {
     options: ReplyOptions,
     mode: Mode,
     pending: String,
+    /// Calls returned so far.
+    calls: usize,
 }
 
 impl ReplyParser {
     pub fn new(options: ReplyOptions) -> Self {
         let mode = match (options.reasoning, options.thinking_open) {
-            (false, _) => Mode::Content { skip_space: false },
+            (false, false) => Mode::Content { skip_space: false },
+            (false, true) => Mode::TextThink,
             (true, true) => Mode::Reasoning { started: false },
             (true, false) => Mode::Start,
         };
@@ -107,6 +121,7 @@ impl ReplyParser {
             options,
             mode,
             pending: String::new(),
+            calls: 0,
         }
     }
 
@@ -141,7 +156,7 @@ impl ReplyParser {
                         push_text(&mut out, ReplyPart::Reasoning(text));
                         self.mode = Mode::Content { skip_space: true };
                     } else {
-                        let text = self.release(THINK_CLOSE);
+                        let text = self.release(&[THINK_CLOSE]);
                         push_text(&mut out, ReplyPart::Reasoning(text));
                         return out;
                     }
@@ -159,32 +174,66 @@ impl ReplyParser {
                         push_text(&mut out, ReplyPart::Content(text));
                         return out;
                     }
-                    if let Some(i) = self.pending.find(CALL_OPEN) {
-                        let text = self.pending[..i].trim_end().to_string();
-                        self.pending.drain(..i + CALL_OPEN.len());
+                    // With reasoning off, a `<think>` block is text with no calls in it.
+                    let think = (!self.options.reasoning)
+                        .then(|| self.pending.find(THINK_OPEN))
+                        .flatten();
+                    match (self.pending.find(CALL_OPEN), think) {
+                        (Some(i), t) if t.is_none_or(|t| i < t) => {
+                            let text = self.pending[..i].trim_end().to_string();
+                            self.pending.drain(..i + CALL_OPEN.len());
+                            push_text(&mut out, ReplyPart::Content(text));
+                            self.mode = Mode::Call;
+                        }
+                        (_, Some(t)) => {
+                            let text: String = self.pending.drain(..t + THINK_OPEN.len()).collect();
+                            push_text(&mut out, ReplyPart::Content(text));
+                            self.mode = Mode::TextThink;
+                        }
+                        (_, None) => {
+                            let tags: &[&str] = match self.options.reasoning {
+                                true => &[CALL_OPEN],
+                                false => &[CALL_OPEN, THINK_OPEN],
+                            };
+                            let text = self.release(tags);
+                            push_text(&mut out, ReplyPart::Content(text));
+                            return out;
+                        }
+                    }
+                }
+                Mode::TextThink => {
+                    if let Some(i) = self.pending.find(THINK_CLOSE) {
+                        let text: String = self.pending.drain(..i + THINK_CLOSE.len()).collect();
                         push_text(&mut out, ReplyPart::Content(text));
-                        self.mode = Mode::Call;
+                        self.mode = Mode::Content { skip_space: false };
                     } else {
-                        let text = self.release(CALL_OPEN);
+                        let text = self.release(&[THINK_CLOSE]);
                         push_text(&mut out, ReplyPart::Content(text));
                         return out;
                     }
                 }
                 Mode::Call => {
-                    let Some(i) = self.pending.find(CALL_CLOSE) else {
+                    let Some((body_end, end)) = call_end(&self.pending) else {
                         return out;
                     };
-                    let body: String = self.pending[..i].to_string();
-                    self.pending.drain(..i + CALL_CLOSE.len());
+                    let body: String = self.pending[..body_end].to_string();
+                    let raw: String = self.pending.drain(..end).collect();
                     let tools = self.options.tools.as_deref().unwrap_or_default();
                     match parse_call(&body, tools) {
+                        Some(call) if self.options.single_call && self.calls > 0 => {
+                            tracing::warn!(
+                                name = call.name,
+                                "parallel_tool_calls is false: a tool call after the first is dropped"
+                            );
+                            self.mode = Mode::Content { skip_space: true };
+                        }
                         Some(call) => {
+                            self.calls += 1;
                             out.push(ReplyPart::ToolCall(call));
                             self.mode = Mode::Content { skip_space: true };
                         }
                         None => {
-                            let raw = format!("{CALL_OPEN}{body}{CALL_CLOSE}");
-                            push_text(&mut out, ReplyPart::Content(raw));
+                            push_text(&mut out, ReplyPart::Content(format!("{CALL_OPEN}{raw}")));
                             self.mode = Mode::Content { skip_space: false };
                         }
                     }
@@ -201,7 +250,7 @@ impl ReplyParser {
             Mode::Start => ReplyPart::Content(rest),
             Mode::Reasoning { .. } => ReplyPart::Reasoning(rest.trim().to_string()),
             Mode::Content { skip_space: true } => ReplyPart::Content(rest.trim_start().into()),
-            Mode::Content { skip_space: false } => ReplyPart::Content(rest),
+            Mode::Content { skip_space: false } | Mode::TextThink => ReplyPart::Content(rest),
             Mode::Call => ReplyPart::Content(format!("{CALL_OPEN}{rest}")),
         };
         push_text(&mut out, part);
@@ -214,12 +263,14 @@ impl ReplyParser {
         self.pending.drain(..start);
     }
 
-    /// Takes the pending text but what may start `tag` and the whitespace before that.
-    fn release(&mut self, tag: &str) -> String {
+    /// Takes the pending text but what may start one of `tags` and the whitespace before
+    /// that.
+    fn release(&mut self, tags: &[&str]) -> String {
         let p = &self.pending;
-        let partial = (1..tag.len())
-            .rev()
-            .find(|&k| p.ends_with(&tag[..k]))
+        let partial = tags
+            .iter()
+            .filter_map(|tag| (1..tag.len()).rev().find(|&k| p.ends_with(&tag[..k])))
+            .max()
             .unwrap_or(0);
         let keep_from = p[..p.len() - partial].trim_end().len();
         let text = p[..keep_from].to_string();
@@ -233,6 +284,70 @@ fn push_text(out: &mut Vec<ReplyPart>, part: ReplyPart) {
     match &part {
         ReplyPart::Reasoning(t) | ReplyPart::Content(t) if t.is_empty() => {}
         _ => out.push(part),
+    }
+}
+
+/// Where the call that `pending` holds (after `<tool_call>`) ends, read as its format
+/// defines it: its body's end and the end of its `</tool_call>`; `None` while it may
+/// still be coming. A JSON call ends with its JSON value, an XML call after the
+/// `</function>` that follows its last `</parameter>`; a body in neither form (or not
+/// followed by `</tool_call>`) ends at the first `</tool_call>`, to come back as text.
+fn call_end(pending: &str) -> Option<(usize, usize)> {
+    const FUNCTION: &str = "<function=";
+    const PARAMETER: &str = "<parameter=";
+    const PARAMETER_CLOSE: &str = "</parameter>";
+    const FUNCTION_CLOSE: &str = "</function>";
+    let malformed = || pending.find(CALL_CLOSE).map(|i| (i, i + CALL_CLOSE.len()));
+    // After the body: whitespace, then `</tool_call>`.
+    let close = |body_end: usize| {
+        let rest = pending[body_end..].trim_start();
+        if rest.starts_with(CALL_CLOSE) {
+            Some((body_end, pending.len() - rest.len() + CALL_CLOSE.len()))
+        } else if CALL_CLOSE.starts_with(rest) {
+            None
+        } else {
+            malformed()
+        }
+    };
+    let body = pending.trim_start();
+    let at = |s: &str| pending.len() - s.len();
+    if body.starts_with('{') {
+        let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+        return match values.next() {
+            Some(Ok(_)) => close(at(body) + values.byte_offset()),
+            Some(Err(e)) if e.is_eof() => None,
+            _ => malformed(),
+        };
+    }
+    let Some(rest) = body.strip_prefix(FUNCTION) else {
+        return match FUNCTION.starts_with(body) {
+            true => None,
+            false => malformed(),
+        };
+    };
+    // `NAME>`, then parameters, each read to its closing tag, then `</function>`; a
+    // `?` where the rest has not come yet.
+    let gt = rest.find(['>', '<', '\n'])?;
+    if !rest[gt..].starts_with('>') {
+        return malformed();
+    }
+    let mut rest = &rest[gt + 1..];
+    loop {
+        let s = rest.trim_start();
+        if let Some(param) = s.strip_prefix(PARAMETER) {
+            let gt = param.find(['>', '<', '\n'])?;
+            if !param[gt..].starts_with('>') {
+                return malformed();
+            }
+            let end = param[gt..].find(PARAMETER_CLOSE)?;
+            rest = &param[gt + end + PARAMETER_CLOSE.len()..];
+        } else if let Some(after) = s.strip_prefix(FUNCTION_CLOSE) {
+            return close(at(after));
+        } else if PARAMETER.starts_with(s) || FUNCTION_CLOSE.starts_with(s) {
+            return None;
+        } else {
+            return malformed();
+        }
     }
 }
 
@@ -328,6 +443,7 @@ mod tests {
             reasoning: true,
             thinking_open,
             tools: tools_on.then(tools),
+            single_call: false,
         }
     }
 
@@ -426,6 +542,81 @@ mod tests {
         );
     }
 
+    /// A `</tool_call>` (or `</function>`) inside an argument is part of the argument: a
+    /// JSON call is read to the end of its value, an XML parameter to `</parameter>`.
+    #[test]
+    fn closing_tags_inside_arguments_stay_in_them() {
+        let code = "print('</tool_call>')\n</function>";
+        let json_call = json!({"name": "get_weather", "arguments": {"city": code, "days": 1}});
+        let text = format!(
+            "<tool_call>\n{json_call}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n{code}\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\nDone."
+        );
+        let want = vec![
+            call("get_weather", json!({"city": code, "days": 1})),
+            call("get_weather", json!({"city": code, "days": 2})),
+        ];
+        let r = Reply::parse(&text, options(false, true));
+        assert_eq!((r.tool_calls, r.content.as_str()), (want.clone(), "Done."));
+        // Streamed a character at a time.
+        let cuts: Vec<usize> = (0..text.chars().count()).collect();
+        let r = streamed(&text, &cuts, options(false, true));
+        assert_eq!((r.tool_calls, r.content.as_str()), (want, "Done."));
+        // A JSON value followed by something other than `</tool_call>` is text up to the
+        // first `</tool_call>`, as before.
+        let text = "<tool_call>{\"name\": \"f\"} x</tool_call> y";
+        let r = Reply::parse(text, options(false, true));
+        assert!(r.tool_calls.is_empty());
+        assert_eq!(r.content, text);
+    }
+
+    /// With reasoning left in the text (`--reasoning-format none`), a `<think>` block is
+    /// text, whole and in place, and no call is taken from inside it; calls after it are.
+    #[test]
+    fn reasoning_off_takes_no_call_from_inside_think() {
+        let inside = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let after = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
+        let off = |thinking_open| ReplyOptions {
+            reasoning: false,
+            ..options(thinking_open, true)
+        };
+        for (thinking_open, think) in [
+            (false, format!("<think>\nMaybe {inside} first?\n</think>")),
+            (true, format!("Maybe {inside} first?\n</think>")),
+        ] {
+            let text = format!("{think}\n\nChecking.\n{after}");
+            let r = Reply::parse(&text, off(thinking_open));
+            assert_eq!(
+                r.content,
+                format!("{think}\n\nChecking."),
+                "{thinking_open}"
+            );
+            assert_eq!(r.reasoning, "");
+            assert_eq!(
+                r.tool_calls,
+                vec![call("get_weather", json!({"city": "Rome"}))]
+            );
+            // Cut off inside the block: all of it is text.
+            let r = Reply::parse(&think[..think.len() - 9], off(thinking_open));
+            assert_eq!(r.content, &think[..think.len() - 9]);
+            assert!(r.tool_calls.is_empty());
+        }
+    }
+
+    /// `single_call` (`parallel_tool_calls: false`) keeps the first call only.
+    #[test]
+    fn a_single_call_keeps_the_first() {
+        let text = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>\n<tool_call>{\"name\": \"g\"}</tool_call>\nok";
+        let single = ReplyOptions {
+            single_call: true,
+            ..options(false, true)
+        };
+        let r = Reply::parse(text, single);
+        assert_eq!(r.tool_calls, vec![call("f", json!({"a": 1}))]);
+        assert_eq!(r.content, "ok");
+        let r = Reply::parse(text, options(false, true));
+        assert_eq!(r.tool_calls.len(), 2);
+    }
+
     fn streamed(text: &str, cuts: &[usize], options: ReplyOptions) -> Reply {
         let chars: Vec<char> = text.chars().collect();
         let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (chars.len() + 1)).collect();
@@ -449,15 +640,19 @@ mod tests {
             words in prop::collection::vec(prop::sample::select(vec![
                 "<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "é", "x",
                 "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}",
+                "{\"name\": \"f\", \"arguments\": {\"s\": \"a</tool_call>\"}}",
                 "<function=get_weather>\n<parameter=days>\n4\n</parameter>\n</function>",
-                "<thi", "</tool", "{",
+                "<function=f>\n<parameter=s>\n</tool_call></function>\n</parameter>\n</function>",
+                "<thi", "</tool", "{", "\"", "<parameter=", "</parameter>", "</function>",
             ]), 0..14),
             cuts in prop::collection::vec(0usize..200, 0..10),
+            reasoning in any::<bool>(),
             thinking_open in any::<bool>(),
             tools_on in any::<bool>(),
+            single_call in any::<bool>(),
         ) {
             let text: String = words.concat();
-            let o = options(thinking_open, tools_on);
+            let o = ReplyOptions { reasoning, single_call, ..options(thinking_open, tools_on) };
             prop_assert_eq!(streamed(&text, &cuts, o.clone()), Reply::parse(&text, o));
         }
     }

@@ -109,7 +109,9 @@ impl NormConvention {
 }
 
 /// The checkpoint's convention for Flash-Next's `1 + w` norms: `SLOTSTREAM_NORMS` if set,
-/// else [`NormConvention::detect`] over every such norm weight.
+/// else [`NormConvention::detect`] over the text model's norm weights. An MTP head's norms
+/// (`mtp.*`, which the engine does not run) may be stored in the other convention: they
+/// are judged on their own, and only logged.
 fn norm_convention(ckpt: &Checkpoint) -> Result<NormConvention> {
     let convention = match std::env::var(NormConvention::OVERRIDE).ok().as_deref() {
         Some("centered") => NormConvention::Centered,
@@ -121,18 +123,33 @@ fn norm_convention(ckpt: &Checkpoint) -> Result<NormConvention> {
             )))
         }
         None => {
-            let mut values = Vec::new();
-            for t in ckpt
-                .tensors()
-                .filter(|t| NormConvention::applies_to(&t.name))
-            {
-                values.extend(ckpt.floats(&t.name, &t.shape)?);
+            let (model, mtp) = norm_weights(ckpt)?;
+            let detected = NormConvention::detect(&model);
+            tracing::info!(convention = ?detected, weights = model.len(), "zero-centered norms: convention detected (override with {})", NormConvention::OVERRIDE);
+            if !mtp.is_empty() {
+                tracing::info!(convention = ?NormConvention::detect(&mtp), weights = mtp.len(), "zero-centered norms of the MTP head (not run): convention detected");
             }
-            let detected = NormConvention::detect(&values);
-            tracing::info!(convention = ?detected, weights = values.len(), "zero-centered norms: convention detected (override with {})", NormConvention::OVERRIDE);
             return Ok(detected);
         }
     };
     tracing::info!(convention = ?convention, "zero-centered norms: convention set by {}", NormConvention::OVERRIDE);
     Ok(convention)
+}
+
+/// The values of the `1 + w` norm weights ([`NormConvention::applies_to`]) of the text
+/// model and of its MTP head. Errors: an unreadable weight.
+fn norm_weights(ckpt: &Checkpoint) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (mut model, mut mtp) = (Vec::new(), Vec::new());
+    for t in ckpt
+        .tensors()
+        .filter(|t| NormConvention::applies_to(&t.name))
+    {
+        let values = ckpt.floats(&t.name, &t.shape)?;
+        if ckpt.config.is_text_tensor(&t.name) {
+            model.extend(values);
+        } else if t.name.contains("mtp.") {
+            mtp.extend(values);
+        }
+    }
+    Ok((model, mtp))
 }

@@ -20,10 +20,12 @@
 //! | 80 | `n` token ids (u32), then `m` shapes (rows, cols: u64 each), then the body: each tensor's f32 values in order |
 //!
 //! Opening the directory reads every file's header, tokens and shapes and checks their
-//! CRC and the file's length; loading one reads the rest and checks the body's CRC, then
-//! the model checks the shapes ([`Model::snapshot_from_image`]). A file of another format
-//! version or another model is skipped with a warning and left alone; a damaged one
-//! (truncated, a CRC that does not match) is skipped with a warning and removed. Files of
+//! CRC and the file's length; loading one reads it again whole, checks the same and the
+//! body's CRC, and that its tokens are the ones indexed (a file copied over another, or
+//! rewritten since), then the model checks the shapes ([`Model::snapshot_from_image`]).
+//! A file of another format version or another model is skipped with a warning and left
+//! alone; a damaged one (truncated, a CRC that does not match, other tokens) is skipped
+//! with a warning and removed. Files of
 //! every model count against the directory's budget; the least recently used (by
 //! modification time, which a use renews) go first.
 
@@ -316,8 +318,15 @@ impl DiskCache {
         &self.files[i].path
     }
 
+    /// The file of exactly `tokens`.
+    pub(super) fn find(&self, tokens: &[u32]) -> Option<usize> {
+        self.files.iter().position(|f| f.tokens == tokens)
+    }
+
     /// File `i` read whole and checked (and marked as just used). Errors: a read failure,
-    /// a file changed since it was indexed, a body whose CRC does not match.
+    /// a file changed since it was indexed (other tokens than the index's: another
+    /// prompt's snapshot copied over it, or rewritten while it is read), a body whose CRC
+    /// does not match.
     pub(super) fn load(&mut self, i: usize) -> Result<StateImage> {
         let path = &self.files[i].path;
         let bad = |why: &str| Error::InvalidInput(format!("{}: {why}", path.display()));
@@ -327,6 +336,11 @@ impl DiskCache {
         })?;
         if header.identity != self.identity || header.version != VERSION {
             return Err(bad("made for another model or backend"));
+        }
+        if header.tokens != self.files[i].tokens {
+            return Err(bad(
+                "changed since it was indexed: it holds the snapshot of other tokens",
+            ));
         }
         let body = &bytes[header.body_at as usize..];
         debug_assert_eq!(body.len() as u64, header.body_bytes);
@@ -351,16 +365,14 @@ impl DiskCache {
         })
     }
 
-    /// Stops using file `i`; removes it when `damaged`.
-    pub(super) fn forget(&mut self, i: usize, damaged: bool) {
+    /// Stops using file `i` and deletes it (it cannot be used).
+    pub(super) fn delete(&mut self, i: usize) {
         let file = self.files.swap_remove(i);
-        if damaged {
-            self.skipped += 1;
-            if let Ok(meta) = std::fs::metadata(&file.path) {
-                self.folder_bytes = self.folder_bytes.saturating_sub(meta.len());
-            }
-            let _ = std::fs::remove_file(&file.path);
+        self.skipped += 1;
+        if let Ok(meta) = std::fs::metadata(&file.path) {
+            self.folder_bytes = self.folder_bytes.saturating_sub(meta.len());
         }
+        let _ = std::fs::remove_file(&file.path);
     }
 
     /// Writes `image` (unless a file of the same tokens is there: then it counts as used),

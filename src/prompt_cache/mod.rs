@@ -29,7 +29,9 @@
 //!
 //! Disk ([`PromptCacheOptions::dir`]): [`PromptCache::save`] writes the snapshots the
 //! last requests made (with their KV rows), to be found again after a restart
-//! (`disk.rs`).
+//! (`disk.rs`). Nothing read back is trusted: a file is used only when its tokens are the
+//! ones indexed, start the prompt and are fewer, and a restored state whose first logits
+//! are not finite is dropped (from memory and disk) and the prompt run from the start.
 
 mod disk;
 
@@ -94,7 +96,9 @@ pub struct PromptCacheStats {
     pub disk_snapshots: usize,
     /// Bytes of the directory's snapshot files (every model's).
     pub disk_bytes: u64,
-    /// Files skipped: corrupt, truncated, of another format version or another model.
+    /// Files skipped: corrupt, truncated, of another format version or another model;
+    /// and files deleted when used: changed since they were indexed, or holding a state
+    /// whose first logits were not finite.
     pub disk_skipped: u64,
 }
 
@@ -106,6 +110,13 @@ pub struct Generated {
     pub stats: GenerateStats,
     /// Prompt tokens taken from a snapshot instead of being run.
     pub reused_tokens: usize,
+}
+
+/// Where a run starts: after `reused` tokens of a snapshot, read from disk or not.
+#[derive(Clone, Copy, Debug)]
+struct Reuse {
+    reused: usize,
+    disk: bool,
 }
 
 struct Entry<B: Backend> {
@@ -182,8 +193,10 @@ impl<B: Backend> PromptCache<B> {
     /// whose tokens start it (leaving at least one token to run), taking snapshots as the
     /// module documentation says. With a directory, call [`PromptCache::save`] once the
     /// reply is out. A snapshot that cannot be taken costs only its reuse (a warning),
-    /// never the request. Errors: as [`crate::generate::generate`]; the snapshots taken
-    /// before a failure stay.
+    /// never the request; so does one that cannot be used (a file changed since it was
+    /// indexed, or a state whose first logits are not finite): it is dropped, its file
+    /// deleted, with a warning, and the prompt runs from the start. Errors: as
+    /// [`crate::generate::generate`]; the snapshots taken before a failure stay.
     pub fn generate<E: ExpertSource>(
         &mut self,
         model: &Model<B>,
@@ -191,14 +204,67 @@ impl<B: Backend> PromptCache<B> {
         experts: &E,
         prompt: &[u32],
         options: &GenerateOptions,
-        on_token: impl FnMut(u32) -> Result<bool>,
+        mut on_token: impl FnMut(u32) -> Result<bool>,
     ) -> Result<Generated> {
         if prompt.is_empty() {
             return Err(Error::InvalidInput(
                 "the prompt is empty (nothing to continue from)".into(),
             ));
         }
-        let (mut state, reused) = self.start(model, backend, prompt);
+        let (mut state, mut from) = self.start(model, backend, prompt);
+        let run = loop {
+            let run = self.run(
+                model,
+                backend,
+                experts,
+                prompt,
+                options,
+                state,
+                from,
+                &mut on_token,
+            );
+            let (Err(Error::BrokenSnapshot { .. }), Some(start)) = (&run, from) else {
+                break run;
+            };
+            // Shown by the prefill's first step, before any token was emitted.
+            tracing::warn!(
+                tokens = start.reused,
+                "prompt cache: a snapshot gave logits that are not finite; it is dropped and the prompt runs from the start"
+            );
+            self.drop_snapshot(backend, &prompt[..start.reused]);
+            (state, from) = (model.new_state(backend), None);
+        };
+        match from {
+            Some(start) => {
+                self.stats.hits += 1;
+                self.stats.reused_tokens += start.reused as u64;
+                self.stats.disk_hits += u64::from(start.disk);
+            }
+            None => self.stats.misses += 1,
+        }
+        let (output_ids, stats) = run?;
+        Ok(Generated {
+            output_ids,
+            stats,
+            reused_tokens: from.map_or(0, |s| s.reused),
+        })
+    }
+
+    /// [`generate_with`] of `prompt` from `state` (which has run `from`'s tokens, or none),
+    /// keeping the snapshots it stops for and the final state.
+    #[allow(clippy::too_many_arguments)]
+    fn run<E: ExpertSource>(
+        &mut self,
+        model: &Model<B>,
+        backend: &B,
+        experts: &E,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        mut state: SequenceState<B>,
+        from: Option<Reuse>,
+        on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<(Vec<u32>, GenerateStats)> {
+        let reused = from.map_or(0, |s| s.reused);
         let at = self.stops(reused, prompt.len());
         let stops = PrefillStops {
             at: &at,
@@ -209,8 +275,9 @@ impl<B: Backend> PromptCache<B> {
                 }
                 Ok(())
             },
+            restored: from.is_some(),
         };
-        let (output_ids, stats) = generate_with(
+        let generated = generate_with(
             model,
             backend,
             experts,
@@ -226,27 +293,24 @@ impl<B: Backend> PromptCache<B> {
                 Err(e) => tracing::warn!(error = %e, "prompt cache: the final state is not kept"),
             }
         }
-        Ok(Generated {
-            output_ids,
-            stats,
-            reused_tokens: reused,
-        })
+        Ok(generated)
     }
 
     fn enabled(&self) -> bool {
         self.memory > 0
     }
 
-    /// The state to run `prompt` from and how many of its tokens it has run.
+    /// The state to run `prompt` from and what it reuses (`None`: a fresh state). A
+    /// snapshot is used only if its tokens start `prompt` and are fewer; a file that
+    /// cannot be used is dropped from the index and deleted, with a warning.
     fn start(
         &mut self,
         model: &Model<B>,
         backend: &B,
         prompt: &[u32],
-    ) -> (SequenceState<B>, usize) {
+    ) -> (SequenceState<B>, Option<Reuse>) {
         if !self.enabled() {
-            self.stats.misses += 1;
-            return (model.new_state(backend), 0);
+            return (model.new_state(backend), None);
         }
         self.clock += 1;
         let fits = |tokens: &[u32]| tokens.len() < prompt.len() && prompt.starts_with(tokens);
@@ -271,12 +335,19 @@ impl<B: Backend> PromptCache<B> {
                 let loaded = disk
                     .load(file)
                     .and_then(|image| model.snapshot_from_image(backend, image))
-                    .and_then(|snapshot| Ok((snapshot.restore(backend)?, snapshot)));
+                    .and_then(|snapshot| Ok((snapshot.restore(backend)?, snapshot)))
+                    .and_then(|(state, snapshot)| match fits(&state.tokens) {
+                        true => Ok((state, snapshot)),
+                        // The index's tokens fit and the file's are checked against them;
+                        // this keeps the slice of the prompt after them in range whatever
+                        // the file says.
+                        false => Err(Error::InvalidInput(
+                            "its tokens do not start the prompt".into(),
+                        )),
+                    });
                 match loaded {
                     Ok((state, snapshot)) => {
                         let reused = state.tokens.len();
-                        self.stats.disk_hits += 1;
-                        self.hit(reused);
                         let own = snapshot.own_bytes(backend);
                         let used = self.clock;
                         self.insert(
@@ -288,11 +359,12 @@ impl<B: Backend> PromptCache<B> {
                                 stored: true,
                             },
                         );
-                        return (state, reused);
+                        return (state, Some(Reuse { reused, disk: true }));
                     }
                     Err(e) => {
-                        tracing::warn!(file = %disk.path(file).display(), error = %e, "prompt cache: skipping a snapshot file");
-                        disk.forget(file, true);
+                        tracing::warn!(file = %disk.path(file).display(), error = %e, "prompt cache: a snapshot file that cannot be used is deleted");
+                        disk.delete(file);
+                        self.count();
                         continue;
                     }
                 }
@@ -302,22 +374,38 @@ impl<B: Backend> PromptCache<B> {
                 entry.used = self.clock;
                 match entry.snapshot.restore(backend) {
                     Ok(state) => {
-                        self.hit(len);
-                        return (state, len);
+                        return (
+                            state,
+                            Some(Reuse {
+                                reused: len,
+                                disk: false,
+                            }),
+                        );
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "prompt cache: a snapshot could not be restored")
                     }
                 }
             }
-            self.stats.misses += 1;
-            return (model.new_state(backend), 0);
+            return (model.new_state(backend), None);
         }
     }
 
-    fn hit(&mut self, reused: usize) {
-        self.stats.hits += 1;
-        self.stats.reused_tokens += reused as u64;
+    /// Drops the snapshot of `tokens` from memory and its file from the directory.
+    fn drop_snapshot(&mut self, backend: &B, tokens: &[u32]) {
+        if let Some(i) = self
+            .entries
+            .iter()
+            .position(|e| e.snapshot.tokens() == tokens)
+        {
+            self.remove(backend, i);
+        }
+        if let Some(disk) = &mut self.disk {
+            if let Some(file) = disk.find(tokens) {
+                disk.delete(file);
+            }
+        }
+        self.count();
     }
 
     /// Where a prefill of `prompt_len` tokens from `reused` stops for snapshots, counted
@@ -373,16 +461,21 @@ impl<B: Backend> PromptCache<B> {
             let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
                 break;
             };
-            let gone = self.entries.swap_remove(oldest);
-            let (line, _) = gone.snapshot.line();
-            drop(gone);
+            self.remove(backend, oldest);
             self.stats.evictions += 1;
-            // The line's rows past what its other snapshots keep are free now.
-            if let Some(e) = self.entries.iter().find(|e| e.snapshot.line().0 == line) {
-                e.snapshot.trim_line(backend);
-            }
         }
         self.count();
+    }
+
+    /// Drops entry `i`.
+    fn remove(&mut self, backend: &B, i: usize) {
+        let gone = self.entries.swap_remove(i);
+        let (line, _) = gone.snapshot.line();
+        drop(gone);
+        // The line's rows past what its other snapshots keep are free now.
+        if let Some(e) = self.entries.iter().find(|e| e.snapshot.line().0 == line) {
+            e.snapshot.trim_line(backend);
+        }
     }
 
     /// Bytes of the snapshots in memory: their own, and each line's kept KV rows once.

@@ -24,6 +24,7 @@ impl ChatReply {
             reasoning,
             thinking_open: prompt.thinking_open,
             tools: parse_tools.then(|| chat.tools.clone()),
+            single_call: chat.single_tool_call,
         });
         // A required call's opening is in the prompt; the reply continues it.
         let pending = parser.push(&prompt.reply_prefix);
@@ -177,5 +178,33 @@ mod tests {
         let m = ChatReply::new(&chat(ToolChoice::Required), &prompt, true)
             .message("get_weather\", \"arguments\": {}}\n</tool_call>");
         assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{}");
+    }
+
+    /// `parallel_tool_calls: false` in a request keeps the reply's first call, streamed
+    /// or whole; `true` or absent keeps both.
+    #[test]
+    fn parallel_tool_calls_false_keeps_the_first_call() {
+        use crate::engine::Input;
+        use crate::server::openai::{ApiRequest, ChatRequest};
+        for (parallel, calls) in [(json!(false), 1), (json!(true), 2), (Value::Null, 2)] {
+            let body = json!({
+                "messages": [{"role": "user", "content": "weather?"}],
+                "tools": chat(ToolChoice::Auto).tools,
+                "parallel_tool_calls": parallel,
+            });
+            let request = ChatRequest::parse(body.to_string().as_bytes()).unwrap();
+            let Ok(Input::Chat(chat)) = request.input() else {
+                panic!("a chat request gives a chat")
+            };
+            let m = ChatReply::new(&chat, &ChatPrompt::default(), true).message(REPLY);
+            let got = m["tool_calls"].as_array().unwrap();
+            assert_eq!(got.len(), calls, "{parallel}");
+            assert_eq!(got[0]["function"]["arguments"], "{\"city\":\"Paris\"}");
+            let mut reply = ChatReply::new(&chat, &ChatPrompt::default(), true);
+            let mut deltas = reply.deltas(REPLY);
+            deltas.extend(reply.finish_deltas());
+            let streamed = deltas.iter().filter(|d| d.get("tool_calls").is_some());
+            assert_eq!(streamed.count(), calls, "{parallel}");
+        }
     }
 }

@@ -84,7 +84,8 @@ pub struct ChatRequest {
 pub struct ChatFields {
     /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<Value>,
-    /// Accepted; several calls per reply are always parsed.
+    /// `false`: a reply's first tool call is kept and the later ones dropped (with a
+    /// warning in the log); absent or `true`: every call is returned.
     pub parallel_tool_calls: Option<bool>,
     /// Template variables, passed to the chat template as transformers passes them.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
@@ -241,6 +242,7 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
         messages: Vec::new(),
         tools,
         tool_choice,
+        single_tool_call: request.chat.parallel_tool_calls == Some(false),
         kwargs,
     })
 }

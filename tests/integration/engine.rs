@@ -738,6 +738,237 @@ async fn snapshots_on_disk_survive_a_restart_and_bad_files_are_skipped() {
     assert_eq!(files().len(), 1);
 }
 
+/// Log lines written through `tracing` while a closure runs (on this thread).
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What `f` returns and the warnings it logs, one line each.
+fn warnings<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    (out, text.lines().map(String::from).collect())
+}
+
+/// The token count in a snapshot file's header (prompt_cache/disk.rs gives the layout).
+fn snapshot_tokens(bytes: &[u8]) -> usize {
+    u64::from_le_bytes(bytes[48..56].try_into().unwrap()) as usize
+}
+
+/// A snapshot file's bytes with every value of its body NaN and both CRCs right again:
+/// a file every check of its bytes passes.
+fn with_nan_values(bytes: &[u8]) -> Vec<u8> {
+    let mut bytes = bytes.to_vec();
+    let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let body_at = 80 + 4 * u64_at(&bytes, 48) as usize + 16 * u64_at(&bytes, 56) as usize;
+    for v in bytes[body_at..].chunks_exact_mut(4) {
+        v.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    let body_crc = crc32fast::hash(&bytes[body_at..]);
+    bytes[72..76].copy_from_slice(&body_crc.to_le_bytes());
+    bytes[12..16].fill(0);
+    let head_crc = crc32fast::hash(&bytes[..body_at]);
+    bytes[12..16].copy_from_slice(&head_crc.to_le_bytes());
+    bytes
+}
+
+/// The disk tier's attack cases: prompt `a` (40 tokens) has a snapshot file of its first
+/// 39 tokens, `c` another of the same length, `b` one longer than `a`.
+struct DiskCase {
+    l: Loaded,
+    /// The snapshot directory, removed with the case.
+    _dir: tempfile::TempDir,
+    options: PromptCacheOptions,
+    a: Vec<u32>,
+    /// `a`'s greedy ids from a fresh state.
+    cold_a: Vec<u32>,
+    /// The file of `a`'s first 39 tokens.
+    file: std::path::PathBuf,
+    /// The bytes of `c`'s and `b`'s files of their prompts but the last token.
+    other: Vec<u8>,
+    longer: Vec<u8>,
+}
+
+impl DiskCase {
+    fn new() -> Self {
+        let l = load_cpu(FIXTURES[0]);
+        let dir = tempfile::tempdir().unwrap();
+        let options = PromptCacheOptions {
+            dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        let mut rng = rand::rng();
+        let [a, c] = std::array::from_fn(|_| ids(&mut rng, 40, 500));
+        let b = ids(&mut rng, 60, 500);
+        // Each prompt's file of its tokens but the last.
+        let files: Vec<(std::path::PathBuf, Vec<u8>)> = [&a, &c, &b]
+            .into_iter()
+            .map(|p| {
+                let before = snapshot_files(dir.path());
+                let mut cache =
+                    PromptCache::open(&l.ckpt, &l.model, &CpuBackend, &options).unwrap();
+                warm(&mut cache, &l.model, &CpuBackend, &l.experts, p);
+                cache.save(&l.model, &CpuBackend);
+                snapshot_files(dir.path())
+                    .into_iter()
+                    .filter(|f| !before.contains(f))
+                    .map(|f| (std::fs::read(&f).unwrap(), f))
+                    .find(|(bytes, _)| snapshot_tokens(bytes) == p.len() - 1)
+                    .map(|(bytes, f)| (f, bytes))
+                    .unwrap()
+            })
+            .collect();
+        let cold_a = cold(&l.model, &CpuBackend, &l.experts, &a);
+        DiskCase {
+            file: files[0].0.clone(),
+            other: files[1].1.clone(),
+            longer: files[2].1.clone(),
+            l,
+            _dir: dir,
+            options,
+            a,
+            cold_a,
+        }
+    }
+
+    fn open(&self) -> PromptCache<CpuBackend> {
+        PromptCache::open(&self.l.ckpt, &self.l.model, &CpuBackend, &self.options).unwrap()
+    }
+
+    /// Opens the directory, has `change` done to `a`'s file, then runs `a`: the run is
+    /// cold and gives a cold run's ids, the file is deleted with one warning, and `a`
+    /// again continues from the snapshot the cold run left in memory.
+    fn check(&self, change: impl FnOnce(&std::path::Path)) {
+        let mut cache = self.open();
+        assert_eq!(cache.stats().disk_snapshots, 6);
+        change(&self.file);
+        let (r, warned) = warnings(|| {
+            cache
+                .generate(
+                    &self.l.model,
+                    &CpuBackend,
+                    &self.l.experts,
+                    &self.a,
+                    &greedy(4),
+                    |_| Ok(true),
+                )
+                .unwrap()
+        });
+        assert_eq!((r.reused_tokens, &r.output_ids), (0, &self.cold_a));
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].contains("prompt cache"), "{warned:?}");
+        assert!(!self.file.exists(), "the file is deleted");
+        let s = cache.stats();
+        assert_eq!((s.disk_hits, s.disk_skipped, s.misses), (0, 1, 1), "{s:?}");
+        let r = warm(
+            &mut cache,
+            &self.l.model,
+            &CpuBackend,
+            &self.l.experts,
+            &self.a,
+        );
+        assert_eq!((r.reused_tokens, &r.output_ids), (39, &self.cold_a));
+    }
+}
+
+/// Another prompt's snapshot copied over a file after it was indexed: its tokens are not
+/// the index's, so it is not used (it used to give a wrong continuation).
+#[test]
+fn a_snapshot_file_swapped_after_indexing_is_deleted_and_the_run_is_cold() {
+    let case = DiskCase::new();
+    case.check(|f| std::fs::write(f, &case.other).unwrap());
+}
+
+/// A longer prompt's snapshot copied over a file: not used (it used to panic slicing the
+/// prompt past its end, failing every request with that prefix).
+#[test]
+fn a_snapshot_file_lengthened_after_indexing_is_deleted_and_the_run_is_cold() {
+    let case = DiskCase::new();
+    case.check(|f| std::fs::write(f, &case.longer).unwrap());
+}
+
+#[test]
+fn a_snapshot_file_truncated_after_indexing_is_deleted_and_the_run_is_cold() {
+    let case = DiskCase::new();
+    case.check(|f| {
+        let len = f.metadata().unwrap().len();
+        let file = std::fs::OpenOptions::new().write(true).open(f).unwrap();
+        file.set_len(len - 100).unwrap();
+    });
+}
+
+/// A file whose checksums hold but whose values are NaN: the restored state's first
+/// logits are not finite, so it is dropped (it used to fail every request with that
+/// prefix until deleted by hand). Indexed with its NaNs, or changed after.
+#[test]
+fn a_snapshot_file_of_nan_values_is_deleted_and_the_run_is_cold() {
+    let case = DiskCase::new();
+    let nan = with_nan_values(&std::fs::read(&case.file).unwrap());
+    case.check(|f| std::fs::write(f, &nan).unwrap());
+    std::fs::write(&case.file, &nan).unwrap();
+    case.check(|_| {});
+}
+
+/// A file rewritten over and over (whole, by rename, as another server sharing the
+/// directory writes it), between `a`'s snapshot and a longer prompt's, while the
+/// directory is opened and `a` runs: every run gives a cold run's ids, whether it reused
+/// the file or not (one that read the file's other version used to panic).
+#[test]
+fn a_snapshot_file_rewritten_while_read_never_gives_a_wrong_answer() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let case = DiskCase::new();
+    let own = std::fs::read(&case.file).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, file, longer) = (stop.clone(), case.file.clone(), case.longer.clone());
+        std::thread::spawn(move || {
+            let temp = file.with_extension("rewrite");
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for bytes in [&longer, &own] {
+                    std::fs::write(&temp, bytes).unwrap();
+                    std::fs::rename(&temp, &file).unwrap();
+                    writes += 1;
+                }
+            }
+            writes
+        })
+    };
+    let mut reused = std::collections::BTreeMap::new();
+    for _ in 0..40 {
+        let mut cache = case.open();
+        let r = warm(
+            &mut cache,
+            &case.l.model,
+            &CpuBackend,
+            &case.l.experts,
+            &case.a,
+        );
+        assert_eq!(r.output_ids, case.cold_a, "reused {}", r.reused_tokens);
+        *reused.entry(r.reused_tokens).or_insert(0) += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(writer.join().unwrap() > 0);
+    assert!(reused.keys().all(|&r| r == 0 || r == 39), "{reused:?}");
+}
+
 /// Attention outputs of `q` over `cache` after appending `k`, `v` (`[t, 8]`, one head).
 fn attend<B: Backend>(b: &B, cache: &mut B::KvCache, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
     let t = q.len() / 8;
