@@ -50,7 +50,7 @@ use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
 use crate::model::Model;
 use crate::ngram::{NgramCounts, NgramTable};
-use crate::plan::Plan;
+use crate::plan::{ContextCost, Plan};
 use crate::pool::{PoolStats, SlotPool, TraceEvent};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions, PromptCacheStats};
 use crate::sampling::SamplingOptions;
@@ -296,7 +296,8 @@ impl Prepared {
     }
 
     /// The most tokens (prompt and generated) one sequence may hold, as the engine will
-    /// have it ([`Engine::context`]).
+    /// have it ([`Engine::context`]; an automatic one may yet shrink at load, to leave the
+    /// pool its floor: [`crate::plan::AutoPlan::choose_context`]).
     pub fn context(&self) -> usize {
         self.front.context
     }
@@ -327,22 +328,24 @@ impl Prepared {
     /// [`Checkpoint::open`] and [`Model::load`] report, a pool below its floor, a GPU that
     /// was asked for and is absent.
     pub async fn load(self) -> Result<Engine> {
-        let Prepared { front, options } = self;
+        let Prepared { mut front, options } = self;
         // The pool's reads run on the caller's runtime.
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
             let ckpt = Arc::new(Checkpoint::open(&front.dir)?);
-            let (runner, pool, plan): (Box<dyn Runner>, _, _) =
+            let (runner, pool, plan, context): (Box<dyn Runner>, _, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
                         let o = load_on(b, &ckpt, &options, handle)?;
-                        (Box::new(o.loaded), o.pool, o.plan)
+                        (Box::new(o.loaded), o.pool, o.plan, o.context)
                     }
                     Compute::Gpu(b) => {
                         let o = load_on(*b, &ckpt, &options, handle)?;
-                        (Box::new(o.loaded), o.pool, o.plan)
+                        (Box::new(o.loaded), o.pool, o.plan, o.context)
                     }
                 };
+            // Prompts are checked against the context the plan kept.
+            front.context = context;
             let ngram = runner.ngram_tables();
             let stats = EngineStats {
                 requests: 0,
@@ -368,7 +371,8 @@ impl Prepared {
 impl Engine {
     /// Opens the model in `dir` without loading its weights: reads config.json, the
     /// tokenizer (when tokenizer.json is present), the EOS ids and the chat template, and
-    /// limits `options.source.context` to the model's. Blocking (file reads and parsing,
+    /// limits `options.source.context` to the model's (or, with
+    /// `options.source.context_budget`, chooses it: [`ContextCost::auto_context`]). Blocking (file reads and parsing,
     /// well under a second); async callers run it on a blocking thread. Errors: a missing
     /// directory or config.json, every config error of [`crate::config::ModelConfig::load`],
     /// a malformed tokenizer or generation_config.json (a malformed chat template fails
@@ -376,7 +380,14 @@ impl Engine {
     pub fn open(dir: &Path, options: EngineOptions) -> Result<Prepared> {
         let config = open_config(dir)?;
         let mut options = options;
-        options.source.context = crate::context::limit(options.source.context, &config);
+        options.source.context = match options.source.context_budget {
+            Some(budget) => {
+                let context = ContextCost::of(&config).auto_context(budget);
+                tracing::debug!(context, budget = %crate::plan::human(budget), "context (auto: KV cache and states within 10% of the budget)");
+                context
+            }
+            None => crate::context::limit(options.source.context, &config),
+        };
         let tokenizer = if dir.join("tokenizer.json").exists() {
             Some(Tokenizer::load(dir)?)
         } else {
@@ -629,6 +640,8 @@ struct Opened<B: Backend> {
     loaded: Loaded<B>,
     pool: Option<Arc<SlotPool>>,
     plan: Option<Plan>,
+    /// The context in effect (an automatic one may have shrunk to fit the plan).
+    context: usize,
 }
 
 fn load_on<B: Backend + 'static>(
@@ -638,7 +651,6 @@ fn load_on<B: Backend + 'static>(
     runtime: tokio::runtime::Handle,
 ) -> Result<Opened<B>> {
     let mut model = Model::load(ckpt, &backend)?;
-    model.set_context(options.source.context);
     let source = open_source(
         &backend,
         ckpt,
@@ -649,6 +661,7 @@ fn load_on<B: Backend + 'static>(
         },
         runtime,
     )?;
+    let context = model.set_context(source.context);
     let cache = PromptCache::open(ckpt, &model, &backend, &options.prompt_cache)?;
     let loaded = Loaded {
         backend,
@@ -660,6 +673,7 @@ fn load_on<B: Backend + 'static>(
         loaded,
         pool: source.pool,
         plan: source.plan,
+        context,
     })
 }
 

@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
 use crate::io::{IoMode, RangeRead};
-use crate::plan::Plan;
+use crate::plan::{AutoPlan, Footprint, Plan, Target};
 use crate::pool::{PoolExperts, SlotPool, StreamOptions};
 use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
 
@@ -162,6 +162,9 @@ pub enum PoolSize {
     PerLayer(usize),
     /// What a memory budget of this many bytes leaves for the pool ([`Plan`]).
     Budget(u64),
+    /// As the machine allows: every record resident (the mapped checkpoint) when the
+    /// whole model fits the target, else the pool the target leaves ([`AutoPlan`]).
+    Auto(Target),
 }
 
 /// Where routed experts come from: the options behind the CLI's streaming flags.
@@ -171,6 +174,9 @@ pub struct SourceOptions {
     pub pool: Option<PoolSize>,
     /// Tokens of context a memory budget reserves state for.
     pub context: usize,
+    /// When set, `engine::Engine::open` replaces `context` with the one chosen for a
+    /// memory budget of this many bytes ([`crate::plan::ContextCost::auto_context`]).
+    pub context_budget: Option<u64>,
     /// Demand reads in flight at once.
     pub queue_depth: usize,
     pub io: IoMode,
@@ -194,6 +200,7 @@ impl Default for SourceOptions {
         SourceOptions {
             pool: None,
             context: 4096,
+            context_budget: None,
             queue_depth: 32,
             io: IoMode::Direct,
             use_pack: true,
@@ -212,6 +219,28 @@ pub struct OpenedSource {
     pub pool: Option<Arc<SlotPool>>,
     /// The memory plan that sized the pool, when it was sized by a budget.
     pub plan: Option<Plan>,
+    /// The context the source was planned for: `options.context`, or less where an
+    /// automatic one had to shrink to leave the pool its floor.
+    pub context: usize,
+}
+
+/// Plans `target` for `ckpt` on `backend` ([`AutoPlan::choose`]; with an automatic
+/// context, [`AutoPlan::choose_context`], which may lower it) and logs the plan and why.
+fn auto_plan<B: Backend>(
+    backend: &B,
+    ckpt: &Checkpoint,
+    index: &ExpertIndex,
+    target: Target,
+    options: &SourceOptions,
+) -> Result<AutoPlan> {
+    let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
+    let fp = Footprint::new(ckpt, index, options.queue_depth, chunk);
+    let plan = match options.context_budget {
+        Some(_) => AutoPlan::choose_context(&fp, target, options.context, options.prompt_cache)?,
+        None => AutoPlan::choose(&fp, target, options.context, options.prompt_cache)?,
+    };
+    tracing::info!("memory plan: {}", plan.describe());
+    Ok(plan)
 }
 
 /// Opens the expert source `options` ask for, attaching a pool to `backend` (whose GPU
@@ -226,41 +255,28 @@ pub fn open_source<B: Backend>(
     runtime: tokio::runtime::Handle,
 ) -> Result<OpenedSource> {
     let mut plan = None;
-    let slots = match options.pool {
-        Some(PoolSize::Slots(n)) => n,
-        Some(PoolSize::PerLayer(n)) => n
+    let mut context = options.context;
+    // A budget is a fixed target: planned as the machine's are, but always streamed.
+    let target = match options.pool {
+        Some(PoolSize::Budget(bytes)) => Some(Target::fixed(bytes)),
+        Some(PoolSize::Auto(target)) => Some(target),
+        _ => None,
+    };
+    let slots = match (options.pool, target) {
+        (_, Some(target)) => {
+            let auto = auto_plan(backend, ckpt, &index, target, options)?;
+            context = auto.context;
+            plan = auto.streamed;
+            match &plan {
+                Some(p) => p.slots,
+                None => return mapped(ckpt, index, options, context),
+            }
+        }
+        (Some(PoolSize::Slots(n)), _) => n,
+        (Some(PoolSize::PerLayer(n)), _) => n
             .checked_mul(index.moe_layers.len())
             .ok_or_else(|| Error::InvalidInput(format!("{n} experts per layer is too many")))?,
-        Some(PoolSize::Budget(budget)) => {
-            let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
-            let p = Plan::new(
-                ckpt,
-                &index,
-                budget,
-                options.context,
-                options.queue_depth,
-                chunk,
-                options.prompt_cache,
-            )?;
-            tracing::info!(slots = p.slots, pool = %crate::plan::human(p.pool), "memory plan");
-            let slots = p.slots;
-            plan = Some(p);
-            slots
-        }
-        None => {
-            if options.trace || options.placement.is_some() {
-                return Err(Error::InvalidInput(
-                    "a routing trace and a slot placement need a pool (a slot count, experts per layer or a memory budget)"
-                        .into(),
-                ));
-            }
-            let experts = AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index));
-            return Ok(OpenedSource {
-                experts,
-                pool: None,
-                plan: None,
-            });
-        }
+        _ => return mapped(ckpt, index, options, context),
     };
     let mut stream = StreamOptions::with_slots(slots);
     stream.queue_depth = options.queue_depth;
@@ -277,5 +293,28 @@ pub fn open_source<B: Backend>(
         experts: AnyExperts::Pool(experts),
         pool: Some(pool),
         plan,
+        context,
+    })
+}
+
+/// The mapped checkpoint as the source (every record resident). Errors: a trace or a
+/// slot placement asked for, which need a pool.
+fn mapped(
+    ckpt: &Arc<Checkpoint>,
+    index: Arc<ExpertIndex>,
+    options: &SourceOptions,
+    context: usize,
+) -> Result<OpenedSource> {
+    if options.trace || options.placement.is_some() {
+        return Err(Error::InvalidInput(
+            "a routing trace and a slot placement need a pool (a slot count, experts per layer or a memory budget)"
+                .into(),
+        ));
+    }
+    Ok(OpenedSource {
+        experts: AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)),
+        pool: None,
+        plan: None,
+        context,
     })
 }

@@ -5,7 +5,8 @@
 //! Layers of the crate, bottom up (ARCHITECTURE.md); a module imports only the layers
 //! below it and those before it in its own (`tests/integration/layers.rs` holds the
 //! order and checks it):
-//! - [`error`], [`atomic_file`]: typed errors, and files written whole or not at all.
+//! - [`error`], [`atomic_file`], [`machine`]: typed errors, files written whole or not at
+//!   all, and the machine's memory as the planner reads it.
 //! - Formats: [`config`], [`checkpoint`], [`pack`], [`tokenizer`], [`chat_template`]:
 //!   read and validate an MLX checkpoint directory and index every expert record's bytes,
 //!   the packed one-read-per-record layout, tokenizing, and rendering conversations so
@@ -44,6 +45,7 @@ pub mod error;
 pub mod experts;
 pub mod generate;
 pub mod io;
+pub mod machine;
 pub mod model;
 pub mod ngram;
 pub mod pack;

@@ -8,8 +8,9 @@
 use serde::Serialize;
 
 use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex, TensorEntry};
-use crate::config::LayerKind;
+use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+use crate::machine::MachineMemory;
 use crate::pool::{floor_slots, DEFAULT_SPECULATIVE_CAP};
 
 /// Bytes the process needs beyond what the plan itemizes: code, allocator, tokenizer,
@@ -46,6 +47,156 @@ pub struct Plan {
     pub records: usize,
 }
 
+/// What a checkpoint takes in memory, term by term, before a budget is split: the inputs
+/// of [`Plan::with`] and [`AutoPlan::choose`].
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Footprint {
+    /// Non-expert weights as the backends hold them ([`Plan::resident_weights`]).
+    pub resident_weights: u64,
+    /// What the context costs.
+    pub context: ContextCost,
+    /// [`Plan::workspaces`].
+    pub workspaces: u64,
+    /// [`Plan::staging`].
+    pub staging: u64,
+    /// Bytes of one slot (a record rounded up to the read alignment).
+    pub slot_bytes: u64,
+    /// Bytes of every routed record as stored: what a run with all of them resident
+    /// (the mapped checkpoint) holds.
+    pub record_bytes: u64,
+    pub records: usize,
+    /// The pool's floor in slots ([`floor_slots`]).
+    pub floor: usize,
+}
+
+/// What a model's context costs in memory: read from its config alone, so the context
+/// can be chosen before the weights are opened (`engine::Engine::open`).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ContextCost {
+    /// KV cache bytes per token of context (f32 keys and values of every attention layer).
+    pub kv_per_token: u64,
+    /// Conv and recurrent state of every gated DeltaNet layer (independent of the context).
+    pub recurrent_state: u64,
+    /// The model's `max_position_embeddings`, when its config gives one.
+    pub max_context: Option<usize>,
+}
+
+/// The smallest context [`Footprint::auto_context`] picks (unless the model's is shorter).
+pub const MIN_AUTO_CONTEXT: usize = 4096;
+
+/// The most of a budget the context's KV cache and states may take when the context is
+/// chosen automatically ([`Footprint::auto_context`]), as a fraction.
+pub const AUTO_CONTEXT_SHARE: f64 = 0.10;
+
+impl Footprint {
+    /// The footprint of `ckpt` with `queue_depth` reads in flight and prefill passes of
+    /// `chunk` tokens (see [`Plan::new`]).
+    pub fn new(ckpt: &Checkpoint, index: &ExpertIndex, queue_depth: usize, chunk: usize) -> Self {
+        let cfg = &ckpt.config;
+        let resident_weights: u64 = resident_tensors(ckpt).map(|(_, held)| held).sum();
+        // A chunk's widest activations, a few alive at once, plus its logits.
+        let width = (2 * cfg.linear_key_dim() + 2 * cfg.linear_value_dim())
+            .max(2 * cfg.num_attention_heads * cfg.head_dim)
+            + cfg.num_experts_per_tok * cfg.moe_intermediate_size * 3;
+        let chunk = chunk as u64;
+        let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
+        // Plus a prefill chunk's experts read outside the pool: up to a whole layer's,
+        // held as records while the next layer's are read ahead into records and through
+        // the aligned read buffers.
+        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4
+            + 3 * index.num_experts as u64 * slot_bytes;
+        Footprint {
+            resident_weights,
+            context: ContextCost::of(cfg),
+            workspaces,
+            staging: queue_depth as u64 * slot_bytes,
+            slot_bytes,
+            record_bytes: index.records() as u64 * index.layout.record_bytes as u64,
+            records: index.records(),
+            floor: floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP),
+        }
+    }
+
+    /// Every term but the pool, for `context` tokens and `prompt_cache` bytes of
+    /// snapshots.
+    fn fixed(&self, context: usize, prompt_cache: u64) -> Result<u64> {
+        Ok(self.resident_weights
+            + self.context.context_state(context)?
+            + self.workspaces
+            + self.staging
+            + RUNTIME_BYTES
+            + prompt_cache)
+    }
+
+    /// Bytes of a run with every record resident (the checkpoint mapped): the plan's
+    /// fixed terms plus all the records.
+    pub fn resident_need(&self, context: usize, prompt_cache: u64) -> Result<u64> {
+        Ok(self.fixed(context, prompt_cache)? + self.record_bytes)
+    }
+}
+
+impl ContextCost {
+    /// The cost of `cfg`'s context.
+    pub fn of(cfg: &ModelConfig) -> Self {
+        let per_token_kv = (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
+        let delta_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)
+            as u64
+            * 4;
+        let (mut attention, mut delta) = (0u64, 0u64);
+        for kind in &cfg.layer_kinds {
+            match kind {
+                LayerKind::FullAttention => attention += 1,
+                LayerKind::LinearAttention => delta += 1,
+            }
+        }
+        ContextCost {
+            kv_per_token: per_token_kv * attention,
+            recurrent_state: delta * delta_state,
+            max_context: cfg.max_position_embeddings,
+        }
+    }
+
+    /// KV cache and recurrent state for `context` tokens. Errors: a context whose bytes
+    /// overflow.
+    pub fn context_state(&self, context: usize) -> Result<u64> {
+        (context as u64)
+            .checked_mul(self.kv_per_token)
+            .and_then(|kv| kv.checked_add(self.recurrent_state))
+            .ok_or_else(|| {
+                Error::InvalidInput(format!("a context of {context} tokens is too large"))
+            })
+    }
+
+    /// The context sizes an automatic choice picks from, largest first: the powers of two
+    /// from [`MIN_AUTO_CONTEXT`] up to the model's `max_position_embeddings` (only
+    /// [`MIN_AUTO_CONTEXT`] when the config does not say; the model's own when shorter).
+    pub fn context_sizes(&self) -> Vec<usize> {
+        let max = self.max_context.unwrap_or(MIN_AUTO_CONTEXT);
+        if max <= MIN_AUTO_CONTEXT {
+            return vec![max];
+        }
+        let mut sizes: Vec<usize> = std::iter::successors(Some(MIN_AUTO_CONTEXT), |&c| {
+            c.checked_mul(2).filter(|&n| n <= max)
+        })
+        .collect();
+        sizes.reverse();
+        sizes
+    }
+
+    /// The largest of [`Footprint::context_sizes`] whose KV cache and states take at most
+    /// [`AUTO_CONTEXT_SHARE`] of `budget` (the smallest size when none does).
+    pub fn auto_context(&self, budget: u64) -> usize {
+        let sizes = self.context_sizes();
+        let cap = (budget as f64 * AUTO_CONTEXT_SHARE) as u64;
+        sizes
+            .iter()
+            .copied()
+            .find(|&c| self.context_state(c).is_ok_and(|s| s <= cap))
+            .unwrap_or(sizes[sizes.len() - 1])
+    }
+}
+
 impl Plan {
     /// Plans `budget` bytes for `ckpt` with room for `context` tokens, `queue_depth`
     /// reads in flight, prefill passes of `chunk` tokens (the backend's
@@ -61,55 +212,31 @@ impl Plan {
         chunk: usize,
         prompt_cache: u64,
     ) -> Result<Self> {
-        let cfg = &ckpt.config;
-        let resident_weights: u64 = resident_tensors(ckpt).map(|(_, held)| held).sum();
-        let per_token_kv = (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
-        let delta_state = ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()
-            + cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)
-            as u64
-            * 4;
-        let (mut attention, mut delta) = (0u64, 0u64);
-        for kind in &cfg.layer_kinds {
-            match kind {
-                LayerKind::FullAttention => attention += 1,
-                LayerKind::LinearAttention => delta += 1,
-            }
-        }
-        let context_state = (context as u64)
-            .checked_mul(per_token_kv * attention)
-            .and_then(|kv| kv.checked_add(delta * delta_state))
-            .ok_or_else(|| {
-                Error::InvalidInput(format!("a context of {context} tokens is too large"))
-            })?;
-        // A chunk's widest activations, a few alive at once, plus its logits.
-        let width = (2 * cfg.linear_key_dim() + 2 * cfg.linear_value_dim())
-            .max(2 * cfg.num_attention_heads * cfg.head_dim)
-            + cfg.num_experts_per_tok * cfg.moe_intermediate_size * 3;
-        let chunk = chunk as u64;
-        let slot_bytes = slot_stride(index.layout.record_bytes) as u64;
-        // Plus a prefill chunk's experts read outside the pool: up to a whole layer's,
-        // held as records while the next layer's are read ahead into records and through
-        // the aligned read buffers.
-        let workspaces = chunk * (4 * width as u64 + cfg.vocab_size as u64) * 4
-            + 3 * index.num_experts as u64 * slot_bytes;
-        let staging = queue_depth as u64 * slot_bytes;
-        let runtime = RUNTIME_BYTES;
-        let fixed =
-            resident_weights + context_state + workspaces + staging + runtime + prompt_cache;
+        Plan::with(
+            &Footprint::new(ckpt, index, queue_depth, chunk),
+            budget,
+            context,
+            prompt_cache,
+        )
+    }
+
+    /// [`Plan::new`] from a checkpoint's [`Footprint`].
+    pub fn with(fp: &Footprint, budget: u64, context: usize, prompt_cache: u64) -> Result<Self> {
+        let context_state = fp.context.context_state(context)?;
+        let fixed = fp.fixed(context, prompt_cache)?;
         let left = budget.saturating_sub(fixed);
-        let floor = floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP);
-        let records = index.records();
+        let (slot_bytes, floor, records) = (fp.slot_bytes, fp.floor, fp.records);
         let slots = ((left / slot_bytes) as usize).min(records.max(floor));
         let pool = slots as u64 * slot_bytes;
         let unused = left - pool.min(left);
         let plan = Plan {
             budget,
-            resident_weights,
+            resident_weights: fp.resident_weights,
             context_state,
             context,
-            workspaces,
-            staging,
-            runtime,
+            workspaces: fp.workspaces,
+            staging: fp.staging,
+            runtime: RUNTIME_BYTES,
             prompt_cache,
             pool,
             unused,
@@ -173,6 +300,212 @@ impl Plan {
             self.context
         );
         out
+    }
+}
+
+/// The budget a run is planned within, and which bound set it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Target {
+    /// Bytes.
+    pub bytes: u64,
+    /// What set `bytes`.
+    pub why: Bound,
+    /// The machine it was read from, when it was.
+    pub machine: Option<MachineMemory>,
+}
+
+/// What set a [`Target`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Bound {
+    /// `--memory-budget`, a fixed target: the experts are streamed through a pool even
+    /// when they would all fit.
+    Fixed,
+    /// This percentage of RAM.
+    Ram(u8),
+    /// This percentage of the cgroup's `memory.max` (lower than RAM).
+    Cgroup(u8),
+    /// The memory available now (or what the cgroup's limit leaves).
+    Available,
+    /// A unified-memory GPU's recommended working set less [`GPU_HEADROOM`].
+    GpuWorkingSet,
+    /// `--memory-limit`, an adaptive ceiling.
+    Limit,
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bound::Fixed => write!(f, "--memory-budget, a fixed target"),
+            Bound::Ram(p) => write!(f, "{p}% of RAM"),
+            Bound::Cgroup(p) => write!(f, "{p}% of the cgroup's memory.max"),
+            Bound::Available => write!(f, "the memory available now"),
+            Bound::GpuWorkingSet => write!(f, "the GPU's recommended working set less 2 GiB"),
+            Bound::Limit => write!(f, "--memory-limit"),
+        }
+    }
+}
+
+/// What the OS keeps below a unified-memory GPU's recommended working set (the
+/// reference system's rule, reference-system.md B.3).
+pub const GPU_HEADROOM: u64 = 2 << 30;
+
+/// The share of RAM a plan from the machine takes unless told (`--max-ram-percent`).
+pub const DEFAULT_MAX_RAM_PERCENT: u8 = 70;
+
+impl Target {
+    /// `--memory-budget`: exactly `bytes`.
+    pub fn fixed(bytes: u64) -> Self {
+        Target {
+            bytes,
+            why: Bound::Fixed,
+            machine: None,
+        }
+    }
+
+    /// Whether the target is fixed (the experts always streamed).
+    pub fn is_fixed(&self) -> bool {
+        self.why == Bound::Fixed
+    }
+
+    /// The budget `machine` allows: `max_ram_percent` (1 to 100) of its RAM (of the
+    /// cgroup's limit when lower), at most what is available now (and what the cgroup
+    /// leaves), at most the GPU's recommended working set less [`GPU_HEADROOM`] where
+    /// there is one, and at most `limit` (`--memory-limit`). The least bound wins and
+    /// names the reason (the first of equal ones).
+    pub fn from_machine(machine: MachineMemory, max_ram_percent: u8, limit: Option<u64>) -> Self {
+        let pct = max_ram_percent.clamp(1, 100);
+        let share = (machine.ram() as u128 * pct as u128 / 100) as u64;
+        let ram = if machine.cgroup_max.is_some_and(|m| m < machine.total) {
+            Bound::Cgroup(pct)
+        } else {
+            Bound::Ram(pct)
+        };
+        let gpu = machine
+            .gpu_working_set
+            .map(|ws| (ws.saturating_sub(GPU_HEADROOM), Bound::GpuWorkingSet));
+        let limit = limit.map(|l| (l, Bound::Limit));
+        let (bytes, why) = [
+            Some((share, ram)),
+            Some((machine.room(), Bound::Available)),
+            gpu,
+            limit,
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(|a, b| if b.0 < a.0 { b } else { a })
+        .unwrap_or((share, ram));
+        Target {
+            bytes,
+            why,
+            machine: Some(machine),
+        }
+    }
+}
+
+/// The plan of a run: every record resident (the mapped checkpoint) when the whole model
+/// fits a target from the machine, else the experts streamed through a pool that the
+/// target sizes.
+#[derive(Clone, Debug, Serialize)]
+pub struct AutoPlan {
+    pub target: Target,
+    /// Tokens of context planned for.
+    pub context: usize,
+    /// Bytes the run would take with every record resident
+    /// ([`Footprint::resident_need`]).
+    pub resident_need: u64,
+    /// The streamed plan; `None` when every record stays resident.
+    pub streamed: Option<Plan>,
+}
+
+impl AutoPlan {
+    /// Plans `fp` within `target` for `context` tokens and `prompt_cache` bytes of
+    /// snapshots: every record resident exactly when the target is not fixed and
+    /// [`Footprint::resident_need`] fits it, else the streamed [`Plan`]. Errors: a
+    /// streamed plan whose pool is below the floor (the message gives every term), a
+    /// context too large to count.
+    pub fn choose(
+        fp: &Footprint,
+        target: Target,
+        context: usize,
+        prompt_cache: u64,
+    ) -> Result<Self> {
+        let resident_need = fp.resident_need(context, prompt_cache)?;
+        let streamed = if !target.is_fixed() && resident_need <= target.bytes {
+            None
+        } else {
+            Some(Plan::with(fp, target.bytes, context, prompt_cache)?)
+        };
+        Ok(AutoPlan {
+            target,
+            context,
+            resident_need,
+            streamed,
+        })
+    }
+
+    /// [`AutoPlan::choose`] for an automatic context: `largest` tokens, or the largest of
+    /// [`ContextCost::context_sizes`] below it whose streamed plan keeps the pool at its
+    /// floor. Errors: the smallest size's, when none does.
+    pub fn choose_context(
+        fp: &Footprint,
+        target: Target,
+        largest: usize,
+        prompt_cache: u64,
+    ) -> Result<Self> {
+        let smaller = fp
+            .context
+            .context_sizes()
+            .into_iter()
+            .filter(|&c| c < largest);
+        let mut result = AutoPlan::choose(fp, target, largest, prompt_cache);
+        for c in smaller {
+            if result.is_ok() {
+                break;
+            }
+            result = AutoPlan::choose(fp, target, c, prompt_cache);
+        }
+        result
+    }
+
+    /// One line: the machine, the budget and why, the context, resident or streamed.
+    pub fn describe(&self) -> String {
+        let machine = match &self.target.machine {
+            Some(m) => {
+                let mut s = format!("RAM {}, available {}", human(m.total), human(m.available));
+                if let Some(max) = m.cgroup_max {
+                    s += &format!(", cgroup memory.max {}", human(max));
+                    if let Some(current) = m.cgroup_current {
+                        s += &format!(" ({} used)", human(current));
+                    }
+                }
+                if let Some(ws) = m.gpu_working_set {
+                    s += &format!(", GPU working set {}", human(ws));
+                }
+                s + "; "
+            }
+            None => String::new(),
+        };
+        let context = format!("context {} tokens", self.context);
+        let how = match &self.streamed {
+            None => format!(
+                "every record resident: the whole model needs {}, within the budget",
+                human(self.resident_need)
+            ),
+            Some(p) => format!(
+                "experts streamed through a pool of {} slots ({:.0}% of {} records, {}): the whole model needs {}{}",
+                p.slots,
+                100.0 * p.slots as f64 / p.records.max(1) as f64,
+                p.records,
+                human(p.pool),
+                human(self.resident_need),
+                if self.target.is_fixed() { "; a fixed budget always streams" } else { ", more than the budget" }
+            ),
+        };
+        format!(
+            "{machine}budget {} ({}); {context}; {how}",
+            human(self.target.bytes),
+            self.target.why
+        )
     }
 }
 
@@ -262,6 +595,196 @@ pub fn peak_rss() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// A model's footprint from its main sizes (bytes), with a context cost of an
+    /// attention model (`kv_per_token`) up to `max_context` tokens.
+    fn footprint(
+        resident_weights: u64,
+        slot_bytes: u64,
+        records: usize,
+        experts: usize,
+        kv_per_token: u64,
+        max_context: Option<usize>,
+    ) -> Footprint {
+        Footprint {
+            resident_weights,
+            context: ContextCost {
+                kv_per_token,
+                recurrent_state: 3 * kv_per_token,
+                max_context,
+            },
+            workspaces: 3 * experts as u64 * slot_bytes + (8 << 20),
+            staging: 32 * slot_bytes,
+            slot_bytes,
+            // Records are stored a little smaller than their aligned slots.
+            record_bytes: records as u64 * (slot_bytes - 512),
+            records,
+            floor: floor_slots(experts, DEFAULT_SPECULATIVE_CAP),
+        }
+    }
+
+    fn arb_footprint() -> impl Strategy<Value = Footprint> {
+        (
+            1u64 << 20..8u64 << 30,
+            (1u64..2048).prop_map(|kib| kib * 4096),
+            1usize..64,
+            prop::sample::select(vec![8usize, 32, 64, 128, 256, 512]),
+            0u64..(96 << 10),
+            prop::option::of(1usize..1 << 20),
+        )
+            .prop_map(|(weights, slot, layers, experts, kv, max)| {
+                footprint(weights, slot, layers * experts, experts, kv, max)
+            })
+    }
+
+    fn arb_machine() -> impl Strategy<Value = MachineMemory> {
+        (
+            1u64 << 30..1u64 << 40,
+            0.0f64..=1.0,
+            prop::option::of(0.05f64..=2.0),
+            0.0f64..=1.0,
+            prop::option::of(4u64 << 30..256u64 << 30),
+        )
+            .prop_map(|(total, avail, cgroup, used, gpu)| {
+                let cgroup_max = cgroup.map(|c| (total as f64 * c) as u64);
+                MachineMemory {
+                    total,
+                    available: (total as f64 * avail) as u64,
+                    cgroup_max,
+                    cgroup_current: cgroup_max.map(|m| (m as f64 * used) as u64),
+                    gpu_working_set: gpu,
+                }
+            })
+    }
+
+    proptest! {
+        /// The machine's target is the least of its bounds, and names it.
+        #[test]
+        fn the_target_is_the_least_bound(
+            machine in arb_machine(),
+            percent in 1u8..=100,
+            limit in prop::option::of(1u64 << 20..1u64 << 40),
+        ) {
+            let t = Target::from_machine(machine, percent, limit);
+            let share = (machine.ram() as u128 * percent as u128 / 100) as u64;
+            let mut bounds = vec![share, machine.room()];
+            bounds.extend(machine.gpu_working_set.map(|w| w.saturating_sub(GPU_HEADROOM)));
+            bounds.extend(limit);
+            prop_assert_eq!(t.bytes, *bounds.iter().min().unwrap());
+            prop_assert!(!t.is_fixed());
+            let named = match t.why {
+                Bound::Ram(p) | Bound::Cgroup(p) => { prop_assert_eq!(p, percent); share }
+                Bound::Available => machine.room(),
+                Bound::GpuWorkingSet => machine.gpu_working_set.unwrap() - GPU_HEADROOM.min(machine.gpu_working_set.unwrap()),
+                Bound::Limit => limit.unwrap(),
+                Bound::Fixed => u64::MAX,
+            };
+            prop_assert_eq!(named, t.bytes);
+            // Within a cgroup the share is of its limit, and what it leaves bounds the room.
+            if let (Some(max), Some(current)) = (machine.cgroup_max, machine.cgroup_current) {
+                prop_assert!(t.bytes <= max.saturating_sub(current));
+            }
+        }
+
+        /// Every record resident exactly when the whole model fits a target from the
+        /// machine; a streamed plan never exceeds its budget and keeps the pool within
+        /// its floor and the record count.
+        #[test]
+        fn the_plan_fits_its_budget(
+            fp in arb_footprint(),
+            machine in arb_machine(),
+            fixed in prop::option::of(1u64 << 20..1u64 << 40),
+            prompt_cache in 0u64..(4 << 30),
+        ) {
+            let target = fixed.map_or(Target::from_machine(machine, 70, None), Target::fixed);
+            let context = fp.context.auto_context(target.bytes);
+            let need = fp.resident_need(context, prompt_cache).unwrap();
+            match AutoPlan::choose(&fp, target, context, prompt_cache) {
+                Ok(plan) => {
+                    prop_assert_eq!(plan.resident_need, need);
+                    prop_assert_eq!(plan.streamed.is_none(), fixed.is_none() && need <= target.bytes);
+                    if let Some(p) = &plan.streamed {
+                        let spent = p.resident_weights + p.context_state + p.workspaces
+                            + p.staging + p.runtime + p.prompt_cache + p.pool;
+                        prop_assert!(spent <= p.budget, "{} > {}", spent, p.budget);
+                        prop_assert_eq!(spent + p.unused, p.budget);
+                        prop_assert!(p.slots >= p.floor);
+                        prop_assert!(p.slots <= p.records.max(p.floor));
+                        prop_assert_eq!(p.context_state, fp.context.context_state(context).unwrap());
+                    }
+                }
+                Err(e) => {
+                    // Only a streamed plan whose pool would be below the floor fails.
+                    prop_assert!(fixed.is_some() || need > target.bytes);
+                    let fixed_terms = need - fp.record_bytes;
+                    prop_assert!(fixed_terms + fp.floor as u64 * fp.slot_bytes > target.bytes, "{}", e);
+                }
+            }
+        }
+
+        /// The automatic context is the largest size whose state takes at most a tenth of
+        /// the budget (the smallest size when none does).
+        #[test]
+        fn the_auto_context_is_the_largest_within_a_tenth(
+            fp in arb_footprint(),
+            budget in 1u64 << 20..1u64 << 40,
+        ) {
+            let sizes = fp.context.context_sizes();
+            let c = fp.context.auto_context(budget);
+            prop_assert!(sizes.contains(&c));
+            prop_assert!(sizes.windows(2).all(|w| w[0] == 2 * w[1]));
+            prop_assert!(sizes.iter().all(|&s| s >= MIN_AUTO_CONTEXT.min(fp.context.max_context.unwrap_or(MIN_AUTO_CONTEXT))));
+            prop_assert!(sizes.iter().all(|&s| fp.context.max_context.is_none_or(|m| s <= m)));
+            let cap = (budget as f64 * AUTO_CONTEXT_SHARE) as u64;
+            let fits = |s: usize| fp.context.context_state(s).unwrap() <= cap;
+            prop_assert!(fits(c) || c == *sizes.last().unwrap());
+            prop_assert!(sizes.iter().filter(|&&s| s > c).all(|&s| !fits(s)));
+        }
+    }
+
+    #[test]
+    fn context_sizes_follow_the_model() {
+        let cost = |max| ContextCost {
+            kv_per_token: 1,
+            recurrent_state: 0,
+            max_context: max,
+        };
+        assert_eq!(cost(Some(262144)).context_sizes().len(), 7);
+        assert_eq!(cost(Some(262144)).context_sizes()[0], 262144);
+        assert_eq!(
+            cost(Some(40000)).context_sizes(),
+            [32768, 16384, 8192, 4096]
+        );
+        assert_eq!(cost(Some(2048)).context_sizes(), [2048]);
+        assert_eq!(cost(None).context_sizes(), [4096]);
+    }
+
+    /// An 80B-like model (48 layers of 512 experts of 1.7 MiB, 12 attention layers of 4 KiB
+    /// a token) on a 32 GiB machine streams within 70% of RAM with a 32k context; on 256
+    /// GiB every record stays resident.
+    #[test]
+    fn an_80b_model_streams_on_32_gib_and_fits_256() {
+        let fp = footprint(1 << 30, 1_757_184, 48 * 512, 512, 12 * 4096, Some(262144));
+        let on = |gib: u64| {
+            let machine = MachineMemory {
+                total: gib << 30,
+                available: gib << 30,
+                ..Default::default()
+            };
+            let target = Target::from_machine(machine, DEFAULT_MAX_RAM_PERCENT, None);
+            let context = fp.context.auto_context(target.bytes);
+            AutoPlan::choose(&fp, target, context, 0).unwrap()
+        };
+        let small = on(32);
+        assert_eq!(small.target.why, Bound::Ram(70));
+        assert_eq!(small.context, 32768);
+        let p = small.streamed.as_ref().expect("streamed");
+        assert!(p.slots > p.floor && p.slots < p.records, "{}", p.table());
+        let big = on(256);
+        assert!(big.streamed.is_none(), "{}", big.describe());
+        assert!(big.describe().contains("every record resident"));
+    }
 
     #[test]
     fn sizes_parse() {

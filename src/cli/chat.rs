@@ -53,8 +53,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         args.device.clone(),
         &args.stream,
         args.trace.trace.is_some(),
-        args.prompt_cache.options(args.stream.memory_budget)?,
-    );
+        |budget| args.prompt_cache.options(budget),
+    )?;
     // Refused before the weights load: no tokenizer, no chat template.
     let prepared = open(&args.model, options)?;
     prepared.tokenizer()?;

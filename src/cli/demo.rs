@@ -8,7 +8,7 @@ use clap::Args;
 use slotstream::io::IoMode;
 
 use super::flags::{
-    IoArgs, OnOff, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs,
+    BudgetArgs, IoArgs, OnOff, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs,
 };
 use super::generate::{run_generate, GenerateArgs};
 
@@ -77,9 +77,9 @@ pub fn demo(args: DemoArgs) -> Result<()> {
         stream: StreamArgs {
             pool_slots: Some(slots),
             experts_per_layer: None,
-            memory_budget: None,
+            budget: BudgetArgs::default(),
             io: IoArgs {
-                context: 4096,
+                context: Some(4096),
                 queue_depth: 32,
                 io: IoMode::Direct,
                 no_pack: false,

@@ -9,6 +9,8 @@ use clap::Args;
 use slotstream::backend::gpu::Placement;
 use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::io::IoMode;
+use slotstream::machine::MachineMemory;
+use slotstream::plan::{Bound, Target, DEFAULT_MAX_RAM_PERCENT};
 use slotstream::prompt_cache::PromptCacheOptions;
 use slotstream::sampling::{SamplingInput, SamplingOptions};
 
@@ -16,9 +18,10 @@ use slotstream::sampling::{SamplingInput, SamplingOptions};
 /// sequence states at prefix boundaries.
 #[derive(Args)]
 pub struct PromptCacheArgs {
-    /// Memory for prompt-reuse snapshots: a size (2GiB), a share of --memory-budget
-    /// (10%), or 0 (off). Default: 10% of --memory-budget, else 2GiB. With
-    /// --memory-budget it is one of the plan's terms.
+    /// Memory for prompt-reuse snapshots: a size (2GiB), a share of the memory budget
+    /// (10%), or 0 (off). Default: 10% of the memory budget (--memory-budget, or the one
+    /// planned from the machine); 2GiB with --pool-slots or --experts-per-layer. It is
+    /// one of the plan's terms.
     #[arg(long)]
     prompt_cache: Option<CacheSize>,
     /// Tokens between snapshots of a long prefill (0: only at the ends of prompts).
@@ -83,7 +86,7 @@ impl CacheSize {
             (CacheSize::Share(share), Some(budget)) => Ok((share * budget as f64) as u64),
             (CacheSize::Share(_), None) => {
                 bail!(
-                    "--prompt-cache as a share (%) needs --memory-budget; give a size such as 2GiB"
+                    "--prompt-cache as a share (%) needs a memory budget (not --pool-slots or --experts-per-layer); give a size such as 2GiB"
                 )
             }
         }
@@ -155,20 +158,18 @@ pub struct TraceArgs {
 }
 
 /// How routed experts are read: through a slot pool sized by `--pool-slots`,
-/// `--experts-per-layer` or `--memory-budget`, or (without them) from the memory-mapped
-/// checkpoint.
+/// `--experts-per-layer` or `--memory-budget`, or (without them) as the machine allows:
+/// every record resident when the whole model fits, else streamed (see `slotstream plan`).
 #[derive(Args)]
 pub struct StreamArgs {
     /// Stream experts through a pool of this many slots (records).
-    #[arg(long, conflicts_with_all = ["experts_per_layer", "memory_budget"])]
+    #[arg(long, conflicts_with_all = ["experts_per_layer", "memory_budget", "memory_limit"])]
     pub pool_slots: Option<usize>,
     /// A pool of this many slots per MoE layer (shared by all layers).
-    #[arg(long, conflicts_with = "memory_budget")]
+    #[arg(long, conflicts_with_all = ["memory_budget", "memory_limit"])]
     pub experts_per_layer: Option<usize>,
-    /// Plan the run within this much memory (e.g. 8GiB); the pool gets what the other
-    /// terms leave (see `slotstream plan`).
-    #[arg(long, value_parser = slotstream::plan::parse_size)]
-    pub memory_budget: Option<u64>,
+    #[command(flatten)]
+    pub budget: BudgetArgs,
     #[command(flatten)]
     pub io: IoArgs,
     /// Print statistics on stderr (the pool's as JSON when streaming).
@@ -179,14 +180,67 @@ pub struct StreamArgs {
     pub lookahead: OnOff,
 }
 
+/// The memory a run is planned within (streaming commands and `plan`).
+#[derive(Args, Clone, Debug)]
+pub struct BudgetArgs {
+    /// Plan the run within exactly this much memory (e.g. 8GiB), the experts streamed
+    /// through the pool the other terms leave (see `slotstream plan`).
+    #[arg(long, value_parser = slotstream::plan::parse_size, conflicts_with_all = ["memory_limit", "max_ram_percent"])]
+    pub memory_budget: Option<u64>,
+    /// An adaptive ceiling: plan as the machine allows (every record resident when the
+    /// whole model fits, else streamed), but within this much memory (e.g. 16GiB).
+    #[arg(long, value_parser = slotstream::plan::parse_size)]
+    pub memory_limit: Option<u64>,
+    /// The share of RAM (or of the cgroup's memory.max) a plan from the machine may take,
+    /// at most what is available now.
+    #[arg(long, default_value_t = DEFAULT_MAX_RAM_PERCENT, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub max_ram_percent: u8,
+}
+
+impl Default for BudgetArgs {
+    /// As the flags' defaults: planned from the machine.
+    fn default() -> Self {
+        BudgetArgs {
+            memory_budget: None,
+            memory_limit: None,
+            max_ram_percent: DEFAULT_MAX_RAM_PERCENT,
+        }
+    }
+}
+
+impl BudgetArgs {
+    /// The target a run is planned within: `--memory-budget` (fixed), else the machine's
+    /// ([`Target::from_machine`], within `--memory-limit`), else `--memory-limit` alone
+    /// when the machine cannot be read; `None` when nothing gives one.
+    pub fn target(&self) -> Option<Target> {
+        if let Some(bytes) = self.memory_budget {
+            return Some(Target::fixed(bytes));
+        }
+        match MachineMemory::probe() {
+            Some(machine) => Some(Target::from_machine(
+                machine,
+                self.max_ram_percent,
+                self.memory_limit,
+            )),
+            None => self.memory_limit.map(|bytes| Target {
+                bytes,
+                why: Bound::Limit,
+                machine: None,
+            }),
+        }
+    }
+}
+
 /// How expert records are read and where a GPU keeps them (streaming commands and bench).
 #[derive(Args)]
 pub struct IoArgs {
     /// The most tokens, prompt and output together, a sequence may hold (generation
     /// stops there; at most the model's max_position_embeddings), and what the memory
-    /// plan reserves KV cache for.
-    #[arg(long, default_value_t = 4096)]
-    pub context: usize,
+    /// plan reserves KV cache for. Default: auto, the largest power of two from 4096 up
+    /// to the model's max_position_embeddings whose KV cache and states take at most 10%
+    /// of the memory budget and leave the pool its floor (`bench`: 4096).
+    #[arg(long)]
+    pub context: Option<usize>,
     /// Demand reads in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub queue_depth: u16,
@@ -207,7 +261,7 @@ impl IoArgs {
     /// The library's options for these flags (no pool, lookahead on).
     pub fn source(&self) -> SourceOptions {
         SourceOptions {
-            context: self.context,
+            context: self.context.unwrap_or(slotstream::plan::MIN_AUTO_CONTEXT),
             queue_depth: self.queue_depth as usize,
             io: self.io,
             use_pack: !self.no_pack,
@@ -302,7 +356,11 @@ impl StreamArgs {
     /// The library's options for these flags.
     pub fn source(&self) -> SourceOptions {
         SourceOptions {
-            pool: match (self.pool_slots, self.experts_per_layer, self.memory_budget) {
+            pool: match (
+                self.pool_slots,
+                self.experts_per_layer,
+                self.budget.memory_budget,
+            ) {
                 (Some(n), _, _) => Some(PoolSize::Slots(n)),
                 (_, Some(n), _) => Some(PoolSize::PerLayer(n)),
                 (_, _, Some(bytes)) => Some(PoolSize::Budget(bytes)),

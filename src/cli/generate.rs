@@ -118,17 +118,19 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
     }
-    let mut cache = args.prompt_cache.options(args.stream.memory_budget)?;
-    if cache.dir.is_none() {
-        // Nothing outlives the run: no snapshots to take.
-        cache.memory = 0;
-    }
     let options = engine_options(
         args.device.clone(),
         &args.stream,
         args.trace.trace.is_some(),
-        cache,
-    );
+        |budget| {
+            let mut cache = args.prompt_cache.options(budget)?;
+            if cache.dir.is_none() {
+                // Nothing outlives the run: no snapshots to take.
+                cache.memory = 0;
+            }
+            Ok(cache)
+        },
+    )?;
     // The prompt is checked before the weights load.
     let prepared = open(&args.model, options)?;
     // Read only where it is used: a malformed template does not fail --raw or ids.

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use slotstream::backend::gpu::GpuOptions;
 
 use slotstream::engine::{Engine, EngineOptions, Event, Generation, Prepared, Request};
+use slotstream::experts::PoolSize;
 use slotstream::generate::GenerateStats;
 use slotstream::pool::PoolStats;
 use slotstream::prompt_cache::PromptCacheOptions;
@@ -19,22 +20,43 @@ use slotstream::tools::cachesim;
 use super::flags::{StreamArgs, TraceArgs};
 
 /// The engine's options from the flags: `device` (`--device`), the stream flags (pool,
-/// I/O, lookahead, context), the pool's trace when `trace`, the prompt cache; the GPU's
-/// options from the environment ([`GpuOptions::from_env`]).
+/// I/O, lookahead, context), the pool's trace when `trace`, the prompt cache
+/// (`prompt_cache` given the memory budget its share is of: `--memory-budget` or the one
+/// planned from the machine); the GPU's options from the environment
+/// ([`GpuOptions::from_env`]). Without a pool flag the run is planned from the machine
+/// ([`PoolSize::Auto`]), and without `--context` the context is chosen for the budget.
+/// Errors: `prompt_cache`'s.
 pub fn engine_options(
     device: Option<String>,
     stream: &StreamArgs,
     trace: bool,
-    prompt_cache: PromptCacheOptions,
-) -> EngineOptions {
+    prompt_cache: impl FnOnce(Option<u64>) -> Result<PromptCacheOptions>,
+) -> Result<EngineOptions> {
     let mut source = stream.source();
     source.trace = trace;
-    EngineOptions {
+    let target = stream.budget.target();
+    let explicit_slots = matches!(
+        source.pool,
+        Some(PoolSize::Slots(_) | PoolSize::PerLayer(_))
+    );
+    match (&source.pool, target) {
+        (None, Some(target)) => source.pool = Some(PoolSize::Auto(target)),
+        (None, None) => tracing::warn!(
+            "the machine's memory could not be read: every record stays mapped, with a context of {} tokens (--memory-budget or --memory-limit plans a run)",
+            source.context
+        ),
+        _ => {}
+    }
+    if stream.io.context.is_none() {
+        source.context_budget = target.map(|t| t.bytes);
+    }
+    let prompt_cache = prompt_cache(target.filter(|_| !explicit_slots).map(|t| t.bytes))?;
+    Ok(EngineOptions {
         device,
         gpu: GpuOptions::from_env(),
         source,
         prompt_cache,
-    }
+    })
 }
 
 /// Opens the model in `dir` without its weights ([`Engine::open`]), for the prompt to be

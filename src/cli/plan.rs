@@ -1,26 +1,26 @@
-//! `slotstream plan`: how a memory budget splits.
+//! `slotstream plan`: the plan a run would take (from the machine, or within
+//! `--memory-budget`), and how its budget splits.
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::plan::Plan;
+use slotstream::plan::{AutoPlan, ContextCost, Footprint};
 
-use super::flags::CacheSize;
+use super::flags::{BudgetArgs, CacheSize};
 
 #[derive(Args)]
 pub struct PlanArgs {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Total memory for the run, e.g. 8GiB.
-    #[arg(long, value_parser = slotstream::plan::parse_size)]
-    memory_budget: u64,
-    /// Context to reserve KV cache for, in tokens.
-    #[arg(long, default_value_t = 4096)]
-    context: usize,
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// Context to reserve KV cache for, in tokens. Default: auto, as `generate` takes it.
+    #[arg(long)]
+    context: Option<usize>,
     /// Reads in flight.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
@@ -37,22 +37,31 @@ pub struct PlanArgs {
 pub fn plan(args: PlanArgs) -> Result<()> {
     let ckpt = Checkpoint::open(&args.model).context("opening the model")?;
     let index = ExpertIndex::build(&ckpt)?;
-    let plan = Plan::new(
+    let Some(target) = args.budget.target() else {
+        bail!("the machine's memory could not be read: give --memory-budget or --memory-limit");
+    };
+    let fp = Footprint::new(
         &ckpt,
         &index,
-        args.memory_budget,
-        args.context,
         args.queue_depth,
         slotstream::backend::PREFILL_CHUNK,
-        CacheSize::bytes(
-            Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
-            Some(args.memory_budget),
-        )?,
+    );
+    let context = match args.context {
+        Some(c) => slotstream::context::limit(c, &ckpt.config),
+        None => ContextCost::of(&ckpt.config).auto_context(target.bytes),
+    };
+    let prompt_cache = CacheSize::bytes(
+        Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
+        Some(target.bytes),
     )?;
+    let plan = AutoPlan::choose(&fp, target, context, prompt_cache)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
-        print!("{}", plan.table());
+        println!("{}", plan.describe());
+        if let Some(streamed) = &plan.streamed {
+            print!("{}", streamed.table());
+        }
     }
     Ok(())
 }

@@ -53,8 +53,8 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         args.device.clone(),
         &args.stream,
         args.trace.trace.is_some(),
-        off,
-    );
+        |_| Ok(off),
+    )?;
     // The text is tokenized before the weights load; ids need no tokenizer.json.
     let prepared = open(&args.model, options)?;
     let ids = match (text, &args.ids) {

@@ -96,8 +96,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             args.device.clone(),
             &args.stream,
             false,
-            args.prompt_cache.options(args.stream.memory_budget)?,
-        );
+            |budget| args.prompt_cache.options(budget),
+        )?;
         let engine = Engine::load(&args.model, options)
             .await
             .context("loading the model")?;

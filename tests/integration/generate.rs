@@ -601,3 +601,75 @@ fn prompt_errors_come_before_the_weights_load() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// The common tiny body with wider experts: 64 of 512 columns a layer, so the routed
+/// records (about 50 MiB) dominate the fixed terms and a machine can hold the pool's
+/// floor but not every record.
+const WIDE: slotstream::tools::synth::Preset = slotstream::tools::synth::Preset {
+    name: "wide",
+    hidden: 256,
+    experts: 64,
+    intermediate: 512,
+    ..TINY
+};
+
+/// Without a pool or budget flag, `generate` plans from the machine (simulated by
+/// `SLOTSTREAM_SIM_RAM_GB`): on a machine too small for the whole model the experts
+/// stream through a pool within 70% of its RAM, the context chosen for that budget (and
+/// lowered to leave the pool its floor);
+/// on a large one every record stays resident; the greedy ids agree.
+#[test]
+fn a_no_flag_generate_streams_on_a_machine_too_small_for_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    slotstream::tools::synth::write_checkpoint_with(tmp.path(), &WIDE, WIDE.layers, false, None)
+        .unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let run = |gib: &str| {
+        let out = slotstream()
+            .args(["generate", "--model", dir, "--prompt-ids", "1,2,3,4,5"])
+            .args(["--max-tokens", "6", "--device", "cpu", "--json"])
+            .env(slotstream::machine::SIM_RAM_ENV, gib)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{gib} GiB: {err}");
+        let plan = err
+            .lines()
+            .find(|l| l.contains("memory plan:"))
+            .unwrap_or_else(|| panic!("no plan logged: {err}"))
+            .to_string();
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json, plan)
+    };
+    let (small, plan) = run("0.2");
+    let budget = (0.2 * (1u64 << 30) as f64) as u64 * 70 / 100;
+    assert!(
+        plan.contains("RAM 204.8 MiB") && plan.contains("(70% of RAM)"),
+        "{plan}"
+    );
+    assert!(plan.contains("experts streamed through a pool"), "{plan}");
+    let p = &small["plan"];
+    assert!(p["budget"].as_u64().unwrap().abs_diff(budget) <= 1, "{p}");
+    let (slots, floor, records) = (
+        p["slots"].as_u64().unwrap(),
+        p["floor"].as_u64().unwrap(),
+        p["records"].as_u64().unwrap(),
+    );
+    assert!(floor <= slots && slots < records, "{p}");
+    assert!(!small["pool"].is_null());
+    // 10% of the budget holds 16384 tokens of this model's KV cache and states (about
+    // 520 bytes a token), not 32768; that context would leave the pool below its floor,
+    // so the plan steps down to a smaller size that does not.
+    let context = p["context"].as_u64().unwrap();
+    assert!([4096, 8192].contains(&context), "{p}");
+    assert!(
+        plan.contains(&format!("context {context} tokens")),
+        "{plan}"
+    );
+
+    let (big, plan) = run("64");
+    assert!(plan.contains("every record resident"), "{plan}");
+    assert!(big["plan"].is_null() && big["pool"].is_null(), "{big}");
+    assert_eq!(small["output_ids"], big["output_ids"]);
+    assert_eq!(small["output_ids"].as_array().unwrap().len(), 6);
+}

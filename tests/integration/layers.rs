@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 /// The layers, bottom up, each with its modules in the order they may import each other.
 /// A new module goes here, in the layer whose modules are the highest it imports.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("base", &["error", "atomic_file"]),
+    ("base", &["error", "atomic_file", "machine"]),
     (
         "formats",
         &["config", "checkpoint", "pack", "tokenizer", "chat_template"],
