@@ -86,7 +86,7 @@ pub fn open_config(dir: &Path) -> Result<ModelConfig> {
 impl Checkpoint {
     /// Opens `dir`: reads config.json, maps every shard and validates all headers.
     ///
-    /// Errors: missing directory or files, a malformed index (not JSON, no `weight_map`,
+    /// Errors: missing directory or files (every missing shard named), a malformed index (not JSON, no `weight_map`,
     /// a tensor the index places in a shard that lacks it), truncated or malformed shards,
     /// a tensor name present in two shards, and every config error of [`ModelConfig::load`].
     pub fn open(dir: &Path) -> Result<Self> {
@@ -108,6 +108,26 @@ impl Checkpoint {
             (vec!["model.safetensors".to_string()], None)
         };
 
+        // Every missing shard named at once: a copy that lost several says so.
+        let missing: Vec<&str> = files
+            .iter()
+            .filter(|f| !dir.join(f).exists())
+            .map(String::as_str)
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!(
+                        "{} of {} shards missing: {}",
+                        missing.len(),
+                        files.len(),
+                        missing.join(", ")
+                    ),
+                ),
+            ));
+        }
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors: HashMap<String, TensorEntry> = HashMap::new();
         for (shard_idx, file) in files.iter().enumerate() {

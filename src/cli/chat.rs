@@ -22,7 +22,7 @@ pub struct ChatArgs {
     #[arg(long)]
     system: Option<String>,
     /// Most tokens per reply.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = super::flags::at_least(1))]
     max_tokens: usize,
     #[command(flatten)]
     template: TemplateArgs,

@@ -112,6 +112,13 @@ impl std::str::FromStr for CacheSize {
     }
 }
 
+/// The parser of a count flag that refuses values below `least`: values with which every
+/// request would fail or come back empty (`--max-tokens 0`, a `--context` with no room
+/// for a prompt token and a new one) are refused at startup.
+pub fn at_least(least: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(least..)
+}
+
 /// Chat template variables (`generate` with the template, `chat`).
 #[derive(Args, Clone, Debug, Default)]
 pub struct TemplateArgs {
@@ -236,10 +243,10 @@ impl BudgetArgs {
 pub struct IoArgs {
     /// The most tokens, prompt and output together, a sequence may hold (generation
     /// stops there; at most the model's max_position_embeddings), and what the memory
-    /// plan reserves KV cache for. Default: auto, the largest power of two from 4096 up
-    /// to the model's max_position_embeddings whose KV cache and states take at most 10%
-    /// of the memory budget and leave the pool its floor (`bench`: 4096).
-    #[arg(long)]
+    /// plan reserves KV cache for; at least 2. Default: auto, the largest power of two
+    /// from 4096 up to the model's max_position_embeddings whose KV cache and states take
+    /// at most 10% of the memory budget and leave the pool its floor (`bench`: 4096).
+    #[arg(long, value_parser = at_least(2))]
     pub context: Option<usize>,
     /// Demand reads in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]

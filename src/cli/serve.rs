@@ -43,7 +43,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     prompt_cache: PromptCacheArgs,
     /// New tokens when a request does not give max_tokens.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = super::flags::at_least(1))]
     max_tokens: usize,
     /// Sampling defaults for requests that do not set their own.
     #[command(flatten)]

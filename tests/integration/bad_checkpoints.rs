@@ -820,7 +820,28 @@ fn shard_file_deleted() {
     let e = open_err(tmp.path());
     let msg = e.to_string();
     assert!(matches!(e, Error::Io { .. }), "{msg}");
-    assert!(msg.contains("model-00002-of-00005.safetensors"), "{msg}");
+    assert!(
+        msg.ends_with("1 of 5 shards missing: model-00002-of-00005.safetensors"),
+        "{msg}"
+    );
+}
+
+/// Every missing shard is named, not only the first.
+#[test]
+fn shard_files_deleted_are_all_named() {
+    let tmp = copy_fixture(SHARDED);
+    for n in [2, 4] {
+        fs::remove_file(
+            tmp.path()
+                .join(format!("model-0000{n}-of-00005.safetensors")),
+        )
+        .unwrap();
+    }
+    let msg = open_err(tmp.path()).to_string();
+    assert!(
+        msg.ends_with("2 of 5 shards missing: model-00002-of-00005.safetensors, model-00004-of-00005.safetensors"),
+        "{msg}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------

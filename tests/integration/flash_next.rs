@@ -97,29 +97,46 @@ fn ngram_row_ids_equal_transformers_hashing() {
     assert_eq!(got, want);
 }
 
-#[test]
-fn centered_and_folded_norms_give_the_same_logits() {
+/// A copy of the Flash-Next fixture (whose `1 + w` norms are stored folded) with those
+/// norms stored as the Hugging Face release stores them (`w = stored - 1`, exact in bf16
+/// for the fixture's weights) when `centered`; with `mtp`, an MTP head whose norms are in
+/// the other convention and outnumber the text model's (each norm again, twice, under
+/// `mtp.layers.{0,1}.` in place of `language_model.model.`).
+fn with_norms(centered: bool, mtp: bool) -> tempfile::TempDir {
     let src = fixture_dir(QWEN4_EXP);
     let dir = copy_fixture(QWEN4_EXP);
-    // Rewrite the norms as the Hugging Face release stores them: w = stored - 1 (exact in
-    // bf16 for the fixture's weights).
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut data: HashMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = HashMap::new();
     let mut rewritten = 0;
     for (name, view) in st.tensors() {
-        let mut raw = view.data().to_vec();
+        let raw = view.data().to_vec();
         if NormConvention::applies_to(&name) {
             assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
-            for b in raw.chunks_exact_mut(2) {
+            let mut shifted = raw.clone();
+            for b in shifted.chunks_exact_mut(2) {
                 let v = half::bf16::from_le_bytes([b[0], b[1]]).to_f32() - 1.0;
                 let c = half::bf16::from_f32(v);
                 assert_eq!(c.to_f32(), v, "{name}: not exact in bf16");
                 b.copy_from_slice(&c.to_le_bytes());
             }
             rewritten += 1;
+            let (own, other) = match centered {
+                true => (shifted, raw),
+                false => (raw, shifted),
+            };
+            if mtp {
+                for i in 0..2 {
+                    data.insert(
+                        name.replacen("language_model.model.", &format!("mtp.layers.{i}."), 1),
+                        (view.dtype(), view.shape().to_vec(), other.clone()),
+                    );
+                }
+            }
+            data.insert(name, (view.dtype(), view.shape().to_vec(), own));
+        } else {
+            data.insert(name, (view.dtype(), view.shape().to_vec(), raw));
         }
-        data.insert(name, (view.dtype(), view.shape().to_vec(), raw));
     }
     assert_eq!(rewritten, 16, "every zero-centered norm of the fixture");
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
@@ -132,7 +149,12 @@ fn centered_and_folded_norms_give_the_same_logits() {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
 
+#[test]
+fn centered_and_folded_norms_give_the_same_logits() {
+    let dir = with_norms(true, false);
     let r = reference(QWEN4_EXP);
     let folded = load_cpu(QWEN4_EXP);
     assert_eq!(folded.model.norms, Some(NormConvention::Folded));
@@ -157,6 +179,23 @@ fn centered_and_folded_norms_give_the_same_logits() {
         .unwrap();
     let e = rel_err(&got, &want);
     assert!(e <= 1e-6, "centered vs folded: relative error {e}");
+}
+
+/// An MTP head's norms in the other convention, outnumbering the text model's, leave the
+/// text model's convention as its own norms say (they used to decide it).
+#[test]
+fn an_mtp_heads_norms_leave_the_models_convention_alone() {
+    for (centered, want) in [
+        (false, NormConvention::Folded),
+        (true, NormConvention::Centered),
+    ] {
+        let dir = with_norms(centered, true);
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let mtp = ckpt.tensors().filter(|t| t.name.contains("mtp.")).count();
+        assert_eq!(mtp, 32);
+        let model = Model::load(&ckpt, &CpuBackend).unwrap();
+        assert_eq!(model.norms, Some(want), "centered: {centered}");
+    }
 }
 
 /// The released Qwen3.8-Flash-Next conversion keys its n-gram shards' overrides without

@@ -229,6 +229,32 @@ fn bad_input_gives_clear_errors() {
             ],
             "a value is required for '--memory-budget",
         ),
+        // Values with which every request would fail or come back empty are refused at
+        // startup (the port is not even bound).
+        (
+            &["serve", "--model", dir, "--max-tokens", "0"],
+            "invalid value '0' for '--max-tokens",
+        ),
+        (
+            &["chat", "--model", dir, "--max-tokens", "0"],
+            "invalid value '0' for '--max-tokens",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                dir,
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "0",
+            ],
+            "invalid value '0' for '--max-tokens",
+        ),
+        (
+            &["serve", "--model", dir, "--context", "1"],
+            "invalid value '1' for '--context",
+        ),
     ];
     for (args, needle) in cases {
         let out = slotstream().args(*args).output().unwrap();
