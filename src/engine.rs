@@ -33,7 +33,7 @@
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -48,7 +48,7 @@ use crate::checkpoint::{open_config, Checkpoint};
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
-use crate::model::Model;
+use crate::model::{Logits, Model};
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::plan::{ContextCost, Plan};
 use crate::pool::{PoolStats, SlotPool, TraceEvent};
@@ -154,6 +154,54 @@ pub struct EngineStats {
     /// Prompt reuse: snapshot hits and misses, reused tokens, bytes in memory and on disk
     /// (as of the end of the last request).
     pub prompt_cache: PromptCacheStats,
+    /// Prompt tokens per second of the last prefill that ran at least one chunk: what
+    /// [`Engine::prefill_estimate`] goes by once it is known.
+    pub prefill_rate: Option<f64>,
+}
+
+/// How long a prefill is expected to take ([`Engine::prefill_estimate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PrefillEstimate {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Prompt tokens per second.
+    pub rate: f64,
+    /// `tokens / rate`.
+    pub seconds: f64,
+    /// Whether `rate` was measured on this engine's last prompt (else it is the plan's
+    /// read-bound rate, [`Plan::read_bound_prefill_rate`], which leaves out the compute:
+    /// `seconds` is then a lower bound).
+    pub measured: bool,
+}
+
+impl PrefillEstimate {
+    /// "about 12.5 s at 40.0 tokens/s (measured on the last prompt)", or, from the plan,
+    /// "at least 3.1 s (...)": the plan's rate counts the reads alone, not the compute.
+    pub fn describe(&self) -> String {
+        if self.measured {
+            format!(
+                "about {:.1} s at {:.1} tokens/s (measured on the last prompt)",
+                self.seconds, self.rate
+            )
+        } else {
+            format!(
+                "at least {:.1} s (the plan's reads alone, at 2 GB/s: {:.1} tokens/s)",
+                self.seconds, self.rate
+            )
+        }
+    }
+
+    /// Why a prompt is refused when its prefill would take longer than `max_seconds`;
+    /// `None` when it would not.
+    pub fn exceeds(&self, max_seconds: f64) -> Option<String> {
+        (self.seconds > max_seconds).then(|| {
+            format!(
+                "the prompt's {} tokens would take {} to prefill, more than the {max_seconds} s allowed",
+                self.tokens,
+                self.describe()
+            )
+        })
+    }
 }
 
 /// A loaded model, shareable across tasks.
@@ -178,6 +226,8 @@ struct Shared {
     /// The model's n-gram tables, for their counters.
     ngram: Vec<Arc<NgramTable>>,
     stats: Mutex<EngineStats>,
+    /// Prompt tokens per second the plan expects of a prefill before one is measured.
+    planned_prefill_rate: Option<f64>,
 }
 
 /// Runs one request to completion, sending events; object-safe so the engine can hold
@@ -199,6 +249,9 @@ trait Runner: Send + Sync {
 
     /// The prompt cache's counters.
     fn prompt_cache_stats(&self) -> PromptCacheStats;
+
+    /// Tokens per prefill pass of a long prompt (`Model::prefill_chunk`).
+    fn prefill_chunk(&self) -> usize;
 }
 
 struct Loaded<B: Backend> {
@@ -350,7 +403,11 @@ impl Prepared {
             let stats = EngineStats {
                 requests: 0,
                 prompt_cache: runner.prompt_cache_stats(),
+                prefill_rate: None,
             };
+            let planned_prefill_rate = plan
+                .as_ref()
+                .and_then(|p| p.read_bound_prefill_rate(runner.prefill_chunk()));
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
                 front,
@@ -358,6 +415,7 @@ impl Prepared {
                 plan,
                 ngram,
                 stats: Mutex::new(stats),
+                planned_prefill_rate,
             })
         })
         .await
@@ -470,6 +528,32 @@ impl Engine {
         self.shared.plan.as_ref()
     }
 
+    /// How long a prefill of `tokens` prompt tokens is expected to take (the whole
+    /// prompt: what a snapshot may spare is not known before the request runs): at the
+    /// rate measured on the last prompt of at least one chunk, else at the rate the plan
+    /// expects of its reads ([`Plan::read_bound_prefill_rate`]). `None` before a prompt
+    /// has been measured when every record is resident (nothing is read; the compute
+    /// bounds it, at a rate the plan does not know).
+    pub fn prefill_estimate(&self, tokens: usize) -> Option<PrefillEstimate> {
+        let measured = self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .prefill_rate;
+        let (rate, measured) = match (measured, self.shared.planned_prefill_rate) {
+            (Some(rate), _) => (rate, true),
+            (None, Some(rate)) => (rate, false),
+            (None, None) => return None,
+        };
+        Some(PrefillEstimate {
+            tokens,
+            rate,
+            seconds: tokens as f64 / rate,
+            measured,
+        })
+    }
+
     /// The pool's lookups recorded since the load or the last call (`source.trace`);
     /// empty without a pool or without tracing. Best taken between requests.
     pub fn take_trace(&self) -> Vec<TraceEvent> {
@@ -540,6 +624,7 @@ impl Engine {
         // must not hold the engine (and every request behind it) hostage.
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let prefilled = Arc::new(AtomicUsize::new(0));
         let prepared = self.encode(&request.input).and_then(|prompt| {
             request.sampling.validate()?;
             // The tokens are decoded as they come.
@@ -550,6 +635,7 @@ impl Engine {
                 sampling: request.sampling,
                 eos_ids: self.shared.front.eos.clone(),
                 cancel: Some(cancel.clone()),
+                prefilled: Some(prefilled.clone()),
             };
             Ok((prompt, options))
         });
@@ -584,6 +670,7 @@ impl Engine {
             })
             .boxed(),
             cancel,
+            prefilled,
         }
     }
 }
@@ -593,6 +680,7 @@ impl Engine {
 pub struct Generation {
     events: BoxStream<'static, Result<Event>>,
     cancel: Arc<AtomicBool>,
+    prefilled: Arc<AtomicUsize>,
 }
 
 impl Generation {
@@ -607,6 +695,24 @@ impl Generation {
     /// (a Ctrl-C handler) and for as long as it is kept.
     pub fn cancel_handle(&self) -> CancelHandle {
         CancelHandle(self.cancel.clone())
+    }
+
+    /// A handle that reads how far this request's prefill has come.
+    pub fn progress(&self) -> PrefillProgress {
+        PrefillProgress(self.prefilled.clone())
+    }
+}
+
+/// How far a request's prefill has come ([`Generation::progress`]); cheap to clone,
+/// `Send + Sync`.
+#[derive(Clone, Debug)]
+pub struct PrefillProgress(Arc<AtomicUsize>);
+
+impl PrefillProgress {
+    /// Prompt tokens run so far (updated after each chunk; tokens reused from a snapshot
+    /// are not run).
+    pub fn tokens(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
     }
 }
 
@@ -690,6 +796,10 @@ impl<B: Backend> Runner for Loaded<B> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).stats()
     }
 
+    fn prefill_chunk(&self) -> usize {
+        self.model.prefill_chunk(&self.backend, Logits::Last)
+    }
+
     fn run(
         &self,
         prompt: &[u32],
@@ -720,6 +830,12 @@ impl<B: Backend> Runner for Loaded<B> {
             let mut s = shared.stats.lock().unwrap_or_else(|e| e.into_inner());
             s.requests += 1;
             s.prompt_cache = cache.stats();
+            // A prompt shorter than a chunk says little of a long one's rate.
+            if let Ok(g) = &generated {
+                if g.stats.prompt_tokens >= self.prefill_chunk() && g.stats.prefill_tps > 0.0 {
+                    s.prefill_rate = Some(g.stats.prefill_tps);
+                }
+            }
         }
         let generated = generated?;
         let tail = decoder.finish(tokenizer)?;

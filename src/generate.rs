@@ -2,7 +2,7 @@
 //! end-of-sequence id, the token limit or the context ([`Model::context`]), reporting
 //! each token as it is produced.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,6 +23,9 @@ pub struct GenerateOptions {
     /// When set to true (by another thread), generation stops at the next prefill chunk
     /// or token with finish reason "stopped"; the state stays consistent.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// When set, the prompt tokens run so far, stored after each prefill chunk (for a
+    /// progress display; tokens reused from a snapshot are not run, so not counted).
+    pub prefilled: Option<Arc<AtomicUsize>>,
 }
 
 impl GenerateOptions {
@@ -151,6 +154,9 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     });
                 }
                 done += piece.len();
+                if let Some(prefilled) = &options.prefilled {
+                    prefilled.store(done, Ordering::Relaxed);
+                }
                 if options.cancelled() {
                     experts.end_prefill(false);
                     stats.finish_reason = "stopped".into();

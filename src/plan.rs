@@ -17,6 +17,10 @@ use crate::pool::{floor_slots, DEFAULT_SPECULATIVE_CAP};
 /// runtime threads. Measured: 16-18 MB peak RSS for a fixture run on the CPU backend.
 pub const RUNTIME_BYTES: u64 = 48 << 20;
 
+/// The read rate (bytes per second) a prefill estimate assumes before a prompt has been
+/// measured ([`Plan::read_bound_prefill_rate`]): a common NVMe SSD's sequential reads.
+pub const ASSUMED_READ_BYTES_PER_S: f64 = 2e9;
+
 /// Each term of a plan, in bytes.
 #[derive(Clone, Debug, Serialize)]
 pub struct Plan {
@@ -259,6 +263,16 @@ impl Plan {
             )));
         }
         Ok(plan)
+    }
+
+    /// Prompt tokens per second a prefill in chunks of `chunk` tokens reaches when its
+    /// reads bound it, at [`ASSUMED_READ_BYTES_PER_S`]: a chunk of 32 tokens or more routes
+    /// to nearly every expert of every layer, so each chunk reads the records that are not
+    /// in slots. `None` when every record is in a slot (the compute then bounds it, which
+    /// the plan does not know).
+    pub fn read_bound_prefill_rate(&self, chunk: usize) -> Option<f64> {
+        let missing = self.records.saturating_sub(self.slots) as f64 * self.slot_bytes as f64;
+        (missing > 0.0).then(|| chunk as f64 * ASSUMED_READ_BYTES_PER_S / missing)
     }
 
     fn terms(&self) -> String {
@@ -741,6 +755,21 @@ mod tests {
             prop_assert!(fits(c) || c == *sizes.last().unwrap());
             prop_assert!(sizes.iter().filter(|&&s| s > c).all(|&s| !fits(s)));
         }
+    }
+
+    /// A streamed prefill reads, each chunk, the records not in slots.
+    #[test]
+    fn the_read_bound_prefill_rate_counts_the_records_not_held() {
+        let fp = footprint(1 << 20, 1 << 20, 100, 10, 1024, None);
+        let budget = fp.fixed(4096, 0).unwrap() + 40 * fp.slot_bytes;
+        let plan = Plan::with(&fp, budget, 4096, 0).unwrap();
+        assert_eq!(plan.slots, 40);
+        let rate = plan.read_bound_prefill_rate(256).unwrap();
+        let want = 256.0 * ASSUMED_READ_BYTES_PER_S / (60.0 * (1u64 << 20) as f64);
+        assert!((rate - want).abs() < 1e-9 * want, "{rate} {want}");
+        let all = Plan::with(&fp, budget + 60 * fp.slot_bytes, 4096, 0).unwrap();
+        assert_eq!(all.slots, all.records);
+        assert_eq!(all.read_bound_prefill_rate(256), None);
     }
 
     #[test]

@@ -90,7 +90,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                 max_tokens: args.max_tokens,
                 sampling: sampling.clone(),
             });
-            let reply = loaded.finish_generation(generation, |t| {
+            let reply = loaded.finish_generation(generation, turn.ids.len(), |t| {
                 print!("{t}");
                 let _ = std::io::stdout().flush();
             })?;

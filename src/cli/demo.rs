@@ -8,7 +8,8 @@ use clap::Args;
 use slotstream::io::IoMode;
 
 use super::flags::{
-    BudgetArgs, IoArgs, OnOff, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs,
+    BudgetArgs, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs,
+    TemplateArgs, TraceArgs,
 };
 use super::generate::{run_generate, GenerateArgs};
 
@@ -90,6 +91,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
         },
         trace: TraceArgs::default(),
         visible_controls: true,
+        prefill: PrefillArgs::default(),
     };
     // The summary alone: the pool's counters as JSON come with --json.
     run_generate(args, false)

@@ -119,6 +119,22 @@ pub fn at_least(least: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(least..)
 }
 
+/// `--max-prefill-wait` (`generate`, `chat`, `serve`).
+#[derive(Args, Clone, Debug, Default)]
+pub struct PrefillArgs {
+    /// Refuse a prompt whose prefill is estimated to take longer than this many seconds
+    /// (at the rate measured on the last prompt, else the plan's read-bound rate).
+    #[arg(long, value_parser = parse_seconds)]
+    pub max_prefill_wait: Option<f64>,
+}
+
+fn parse_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number of seconds")),
+    }
+}
+
 /// Chat template variables (`generate` with the template, `chat`).
 #[derive(Args, Clone, Debug, Default)]
 pub struct TemplateArgs {

@@ -11,7 +11,9 @@ use slotstream::chat_template::{Chat, Message};
 use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
 
-use super::flags::{IdList, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs};
+use super::flags::{
+    IdList, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs, TemplateArgs, TraceArgs,
+};
 use super::load::{engine_options, open, Loaded};
 
 #[derive(Args)]
@@ -55,6 +57,8 @@ pub struct GenerateArgs {
     pub prompt_cache: PromptCacheArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
+    #[command(flatten)]
+    pub prefill: PrefillArgs,
     /// Stream control characters (but newline and tab) as visible symbols: the demo's
     /// random text holds bytes such as BEL that a terminal would act on.
     #[arg(skip)]
@@ -153,6 +157,7 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     let prompt = prepared.encode(&input)?;
     let loaded = Loaded::load(prepared)?;
     let engine = &loaded.engine;
+    loaded.announce_prefill(prompt.len(), args.prefill.max_prefill_wait)?;
     let generation = loaded.generate(Request {
         input: Input::Ids(prompt.clone()),
         max_tokens: args.max_tokens,
@@ -170,7 +175,7 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     }) {
         tracing::warn!(error = %e, "Ctrl-C will end the process without stats");
     }
-    let reply = loaded.finish_generation(generation, |piece| {
+    let reply = loaded.finish_generation(generation, prompt.len(), |piece| {
         if !args.json {
             if args.visible_controls {
                 print!("{}", visible_controls(piece));

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use futures::StreamExt;
 use slotstream::backend::gpu::GpuOptions;
@@ -100,18 +100,44 @@ impl Loaded {
         self.engine.generate(request)
     }
 
-    /// Runs `generation` to the end of its stream, passing each piece of text (and the
-    /// tail held back at the end) to `on_text` as it comes. The end of the stream, not
+    /// Says on stderr how many tokens `prompt_tokens` is and how long its prefill is
+    /// expected to take ([`Engine::prefill_estimate`]). Errors: an estimate over
+    /// `max_wait` seconds (`--max-prefill-wait`), with the numbers.
+    pub fn announce_prefill(&self, prompt_tokens: usize, max_wait: Option<f64>) -> Result<()> {
+        match self.engine.prefill_estimate(prompt_tokens) {
+            Some(estimate) => {
+                if let Some(why) = max_wait.and_then(|max| estimate.exceeds(max)) {
+                    bail!("{why} (--max-prefill-wait)");
+                }
+                eprintln!(
+                    "prompt: {prompt_tokens} tokens; prefill {}",
+                    estimate.describe()
+                );
+            }
+            None => eprintln!(
+                "prompt: {prompt_tokens} tokens (no prefill estimate before a prompt is measured: every record is resident)"
+            ),
+        }
+        Ok(())
+    }
+
+    /// Runs `generation` of a prompt of `prompt_tokens` to the end of its stream, passing
+    /// each piece of text (and the tail held back at the end) to `on_text` as it comes;
+    /// a long prefill shows a progress bar on a terminal ([`PrefillBar`]). The end of the stream, not
     /// only its `Done`: the engine's prompt-cache counters then count the snapshots saved
     /// after the reply. Errors: the request's.
     pub fn finish_generation(
         &self,
         mut generation: Generation,
+        prompt_tokens: usize,
         mut on_text: impl FnMut(&str),
     ) -> Result<Reply> {
         let mut text = String::new();
         let mut done = None;
+        let mut bar = PrefillBar::start(&generation, prompt_tokens);
         while let Some(event) = self.block_on(generation.next()) {
+            // The first event ends the prefill.
+            bar.take();
             match event? {
                 Event::Token { text: piece, .. } => {
                     on_text(&piece);
@@ -162,6 +188,58 @@ impl Loaded {
             eprintln!("{}", serde_json::to_string_pretty(&stats)?);
         }
         Ok(())
+    }
+}
+
+/// A progress bar on stderr while a long prompt prefills (more than [`BAR_MIN_TOKENS`]
+/// tokens, stderr a terminal), fed from the request's [`slotstream::engine::PrefillProgress`]; it goes when
+/// dropped.
+struct PrefillBar {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Prompts shorter than this prefill in a moment: no bar.
+const BAR_MIN_TOKENS: usize = 1024;
+
+impl PrefillBar {
+    fn start(generation: &Generation, prompt_tokens: usize) -> Option<Self> {
+        use std::io::IsTerminal;
+        if prompt_tokens < BAR_MIN_TOKENS || !std::io::stderr().is_terminal() {
+            return None;
+        }
+        let progress = generation.progress();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let bar = indicatif::ProgressBar::new(prompt_tokens as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "prefill [{bar:40}] {pos}/{len} tokens, {per_sec}, {eta} left",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
+            );
+            // Polled: the engine stores the count after each chunk.
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(std::time::Duration::from_millis(200))
+            {
+                bar.set_position(progress.tokens() as u64);
+            }
+            bar.finish_and_clear();
+        });
+        Some(PrefillBar {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for PrefillBar {
+    fn drop(&mut self) {
+        let _ = self.stop.send(());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use super::flags::{Minutes, PromptCacheArgs, SamplingArgs, StreamArgs};
+use super::flags::{Minutes, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs};
 use super::load::engine_options;
 
 /// The port `serve` and `launch` use unless told (Ollama's, which its clients expect).
@@ -53,6 +53,8 @@ pub struct ServeArgs {
     device: Option<String>,
     #[command(flatten)]
     stream: StreamArgs,
+    #[command(flatten)]
+    prefill: PrefillArgs,
     /// Exit, as on Ctrl-C, after this many minutes without a request (fractions allowed;
     /// 0: never). A request counts until its response has been sent.
     #[arg(long, default_value = "0")]
@@ -113,6 +115,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 default_max_tokens: args.max_tokens,
                 sampling,
                 reasoning: args.reasoning_format == ReasoningFormat::Auto,
+                max_prefill_wait: args.prefill.max_prefill_wait,
             },
         ));
         let idle_exit = async {

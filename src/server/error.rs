@@ -66,6 +66,17 @@ impl ApiError {
         )
     }
 
+    /// 400: a prompt whose prefill would take longer than the server allows
+    /// (`--max-prefill-wait`).
+    pub fn prefill_wait(message: String) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some("prefill_wait_exceeded"),
+            message,
+        )
+    }
+
     /// A body that could not be read (413 when over the limit).
     pub fn unreadable_body(status: StatusCode, message: String) -> Self {
         Self::new(status, "invalid_request_error", None, message)

@@ -67,6 +67,9 @@ pub struct ServerOptions {
     /// A thinking model's `<think>...</think>` comes back as `reasoning_content` (false:
     /// it stays in `content`, `--reasoning-format none`).
     pub reasoning: bool,
+    /// Refuse (400) a prompt whose prefill is estimated to take longer than this many
+    /// seconds (`--max-prefill-wait`; [`Engine::prefill_estimate`]).
+    pub max_prefill_wait: Option<f64>,
 }
 
 struct App {
@@ -456,6 +459,13 @@ struct Outcome {
     stats: RequestStats,
 }
 
+/// The 400 of a prompt whose estimated prefill is longer than `--max-prefill-wait`.
+fn prefill_wait_refusal(app: &App, prompt_tokens: usize) -> Option<ApiError> {
+    let max = app.options.max_prefill_wait?;
+    let why = app.engine.prefill_estimate(prompt_tokens)?.exceeds(max)?;
+    Some(ApiError::prefill_wait(why))
+}
+
 async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params) -> Response {
     // Tokenizing is quick next to the model; it runs here so bad prompts are refused
     // before they queue. A chat's reply is read as reasoning, text and tool calls.
@@ -475,6 +485,9 @@ async fn respond(app: Arc<App>, endpoint: Endpoint, input: Input, params: Params
         Err(e) => return ApiError::engine(&crate::Error::Internal(e.to_string())).into_response(),
     };
     let prompt_tokens = prompt.len();
+    if let Some(refusal) = prefill_wait_refusal(&app, prompt_tokens) {
+        return refusal.into_response();
+    }
     let request = match openai::request(
         prompt,
         &params,

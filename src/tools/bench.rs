@@ -146,6 +146,7 @@ fn reuse_row<B: Backend, E: ExpertSource>(
         sampling: Default::default(),
         eos_ids: Vec::new(),
         cancel: None,
+        prefilled: None,
     };
     let open = || PromptCache::open(ckpt, model, backend, &PromptCacheOptions::default());
     // Seconds to the first token and prompt tokens run.
@@ -364,6 +365,7 @@ pub fn run<B: Backend>(
                 sampling: Default::default(),
                 eos_ids: Vec::new(),
                 cancel: None,
+                prefilled: None,
             };
             let mut state = model.new_state(backend);
             let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;

@@ -29,6 +29,7 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         // No EOS: every reply runs to 12 tokens.
         eos_ids: vec![],
         cancel: None,
+        prefilled: None,
     };
     let turns = ["the cat sat on the mat", "and then what", "tell me more"];
     let snapshots = tempfile::tempdir().unwrap();

@@ -310,6 +310,7 @@ fn greedy(n: usize) -> GenerateOptions {
         sampling: Default::default(),
         eos_ids: vec![],
         cancel: None,
+        prefilled: None,
     }
 }
 

@@ -699,3 +699,39 @@ fn a_no_flag_generate_streams_on_a_machine_too_small_for_the_model() {
     assert_eq!(small["output_ids"], big["output_ids"]);
     assert_eq!(small["output_ids"].as_array().unwrap().len(), 6);
 }
+
+/// `generate` says the prompt's size and its prefill estimate before the prefill (a
+/// streamed plan's read-bound rate, before any prompt is measured), and
+/// `--max-prefill-wait` refuses a prompt whose estimate is over it, with the numbers.
+#[test]
+fn generate_estimates_the_prefill_and_refuses_one_over_max_prefill_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    slotstream::tools::synth::write_checkpoint_with(tmp.path(), &WIDE, WIDE.layers, false, None)
+        .unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let run = |extra: &[&str]| {
+        slotstream()
+            .args(["generate", "--model", dir, "--prompt-ids", "1,2,3,4,5"])
+            .args(["--max-tokens", "2", "--device", "cpu"])
+            .args(extra)
+            .env(slotstream::machine::SIM_RAM_ENV, "0.2")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--max-prefill-wait", "1000000"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("prompt: 5 tokens; prefill at least "))
+        .unwrap_or_else(|| panic!("no estimate: {err}"));
+    assert!(line.contains("the plan's reads alone, at 2 GB/s"), "{line}");
+    let out = run(&["--max-prefill-wait", "0.000001"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("the prompt's 5 tokens would take at least")
+            && err.contains("more than the 0.000001 s allowed (--max-prefill-wait)"),
+        "{err}"
+    );
+}

@@ -45,6 +45,7 @@ fn every_combination_matches_mlx_lm<B: TestBackend>(backend: &B) {
             sampling: Default::default(),
             eos_ids: vec![509, 511],
             cancel: None,
+            prefilled: None,
         };
         for slots in [floor, (floor + index.records()) / 2, index.records()] {
             for &qd in depths {

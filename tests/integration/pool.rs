@@ -1619,6 +1619,7 @@ fn bytes_read_counts_everything_the_reader_read() {
         sampling: Default::default(),
         eos_ids: vec![],
         cancel: None,
+        prefilled: None,
     };
     let mut state = l.model.new_state(&CpuBackend);
     generate(

@@ -88,6 +88,7 @@ async fn app_on(
             default_max_tokens: 64,
             sampling: Default::default(),
             reasoning,
+            max_prefill_wait: None,
         },
     );
     (engine, app)
@@ -1030,4 +1031,55 @@ async fn idle_and_trickling_connections_are_closed() {
             ),
         }
     }
+}
+
+/// `--max-prefill-wait`: with no rate measured yet (experts in a pool of slots, no plan)
+/// a prompt runs; once a prompt of a chunk or more has set the engine's prefill rate, a
+/// prompt whose estimate (tokens / rate) is over the limit gets a 400 in OpenAI's shape,
+/// with the numbers, and one within it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_over_the_prefill_wait_is_refused_with_the_numbers() {
+    let dir = fixture_dir(NAME);
+    let (engine, _) = app_on(&dir, 4096, 4, 0, None, true).await;
+    let server = |max| {
+        router(
+            engine.clone(),
+            ServerOptions {
+                model_id: NAME.into(),
+                aliases: vec![],
+                queue: 4,
+                api_key: None,
+                default_max_tokens: 2,
+                sampling: Default::default(),
+                reasoning: true,
+                max_prefill_wait: Some(max),
+            },
+        )
+    };
+    // A prompt of 300 random ids (within the fixture's vocabulary): more than the CPU's
+    // 256-token chunk.
+    let prompt: Vec<u32> = (0..300).map(|_| rand::random_range(1..200)).collect();
+    let body = json!({ "model": NAME, "prompt": prompt, "max_tokens": 2 });
+    let strict = listen(engine.clone(), server(1e-9), ConnectionLimits::default()).await;
+    assert!(engine.prefill_estimate(300).is_none());
+    let (status, v) = strict.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "no estimate yet: {v}");
+    let estimate = engine
+        .prefill_estimate(300)
+        .expect("measured on the first prompt");
+    assert!(estimate.measured && estimate.rate > 0.0);
+    assert!((estimate.seconds - 300.0 / estimate.rate).abs() < 1e-9);
+    let (status, v) = strict.post("/v1/completions", &body).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["code"], "prefill_wait_exceeded");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("300 tokens")
+            && message.contains(&format!("{:.1} s at", estimate.seconds)),
+        "{message}"
+    );
+    let lenient = listen(engine.clone(), server(1e9), ConnectionLimits::default()).await;
+    let (status, v) = lenient.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
 }
