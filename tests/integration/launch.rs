@@ -130,6 +130,24 @@ impl Bench {
     }
 }
 
+impl Drop for Bench {
+    /// Ends any server a failed test left running (those `stop` did not remove).
+    fn drop(&mut self) {
+        let Ok(dir) = std::fs::read_dir(self.path("cache/slotstream/logs")) else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let pid = std::fs::read_to_string(entry.path())
+                .ok()
+                .and_then(|t| t.trim().parse::<i32>().ok());
+            if let Some(pid) = pid.filter(|&p| running(p as u32)) {
+                // SAFETY: kill only signals the server this bench's launch started.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -512,56 +530,75 @@ fn launch_says_what_is_missing() {
     assert!(!bench.path("record").exists());
 }
 
-/// `slotstream serve` on the fixture (CPU, any free port) with `flags`, its stderr piped.
-fn spawn_serve(flags: &[&str]) -> std::process::Child {
-    let fixture = fixture_dir(NAME);
-    Command::new(env!("CARGO_BIN_EXE_slotstream"))
-        .args(["serve", "--device", "cpu", "--port", "0", "--model"])
-        .arg(&fixture)
-        .args(flags)
-        .env("RUST_LOG", "slotstream=info")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+/// `slotstream serve` on the fixture (CPU) on `port` with `flags`, its stderr piped;
+/// killed when dropped, so a failed test leaves no server behind.
+struct Serve(std::process::Child);
+
+impl Serve {
+    fn spawn(port: u16, flags: &[&str]) -> Self {
+        let fixture = fixture_dir(NAME);
+        let child = Command::new(env!("CARGO_BIN_EXE_slotstream"))
+            .args([
+                "serve",
+                "--device",
+                "cpu",
+                "--port",
+                &port.to_string(),
+                "--model",
+            ])
+            .arg(&fixture)
+            .args(flags)
+            .env("RUST_LOG", "slotstream=info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Serve(child)
+    }
+
+    /// Its exit status and everything it logged.
+    fn wait(&mut self) -> (std::process::ExitStatus, String) {
+        let mut log = String::new();
+        self.0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+        (self.0.wait().unwrap(), log)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 #[test]
 fn serve_exits_cleanly_on_sigterm_and_when_idle() {
-    use std::io::BufRead;
-    // SIGTERM once serving: the shutdown Ctrl-C gets, and exit status 0.
-    let mut serve = spawn_serve(&[]);
-    let mut lines = std::io::BufReader::new(serve.stderr.take().unwrap()).lines();
-    let mut log = String::new();
-    let mut address = None;
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        log += &line;
-        log += "\n";
-        // `serving NAME on http://ADDRESS/v1 ...`
-        address = line
-            .split(" on http://")
-            .nth(1)
-            .and_then(|r| r.split('/').next())
-            .map(String::from);
-        if address.is_some() {
-            break;
-        }
+    // SIGTERM once serving (it answers: it is in its accept loop, watching the signals):
+    // the shutdown Ctrl-C gets, and exit status 0.
+    let port = free_port();
+    let mut serve = Serve::spawn(port, &[]);
+    let start = Instant::now();
+    while !listening(port) || get(&format!("http://127.0.0.1:{port}/health")).0 != 200 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "serve never answered"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
-    // Once it answers, it is in its accept loop and watches for the signals.
-    let address = address.unwrap_or_else(|| panic!("no address in {log}"));
-    assert_eq!(get(&format!("http://{address}/health")).0, 200);
     // SAFETY: kill only sends a signal to the child this test started.
-    assert_eq!(unsafe { libc::kill(serve.id() as i32, libc::SIGTERM) }, 0);
-    log.extend(lines.map(|l| l.unwrap() + "\n"));
-    let status = serve.wait().unwrap();
+    assert_eq!(unsafe { libc::kill(serve.0.id() as i32, libc::SIGTERM) }, 0);
+    let (status, log) = serve.wait();
     assert!(status.success(), "{status}: {log}");
     assert!(log.contains("shutting down"), "{log}");
 
     // --idle-exit 0.01 (0.6 s) with no request at all: it exits by itself, status 0.
-    let serve = spawn_serve(&["--idle-exit", "0.01"]);
-    let out = serve.wait_with_output().unwrap();
-    let log = text(&out.stderr);
-    assert!(out.status.success(), "{}: {log}", out.status);
+    let (status, log) = Serve::spawn(free_port(), &["--idle-exit", "0.01"]).wait();
+    assert!(status.success(), "{status}: {log}");
     assert!(
         log.contains("no request for 0.01 minutes (--idle-exit)"),
         "{log}"
