@@ -348,6 +348,16 @@ impl ChatTemplate {
         }))
     }
 
+    /// The template's source text (Ollama's `/api/show` reports it).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template has a thinking switch (Qwen3's `enable_thinking`).
+    pub fn has_thinking_switch(&self) -> bool {
+        self.source.contains("enable_thinking")
+    }
+
     /// How this template asks for tool calls, if it does.
     pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
         if self.source.contains("<function=") {

@@ -488,6 +488,11 @@ impl Engine {
         self.shared.front.context
     }
 
+    /// The model's directory.
+    pub fn dir(&self) -> &Path {
+        &self.shared.front.dir
+    }
+
     /// The prompt ids `input` stands for: a chat rendered with the template and tokenized
     /// ([`Engine::encode_chat`]), text tokenized, ids checked against the vocabulary. Runs
     /// without waiting for the model. Errors: a template or tokenizer failure (no

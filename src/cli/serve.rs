@@ -1,4 +1,4 @@
-//! `slotstream serve`: the OpenAI-compatible HTTP API.
+//! `slotstream serve`: the HTTP API (OpenAI, Anthropic Messages, Ollama).
 
 use std::path::{Path, PathBuf};
 
@@ -19,10 +19,12 @@ pub struct ServeArgs {
     /// Address to bind (127.0.0.1: this machine only).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
-    /// Port to listen on (0: any free port, printed at start).
+    /// Port to listen on: Ollama's, so its clients find the server with no setting (0: any
+    /// free port, printed at start).
     #[arg(long, default_value_t = DEFAULT_PORT)]
     port: u16,
-    /// Require `Authorization: Bearer <KEY>` on /v1/... and /stats.
+    /// Require `Authorization: Bearer <KEY>` (or `x-api-key: <KEY>`) on the model's
+    /// routes and /stats.
     #[arg(long, env = "SLOTSTREAM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Name of the model in /v1/models (default: the directory's name). Requests may
@@ -71,7 +73,7 @@ enum ReasoningFormat {
 pub fn serve(args: ServeArgs) -> Result<()> {
     use slotstream::engine::Engine;
     use slotstream::server::idle::Idle;
-    use slotstream::server::{router, serve_until, ServerOptions};
+    use slotstream::server::{loading_router, serve_until, ServerOptions};
     let sampling = args.sampling.options()?;
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("the API key (--api-key or SLOTSTREAM_API_KEY) is empty");
@@ -82,8 +84,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
     let (engine, served) = runtime.block_on(async {
-        // The port first: a busy one fails now, not after loading the model. Connections
-        // made while the model loads wait in the backlog.
+        // The port first: a busy one fails now, not after loading the model. While the
+        // model loads, /health answers 503 `loading` and the model's routes 503.
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
             .with_context(|| {
@@ -94,42 +96,52 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             })?;
         let address = listener.local_addr()?;
         tracing::info!(%address, "listening; loading the model");
+        let (app, loading) = loading_router(ServerOptions {
+            model_id: model_id.clone(),
+            aliases: args.alias.clone(),
+            queue: args.queue as usize,
+            api_key: args.api_key.clone(),
+            default_max_tokens: args.max_tokens,
+            sampling,
+            reasoning: args.reasoning_format == ReasoningFormat::Auto,
+            max_prefill_wait: args.prefill.max_prefill_wait,
+        });
+        let idle = Idle::new();
+        let app = idle.track(app);
+        let idle_after = args.idle_exit.duration();
+        let idle_minutes = args.idle_exit.to_string();
+        let idle_exit = async move {
+            match idle_after {
+                Some(after) => {
+                    idle.elapsed(after).await;
+                    tracing::info!("no request for {idle_minutes} minutes (--idle-exit)");
+                }
+                None => std::future::pending().await,
+            }
+        };
+        let mut serving = tokio::spawn(serve_until(listener, app, Default::default(), idle_exit));
         let options = engine_options(
             args.device.clone(),
             &args.stream,
             false,
             |budget| args.prompt_cache.options(budget),
         )?;
-        let engine = Engine::load(&args.model, options)
-            .await
-            .context("loading the model")?;
-        eprintln!("serving {model_id} on http://{address}/v1 (Ctrl-C stops)");
-        let idle = Idle::new();
-        let app = idle.track(router(
-            engine.clone(),
-            ServerOptions {
-                model_id,
-                aliases: args.alias.clone(),
-                queue: args.queue as usize,
-                api_key: args.api_key.clone(),
-                default_max_tokens: args.max_tokens,
-                sampling,
-                reasoning: args.reasoning_format == ReasoningFormat::Auto,
-                max_prefill_wait: args.prefill.max_prefill_wait,
-            },
-        ));
-        let idle_exit = async {
-            match args.idle_exit.duration() {
-                Some(after) => {
-                    idle.elapsed(after).await;
-                    tracing::info!("no request for {} minutes (--idle-exit)", args.idle_exit);
-                }
-                None => std::future::pending().await,
+        let engine = tokio::select! {
+            loaded = Engine::load(&args.model, options) => loaded.context("loading the model")?,
+            // Ctrl-C, SIGTERM or --idle-exit while loading: the server has stopped.
+            served = &mut serving => {
+                served.context("serving")?.context("serving")?;
+                return anyhow::Ok((None, Ok(())));
             }
         };
-        let served = serve_until(listener, app, Default::default(), idle_exit)
+        loading.loaded(engine.clone());
+        eprintln!(
+            "serving {model_id} on http://{address} (OpenAI: /v1, Anthropic: /v1/messages, Ollama: /api; Ctrl-C stops)"
+        );
+        let served = serving
             .await
-            .context("serving");
+            .context("serving")
+            .and_then(|r| r.context("serving"));
         if served.is_ok() && args.stream.stats {
             eprintln!(
                 "{}",
@@ -139,7 +151,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 }))?
             );
         }
-        anyhow::Ok((engine, served))
+        anyhow::Ok((Some(engine), served))
     })?;
     // The runtime's threads end (and the requests still open with them) before the engine's
     // device is destroyed (see `Engine`).

@@ -1,12 +1,17 @@
 //! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a
-//! 4xx or 5xx status.
+//! 4xx or 5xx status. The other dialects render the same error in their own shape
+//! ([`super::anthropic::error_response`], [`super::ollama::error_response`]).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+/// A refusal's message, kept on its response for the request's log line.
+#[derive(Clone, Debug)]
+pub struct Reason(pub String);
+
 /// An error response.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct ApiError {
     #[serde(skip)]
     pub status: StatusCode,
@@ -44,6 +49,19 @@ impl ApiError {
                 format!("{param}: {message}"),
             )
         }
+    }
+
+    /// The same error for a field inside `parent` (Ollama's `options`): `temperature`
+    /// becomes `options.temperature`.
+    pub fn under(mut self, parent: &str) -> Self {
+        if let Some(param) = self.param.take() {
+            let inner = format!("{parent}.{param}");
+            if let Some(rest) = self.message.strip_prefix(&format!("{param}:")) {
+                self.message = format!("{inner}:{rest}");
+            }
+            self.param = Some(inner);
+        }
+        self
     }
 
     /// 400: a body that is not JSON, or not of the request's shape.
@@ -118,7 +136,37 @@ impl ApiError {
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             None,
-            format!("no endpoint {path} (see GET /v1/models, POST /v1/chat/completions, POST /v1/completions)"),
+            format!("no endpoint {path} (OpenAI: POST /v1/chat/completions, /v1/completions, /v1/responses; Anthropic: POST /v1/messages; Ollama: POST /api/chat, /api/generate)"),
+        )
+    }
+
+    /// 404: something else this server does not have (a stored response, say).
+    pub fn not_found(message: String) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            None,
+            message,
+        )
+    }
+
+    /// 501: a feature of a dialect that slotstream does not implement.
+    pub fn unsupported(message: String) -> Self {
+        Self::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "invalid_request_error",
+            Some("unsupported"),
+            message,
+        )
+    }
+
+    /// 503: the model is still loading.
+    pub fn loading() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            Some("loading"),
+            "the model is loading; retry shortly (GET /health answers 200 once it is ready)".into(),
         )
     }
 
@@ -169,14 +217,25 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+impl ApiError {
+    /// A response with `status` and `body`, carrying what every dialect's error response
+    /// carries: `Retry-After` on a 503 or 529, and the message for the log line.
+    pub fn respond(&self, status: StatusCode, body: serde_json::Value) -> Response {
+        let mut response = (status, axum::Json(body)).into_response();
+        if matches!(status.as_u16(), 503 | 529) {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+            .extensions_mut()
+            .insert(Reason(self.message.clone()));
+        response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.respond(self.status, self.body())
     }
 }

@@ -137,7 +137,7 @@ pub struct CompletionFields {
 }
 
 /// Parses a JSON object body; errors name the field at fault (`messages[2].content`).
-fn parse_object(body: &[u8]) -> Result<Value, ApiError> {
+pub(super) fn parse_object(body: &[u8]) -> Result<Value, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::malformed(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
@@ -147,7 +147,7 @@ fn parse_object(body: &[u8]) -> Result<Value, ApiError> {
 }
 
 /// Deserializes `value` (found at `path`), naming the innermost field at fault.
-fn typed<'v, T: Deserialize<'v>>(value: &'v Value, path: &str) -> Result<T, ApiError> {
+pub(super) fn typed<'v, T: Deserialize<'v>>(value: &'v Value, path: &str) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let inner = e.path().to_string();
         let at = match (path.is_empty(), inner.as_str()) {
@@ -161,7 +161,10 @@ fn typed<'v, T: Deserialize<'v>>(value: &'v Value, path: &str) -> Result<T, ApiE
 }
 
 /// A required field of `object`.
-fn required<'v, T: Deserialize<'v>>(object: &'v Value, name: &str) -> Result<T, ApiError> {
+pub(super) fn required<'v, T: Deserialize<'v>>(
+    object: &'v Value,
+    name: &str,
+) -> Result<T, ApiError> {
     match object.get(name) {
         Some(v) => typed(v, name),
         None => Err(ApiError::invalid(name, "missing")),
@@ -187,9 +190,10 @@ pub enum Prompt {
     IdLists(Vec<Vec<u32>>),
 }
 
-/// What a chat request asks, checked: the conversation for the template.
-fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
-    let tools = request.common.tools.clone().unwrap_or_default();
+/// Checks tool definitions in OpenAI's chat shape (`{"type": "function", "function":
+/// {"name", ...}}`), which every dialect's tools are given to the template in. Errors
+/// name the tool at fault.
+pub(super) fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
     for (i, tool) in tools.iter().enumerate() {
         if tool.get("type").is_some_and(|t| t != "function")
             || crate::chat_template::tool_name(tool).is_none()
@@ -200,6 +204,13 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
             ));
         }
     }
+    Ok(())
+}
+
+/// What a chat request asks, checked: the conversation for the template.
+fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
+    let tools = request.common.tools.clone().unwrap_or_default();
+    check_tools(&tools)?;
     let tool_choice = match &request.chat.tool_choice {
         None | Some(Value::Null) => ToolChoice::Auto,
         Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
@@ -541,29 +552,21 @@ impl ApiRequest for CompletionRequest {
     }
 }
 
-/// The engine request for the `prompt` ids with checked `params`; `max_tokens` defaults
-/// to `default_max_tokens`, and either must fit the context after the prompt.
+/// The engine request for the `prompt` ids with checked `params`: `max_tokens`
+/// defaults to `default_max_tokens`, and either is capped at the room the context leaves
+/// after the prompt (the reply then ends with finish reason `length`), as llama-server
+/// caps it. Errors: a prompt that leaves no room (400 `context_length_exceeded`).
 pub fn request(
     prompt: Vec<u32>,
     params: &Params,
     context: usize,
     default_max_tokens: usize,
 ) -> Result<Request, ApiError> {
-    let prompt_len = prompt.len();
-    let room = crate::context::room(prompt_len, context)
+    let room = crate::context::room(prompt.len(), context)
         .map_err(|e| ApiError::context_length(e.to_string()))?;
-    let max_tokens = match params.max_tokens {
-        Some(n) if n > room => {
-            return Err(ApiError::context_length(format!(
-                "this model's context is {context} tokens; the prompt has {prompt_len} and max_tokens asks for {n} more"
-            )))
-        }
-        Some(n) => n,
-        None => default_max_tokens.min(room),
-    };
     Ok(Request {
         input: Input::Ids(prompt),
-        max_tokens,
+        max_tokens: params.max_tokens.unwrap_or(default_max_tokens).min(room),
         sampling: params.sampling.clone(),
     })
 }

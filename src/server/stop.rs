@@ -22,9 +22,9 @@ impl StopMatcher {
         }
     }
 
-    /// Adds `piece`; returns the text that can be released now and whether a stop
-    /// sequence was found (the text before it is released; nothing after it ever is).
-    pub fn push(&mut self, piece: &str) -> (String, bool) {
+    /// Adds `piece`; returns the text that can be released now and the stop sequence
+    /// found, if one was (the text before it is released; nothing after it ever is).
+    pub fn push(&mut self, piece: &str) -> (String, Option<String>) {
         self.text.push_str(piece);
         // A match not found before ends in the new piece, so starts at most `longest - 1`
         // bytes before it.
@@ -35,12 +35,12 @@ impl StopMatcher {
         let found = self
             .stops
             .iter()
-            .filter_map(|s| self.text[from..].find(s.as_str()).map(|at| from + at))
-            .min();
-        if let Some(at) = found {
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|at| (from + at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = found {
             let out = self.text[self.released.min(at)..at].to_string();
             self.released = self.text.len();
-            return (out, true);
+            return (out, Some(stop.clone()));
         }
         // Hold back the longest tail that is a proper prefix of a stop string.
         let held = self
@@ -54,7 +54,7 @@ impl StopMatcher {
         let safe = (self.text.len() - held).max(self.released);
         let out = self.text[self.released..safe].to_string();
         self.released = safe;
-        (out, false)
+        (out, None)
     }
 
     /// At the end of generation: whatever was held back.
@@ -77,7 +77,7 @@ mod tests {
         for p in pieces {
             let (text, stopped) = m.push(p);
             out.push_str(&text);
-            if stopped {
+            if stopped.is_some() {
                 return (out, true);
             }
         }
@@ -123,8 +123,8 @@ mod tests {
     #[test]
     fn a_stop_split_across_pieces_is_held_back_then_dropped() {
         let mut m = StopMatcher::new(vec!["</s>".into()]);
-        assert_eq!(m.push("hello <"), ("hello ".to_string(), false));
-        assert_eq!(m.push("/"), (String::new(), false));
-        assert_eq!(m.push("s> tail"), (String::new(), true));
+        assert_eq!(m.push("hello <"), ("hello ".to_string(), None));
+        assert_eq!(m.push("/"), (String::new(), None));
+        assert_eq!(m.push("s> tail"), (String::new(), Some("</s>".into())));
     }
 }

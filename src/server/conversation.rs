@@ -1,0 +1,406 @@
+//! The conversation core under every dialect: a dialect module turns its request into a
+//! [`Conversation`] (the engine's input, sampling, stops and limits) and reads the
+//! [`Turn`] that [`start`] runs back into its wire format. Rendering (the chat template),
+//! tokenizing, the context bound, the queue, stop sequences, the reply's split into
+//! reasoning, text and tool calls ([`crate::reply`]), the prompt cache (inside the engine)
+//! and the request's log line happen here once, whichever dialect asked.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::openai::Params;
+use super::stop::StopMatcher;
+use super::App;
+use crate::chat_template::{Chat, ChatPrompt, ToolChoice};
+use crate::engine::{Event, Generation, Input};
+use crate::reply::{Reply, ReplyOptions, ReplyParser, ReplyPart};
+
+/// What a dialect's request asks, translated.
+pub struct Conversation {
+    /// The prompt: a chat for the template, or raw text or ids.
+    pub input: Input,
+    /// Sampling, stops, the token limit, streaming, the model's name.
+    pub params: Params,
+    /// The route, for the request's log line.
+    pub route: &'static str,
+}
+
+/// Why a reply ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model ended its turn (an end-of-sequence token).
+    EndOfTurn,
+    /// This stop sequence appeared (it is not part of the text).
+    StopSequence(String),
+    /// The token limit or the context was reached.
+    Length,
+    /// The reply called tools.
+    ToolCalls,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn openai(&self) -> &'static str {
+        match self {
+            Finish::EndOfTurn | Finish::StopSequence(_) => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+        }
+    }
+}
+
+/// A request's statistics (`slotstream_stats` in OpenAI responses; the timings of
+/// Ollama's final chunk).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RequestStats {
+    /// Prompt tokens continued from a kept state instead of being run.
+    pub reused_prompt_tokens: usize,
+    /// Prompt tokens run.
+    pub prefill_tokens: usize,
+    /// Seconds of prefill (the prompt's tokens run).
+    pub prefill_seconds: f64,
+    /// Seconds of decode (after the first new token).
+    pub decode_seconds: f64,
+    pub prefill_tps: f64,
+    pub decode_tps: f64,
+    /// Pool hit rate (null when experts are not streamed through a pool).
+    pub hit_rate: Option<f64>,
+    /// Bytes read from disk through the pool (demand, speculative, prefill sweeps,
+    /// admission, n-gram rows: [`crate::pool::PoolStats::bytes_read`]).
+    pub bytes_read: u64,
+    pub prefetches_used: u64,
+    pub prefetches_wasted: u64,
+    /// Seconds of decode spent waiting on expert reads.
+    pub decode_wait_seconds: f64,
+}
+
+/// How a reply ended.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    /// New tokens counted (up to the one that completed a stop sequence).
+    pub completion_tokens: usize,
+    pub finish: Finish,
+    pub stats: RequestStats,
+}
+
+/// What a running turn yields, in order: parts, then one `Done` or `Failed`.
+#[derive(Debug)]
+pub enum TurnEvent {
+    /// Reasoning, text or a whole tool call.
+    Part(ReplyPart),
+    Done(Outcome),
+    /// The generation failed after it was accepted (a stream has sent its headers).
+    Failed(ApiError),
+}
+
+/// A conversation accepted and queued: its events arrive as the engine runs it. Dropping
+/// it cancels the generation (at the next token, or before it starts).
+pub struct Turn {
+    /// Tokens of the rendered prompt.
+    pub prompt_tokens: usize,
+    /// The model's name as the request gave it (else the served one), for responses.
+    pub model: String,
+    /// Whether the reply is read for tool calls (tools were given and not refused).
+    pub parses_tools: bool,
+    events: mpsc::UnboundedReceiver<TurnEvent>,
+}
+
+impl Turn {
+    /// The next event; `None` after `Done` or `Failed`.
+    pub async fn next(&mut self) -> Option<TurnEvent> {
+        self.events.recv().await
+    }
+
+    /// The whole reply (for a response that is not streamed). Errors: the generation's.
+    pub async fn collect(mut self) -> Result<(Reply, Outcome), ApiError> {
+        let mut reply = Reply::default();
+        while let Some(event) = self.next().await {
+            match event {
+                TurnEvent::Part(part) => reply.extend([part]),
+                TurnEvent::Done(outcome) => return Ok((reply, outcome)),
+                TurnEvent::Failed(e) => return Err(e),
+            }
+        }
+        Err(ApiError::engine(&crate::Error::Internal(
+            "generation ended early".into(),
+        )))
+    }
+}
+
+/// Renders and tokenizes `conversation`, checks it against the context, takes a place in
+/// the queue and starts it. Errors (before anything is sent): a prompt the template or
+/// tokenizer refuses, one that does not fit the context (400 `context_length_exceeded`),
+/// a full queue (503).
+pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, ApiError> {
+    let engine = app.engine()?.clone();
+    let Conversation {
+        input,
+        params,
+        route,
+    } = conversation;
+    // Tokenizing is quick next to the model; it runs here so bad prompts are refused
+    // before they queue.
+    let reasoning = app.options.reasoning;
+    let encoder = engine.clone();
+    let encoded = tokio::task::spawn_blocking(move || match input {
+        Input::Chat(chat) => encoder.encode_chat(&chat).map(|prompt| {
+            let options = reply_options(&chat, &prompt, reasoning);
+            (prompt.ids, options, prompt.reply_prefix)
+        }),
+        // Raw text and ids: the reply is all text.
+        other => encoder
+            .encode(&other)
+            .map(|ids| (ids, ReplyOptions::default(), String::new())),
+    })
+    .await;
+    let (prompt, options, reply_prefix) = match encoded {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return Err(ApiError::engine(&e)),
+        Err(e) => return Err(ApiError::engine(&crate::Error::Internal(e.to_string()))),
+    };
+    let prompt_tokens = prompt.len();
+    if let Some(max) = app.options.max_prefill_wait {
+        if let Some(why) = engine
+            .prefill_estimate(prompt_tokens)
+            .and_then(|e| e.exceeds(max))
+        {
+            return Err(ApiError::prefill_wait(why));
+        }
+    }
+    let request = super::openai::request(
+        prompt,
+        &params,
+        engine.context(),
+        app.options.default_max_tokens,
+    )?;
+    let Ok(permit) = app.queue.clone().try_acquire_owned() else {
+        return Err(ApiError::busy(app.options.queue));
+    };
+    let parses_tools = options.tools.is_some();
+    let mut parser = ReplyParser::new(options);
+    let (tx, rx) = mpsc::unbounded_channel();
+    // A required call's opening is in the prompt: the reply continues it.
+    let opening = parser.push(&reply_prefix);
+    let generation = engine.generate(request);
+    let stops = params.stops.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let gone = || tracing::info!("POST {route} 499: the client went away");
+        let mut calls = 0usize;
+        let mut send = |part: ReplyPart| {
+            calls += usize::from(matches!(part, ReplyPart::ToolCall(_)));
+            tx.send(TurnEvent::Part(part)).is_ok()
+        };
+        if !opening.into_iter().all(&mut send) {
+            return gone();
+        }
+        let driven = drive(generation, stops, |piece| {
+            parser.push(&piece).into_iter().all(&mut send)
+        });
+        // A client that leaves while the request waits or prefills has been sent nothing
+        // to fail on: watch the channel, and drop (cancel) the generation when it closes.
+        let result = tokio::select! {
+            r = driven => r,
+            _ = tx.closed() => return gone(),
+        };
+        match result {
+            Ok(Some(mut outcome)) => {
+                if !parser.finish().into_iter().all(&mut send) {
+                    return gone();
+                }
+                if calls > 0 {
+                    outcome.finish = Finish::ToolCalls;
+                }
+                log_generation(route, 200, prompt_tokens, &outcome);
+                let _ = tx.send(TurnEvent::Done(outcome));
+            }
+            Ok(None) => gone(),
+            Err(e) => {
+                let error = ApiError::engine(&e);
+                tracing::info!("POST {route} {}: {}", error.status.as_u16(), error.message);
+                let _ = tx.send(TurnEvent::Failed(error));
+            }
+        }
+    });
+    Ok(Turn {
+        prompt_tokens,
+        model: params
+            .model
+            .clone()
+            .unwrap_or_else(|| app.options.model_id.clone()),
+        parses_tools,
+        events: rx,
+    })
+}
+
+/// How the reply to `chat`, whose prompt is `prompt`, is read: reasoning split off when
+/// `reasoning` (and from the start when the prompt opened `<think>`), tool calls parsed
+/// when tools were given and `tool_choice` is not `none`, the first call alone when the
+/// request asked for one call (`parallel_tool_calls: false`, Anthropic's
+/// `disable_parallel_tool_use`).
+fn reply_options(chat: &Chat, prompt: &ChatPrompt, reasoning: bool) -> ReplyOptions {
+    let parses_tools = !chat.tools.is_empty() && chat.tool_choice != ToolChoice::None;
+    ReplyOptions {
+        reasoning,
+        thinking_open: prompt.thinking_open,
+        tools: parses_tools.then(|| chat.tools.clone()),
+        single_call: chat.single_tool_call,
+    }
+}
+
+/// Tokens of the prompt `input` stands for, rendered and tokenized as [`start`] would.
+/// Errors: those [`start`] gives before queueing.
+pub async fn count_tokens(app: &Arc<App>, input: Input) -> Result<usize, ApiError> {
+    let engine = app.engine()?.clone();
+    match tokio::task::spawn_blocking(move || engine.encode(&input)).await {
+        Ok(Ok(ids)) => Ok(ids.len()),
+        Ok(Err(e)) => Err(ApiError::engine(&e)),
+        Err(e) => Err(ApiError::engine(&crate::Error::Internal(e.to_string()))),
+    }
+}
+
+/// The log line of a request that generated.
+fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outcome) {
+    let s = &outcome.stats;
+    tracing::info!(
+        "POST {route} {status} {}: prompt {prompt_tokens} tokens ({} reused), output {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s",
+        outcome.finish.openai(),
+        s.reused_prompt_tokens,
+        outcome.completion_tokens,
+        s.prefill_tps,
+        s.decode_tps
+    );
+}
+
+/// Runs `generation` through the stop sequences, handing released text to `on_text`
+/// (which returns `false` when nobody listens any more: then this returns `Ok(None)` and
+/// dropping the generation cancels it).
+async fn drive(
+    mut generation: Generation,
+    stops: Vec<String>,
+    mut on_text: impl FnMut(String) -> bool,
+) -> crate::Result<Option<Outcome>> {
+    let mut matcher = StopMatcher::new(stops);
+    let mut stopped: Option<String> = None;
+    // Tokens up to the one that completed a stop sequence (later ones were already under
+    // way when it was found, and are neither returned nor counted).
+    let mut counted = 0;
+    while let Some(event) = generation.next().await {
+        match event? {
+            Event::Token { text, .. } => {
+                if stopped.is_some() {
+                    continue;
+                }
+                counted += 1;
+                let (out, hit) = matcher.push(&text);
+                if !out.is_empty() && !on_text(out) {
+                    return Ok(None);
+                }
+                if hit.is_some() {
+                    stopped = hit;
+                    generation.cancel();
+                }
+            }
+            Event::Done {
+                output_ids,
+                tail,
+                reused_tokens,
+                stats,
+                pool,
+            } => {
+                if stopped.is_none() {
+                    let (mut out, hit) = matcher.push(&tail);
+                    if hit.is_none() {
+                        out.push_str(&matcher.finish());
+                    }
+                    stopped = hit;
+                    if !out.is_empty() && !on_text(out) {
+                        return Ok(None);
+                    }
+                }
+                let finish = match stopped {
+                    Some(stop) => Finish::StopSequence(stop),
+                    None if stats.finish_reason == "length" => Finish::Length,
+                    None => Finish::EndOfTurn,
+                };
+                let completion_tokens = match finish {
+                    Finish::StopSequence(_) => counted,
+                    _ => output_ids.len(),
+                };
+                let request_stats = RequestStats {
+                    reused_prompt_tokens: reused_tokens,
+                    prefill_tokens: stats.prompt_tokens,
+                    prefill_seconds: stats.prefill_seconds,
+                    decode_seconds: stats.decode_seconds,
+                    prefill_tps: stats.prefill_tps,
+                    decode_tps: stats.decode_tps,
+                    hit_rate: pool.as_ref().map(|p| p.hit_rate),
+                    bytes_read: pool.as_ref().map_or(0, |p| p.bytes_read),
+                    prefetches_used: pool.as_ref().map_or(0, |p| p.prefetches_used),
+                    prefetches_wasted: pool.as_ref().map_or(0, |p| p.prefetches_wasted),
+                    decode_wait_seconds: pool.as_ref().map_or(0.0, |p| p.decode_wait_seconds),
+                };
+                return Ok(Some(Outcome {
+                    completion_tokens,
+                    finish,
+                    stats: request_stats,
+                }));
+            }
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::openai::{ApiRequest, ChatRequest};
+    use serde_json::{json, Value};
+
+    const REPLY: &str = "<think>\nweather twice\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>";
+
+    /// The reply options an OpenAI chat request gives.
+    fn options(body: Value, reasoning: bool) -> ReplyOptions {
+        let request = ChatRequest::parse(body.to_string().as_bytes()).unwrap();
+        let Ok(Input::Chat(chat)) = request.input() else {
+            panic!("a chat request gives a chat")
+        };
+        reply_options(&chat, &ChatPrompt::default(), reasoning)
+    }
+
+    fn body(extra: Value) -> Value {
+        let mut b = json!({
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    }
+
+    /// `parallel_tool_calls: false` keeps the reply's first call; `true` or absent keeps
+    /// both; `tool_choice: none` parses none; reasoning off keeps the think block as text.
+    #[test]
+    fn requests_set_how_the_reply_is_read() {
+        for (extra, calls) in [
+            (json!({ "parallel_tool_calls": false }), 1),
+            (json!({ "parallel_tool_calls": true }), 2),
+            (json!({}), 2),
+            (json!({ "tool_choice": "none" }), 0),
+        ] {
+            let reply = Reply::parse(REPLY, options(body(extra.clone()), true));
+            assert_eq!(reply.tool_calls.len(), calls, "{extra}");
+            assert_eq!(reply.reasoning, "weather twice");
+            if calls > 0 {
+                assert_eq!(reply.tool_calls[0].arguments, r#"{"city":"Paris"}"#);
+            }
+        }
+        let reply = Reply::parse("<think>x</think>y", options(body(json!({})), false));
+        assert_eq!(reply.content, "<think>x</think>y");
+    }
+}
