@@ -22,7 +22,6 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -32,7 +31,7 @@ use sha2::{Digest, Sha256};
 use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
 use super::error::ApiError;
 use super::openai::{check_tools, parse_object, required, typed, Common, Stop};
-use super::{generated_response, request_body, sse_response, turn_frames, App};
+use super::{generated_response, named_events, request_body, turn_frames, App, Named};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
 use crate::reply::{FunctionCall, ReplyPart};
@@ -67,15 +66,13 @@ fn error_body(kind: &str, message: &str) -> Value {
 }
 
 /// The error event a stream ends with when generation fails after its headers.
-fn error_event(error: &ApiError) -> SseEvent {
+fn error_event(error: &ApiError) -> Named {
     let kind = match error.status.as_u16() {
         503 => "overloaded_error",
         s if s < 500 => "invalid_request_error",
         _ => "api_error",
     };
-    SseEvent::default()
-        .event("error")
-        .data(error_body(kind, &error.message).to_string())
+    ("error".to_string(), error_body(kind, &error.message))
 }
 
 /// The fields a Messages request (and a token count) is read from.
@@ -515,12 +512,12 @@ struct Blocks {
     prompt_tokens: usize,
 }
 
-fn event(name: &str, data: Value) -> SseEvent {
-    SseEvent::default().event(name).data(data.to_string())
+fn event(name: &str, data: Value) -> Named {
+    (name.to_string(), data)
 }
 
 impl Blocks {
-    fn close(&mut self, out: &mut Vec<SseEvent>) {
+    fn close(&mut self, out: &mut Vec<Named>) {
         let Some(open) = self.open.take() else {
             return;
         };
@@ -540,7 +537,7 @@ impl Blocks {
     }
 
     /// Opens a block of `kind` unless one is open, closing another kind first.
-    fn open(&mut self, kind: Open, out: &mut Vec<SseEvent>) {
+    fn open(&mut self, kind: Open, out: &mut Vec<Named>) {
         if self.open == Some(kind) {
             return;
         }
@@ -556,7 +553,7 @@ impl Blocks {
         self.open = Some(kind);
     }
 
-    fn frames(&mut self, event_: TurnEvent) -> Vec<SseEvent> {
+    fn frames(&mut self, event_: TurnEvent) -> Vec<Named> {
         let mut out = Vec::new();
         match event_ {
             TurnEvent::Part(ReplyPart::Reasoning(t)) => {
@@ -631,12 +628,121 @@ fn stream_response(id: String, turn: Turn) -> Response {
         thinking: String::new(),
         prompt_tokens: turn.prompt_tokens,
     };
-    sse_response(turn_frames(turn, first, move |e| blocks.frames(e)))
+    named_events(turn_frames(turn, first, move |e| blocks.frames(e)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::conversation::RequestStats;
+
+    fn outcome(finish: Finish) -> Outcome {
+        Outcome {
+            completion_tokens: 7,
+            finish,
+            stats: RequestStats {
+                reused_prompt_tokens: 3,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Thinking, text and a call stream as three blocks in order: a thinking block closed
+    /// by the signature of all its text, a text block, and a tool_use block whose input
+    /// comes as one JSON delta; then the stop reason and usage.
+    #[test]
+    fn a_reply_streams_as_anthropic_blocks() {
+        let mut blocks = Blocks {
+            index: 0,
+            open: None,
+            thinking: String::new(),
+            prompt_tokens: 10,
+        };
+        let call = FunctionCall {
+            name: "get_weather".into(),
+            arguments: r#"{"city":"Paris"}"#.into(),
+        };
+        let mut events = Vec::new();
+        for e in [
+            TurnEvent::Part(ReplyPart::Reasoning("the user ".into())),
+            TurnEvent::Part(ReplyPart::Reasoning("asks".into())),
+            TurnEvent::Part(ReplyPart::Content("Checking.".into())),
+            TurnEvent::Part(ReplyPart::ToolCall(call)),
+            TurnEvent::Done(outcome(Finish::ToolCalls)),
+        ] {
+            events.extend(blocks.frames(e));
+        }
+        let kinds: Vec<String> = events
+            .iter()
+            .map(|(name, data)| {
+                assert_eq!(data["type"], name.as_str());
+                match data["delta"]["type"]
+                    .as_str()
+                    .or(data["content_block"]["type"].as_str())
+                {
+                    Some(t) => format!("{name}:{t}"),
+                    None => name.clone(),
+                }
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "content_block_start:thinking",
+                "content_block_delta:thinking_delta",
+                "content_block_delta:thinking_delta",
+                "content_block_delta:signature_delta",
+                "content_block_stop",
+                "content_block_start:text",
+                "content_block_delta:text_delta",
+                "content_block_stop",
+                "content_block_start:tool_use",
+                "content_block_delta:input_json_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ]
+        );
+        assert_eq!(
+            events[3].1["delta"]["signature"],
+            signature("the user asks")
+        );
+        let indices: Vec<u64> = events
+            .iter()
+            .filter_map(|(_, d)| d["index"].as_u64())
+            .collect();
+        assert_eq!(indices, [0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2]);
+        let input: Value =
+            serde_json::from_str(events[9].1["delta"]["partial_json"].as_str().unwrap()).unwrap();
+        assert_eq!(input, json!({ "city": "Paris" }));
+        assert_eq!(events[8].1["content_block"]["input"], json!({}));
+        let delta = &events[11].1;
+        assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+        assert_eq!(
+            delta["usage"],
+            json!({ "input_tokens": 7, "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 3, "output_tokens": 7 })
+        );
+    }
+
+    #[test]
+    fn stop_reasons_and_error_shapes() {
+        assert_eq!(stop_reason(&Finish::EndOfTurn).0, "end_turn");
+        assert_eq!(stop_reason(&Finish::Length).0, "max_tokens");
+        assert_eq!(
+            stop_reason(&Finish::StopSequence("END".into())),
+            ("stop_sequence", json!("END"))
+        );
+        let (name, data) = error_event(&ApiError::busy(4));
+        assert_eq!(name, "error");
+        assert_eq!(data["error"]["type"], "overloaded_error");
+        let r = error_response(ApiError::busy(4));
+        assert_eq!(r.status().as_u16(), 529);
+        assert_eq!(
+            error_response(ApiError::unauthorized()).status().as_u16(),
+            401
+        );
+    }
 
     #[test]
     fn the_billing_line_is_dropped_and_blocks_joined() {

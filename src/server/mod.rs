@@ -444,6 +444,15 @@ fn sse_response(events: impl Stream<Item = SseEvent> + Send + 'static) -> Respon
     response
 }
 
+/// A server-sent event as a name and its JSON data (Anthropic's and the Responses API's
+/// streams name every event).
+pub type Named = (String, Value);
+
+/// Server-sent events of named events.
+fn named_events(events: impl Stream<Item = Named> + Send + 'static) -> Response {
+    sse_response(events.map(|(name, data)| SseEvent::default().event(name).data(data.to_string())))
+}
+
 /// A JSON response of a request that generated (it logged its own line).
 fn generated_response(body: Value) -> Response {
     let mut response = Json(body).into_response();

@@ -21,7 +21,6 @@ use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -30,7 +29,7 @@ use serde_json::{json, Map, Value};
 use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
 use super::error::ApiError;
 use super::openai::{check_tools, parse_object, required, typed, Common};
-use super::{generated_response, request_body, sse_response, turn_frames, unix_now, App};
+use super::{generated_response, named_events, request_body, turn_frames, unix_now, App, Named};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
 use crate::reply::{FunctionCall, ReplyPart};
@@ -449,11 +448,11 @@ struct Items {
 }
 
 impl Items {
-    fn event(&mut self, kind: &str, mut data: Value) -> SseEvent {
+    fn event(&mut self, kind: &str, mut data: Value) -> Named {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
         self.sequence += 1;
-        SseEvent::default().event(kind).data(data.to_string())
+        (kind.to_string(), data)
     }
 
     /// The response object with `status`, the items done, and `usage` when known.
@@ -477,7 +476,7 @@ impl Items {
         r
     }
 
-    fn close(&mut self, out: &mut Vec<SseEvent>) {
+    fn close(&mut self, out: &mut Vec<Named>) {
         let Some((mut item, text)) = self.open.take() else {
             return;
         };
@@ -513,7 +512,7 @@ impl Items {
     }
 
     /// Adds text to an item of `kind` (`reasoning` or `message`), opening one if needed.
-    fn text(&mut self, kind: &str, text: &str, out: &mut Vec<SseEvent>) {
+    fn text(&mut self, kind: &str, text: &str, out: &mut Vec<Named>) {
         if self
             .open
             .as_ref()
@@ -560,7 +559,7 @@ impl Items {
         out.push(self.event(delta, data));
     }
 
-    fn call(&mut self, call: &FunctionCall, out: &mut Vec<SseEvent>) {
+    fn call(&mut self, call: &FunctionCall, out: &mut Vec<Named>) {
         self.close(out);
         let index = self.done.len();
         let id = new_id("fc");
@@ -591,7 +590,7 @@ impl Items {
 
     /// The events of one turn event; the final response when the turn ends (`Ok`), or
     /// its error.
-    fn frames(&mut self, event: TurnEvent) -> (Vec<SseEvent>, Option<Result<Value, ApiError>>) {
+    fn frames(&mut self, event: TurnEvent) -> (Vec<Named>, Option<Result<Value, ApiError>>) {
         let mut out = Vec::new();
         match event {
             TurnEvent::Part(ReplyPart::Reasoning(t)) => self.text("reasoning", &t, &mut out),
@@ -678,7 +677,7 @@ pub async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
             ]
         };
         let app = app.clone();
-        return sse_response(turn_frames(turn, first, move |event| {
+        return named_events(turn_frames(turn, first, move |event| {
             let (out, end) = items.frames(event);
             if let Some(Ok(response)) = &end {
                 keep(&app, response);
@@ -711,6 +710,96 @@ pub async fn retrieve(State(app): State<Arc<App>>, Path(id): Path<String>) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::conversation::RequestStats;
+
+    /// Reasoning, text and a call stream as three output items, each added, filled and
+    /// done before the next; sequence numbers count up from where they started; the final
+    /// response lists the items as they were done (same ids).
+    #[test]
+    fn a_reply_streams_as_output_items() {
+        let mut items = Items {
+            done: Vec::new(),
+            open: None,
+            sequence: 2,
+            base: json!({ "id": "resp_1", "object": "response" }),
+            prompt_tokens: 10,
+        };
+        let call = FunctionCall {
+            name: "get_weather".into(),
+            arguments: r#"{"city":"Paris"}"#.into(),
+        };
+        let mut events = Vec::new();
+        let mut end = None;
+        for e in [
+            TurnEvent::Part(ReplyPart::Reasoning("think".into())),
+            TurnEvent::Part(ReplyPart::Content("Check".into())),
+            TurnEvent::Part(ReplyPart::Content("ing.".into())),
+            TurnEvent::Part(ReplyPart::ToolCall(call)),
+            TurnEvent::Done(Outcome {
+                completion_tokens: 5,
+                finish: Finish::ToolCalls,
+                stats: RequestStats::default(),
+            }),
+        ] {
+            let (out, e) = items.frames(e);
+            events.extend(out);
+            end = e.or(end);
+        }
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, (name, data)) in events.iter().enumerate() {
+            assert_eq!(data["type"], name.as_str());
+            assert_eq!(data["sequence_number"], i as u64 + 2);
+        }
+        assert_eq!(events[10].1["text"], "Checking.");
+        let response = end.unwrap().unwrap();
+        assert_eq!(response["status"], "completed");
+        let output = response["output"].as_array().unwrap();
+        let kinds: Vec<&str> = output.iter().map(|o| o["type"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["reasoning", "message", "function_call"]);
+        for (index, item) in output.iter().enumerate() {
+            let added = events
+                .iter()
+                .find(|(n, d)| n == "response.output_item.added" && d["output_index"] == index)
+                .unwrap();
+            assert_eq!(added.1["item"]["id"], item["id"]);
+        }
+        assert_eq!(output[1]["content"][0]["text"], "Checking.");
+        assert_eq!(output[2]["arguments"], r#"{"city":"Paris"}"#);
+        assert_eq!(response["usage"]["total_tokens"], 15);
+        // Read back as a follow-up's input, the output is one assistant message.
+        let m = output_message(output).unwrap();
+        assert_eq!(
+            (
+                m.reasoning_content.as_deref(),
+                m.content.as_str(),
+                m.tool_calls.len()
+            ),
+            (Some("think"), "Checking.", 1)
+        );
+    }
 
     #[test]
     fn one_assistant_turn_of_items_makes_one_message() {
