@@ -364,10 +364,12 @@ fn tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
             continue;
         };
         let name = block_text(tool, "name", &format!("tools[{i}]"))?;
-        let mut function = json!({ "name": name, "parameters": schema });
+        // In the order OpenAI's clients send a function's keys, which the template prints.
+        let mut function = json!({ "name": name });
         if let Some(d) = tool.get("description") {
             function["description"] = d.clone();
         }
+        function["parameters"] = schema.clone();
         out.push(json!({ "type": "function", "function": function }));
     }
     check_tools(&out)?;

@@ -16,6 +16,7 @@ mod chat;
 mod cli_families;
 mod cpu_kernels;
 mod demo;
+mod dialects;
 mod engine;
 mod flash_next;
 mod generate;

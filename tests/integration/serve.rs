@@ -14,18 +14,18 @@ use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::prompt_cache::PromptCacheOptions;
 use slotstream::server::{router, serve, ConnectionLimits, ServerOptions};
 
-const NAME: &str = "qwen3-next-bf16";
+pub(crate) const NAME: &str = "qwen3-next-bf16";
 /// The fixture's end-of-sequence ids (config.json).
 const EOS: [u32; 2] = [509, 511];
 
-struct Server {
-    base: String,
+pub(crate) struct Server {
+    pub(crate) base: String,
     engine: Engine,
-    client: reqwest::Client,
+    pub(crate) client: reqwest::Client,
 }
 
 /// A server on the fixture; `prompt_cache`: bytes of snapshots kept (0: no reuse).
-async fn start(queue: usize, prompt_cache: u64, api_key: Option<&str>) -> Server {
+pub(crate) async fn start(queue: usize, prompt_cache: u64, api_key: Option<&str>) -> Server {
     start_on(
         &fixture_dir(NAME),
         SourceOptions::default().context,
@@ -39,7 +39,7 @@ async fn start(queue: usize, prompt_cache: u64, api_key: Option<&str>) -> Server
 
 /// A server on the checkpoint in `dir` with a context of `context` tokens; `reasoning`:
 /// `--reasoning-format auto` (else none).
-async fn start_on(
+pub(crate) async fn start_on(
     dir: &std::path::Path,
     context: usize,
     queue: usize,
@@ -108,7 +108,7 @@ async fn listen(engine: Engine, app: axum::Router, limits: ConnectionLimits) -> 
 
 /// A server on a copy of the fixture without an end of sequence (its streams run to their
 /// token limit, so none ends by itself while a test holds it open), and the copy.
-async fn start_without_eos(queue: usize) -> (Server, tempfile::TempDir) {
+pub(crate) async fn start_without_eos(queue: usize) -> (Server, tempfile::TempDir) {
     let tmp = copy_fixture(NAME);
     without_eos(tmp.path());
     let context = SourceOptions::default().context;
@@ -136,7 +136,7 @@ impl Server {
         self.stats().await["queued_or_running"].as_u64().unwrap()
     }
 
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+    pub(crate) async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let r = self
             .client
             .post(format!("{}{path}", self.base))
@@ -198,7 +198,7 @@ fn expected_ids() -> Vec<u32> {
 }
 
 /// `slotstream generate --json` on the fixture.
-fn cli_generate(args: &[&str]) -> Value {
+pub(crate) fn cli_generate(args: &[&str]) -> Value {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
         .args([
             "generate",
