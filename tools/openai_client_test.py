@@ -47,11 +47,11 @@ def start(binary, model):
     )
     for line in server.stderr:
         sys.stderr.write(line)
-        m = re.search(r"on (http://\S+/v1)", line)
+        m = re.search(r"on (http://[^\s/]+)", line)
         if m:
             # Keep draining stderr so the server never blocks on a full pipe.
             threading.Thread(target=lambda: [sys.stderr.write(l) for l in server.stderr], daemon=True).start()
-            return server, m.group(1)
+            return server, m.group(1) + "/v1"
     raise SystemExit(f"the server exited before listening (status {server.wait()})")
 
 
