@@ -326,7 +326,7 @@ def start_server(binary, model, args, log_path):
     )
     for line in server.stderr:
         log.write(line)
-        m = re.search(r"on http://[^:]+:(\d+)/v1", line)
+        m = re.search(r"on http://[^:]+:(\d+)", line)
         if m:
             # Keep draining stderr into the log so the server never blocks on a full pipe.
             threading.Thread(target=lambda: [log.write(l) for l in server.stderr], daemon=True).start()

@@ -1,64 +1,34 @@
-"""Drives `slotstream serve` with the official OpenAI Python client (CI runs this).
+"""Drives `slotstream serve` with the official OpenAI Python client (CI runs this): chat
+and text completions and the Responses API.
 
 Usage: python tools/openai_client_test.py SLOTSTREAM_BINARY MODEL_DIR
 
 Starts the server on a free loopback port with an API key, then checks that chat and
 text completions, streamed and not, give exactly the text `slotstream generate` gives
-for the same prompt (greedy), that usage and the `slotstream_stats` extra come back,
+for the same prompt (greedy), as does `responses.create` and `responses.stream`, that usage and the `slotstream_stats` extra come back,
 that any model name is served, and that a wrong key raises the client's
 AuthenticationError. Then, on a copy of the model with Qwen3's chat template
 (tests/fixtures/qwen3-chat), the client's tool fields: tools with a tool-call history
 (`arguments` as a JSON string) and tool results, every `tool_choice`, and
-`chat_template_kwargs` through `extra_body`, their prompt tokens against `slotstream
+`chat_template_kwargs` through `extra_body`, a Responses function call round trip
+(`function_call` and `function_call_output` items) against the same chat history and a
+follow-up through `previous_response_id`, their prompt tokens against `slotstream
 generate --think off`; a required call's opening continued by the random model into no
 valid call comes back as text. Exits non-zero on any mismatch. Pinned client version:
-tools/requirements-openai.txt.
+tools/requirements-clients.txt.
 """
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 
 import openai
 
+from client_common import check, generate, start, stop
+
 KEY = "ci-key"
-
-
-def generate(binary, model, *args):
-    out = subprocess.run(
-        [binary, "generate", "--model", model, "--device", "cpu", "--json", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout)
-
-
-def start(binary, model):
-    server = subprocess.Popen(
-        [binary, "serve", "--model", model, "--device", "cpu", "--port", "0", "--api-key", KEY, "--pool-slots", "24"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in server.stderr:
-        sys.stderr.write(line)
-        m = re.search(r"on (http://[^\s/]+)", line)
-        if m:
-            # Keep draining stderr so the server never blocks on a full pipe.
-            threading.Thread(target=lambda: [sys.stderr.write(l) for l in server.stderr], daemon=True).start()
-            return server, m.group(1) + "/v1"
-    raise SystemExit(f"the server exited before listening (status {server.wait()})")
-
-
-def check(what, got, want):
-    if got != want:
-        raise SystemExit(f"{what}: got {got!r}, want {want!r}")
-    print(f"ok: {what}")
 
 
 def main():
@@ -68,7 +38,8 @@ def main():
     raw_prompt = "The slot pool"
     text_want = generate(binary, model, "--raw", "--prompt", raw_prompt, "--max-tokens", "16")
 
-    server, base = start(binary, model)
+    server, base = start(binary, model, "--api-key", KEY)
+    base += "/v1"
     try:
         client = openai.OpenAI(base_url=base, api_key=KEY)
         name = client.models.list().data[0].id
@@ -101,6 +72,14 @@ def main():
         stream = client.completions.create(model=name, prompt=raw_prompt, max_tokens=16, temperature=0, stream=True)
         check("streamed completion text", "".join(c.choices[0].text for c in stream), text_want["text"])
 
+        # The Responses API: the same text, whole and streamed.
+        r = client.responses.create(model=name, input=question, max_output_tokens=16, temperature=0)
+        check("responses text", r.output_text, chat_want["text"])
+        check("responses usage", r.usage.input_tokens, len(chat_want["prompt_ids"]))
+        with client.responses.stream(model=name, input=question, max_output_tokens=16, temperature=0) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        check("streamed responses text", "".join(deltas), chat_want["text"])
+
         bad = openai.OpenAI(base_url=base, api_key="wrong")
         try:
             bad.models.list()
@@ -110,8 +89,7 @@ def main():
         r = client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=2)
         check("any model name served and echoed", r.model, "no-such-model")
     finally:
-        server.terminate()
-        server.wait()
+        stop(server)
     check_tools(binary, model)
 
 
@@ -137,7 +115,8 @@ def check_tools(binary, model):
             f.write(template)
         question = "Weather in Paris?"
         off_want = generate(binary, copy, "--think", "off", "--prompt", question, "--max-tokens", "4")
-        server, base = start(binary, copy)
+        server, base = start(binary, copy, "--api-key", KEY)
+        base += "/v1"
         try:
             client = openai.OpenAI(base_url=base, api_key=KEY)
             messages = [{"role": "user", "content": question}]
@@ -163,6 +142,23 @@ def check_tools(binary, model):
                     raise SystemExit(f"tool_choice {choice}: tools and history not in the prompt")
                 print(f"ok: tools, tool-call history, tool_choice {json.dumps(choice)}")
 
+            # A function call round trip through the Responses API renders as the chat
+            # history above does, and a follow-up continues the stored response.
+            items = [
+                {"role": "user", "content": question},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": json.dumps({"city": "Paris"})},
+                {"type": "function_call_output", "call_id": "call_1", "output": "21 C, clear"},
+            ]
+            function = {"type": "function", **WEATHER["function"]}
+            chat = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], max_tokens=2)
+            r = client.responses.create(model="m", input=items, tools=[function], max_output_tokens=2)
+            check("responses function call round trip prompt", r.usage.input_tokens, chat.usage.prompt_tokens)
+            r2 = client.responses.create(
+                model="m", input="And tomorrow?", previous_response_id=r.id, tools=[function], max_output_tokens=2
+            )
+            check("previous_response_id continues", r2.usage.input_tokens > r.usage.input_tokens, True)
+
             named = {"type": "function", "function": {"name": "get_weather"}}
             r = client.chat.completions.create(
                 model="m", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=6,
@@ -186,8 +182,7 @@ def check_tools(binary, model):
             check("streamed, the same text", "".join(pieces), message.content)
             check("streamed, no tool call", calls, [])
         finally:
-            server.terminate()
-            server.wait()
+            stop(server)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""Drives `slotstream serve` with the official `anthropic` Python client (CI runs this).
+
+Usage: python tools/anthropic_client_test.py SLOTSTREAM_BINARY MODEL_DIR
+
+Checks that messages.create and messages.stream give exactly the text `slotstream
+generate` gives (greedy), with the stop reason and usage, and that count_tokens counts
+the prompt; that a wrong key raises AuthenticationError; on a copy of the model with
+Qwen3's template, a tool round trip (tools, a tool_use turn and its tool_result) reaches
+the prompt; on a copy whose template opens a `<think>` block, a thinking block comes back
+with a signature that is accepted when sent back and refused when its text is edited; on
+a copy with no end of sequence and a queue of one, a second request while a stream runs
+raises OverloadedError (529). Exits non-zero on any mismatch. Pinned client version:
+tools/requirements-clients.txt.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import anthropic
+
+from client_common import check, generate, start, stop
+
+KEY = "ci-key"
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n<think>\n"
+)
+
+
+def copy_model(model, tmp, template=None, no_eos=False):
+    copy = os.path.join(tmp, "model")
+    shutil.copytree(model, copy)
+    if template is not None:
+        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
+            f.write(template)
+    if no_eos:
+        for name, key in [("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
+                          ("tokenizer_config.json", "eos_token")]:
+            path = os.path.join(copy, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    cfg = json.load(f)
+                if name == "config.json":
+                    cfg[key] = []
+                else:
+                    cfg.pop(key, None)
+                with open(path, "w") as f:
+                    json.dump(cfg, f)
+    return copy
+
+
+def client_for(base):
+    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
+
+
+def main():
+    binary, model = sys.argv[1], sys.argv[2]
+    question = "How are experts streamed?"
+    want = generate(binary, model, "--prompt", question, "--max-tokens", "16")
+    messages = [{"role": "user", "content": question}]
+    generated = len(want["output_ids"])
+    stop_reason = "max_tokens" if generated == 16 else "end_turn"
+
+    server, base = start(binary, model, "--api-key", KEY)
+    try:
+        client = client_for(base)
+        r = client.messages.create(model="claude-x", max_tokens=16, messages=messages)
+        check("text", r.content[0].text, want["text"])
+        check("stop_reason", r.stop_reason, stop_reason)
+        check("usage output_tokens", r.usage.output_tokens, generated)
+        check("usage input tokens", r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0), len(want["prompt_ids"]))
+        with client.messages.stream(model="claude-x", max_tokens=16, messages=messages) as s:
+            text = "".join(s.text_stream)
+            final = s.get_final_message()
+        check("streamed text", text, want["text"])
+        check("streamed stop_reason", final.stop_reason, stop_reason)
+        count = client.messages.count_tokens(model="claude-x", messages=messages)
+        check("count_tokens", count.input_tokens, len(want["prompt_ids"]))
+        try:
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model="m", max_tokens=1, messages=messages
+            )
+            raise SystemExit("a wrong key was accepted")
+        except anthropic.AuthenticationError:
+            print("ok: wrong key refused")
+    finally:
+        stop(server)
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
+        qwen3 = json.load(f)["chat_template"]
+    with tempfile.TemporaryDirectory() as tmp:
+        server, base = start(binary, copy_model(model, tmp, qwen3), "--api-key", KEY)
+        try:
+            client = client_for(base)
+            plain = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}])
+            history = [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C, clear"}]},
+            ]
+            counted = client.messages.count_tokens(model="m", messages=history, tools=[WEATHER])
+            r = client.messages.create(model="m", max_tokens=2, messages=history, tools=[WEATHER])
+            check("tool round trip: prompt counted", r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0), counted.input_tokens)
+            check("tool round trip: tools and history in the prompt", counted.input_tokens > plain.input_tokens, True)
+        finally:
+            stop(server)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server, base = start(binary, copy_model(model, tmp, THINKING_TEMPLATE), "--api-key", KEY)
+        try:
+            client = client_for(base)
+            thinking = {"type": "enabled", "budget_tokens": 1024}
+            r = client.messages.create(model="m", max_tokens=6, messages=messages, thinking=thinking)
+            block = r.content[0]
+            check("thinking block", block.type, "thinking")
+            check("thinking signature", bool(block.signature), True)
+            turn = [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": block.thinking, "signature": block.signature},
+                    {"type": "text", "text": "ok"},
+                ]},
+                {"role": "user", "content": "Go on."},
+            ]
+            r = client.messages.create(model="m", max_tokens=2, messages=turn, thinking=thinking)
+            check("thinking block sent back accepted", r.type, "message")
+            turn[1]["content"][0]["thinking"] += " edited"
+            try:
+                client.messages.create(model="m", max_tokens=2, messages=turn, thinking=thinking)
+                raise SystemExit("an edited thinking block was accepted")
+            except anthropic.BadRequestError:
+                print("ok: edited thinking block refused")
+        finally:
+            stop(server)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server, base = start(binary, copy_model(model, tmp, no_eos=True), "--api-key", KEY, "--queue", "1")
+        try:
+            client = client_for(base)
+            with client.messages.stream(model="m", max_tokens=3000, messages=messages) as s:
+                next(iter(s.text_stream))  # the stream holds the queue's one place
+                try:
+                    client.messages.create(model="m", max_tokens=1, messages=messages)
+                    raise SystemExit("a request beyond the queue was accepted")
+                except anthropic.OverloadedError as e:
+                    check("full queue", e.status_code, 529)
+        finally:
+            stop(server)
+
+
+if __name__ == "__main__":
+    main()
