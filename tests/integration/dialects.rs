@@ -613,6 +613,7 @@ async fn health_is_loading_until_the_engine_is_handed_over() {
         default_max_tokens: 4,
         sampling: Default::default(),
         reasoning: true,
+        max_prefill_wait: None,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
