@@ -263,6 +263,7 @@ mod tests {
                 reasoning: true,
                 thinking_open: false,
                 tools: Some(tools),
+                single_call: false,
             },
         )
     }
