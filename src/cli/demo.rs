@@ -20,7 +20,7 @@ pub struct DemoArgs {
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 48, value_parser = super::flags::at_least(1))]
+    #[arg(long, default_value_t = 48)]
     max_tokens: usize,
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]

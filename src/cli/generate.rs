@@ -40,7 +40,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub template: TemplateArgs,
     /// Stop after this many new tokens.
-    #[arg(long, default_value_t = 256, value_parser = super::flags::at_least(1))]
+    #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,

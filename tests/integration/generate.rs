@@ -230,25 +230,14 @@ fn bad_input_gives_clear_errors() {
             "a value is required for '--memory-budget",
         ),
         // Values with which every request would fail or come back empty are refused at
-        // startup (the port is not even bound).
+        // startup (the port is not even bound). `generate --max-tokens 0` is one run that
+        // reports that nothing ran (below).
         (
             &["serve", "--model", dir, "--max-tokens", "0"],
             "invalid value '0' for '--max-tokens",
         ),
         (
             &["chat", "--model", dir, "--max-tokens", "0"],
-            "invalid value '0' for '--max-tokens",
-        ),
-        (
-            &[
-                "generate",
-                "--model",
-                dir,
-                "--prompt",
-                "hi",
-                "--max-tokens",
-                "0",
-            ],
             "invalid value '0' for '--max-tokens",
         ),
         (
