@@ -108,6 +108,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         });
         let idle = Idle::new();
         let app = idle.track(app);
+        // Loading counts as activity: a load slower than --idle-exit is not idle time.
+        let loading_model = idle.begin();
         let idle_after = args.idle_exit.duration();
         let idle_minutes = args.idle_exit.to_string();
         let idle_exit = async move {
@@ -135,6 +137,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             }
         };
         loading.loaded(engine.clone());
+        drop(loading_model);
         eprintln!(
             "serving {model_id} on http://{address} (OpenAI: /v1, Anthropic: /v1/messages, Ollama: /api; Ctrl-C stops)"
         );

@@ -6,6 +6,7 @@
 //! and the request's log line happen here once, whichever dialect asked.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::StreamExt;
 use serde::Serialize;
@@ -187,6 +188,8 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     let opening = parser.push(&reply_prefix);
     let generation = engine.generate(request);
     let stops = params.stops.clone();
+    let shared = app.clone();
+    let accepted = Instant::now();
     tokio::spawn(async move {
         let _permit = permit;
         let gone = || tracing::info!("POST {route} 499: the client went away");
@@ -198,7 +201,15 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
         if !opening.into_iter().all(&mut send) {
             return gone();
         }
-        let driven = drive(generation, stops, |piece| {
+        let mut last_token: Option<Instant> = None;
+        let on_token = || {
+            match last_token {
+                None => shared.metrics.first_token(accepted.elapsed()),
+                Some(t) => shared.metrics.next_token(t.elapsed()),
+            }
+            last_token = Some(Instant::now());
+        };
+        let driven = drive(generation, stops, on_token, |piece| {
             parser.push(&piece).into_iter().all(&mut send)
         });
         // A client that leaves while the request waits or prefills has been sent nothing
@@ -216,6 +227,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
                     outcome.finish = Finish::ToolCalls;
                 }
                 log_generation(route, 200, prompt_tokens, &outcome);
+                shared.metrics.finished(prompt_tokens, &outcome);
                 let _ = tx.send(TurnEvent::Done(outcome));
             }
             Ok(None) => gone(),
@@ -276,12 +288,13 @@ fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outc
     );
 }
 
-/// Runs `generation` through the stop sequences, handing released text to `on_text`
-/// (which returns `false` when nobody listens any more: then this returns `Ok(None)` and
-/// dropping the generation cancels it).
+/// Runs `generation` through the stop sequences, telling `on_token` of each new token
+/// and handing released text to `on_text` (which returns `false` when nobody listens any
+/// more: then this returns `Ok(None)` and dropping the generation cancels it).
 async fn drive(
     mut generation: Generation,
     stops: Vec<String>,
+    mut on_token: impl FnMut(),
     mut on_text: impl FnMut(String) -> bool,
 ) -> crate::Result<Option<Outcome>> {
     let mut matcher = StopMatcher::new(stops);
@@ -295,6 +308,7 @@ async fn drive(
                 if stopped.is_some() {
                     continue;
                 }
+                on_token();
                 counted += 1;
                 let (out, hit) = matcher.push(&text);
                 if !out.is_empty() && !on_text(out) {

@@ -10,7 +10,8 @@
 //! - Ollama: `POST /api/chat`, `/api/generate`, `/api/show`, `GET /api/tags`, `/api/ps`,
 //!   `/api/version` ([`ollama`]);
 //! - `GET /health` (503 `loading` until the model is loaded), `GET /` (the engine's name),
-//!   `GET /stats` (the engine's and the pool's counters).
+//!   `GET /stats` (the engine's and the pool's counters), `GET /metrics` (Prometheus'
+//!   scrape, [`metrics`]).
 //!
 //! Requests run one at a time in arrival order (the engine's queue); at most
 //! [`ServerOptions::queue`] may be running or waiting, and the next one gets 503 with
@@ -27,6 +28,7 @@ pub mod anthropic;
 pub mod conversation;
 pub mod error;
 pub mod idle;
+mod metrics;
 pub mod ollama;
 pub mod openai;
 mod openai_reply;
@@ -93,6 +95,7 @@ pub struct App {
     created: u64,
     /// Recent Responses API responses, for `previous_response_id`.
     responses: responses::Store,
+    metrics: metrics::Metrics,
 }
 
 impl App {
@@ -128,6 +131,7 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
         options,
         created: unix_now(),
         responses: responses::Store::default(),
+        metrics: metrics::Metrics::default(),
     });
     let authenticated = Router::new()
         .route("/v1/models", get(openai_reply::models))
@@ -160,6 +164,7 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
             post(|| async { ollama::unsupported("creating models") }),
         )
         .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     let router = Router::new()
         .route("/health", get(health))
@@ -173,7 +178,7 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             ApiError::method_not_allowed(&method, uri.path())
         })
-        .layer(middleware::from_fn(log_request))
+        .layer(middleware::from_fn_with_state(app.clone(), log_request))
         .with_state(app.clone());
     (router, Loading(app))
 }
@@ -385,10 +390,16 @@ struct Logged;
 
 /// One log line per request: those that generated log theirs at the end (with tokens and
 /// speed), the others here, with the reason of a refusal ([`error::Reason`]).
-async fn log_request(request: HttpRequest, next: Next) -> Response {
+async fn log_request(State(app): State<Arc<App>>, request: HttpRequest, next: Next) -> Response {
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_string());
     let start = std::time::Instant::now();
     let response = next.run(request).await;
+    app.metrics
+        .request(route.as_deref(), response.status().as_u16());
     if response.extensions().get::<Logged>().is_none() {
         let reason = response
             .extensions()
@@ -415,6 +426,19 @@ async fn stats(State(app): State<Arc<App>>) -> Response {
         "queued_or_running": app.options.queue.max(1) - app.queue.available_permits(),
     }))
     .into_response()
+}
+
+/// `GET /metrics`: the OpenMetrics text Prometheus scrapes.
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let queue = app.options.queue.max(1) - app.queue.available_permits();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(queue),
+    )
+        .into_response()
 }
 
 /// The frames of a streamed turn: `first` at once, then those `frames` makes of each of

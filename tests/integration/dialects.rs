@@ -650,3 +650,67 @@ async fn health_is_loading_until_the_engine_is_handed_over() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
 }
+
+/// `GET /metrics` in OpenMetrics text: requests by route and status, tokens, the queue and
+/// the latency histograms add up to what the requests answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_was_served() {
+    let s = start(16, 0, None).await;
+    let (mut prompt, mut generated, mut gaps) = (0, 0, 0);
+    for stream in [false, false, true] {
+        let body = json!({ "messages": [{ "role": "user", "content": word() }], "max_tokens": 5, "stream": stream,
+                           "stream_options": if stream { json!({ "include_usage": true }) } else { Value::Null } });
+        let usage = if stream {
+            let (_, _, chunks) = s.stream("/v1/chat/completions", &body).await;
+            chunks.last().unwrap()["usage"].clone()
+        } else {
+            let (status, v) = s.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{v}");
+            v["usage"].clone()
+        };
+        prompt += usage["prompt_tokens"].as_u64().unwrap();
+        let n = usage["completion_tokens"].as_u64().unwrap();
+        generated += n;
+        gaps += n.saturating_sub(1);
+    }
+    let r = s
+        .client
+        .get(format!("{}/no-such-route", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let r = s
+        .client
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/openmetrics-text"));
+    let text = r.text().await.unwrap();
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert_eq!(
+        value(r#"slotstream_requests_total{route="/v1/chat/completions",status="200"}"#),
+        3.0
+    );
+    assert_eq!(
+        value(r#"slotstream_requests_total{route="unmatched",status="404"}"#),
+        1.0
+    );
+    assert_eq!(value("slotstream_prompt_tokens_total"), prompt as f64);
+    assert_eq!(value("slotstream_generated_tokens_total"), generated as f64);
+    assert_eq!(value("slotstream_time_to_first_token_seconds_count"), 3.0);
+    assert_eq!(
+        value("slotstream_time_per_output_token_seconds_count"),
+        gaps as f64
+    );
+    assert_eq!(value("slotstream_queue_length"), 0.0);
+    assert!(text.trim_end().ends_with("# EOF"));
+}

@@ -149,7 +149,7 @@ impl Server {
     }
 
     /// A streamed request: the text of every chunk, the finish reason and the chunks.
-    async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
+    pub(crate) async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
         let r = self
             .client
             .post(format!("{}{path}", self.base))
