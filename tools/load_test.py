@@ -29,9 +29,11 @@ Prints a summary and writes it as JSON to --report: requests and errors per kind
 p50/p99 latency, the RSS, descriptors and snapshot bytes sampled over time, the
 server's /stats at the end.
 
-Another dialect is one more request kind: an Endpoint (its path and the readers of its
-plain and streamed answers, e.g. Ollama's NDJSON lines), a builder of its request bodies
-in KIND_BODIES, and a row in MIX. Python's standard library only.
+Every dialect the server speaks is a request kind: OpenAI chat and completions, Ollama's
+/api/chat (JSON lines), Anthropic's /v1/messages and the Responses API (named events),
+each an Endpoint (its path, the readers of its plain and streamed answers, how a body is
+streamed) with the same conversations translated into its shape (in_ollama,
+in_anthropic, in_responses) and a row in MIX. Python's standard library only.
 """
 
 import argparse
@@ -58,7 +60,13 @@ MIX = [
     ("tools", 2, "chat with a tool: tool_choice auto/none/required/named, a tool-call history, parallel_tool_calls false"),
     ("tools_stream", 1, "the same, streamed"),
     ("cancel", 2, "a streamed chat whose client hangs up after 0 to 3 chunks"),
-    ("malformed", 2, "a body the server must refuse with a 4xx: not JSON, wrong types, bad roles, batches"),
+    ("ollama", 2, "POST /api/chat: the chat and tool conversations in Ollama's shape (options, tool_name)"),
+    ("ollama_stream", 2, "the same, streamed as JSON lines"),
+    ("anthropic", 2, "POST /v1/messages: the same conversations in Anthropic's shape (system, tool_use, tool_result)"),
+    ("anthropic_stream", 2, "the same, streamed as Anthropic's events"),
+    ("responses", 2, "POST /v1/responses: the same conversations as Responses items (instructions, function_call)"),
+    ("responses_stream", 2, "the same, streamed as the Responses API's events"),
+    ("malformed", 2, "a body the server must refuse with a 4xx: not JSON, wrong types, bad roles, batches, in every dialect"),
 ]
 
 RSS_SLACK = lambda base: max(16 << 20, base // 20)  # noqa: E731 (16 MiB or 5%)
@@ -102,11 +110,20 @@ WEATHER = {
 # ---------------------------------------------------------------------------------------
 
 
+def openai_stream_body(body):
+    return dict(body, stream=True, stream_options={"include_usage": True})
+
+
+def stream_true(body):
+    return dict(body, stream=True)
+
+
 @dataclass
 class Endpoint:
     path: str
     read_plain: object  # (parsed JSON body) -> answer
     read_stream: object  # (HTTPResponse) -> answer, or raises Lost
+    stream_body: object = openai_stream_body  # (plain body) -> the streamed request's body
 
 
 class Lost(Exception):
@@ -180,8 +197,144 @@ def openai_completion_stream(response):
     return {"text": "".join(text), "finish_reason": finish, "completion_tokens": tokens}
 
 
+def compact(value):
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def ollama_chat(body):
+    m = body["message"]
+    return {
+        "content": m.get("content") or "",
+        "reasoning": m.get("thinking") or "",
+        "tool_calls": [(c["function"]["name"], compact(c["function"]["arguments"])) for c in m.get("tool_calls") or []],
+        "finish_reason": body["done_reason"],
+        "completion_tokens": body["eval_count"],
+    }
+
+
+def ollama_chat_stream(response):
+    content, reasoning, calls, last = [], [], [], None
+    for raw in response:
+        line = json.loads(raw)
+        if "error" in line:
+            raise Lost(f"status 500: {line['error']}")
+        m = line.get("message", {})
+        content.append(m.get("content") or "")
+        reasoning.append(m.get("thinking") or "")
+        calls += [(c["function"]["name"], compact(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+        if line.get("done"):
+            last = line
+    if last is None:
+        raise Lost("the stream ended without a line with done: true")
+    return {
+        "content": "".join(content),
+        "reasoning": "".join(reasoning),
+        "tool_calls": calls,
+        "finish_reason": last["done_reason"],
+        "completion_tokens": last["eval_count"],
+    }
+
+
+def anthropic_message(body):
+    blocks = body["content"]
+    return {
+        "content": "".join(b["text"] for b in blocks if b["type"] == "text"),
+        "reasoning": "".join(b["thinking"] for b in blocks if b["type"] == "thinking"),
+        "tool_calls": [(b["name"], compact(b["input"])) for b in blocks if b["type"] == "tool_use"],
+        "finish_reason": body["stop_reason"],
+        "completion_tokens": body["usage"]["output_tokens"],
+    }
+
+
+def named_events(response):
+    """The (event, data) pairs of an SSE stream with named events."""
+    name = None
+    for raw in response:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
+
+
+def anthropic_stream(response):
+    content, reasoning, calls, inputs, finish, tokens, stopped = [], [], [], {}, None, None, False
+    for name, data in named_events(response):
+        if name == "error":
+            raise Lost(f"status 500: {data}")
+        if name == "content_block_start" and data["content_block"]["type"] == "tool_use":
+            calls.append((data["index"], data["content_block"]["name"]))
+            inputs[data["index"]] = ""
+        elif name == "content_block_delta":
+            d = data["delta"]
+            if d["type"] == "text_delta":
+                content.append(d["text"])
+            elif d["type"] == "thinking_delta":
+                reasoning.append(d["thinking"])
+            elif d["type"] == "input_json_delta":
+                inputs[data["index"]] += d["partial_json"]
+        elif name == "message_delta":
+            finish, tokens = data["delta"]["stop_reason"], data["usage"]["output_tokens"]
+        elif name == "message_stop":
+            stopped = True
+    if not stopped:
+        raise Lost("the stream ended without message_stop")
+    return {
+        "content": "".join(content),
+        "reasoning": "".join(reasoning),
+        "tool_calls": [(n, compact(json.loads(inputs[i]))) for i, n in calls],
+        "finish_reason": finish,
+        "completion_tokens": tokens,
+    }
+
+
+def responses_answer(body):
+    content, reasoning, calls = [], [], []
+    for item in body["output"]:
+        if item["type"] == "message":
+            content += [p["text"] for p in item["content"]]
+        elif item["type"] == "reasoning":
+            reasoning += [p["text"] for p in item["content"]]
+        elif item["type"] == "function_call":
+            calls.append((item["name"], item["arguments"]))
+    return {
+        "content": "".join(content),
+        "reasoning": "".join(reasoning),
+        "tool_calls": calls,
+        "finish_reason": body["status"],
+        "completion_tokens": body["usage"]["output_tokens"],
+    }
+
+
+def responses_stream(response):
+    content, reasoning, calls, final = [], [], [], None
+    for name, data in named_events(response):
+        if name == "response.output_text.delta":
+            content.append(data["delta"])
+        elif name == "response.reasoning_text.delta":
+            reasoning.append(data["delta"])
+        elif name == "response.output_item.done" and data["item"]["type"] == "function_call":
+            calls.append((data["item"]["name"], data["item"]["arguments"]))
+        elif name in ("response.completed", "response.incomplete"):
+            final = data["response"]
+        elif name in ("response.failed", "error"):
+            raise Lost(f"status 500: {data}")
+    if final is None:
+        raise Lost("the stream ended without response.completed or response.incomplete")
+    return {
+        "content": "".join(content),
+        "reasoning": "".join(reasoning),
+        "tool_calls": calls,
+        "finish_reason": final["status"],
+        "completion_tokens": final["usage"]["output_tokens"],
+    }
+
+
 CHAT = Endpoint("/v1/chat/completions", openai_chat, openai_chat_stream)
 COMPLETION = Endpoint("/v1/completions", openai_completion, openai_completion_stream)
+OLLAMA = Endpoint("/api/chat", ollama_chat, ollama_chat_stream, stream_true)
+ANTHROPIC = Endpoint("/v1/messages", anthropic_message, anthropic_stream, stream_true)
+RESPONSES = Endpoint("/v1/responses", responses_answer, responses_stream, stream_true)
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,6 +387,77 @@ def tool_bodies():
     return out
 
 
+def in_ollama(body):
+    """An OpenAI chat body (as chat_bodies and tool_bodies make them) in Ollama's shape."""
+    messages = []
+    for m in body["messages"]:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                             "arguments": json.loads(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+            m["content"] = m["content"] or ""
+        if m["role"] == "tool":
+            m = {"role": "tool", "tool_name": "get_weather", "content": m["content"]}
+        messages.append(m)
+    out = {"model": "m", "messages": messages, "stream": False,
+           "options": {"num_predict": body["max_tokens"], "temperature": 0}}
+    if "tools" in body:
+        out["tools"] = body["tools"]
+    return out
+
+
+def in_anthropic(body):
+    """The same conversation as a Messages body (tool_choice auto)."""
+    system, messages = None, []
+    for m in body["messages"]:
+        if m["role"] == "system":
+            system = m["content"]
+        elif m.get("tool_calls"):
+            messages.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]})
+        else:
+            messages.append({"role": m["role"], "content": m["content"]})
+    out = {"model": "m", "max_tokens": body["max_tokens"], "messages": messages}
+    if system is not None:
+        out["system"] = system
+    if "tools" in body:
+        out["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                         "input_schema": t["function"]["parameters"]} for t in body["tools"]]
+    return out
+
+
+def in_responses(body):
+    """The same conversation as Responses input items (tool_choice auto)."""
+    instructions, items = None, []
+    for m in body["messages"]:
+        if m["role"] == "system":
+            instructions = m["content"]
+        elif m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    out = {"model": "m", "input": items, "max_output_tokens": body["max_tokens"], "temperature": 0}
+    if instructions is not None:
+        out["instructions"] = instructions
+    if "tools" in body:
+        out["tools"] = [{"type": "function", **t["function"]} for t in body["tools"]]
+    return out
+
+
+def dialect_bodies():
+    """The chat conversations and the tool conversations whose tool_choice is auto."""
+    tools = [b for b in tool_bodies() if b.get("tool_choice") == "auto"]
+    return chat_bodies() + tools
+
+
 MALFORMED = [
     (CHAT, b"{not json"),
     (CHAT, b"[]"),
@@ -248,7 +472,14 @@ MALFORMED = [
     (COMPLETION, b'{"prompt": [[1, 2], [3]]}'),
     (COMPLETION, b'{"prompt": "\xff\xfe"}'),
     (COMPLETION, b'{"prompt": [99999999]}'),
-    (COMPLETION, b'{"prompt": "x", "max_tokens": 100000000}'),
+    (COMPLETION, b'{"prompt": "x", "top_p": 7}'),
+    (OLLAMA, b"{not json"),
+    (OLLAMA, b'{"messages": [{"role": "wizard", "content": "x"}]}'),
+    (OLLAMA, b'{"messages": [{"role": "user", "content": "x"}], "options": {"num_predict": 0}}'),
+    (ANTHROPIC, b'{"messages": [{"role": "user", "content": "x"}]}'),
+    (ANTHROPIC, b'{"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}'),
+    (RESPONSES, b'{"input": 5}'),
+    (RESPONSES, b'{"input": "x", "previous_response_id": "resp_none"}'),
 ]
 
 
@@ -273,6 +504,12 @@ def kinds():
         "tools": Kind(CHAT, tools, "plain"),
         "tools_stream": Kind(CHAT, tools, "stream"),
         "cancel": Kind(CHAT, chats, "cancel"),
+        "ollama": Kind(OLLAMA, [in_ollama(b) for b in dialect_bodies()], "plain"),
+        "ollama_stream": Kind(OLLAMA, [in_ollama(b) for b in dialect_bodies()], "stream"),
+        "anthropic": Kind(ANTHROPIC, [in_anthropic(b) for b in dialect_bodies()], "plain"),
+        "anthropic_stream": Kind(ANTHROPIC, [in_anthropic(b) for b in dialect_bodies()], "stream"),
+        "responses": Kind(RESPONSES, [in_responses(b) for b in dialect_bodies()], "plain"),
+        "responses_stream": Kind(RESPONSES, [in_responses(b) for b in dialect_bodies()], "stream"),
         "malformed": Kind(None, MALFORMED, "refused"),
     }
 
@@ -299,12 +536,6 @@ def plain_answer(port, endpoint, body):
         return endpoint.read_plain(json.loads(data))
     finally:
         conn.close()
-
-
-def streamed(body):
-    b = dict(body, stream=True)
-    b["stream_options"] = {"include_usage": True}
-    return b
 
 
 def key(endpoint, body):
@@ -392,7 +623,7 @@ def one_request(port, kind, body, rng, reference):
             return ("no error body", f"{data[:80]!r}")
         return None
     if kind.mode == "cancel":
-        conn, r = post(port, kind.endpoint.path, streamed(body))
+        conn, r = post(port, kind.endpoint.path, kind.endpoint.stream_body(body))
         try:
             if r.status != 200:
                 return ("5xx" if r.status >= 500 else "status", f"{r.status}: {r.read()[:200]!r}")
@@ -410,7 +641,7 @@ def one_request(port, kind, body, rng, reference):
         if kind.mode == "plain":
             got = plain_answer(port, kind.endpoint, body)
         else:
-            conn, r = post(port, kind.endpoint.path, streamed(body))
+            conn, r = post(port, kind.endpoint.path, kind.endpoint.stream_body(body))
             try:
                 if r.status != 200:
                     return ("5xx" if r.status >= 500 else "status", f"{r.status}: {r.read()[:200]!r}")
