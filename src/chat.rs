@@ -123,11 +123,34 @@ pub enum ChatInput {
     Reset,
     /// `/exit` (or `/bye`).
     Exit,
+    /// `/help` (or `/?`): list the commands ([`COMMANDS`]).
+    Help,
+    /// A line whose first word is `/` and letters that name no command (kept as typed, to
+    /// be refused rather than sent to the model).
+    Unknown(String),
 }
+
+/// The chat prompt's commands and what each does, as `/help` lists them.
+pub const COMMANDS: &[(&str, &str)] = &[
+    ("/help, /?", "list these commands"),
+    (
+        "/reset, /clear",
+        "forget the conversation (the system prompt stays)",
+    ),
+    (
+        "/bye, /exit",
+        "end the chat (as end of input, Ctrl-D, does)",
+    ),
+    (
+        "\"\"\"",
+        "starts a message of several lines; a line ending with \"\"\" ends it",
+    ),
+];
 
 /// Reads the next input from `lines`: a line is a message; a line starting with `"""`
 /// opens a block of lines that ends at a line ending with `"""` (as Ollama reads
-/// multi-line input); `/reset` and `/exit` are commands; empty lines are skipped.
+/// multi-line input); the [`COMMANDS`] are commands, and a line whose first word is `/`
+/// and letters (`/x`, `/x more`) is an unknown one; empty lines are skipped.
 /// `more(true)` is called before each further line of a block, `more(false)` before a
 /// new input (to show a prompt). `None` at the end of the input (a block cut short by
 /// it is still a message).
@@ -151,7 +174,16 @@ pub fn read_input(
             "" => continue,
             "/reset" | "/clear" => return Ok(Some(ChatInput::Reset)),
             "/exit" | "/bye" => return Ok(Some(ChatInput::Exit)),
+            "/help" | "/?" => return Ok(Some(ChatInput::Help)),
             _ => {}
+        }
+        // A path such as `/usr/bin` is a message; `/x` names a command.
+        let word = trimmed.split_whitespace().next().unwrap_or_default();
+        if word
+            .strip_prefix('/')
+            .is_some_and(|name| !name.is_empty() && name.chars().all(char::is_alphabetic))
+        {
+            return Ok(Some(ChatInput::Unknown(word.to_string())));
         }
         let Some(first) = line.trim_start().strip_prefix(FENCE) else {
             return Ok(Some(ChatInput::Message(line)));
@@ -186,7 +218,7 @@ mod tests {
 
     #[test]
     fn inputs_are_lines_blocks_and_commands() {
-        let typed = "hello\n\n   \n\"\"\"\nfirst line\n\n  indented\n\"\"\"\n\"\"\"one\"\"\"\n\"\"\"starts here\nends here\"\"\"\n/reset\n /exit \n\"\"\"\ncut short";
+        let typed = "hello\n\n   \n\"\"\"\nfirst line\n\n  indented\n\"\"\"\n\"\"\"one\"\"\"\n\"\"\"starts here\nends here\"\"\"\n/reset\n/?\n/help\n/load x\n/usr/bin is a path\n /exit \n\"\"\"\ncut short";
         let mut input = std::io::Cursor::new(typed);
         let mut got = Vec::new();
         while let Some(i) = read_input(&mut input, |_| {}).unwrap() {
@@ -201,6 +233,10 @@ mod tests {
                 Message("one".into()),
                 Message("starts here\nends here".into()),
                 Reset,
+                Help,
+                Help,
+                Unknown("/load".into()),
+                Message("/usr/bin is a path".into()),
                 Exit,
                 Message("cut short".into()),
             ]

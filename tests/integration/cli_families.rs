@@ -3,8 +3,8 @@
 //! the plan's resident weights against the checkpoint's tensors, a pack the engine then
 //! reads from, and bench's counts (n-gram rows for Flash-Next). Then what a new user of
 //! `generate`, `chat` and `serve` meets: prompts as arguments or on stdin, template
-//! variables, control tokens only from the template, the chat prompt's commands, and a
-//! server that binds its port before loading.
+//! variables, control tokens only from the template, the chat prompt's commands and
+//! Ctrl-C, and a server that binds its port before loading.
 
 use std::fs;
 use std::io::Write;
@@ -489,4 +489,131 @@ fn serve_fails_fast_on_a_busy_port() {
     assert!(!stderr.contains("loading the model"), "{stderr}");
     let out = slotstream(&["serve", "--model", "/nonexistent/model", "--trace", "t.csv"]);
     assert_eq!(out.status.code(), Some(2), "a usage error");
+}
+
+/// A `chat` child process whose stdout and stderr are read as they come.
+struct LiveChat {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::sync::Arc<std::sync::Mutex<String>>,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl LiveChat {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_slotstream"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let collect = |mut from: Box<dyn std::io::Read + Send>| {
+            let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let into = text.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 256];
+                while let Ok(n @ 1..) = from.read(&mut buf) {
+                    into.lock()
+                        .unwrap()
+                        .push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            });
+            text
+        };
+        LiveChat {
+            stdin: child.stdin.take().unwrap(),
+            stdout: collect(Box::new(child.stdout.take().unwrap())),
+            stderr: collect(Box::new(child.stderr.take().unwrap())),
+            child,
+        }
+    }
+
+    fn send(&mut self, text: &str) {
+        self.stdin.write_all(text.as_bytes()).unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// Waits until `done(stdout, stderr)` (at most a minute: a hung chat fails the test).
+    fn wait(&self, what: &str, done: impl Fn(&str, &str) -> bool) {
+        for _ in 0..6000 {
+            if done(&self.stdout.lock().unwrap(), &self.stderr.lock().unwrap()) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("{what}: {}", self.stderr.lock().unwrap());
+    }
+
+    fn interrupt(&self) {
+        // SAFETY: a signal to our own child, which has not been reaped.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) },
+            0
+        );
+    }
+}
+
+/// `chat`'s Ctrl-C: during a reply it stops the reply and returns to the prompt, the
+/// conversation kept (the next turn reuses the stopped reply's state); at the prompt it
+/// ends the chat normally, with the stats. `/?` and `/help` list the commands, an
+/// unknown `/x` is refused with them (nothing sent to the model); a full context
+/// suggests `/reset`, which makes room again. (EOS removed: replies run until stopped.)
+#[test]
+fn chat_ctrl_c_stops_the_reply_and_commands_are_listed() {
+    let tmp = copy_fixture(FIXTURES[0]);
+    without_eos(tmp.path());
+    let model = tmp.path().to_str().unwrap();
+    let base = ["chat", "--model", model, "--device", "cpu", "--stats"];
+    let turns = |stderr: &str| stderr.matches(" new prompt tokens, ").count();
+    let mut chat = LiveChat::start(&[&base[..], &["--max-tokens", "3000"]].concat());
+    for (n, message) in ["hello there\n", "/?\n/help\n/x y\nsecond\n"]
+        .into_iter()
+        .enumerate()
+    {
+        let shown = chat.stdout.lock().unwrap().len();
+        chat.send(message);
+        chat.wait("a reply streaming", |out, _| out.len() > shown);
+        chat.interrupt();
+        chat.wait("the reply stopped", |_, err| turns(err) == n + 1);
+    }
+    let out = chat.stdout.lock().unwrap().clone();
+    let err = chat.stderr.lock().unwrap().clone();
+    assert_eq!(err.matches("(reply stopped)").count(), 2, "{err}");
+    assert_eq!(err.matches("/reset, /clear").count(), 3, "{err}");
+    assert!(err.contains("unknown command /x"), "{err}");
+    assert!(!out.contains("/x"), "{out}");
+    // The second turn continued from the stopped reply's state.
+    let reused: Vec<usize> = err
+        .lines()
+        .filter_map(|l| {
+            let l = &l[l.find('[')? + 1..];
+            let (_, rest) = l.split_once(" new prompt tokens, ")?;
+            rest.split_once(" reused")?.0.parse().ok()
+        })
+        .collect();
+    assert!(reused[1] > 0, "{reused:?}: {err}");
+    chat.wait("the prompt", |_, err| err.ends_with("> "));
+    chat.interrupt();
+    let status = chat.child.wait().unwrap();
+    let err = chat.stderr.lock().unwrap().clone();
+    assert!(status.success(), "{status}: {err}");
+    assert!(err.contains("prompt cache: {"), "{err}");
+
+    // A context of 64 tokens: the first reply fills it, the next message does not fit.
+    let args = [&base[..], &["--context", "64", "--max-tokens", "1000"]].concat();
+    let (success, _, stderr) = with_stdin(&args, "hello\nmore\n/reset\nagain\n");
+    assert!(success, "{stderr}");
+    assert_eq!(
+        stderr.matches("(the context is full)").count(),
+        2,
+        "{stderr}"
+    );
+    assert!(stderr.contains("leaves no room in the context"), "{stderr}");
+    assert_eq!(
+        stderr.matches("/reset starts a new conversation").count(),
+        3,
+        "{stderr}"
+    );
+    assert_eq!(turns(&stderr), 2, "{stderr}");
 }
