@@ -60,8 +60,9 @@ pub struct Checkpoint {
 }
 
 /// Reads the config of the checkpoint in `dir` without touching its shards (what
-/// [`Checkpoint::open`] reads first). Errors: `dir` missing or a file, no config.json, and
-/// every config error of [`ModelConfig::load`].
+/// [`Checkpoint::open`] reads first). Errors: `dir` missing or a file (a GGUF file and a
+/// Hugging Face id said to be such, with what to do), no config.json, and every config
+/// error of [`ModelConfig::load`].
 pub fn open_config(dir: &Path) -> Result<ModelConfig> {
     let missing = |what: &str| {
         Error::io(
@@ -70,17 +71,43 @@ pub fn open_config(dir: &Path) -> Result<ModelConfig> {
         )
     };
     if dir.is_file() {
+        if dir
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            return Err(missing(
+                "is a GGUF file: slotstream reads MLX checkpoints, a directory of safetensors \
+                 shards with config.json; download an MLX conversion (the mlx-community \
+                 models on Hugging Face) or convert the original with `mlx_lm.convert --hf-path ORG/NAME`",
+            ));
+        }
         return Err(missing(
             "is a file; give the model's directory (the one holding config.json)",
         ));
     }
     if !dir.is_dir() {
+        if let Some(id) = hub_id(dir) {
+            return Err(missing(&format!(
+                "model directory not found; `{id}` looks like a Hugging Face id: download it \
+                 with `huggingface-cli download {id} --local-dir DIR` and give DIR \
+                 (a `slotstream pull` command is planned)"
+            )));
+        }
         return Err(missing("model directory not found"));
     }
     if !dir.join("config.json").is_file() {
         return Err(missing("not a model directory: it has no config.json"));
     }
     ModelConfig::load(dir)
+}
+
+/// `dir` as a Hugging Face id (`org/name`: a relative path of exactly two plain parts),
+/// for a path that is not on disk.
+fn hub_id(dir: &Path) -> Option<&str> {
+    use std::path::Component;
+    let parts: Vec<Component> = dir.components().collect();
+    let plain = parts.len() == 2 && parts.iter().all(|c| matches!(c, Component::Normal(_)));
+    plain.then(|| dir.to_str()).flatten()
 }
 
 impl Checkpoint {

@@ -15,7 +15,7 @@ use super::flags::{IoArgs, OnOff};
 #[derive(Args)]
 pub struct BenchArgs {
     /// Model directory (for example one written by `slotstream synth`).
-    #[arg(long)]
+    #[arg(short, long)]
     model: PathBuf,
     /// Pool sizes, comma-separated: `floor`, `all` (every record, loaded before timing),
     /// a share of the records (`30%`) or a memory budget (`8GiB`).

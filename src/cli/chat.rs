@@ -16,14 +16,14 @@ use super::load::{engine_options, open, Loaded, Reply};
 
 #[derive(Args)]
 pub struct ChatArgs {
-    /// Model directory.
-    #[arg(long)]
+    /// Model directory (an MLX checkpoint).
+    #[arg(short, long)]
     model: PathBuf,
     /// A system prompt for the conversation.
     #[arg(long)]
     system: Option<String>,
     /// Most tokens per reply.
-    #[arg(long, default_value_t = 512, value_parser = super::flags::at_least(1))]
+    #[arg(short = 'n', long, visible_alias = "n-predict", default_value_t = 512, value_parser = super::flags::at_least(1))]
     max_tokens: usize,
     #[command(flatten)]
     template: TemplateArgs,

@@ -8,7 +8,7 @@ use clap::Args;
 use slotstream::io::IoMode;
 
 use super::flags::{
-    BudgetArgs, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs,
+    BudgetArgs, ContextSize, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs,
     TemplateArgs, TraceArgs,
 };
 use super::generate::{run_generate, GenerateArgs};
@@ -80,7 +80,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
             experts_per_layer: None,
             budget: BudgetArgs::default(),
             io: IoArgs {
-                context: Some(4096),
+                context: Some(ContextSize::Tokens(4096)),
                 queue_depth: 32,
                 io: IoMode::Direct,
                 no_pack: false,

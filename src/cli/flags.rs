@@ -119,6 +119,37 @@ pub fn at_least(least: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(least..)
 }
 
+/// `--context` (llama.cpp's `-c`/`--ctx-size`, the reference system's `--max-context`):
+/// tokens, or `auto` (as without the flag).
+#[derive(Clone, Copy, Debug)]
+pub enum ContextSize {
+    Auto,
+    Tokens(usize),
+}
+
+impl ContextSize {
+    /// The tokens given; `None` for `auto`.
+    pub fn tokens(size: Option<ContextSize>) -> Option<usize> {
+        match size? {
+            ContextSize::Auto => None,
+            ContextSize::Tokens(n) => Some(n),
+        }
+    }
+}
+
+/// `auto`, or a number of tokens of at least 2 (room for a prompt token and a new one).
+pub fn parse_context(s: &str) -> std::result::Result<ContextSize, String> {
+    match s.trim() {
+        "auto" => Ok(ContextSize::Auto),
+        t => match t.parse::<usize>() {
+            Ok(n) if n >= 2 => Ok(ContextSize::Tokens(n)),
+            _ => Err(format!(
+                "`{s}` is not `auto` or a number of tokens of at least 2"
+            )),
+        },
+    }
+}
+
 /// `--max-prefill-wait` (`generate`, `chat`, `serve`).
 #[derive(Args, Clone, Debug, Default)]
 pub struct PrefillArgs {
@@ -262,8 +293,9 @@ pub struct IoArgs {
     /// plan reserves KV cache for; at least 2. Default: auto, the largest power of two
     /// from 4096 up to the model's max_position_embeddings whose KV cache and states take
     /// at most 10% of the memory budget and leave the pool its floor (`bench`: 4096).
-    #[arg(long, value_parser = at_least(2))]
-    pub context: Option<usize>,
+    /// Also `-c`, `--ctx-size` (llama.cpp) and `--max-context` (the reference system).
+    #[arg(short, long, visible_aliases = ["ctx-size", "max-context"], value_parser = parse_context)]
+    pub context: Option<ContextSize>,
     /// Demand reads in flight at once.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub queue_depth: u16,
@@ -282,9 +314,14 @@ pub struct IoArgs {
 
 impl IoArgs {
     /// The library's options for these flags (no pool, lookahead on).
+    /// `--context`'s tokens; `None` for auto.
+    pub fn context(&self) -> Option<usize> {
+        ContextSize::tokens(self.context)
+    }
+
     pub fn source(&self) -> SourceOptions {
         SourceOptions {
-            context: self.context.unwrap_or(slotstream::plan::MIN_AUTO_CONTEXT),
+            context: self.context().unwrap_or(slotstream::plan::MIN_AUTO_CONTEXT),
             queue_depth: self.queue_depth as usize,
             io: self.io,
             use_pack: !self.no_pack,
@@ -299,7 +336,7 @@ impl IoArgs {
 #[derive(Args, Clone, Debug, Default)]
 pub struct SamplingArgs {
     /// 0 is greedy (the default).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "temp", allow_negative_numbers = true)]
     temperature: Option<f32>,
     /// Keep the k most probable tokens (0 or less: off, the default; 1: greedy).
     #[arg(long, allow_negative_numbers = true)]
@@ -316,7 +353,7 @@ pub struct SamplingArgs {
     repetition_penalty: Option<f32>,
     /// Seed of the sampler's random stream: 0 to 2^64 - 1 (default 0), or -1 for a random
     /// one.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(short, long, allow_negative_numbers = true)]
     seed: Option<i128>,
 }
 

@@ -18,14 +18,14 @@ use super::load::{engine_options, open, Loaded};
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Model directory.
-    #[arg(long)]
+    /// Model directory (an MLX checkpoint).
+    #[arg(short, long)]
     pub model: PathBuf,
     /// Prompt text (the same as --prompt).
     #[arg(value_name = "PROMPT", conflicts_with_all = ["prompt", "prompt_file", "prompt_ids"])]
     pub text: Option<String>,
     /// Prompt text (wrapped in the model's chat template unless --raw).
-    #[arg(long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
+    #[arg(short, long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
     pub prompt: Option<String>,
     /// Read the prompt text from a file (`-`: standard input).
     #[arg(long, conflicts_with = "prompt_ids")]
@@ -40,7 +40,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub template: TemplateArgs,
     /// Stop after this many new tokens.
-    #[arg(long, default_value_t = 256)]
+    #[arg(short = 'n', long, visible_alias = "n-predict", default_value_t = 256)]
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,

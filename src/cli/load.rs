@@ -47,7 +47,7 @@ pub fn engine_options(
         ),
         _ => {}
     }
-    if stream.io.context.is_none() {
+    if stream.io.context().is_none() {
         source.context_budget = target.map(|t| t.bytes);
     }
     let prompt_cache = prompt_cache(target.filter(|_| !explicit_slots).map(|t| t.bytes))?;

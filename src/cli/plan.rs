@@ -9,18 +9,18 @@ use clap::Args;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
 use slotstream::plan::{AutoPlan, ContextCost, Footprint};
 
-use super::flags::{BudgetArgs, CacheSize};
+use super::flags::{BudgetArgs, CacheSize, ContextSize};
 
 #[derive(Args)]
 pub struct PlanArgs {
-    /// Model directory.
-    #[arg(long)]
+    /// Model directory (an MLX checkpoint).
+    #[arg(short, long)]
     model: PathBuf,
     #[command(flatten)]
     budget: BudgetArgs,
     /// Context to reserve KV cache for, in tokens. Default: auto, as `generate` takes it.
-    #[arg(long)]
-    context: Option<usize>,
+    #[arg(short, long, visible_aliases = ["ctx-size", "max-context"], value_parser = super::flags::parse_context)]
+    context: Option<ContextSize>,
     /// Reads in flight.
     #[arg(long, default_value_t = 32)]
     queue_depth: usize,
@@ -46,7 +46,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         args.queue_depth,
         slotstream::backend::PREFILL_CHUNK,
     );
-    let context = match args.context {
+    let context = match ContextSize::tokens(args.context) {
         Some(c) => slotstream::context::limit(c, &ckpt.config),
         None => ContextCost::of(&ckpt.config).auto_context(target.bytes),
     };

@@ -13,7 +13,7 @@ use super::load::{engine_options, open, Loaded};
 #[derive(Args)]
 pub struct ScoreArgs {
     /// Model directory (config.json, safetensors shards, tokenizer.json).
-    #[arg(long)]
+    #[arg(short, long)]
     model: PathBuf,
     /// Comma-separated token ids, e.g. `1,2,3`.
     #[arg(long, conflicts_with = "text")]

@@ -13,8 +13,8 @@ pub const DEFAULT_PORT: u16 = 11434;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model directory.
-    #[arg(long)]
+    /// Model directory (an MLX checkpoint).
+    #[arg(short, long)]
     model: PathBuf,
     /// Address to bind (127.0.0.1: this machine only).
     #[arg(long, default_value = "127.0.0.1")]
@@ -45,7 +45,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     prompt_cache: PromptCacheArgs,
     /// New tokens when a request does not give max_tokens.
-    #[arg(long, default_value_t = 512, value_parser = super::flags::at_least(1))]
+    #[arg(short = 'n', long, visible_alias = "n-predict", default_value_t = 512, value_parser = super::flags::at_least(1))]
     max_tokens: usize,
     /// Sampling defaults for requests that do not set their own.
     #[command(flatten)]

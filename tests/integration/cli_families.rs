@@ -617,3 +617,111 @@ fn chat_ctrl_c_stops_the_reply_and_commands_are_listed() {
     );
     assert_eq!(turns(&stderr), 2, "{stderr}");
 }
+
+/// llama.cpp's and mlx-lm's flags where they mean the same: `-m`, `-p`, `-n`/`--n-predict`,
+/// `-c`/`--ctx-size`/`--max-context`, `-s`, `--temp` give the same run as the long
+/// flags (sampled, so the seed and temperature count); `--max-context auto` is the
+/// default context.
+#[test]
+fn llama_cpp_and_mlx_lm_flags_are_aliases() {
+    let dir = fixture_dir(FIXTURES[0]);
+    let model = dir.to_str().unwrap();
+    let seed = rand::random::<u32>().to_string();
+    let run = |args: &[&str]| {
+        json_of(&ok(&[&["generate", "--device", "cpu", "--json"], args].concat()).0)
+    };
+    let long = run(&[
+        "--model",
+        model,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "5",
+        "--context",
+        "64",
+        "--seed",
+        &seed,
+        "--temperature",
+        "0.8",
+    ]);
+    assert_eq!(long["output_ids"].as_array().unwrap().len(), 5);
+    for short in [
+        &[
+            "-m", model, "-p", "hi", "-n", "5", "-c", "64", "-s", &seed, "--temp", "0.8",
+        ][..],
+        &[
+            "-m",
+            model,
+            "-p",
+            "hi",
+            "--n-predict",
+            "5",
+            "--ctx-size",
+            "64",
+            "-s",
+            &seed,
+            "--temp",
+            "0.8",
+        ],
+        &[
+            "-m",
+            model,
+            "-p",
+            "hi",
+            "-n",
+            "5",
+            "--max-context",
+            "64",
+            "--seed",
+            &seed,
+            "--temp",
+            "0.8",
+        ],
+    ] {
+        let v = run(short);
+        assert_eq!(v["output_ids"], long["output_ids"], "{short:?}");
+        assert_eq!(v["prompt_ids"], long["prompt_ids"], "{short:?}");
+    }
+    let auto = run(&["-m", model, "-p", "hi", "-n", "5", "--max-context", "auto"]);
+    let default = run(&["-m", model, "-p", "hi", "-n", "5"]);
+    assert_eq!(auto["output_ids"], default["output_ids"]);
+    let out = slotstream(&["generate", "-m", model, "-p", "hi", "--max-context", "1"]);
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2"));
+}
+
+/// A GGUF file or a Hugging Face id as `--model` says what slotstream reads and how to
+/// get it, instead of "not found".
+#[test]
+fn model_path_errors_say_what_to_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("Qwen3-Next-80B-A3B-Q4_K_M.gguf");
+    fs::write(&gguf, b"GGUF").unwrap();
+    let out = slotstream(&["generate", "--model", gguf.to_str().unwrap(), "hi"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    for said in [
+        "GGUF file",
+        "MLX checkpoints",
+        "mlx-community",
+        "mlx_lm.convert",
+    ] {
+        assert!(stderr.contains(said), "{said}: {stderr}");
+    }
+    let out = slotstream(&[
+        "chat",
+        "-m",
+        "mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("looks like a Hugging Face id: download it with `huggingface-cli download mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit --local-dir DIR`"),
+        "{stderr}"
+    );
+    // A missing path of another shape is only missing.
+    let out = slotstream(&["generate", "--model", "/nonexistent/model/dir", "hi"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("model directory not found"), "{stderr}");
+    assert!(!stderr.contains("Hugging Face"), "{stderr}");
+}
