@@ -239,10 +239,13 @@ pub struct BenchReport {
     pub raw_read_source: String,
     pub queue_depth: usize,
     pub rows: Vec<BenchRow>,
+    /// The budgets not run, each with why (below the pool's floor).
+    pub skipped: Vec<String>,
 }
 
 /// Runs every budget x lookahead row on `backend`. `progress` receives a line per step.
-/// Errors: a budget below the floor, an I/O or forward-pass error.
+/// A budget below the pool's floor is skipped, with why in [`BenchReport::skipped`].
+/// Errors: every budget below the floor, an I/O or forward-pass error.
 pub fn run<B: Backend>(
     backend: &B,
     ckpt: &Arc<Checkpoint>,
@@ -273,34 +276,44 @@ pub fn run<B: Backend>(
         .collect();
     let active = active_bytes_per_token(ckpt, &index);
     let tables = model.ngram_tables();
-    // Every budget is checked before the first row runs, so a refused one does not cost
-    // the rows measured before it.
+    // Every budget is checked before the first row runs: one below the floor is skipped
+    // with a note (on a checkpoint of few layers a small share is), the others run.
+    let mut budgets = Vec::new();
+    let mut skipped = Vec::new();
     for budget in &options.budgets {
-        match pool_size(budget, &index) {
-            PoolSize::Slots(n) => {
-                check_floor(n, index.num_experts, DEFAULT_SPECULATIVE_CAP).map_err(|e| {
-                    Error::InvalidInput(format!(
-                        "budget {budget}: {e}; try `floor` or a larger share"
-                    ))
-                })?;
+        let below = match pool_size(budget, &index) {
+            PoolSize::Slots(n) => check_floor(n, index.num_experts, DEFAULT_SPECULATIVE_CAP)
+                .err()
+                .map(|e| format!("{e}; try `floor` or a larger share")),
+            PoolSize::Budget(bytes) => Plan::new(
+                ckpt,
+                &index,
+                bytes,
+                options.source.context,
+                options.source.queue_depth,
+                crate::backend::prefill_chunk(backend, cfg, false),
+                options.source.prompt_cache,
+            )
+            .err()
+            .map(|e| e.to_string()),
+            _ => None,
+        };
+        match below {
+            Some(why) => {
+                tracing::warn!(%budget, "skipped: {why}");
+                skipped.push(format!("budget {budget} skipped: {why}"));
             }
-            PoolSize::Budget(bytes) => {
-                Plan::new(
-                    ckpt,
-                    &index,
-                    bytes,
-                    options.source.context,
-                    options.source.queue_depth,
-                    crate::backend::prefill_chunk(backend, cfg, false),
-                    options.source.prompt_cache,
-                )
-                .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
-            }
-            _ => {}
+            None => budgets.push(budget),
         }
     }
+    if budgets.is_empty() {
+        return Err(Error::InvalidInput(format!(
+            "no budget can run: {}",
+            skipped.join("; ")
+        )));
+    }
     let mut rows = Vec::new();
-    for budget in &options.budgets {
+    for budget in budgets {
         for &lookahead in &options.lookahead {
             progress(&format!(
                 "budget {budget}, lookahead {}",
@@ -473,6 +486,7 @@ pub fn run<B: Backend>(
         raw_read_source,
         queue_depth: options.source.queue_depth,
         rows,
+        skipped,
     })
 }
 
@@ -481,7 +495,10 @@ fn pool_size(budget: &Budget, index: &ExpertIndex) -> PoolSize {
     let records = index.records();
     match budget {
         Budget::Floor => PoolSize::Slots(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP)),
-        Budget::All => PoolSize::Slots(records),
+        // At least the floor: with few layers, every record is fewer slots than it.
+        Budget::All => {
+            PoolSize::Slots(records.max(floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP)))
+        }
         Budget::Percent(p) => {
             PoolSize::Slots(((records as f64 * p / 100.0).round() as usize).max(1))
         }
@@ -535,8 +552,11 @@ impl BenchReport {
                 r.peak_rss.map_or("-".into(), human)
             );
         }
-        if self.rows.iter().any(|r| r.ngram.is_some()) {
+        if self.rows.iter().any(|r| r.ngram.is_some()) || !self.skipped.is_empty() {
             s += "\n";
+        }
+        for note in &self.skipped {
+            s += &format!("{note}\n");
         }
         for r in &self.rows {
             if let Some(n) = r.ngram {

@@ -404,16 +404,50 @@ fn bench_report_has_every_field_and_consistent_counts() {
     }
 }
 
-/// A budget below the pool's floor is refused before any row runs, so the rows before it
-/// are not measured and then thrown away.
+/// On a 1-layer synth, whose 64 records are fewer than the pool's floor (one layer's
+/// experts plus the speculative reads), bench's default budgets run: `30%` is skipped
+/// with a note, `floor` and `all` (at least the floor) run. With every budget below the
+/// floor nothing runs, and the error gives each one's reason.
 #[test]
-fn a_budget_below_the_floor_is_refused_before_any_row_runs() {
+fn a_budget_below_the_floor_is_skipped_and_all_always_runs() {
     let dir = tempfile::tempdir().unwrap();
-    write_checkpoint(dir.path(), &DEMO, 2, false).unwrap();
+    write_checkpoint(dir.path(), &DEMO, 1, false).unwrap();
+    let floor = slotstream::pool::floor_slots(64, slotstream::pool::DEFAULT_SPECULATIVE_CAP);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .args(["bench", "--device", "cpu", "--tokens", "6", "--warmup", "2"])
+        .args([
+            "--prompt-len",
+            "8",
+            "--lookahead",
+            "on",
+            "--json",
+            "--model",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<(&str, u64)> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["budget"].as_str().unwrap(), r["slots"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(rows, [("floor", floor as u64), ("all", floor as u64)]);
+    let skipped = v["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    let note = skipped[0].as_str().unwrap();
+    assert!(
+        note.starts_with("budget 30% skipped:") && note.contains("below the floor"),
+        "{note}"
+    );
+
     let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let options = BenchOptions {
-        budgets: vec![Budget::All, Budget::Percent(1.0)],
+        budgets: vec![Budget::Percent(1.0), Budget::Bytes(1 << 20)],
         lookahead: vec![true],
         prompt_len: 8,
         tokens: 6,
@@ -433,7 +467,9 @@ fn a_budget_below_the_floor_is_refused_before_any_row_runs() {
     .unwrap_err()
     .to_string();
     assert!(
-        err.contains("budget 1%") && err.contains("below the floor"),
+        err.contains("no budget can run")
+            && err.contains("budget 1% skipped")
+            && err.contains("budget 1.0 MiB skipped"),
         "{err}"
     );
     assert!(
