@@ -9,7 +9,8 @@
 //! blocks are the assistant's tool calls; `tool_result` blocks (text or text blocks;
 //! `is_error` prefixes `Error: `) become `tool` messages, in their order; `thinking`
 //! blocks are the assistant's reasoning, and their `signature` (a hash of the thinking
-//! text that this server wrote) must match. `tools` with `input_schema` render with the
+//! text that this server wrote) must match (a block signed elsewhere is dropped). A final
+//! assistant message (a prefill) is refused. `tools` with `input_schema` render with the
 //! chat template (server tools such as `web_search_*`, which have none, are dropped);
 //! `tool_choice` auto, any, tool and none map to OpenAI's auto, required, a named function
 //! and none (`disable_parallel_tool_use` keeps the reply's first call); `thinking` enabled or adaptive turns the template's thinking switch on,
@@ -29,8 +30,9 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
+use super::conversation::{check_tools, require_tools, MAX_STOPS};
 use super::error::ApiError;
-use super::openai::{check_tools, parse_object, required, typed, Common, Stop};
+use super::openai::{parse_object, required, typed, Common, Stop};
 use super::{generated_response, named_events, request_body, turn_frames, App, Named};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
@@ -42,10 +44,10 @@ const ROUTE: &str = "/v1/messages";
 /// The line Claude Code puts first in its system prompt, different in every request.
 const BILLING_HEADER: &str = "x-anthropic-billing-header:";
 
-/// `error` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, a
-/// full queue as 529 `overloaded_error`.
-pub fn error_response(error: ApiError) -> Response {
-    let (status, kind) = match error.status.as_u16() {
+/// Anthropic's status and error type for `error`: a full queue (or a loading model) is
+/// 529 `overloaded_error`.
+fn status_and_kind(error: &ApiError) -> (StatusCode, &'static str) {
+    match error.status.as_u16() {
         400 | 405 | 408 | 411 | 501 => (error.status, "invalid_request_error"),
         401 => (error.status, "authentication_error"),
         403 => (error.status, "permission_error"),
@@ -57,7 +59,12 @@ pub fn error_response(error: ApiError) -> Response {
             "overloaded_error",
         ),
         _ => (error.status, "api_error"),
-    };
+    }
+}
+
+/// `error` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
+pub fn error_response(error: ApiError) -> Response {
+    let (status, kind) = status_and_kind(&error);
     error.respond(status, error_body(kind, &error.message))
 }
 
@@ -67,11 +74,7 @@ fn error_body(kind: &str, message: &str) -> Value {
 
 /// The error event a stream ends with when generation fails after its headers.
 fn error_event(error: &ApiError) -> Named {
-    let kind = match error.status.as_u16() {
-        503 => "overloaded_error",
-        s if s < 500 => "invalid_request_error",
-        _ => "api_error",
-    };
+    let (_, kind) = status_and_kind(error);
     ("error".to_string(), error_body(kind, &error.message))
 }
 
@@ -108,8 +111,11 @@ enum Content {
 /// be one this server wrote, unchanged (it survives a restart: no secret is involved).
 fn signature(thinking: &str) -> String {
     let digest = Sha256::digest(format!("slotstream thinking\n{thinking}").as_bytes());
-    format!("ss1.{digest:x}")
+    format!("{SIGNATURE_PREFIX}{digest:x}")
 }
+
+/// What this server's thinking signatures start with.
+const SIGNATURE_PREFIX: &str = "ss1.";
 
 /// A text field of `block` (found at `path`).
 fn block_text<'b>(block: &'b Value, field: &str, path: &str) -> Result<&'b str, ApiError> {
@@ -138,6 +144,12 @@ pub fn conversation(
     let mut chat = Chat::default();
     if let Some(system) = system_text(b.system.as_ref())? {
         chat.messages.push(Message::new("system", &system));
+    }
+    if messages.last().is_some_and(|m| m.role == "assistant") {
+        return Err(ApiError::invalid(
+            &format!("messages[{}]", messages.len() - 1),
+            "a final assistant message (a prefill to continue) is not supported: end with a user message",
+        ));
     }
     for (i, m) in messages.iter().enumerate() {
         let path = format!("messages[{i}]");
@@ -188,11 +200,8 @@ pub fn conversation(
         ..Default::default()
     };
     let params = common
-        .params(defaults)
-        .map_err(|e| match e.param.as_deref() {
-            Some("stop") => ApiError::invalid("stop_sequences", &e.message),
-            _ => e,
-        })?;
+        .params(defaults, MAX_STOPS)
+        .map_err(|e| e.renamed("stop", "stop_sequences"))?;
     Ok(Conversation {
         input: Input::Chat(chat),
         params,
@@ -305,15 +314,20 @@ fn assistant_message(content: &Content, path: &str) -> Result<Message, ApiError>
             Some("text") => message.content.push_str(block_text(block, "text", &at)?),
             Some("thinking") => {
                 let thinking = block_text(block, "thinking", &at)?;
-                if let Some(sig) = block.get("signature").and_then(Value::as_str) {
-                    if !sig.is_empty() && sig != signature(thinking) {
+                match block.get("signature").and_then(Value::as_str) {
+                    // Another server's block (a conversation begun elsewhere): its text
+                    // may be a summary this model never wrote, so it is not rendered.
+                    Some(sig) if !sig.starts_with(SIGNATURE_PREFIX) => {
+                        tracing::debug!("a thinking block signed elsewhere is dropped");
+                    }
+                    Some(sig) if sig != signature(thinking) => {
                         return Err(ApiError::invalid(
                             &format!("{at}.signature"),
-                            "does not match the thinking text (signatures come from this server's replies)",
+                            "does not match the thinking text: the block was edited",
                         ));
                     }
+                    _ => reasoning.push_str(thinking),
                 }
-                reasoning.push_str(thinking);
             }
             // Nothing to render: this server never redacts.
             Some("redacted_thinking") => {}
@@ -393,15 +407,11 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
             ))
         }
     };
-    if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "requires a tool call, but no tools were given",
-        ));
-    }
+    require_tools(&choice, tools)?;
     Ok(choice)
 }
 
+/// `POST /v1/messages`.
 pub async fn messages(State(app): State<Arc<App>>, body: Body) -> Response {
     let parsed = request_body::read_body(body)
         .await
@@ -774,6 +784,43 @@ mod tests {
         let edited = signature("something else");
         let e = assistant_message(&block(&edited), "messages[1]").unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[1].content[0].signature"));
+        // A block signed by another server (a conversation begun elsewhere) is dropped.
+        let m = assistant_message(&block("EqQBCgIYAhIM1gbcDa9GJwZA2b3h"), "messages[1]").unwrap();
+        assert_eq!(
+            (m.reasoning_content, m.content.as_str()),
+            (None, "Checking.")
+        );
+    }
+
+    #[test]
+    fn a_final_assistant_prefill_is_refused() {
+        let body = json!({ "max_tokens": 4, "messages": [
+            { "role": "user", "content": "Give JSON" },
+            { "role": "assistant", "content": "{\"a\":" },
+        ] });
+        let e = conversation(
+            body.to_string().as_bytes(),
+            &SamplingOptions::default(),
+            false,
+        )
+        .err()
+        .unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages[1]"));
+        let many = json!({ "max_tokens": 4, "stop_sequences": vec!["a"; 17],
+                           "messages": [{ "role": "user", "content": "x" }] });
+        let e = conversation(
+            many.to_string().as_bytes(),
+            &SamplingOptions::default(),
+            false,
+        )
+        .err()
+        .unwrap();
+        assert_eq!(e.param.as_deref(), Some("stop_sequences"));
+        assert!(
+            e.message.starts_with("stop_sequences: at most 16"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

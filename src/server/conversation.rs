@@ -10,15 +10,16 @@ use std::time::Instant;
 
 use futures::StreamExt;
 use serde::Serialize;
+use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::openai::Params;
 use super::stop::StopMatcher;
 use super::App;
 use crate::chat_template::{Chat, ChatPrompt, ToolChoice};
-use crate::engine::{Event, Generation, Input};
+use crate::engine::{Event, Generation, Input, Request};
 use crate::reply::{Reply, ReplyOptions, ReplyParser, ReplyPart};
+use crate::sampling::SamplingOptions;
 
 /// What a dialect's request asks, translated.
 pub struct Conversation {
@@ -105,8 +106,6 @@ pub struct Turn {
     pub prompt_tokens: usize,
     /// The model's name as the request gave it (else the served one), for responses.
     pub model: String,
-    /// Whether the reply is read for tool calls (tools were given and not refused).
-    pub parses_tools: bool,
     events: mpsc::UnboundedReceiver<TurnEvent>,
 }
 
@@ -126,9 +125,7 @@ impl Turn {
                 TurnEvent::Failed(e) => return Err(e),
             }
         }
-        Err(ApiError::engine(&crate::Error::Internal(
-            "generation ended early".into(),
-        )))
+        Err(ended_early())
     }
 }
 
@@ -172,7 +169,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
             return Err(ApiError::prefill_wait(why));
         }
     }
-    let request = super::openai::request(
+    let request = request(
         prompt,
         &params,
         engine.context(),
@@ -181,7 +178,6 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     let Ok(permit) = app.queue.clone().try_acquire_owned() else {
         return Err(ApiError::busy(app.options.queue));
     };
-    let parses_tools = options.tools.is_some();
     let mut parser = ReplyParser::new(options);
     let (tx, rx) = mpsc::unbounded_channel();
     // A required call's opening is in the prompt: the reply continues it.
@@ -244,7 +240,6 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
             .model
             .clone()
             .unwrap_or_else(|| app.options.model_id.clone()),
-        parses_tools,
         events: rx,
     })
 }
@@ -273,6 +268,95 @@ pub async fn count_tokens(app: &Arc<App>, input: Input) -> Result<usize, ApiErro
         Ok(Err(e)) => Err(ApiError::engine(&e)),
         Err(e) => Err(ApiError::engine(&crate::Error::Internal(e.to_string()))),
     }
+}
+
+/// What the request asks of the engine besides its input, after checks.
+pub struct Params {
+    /// The model the request named, echoed in the response.
+    pub model: Option<String>,
+    /// New tokens at most (`None`: the server's default); capped by the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingOptions,
+    /// Stop sequences: the reply ends before the first (which is not returned).
+    pub stops: Vec<String>,
+    /// Whether the answer streams.
+    pub stream: bool,
+    /// OpenAI's `stream_options.include_usage`: a last chunk with the token counts.
+    pub include_usage: bool,
+    /// slotstream's `slotstream_stats` (OpenAI's dialect): the request's statistics in the
+    /// response.
+    pub stats: bool,
+}
+
+/// Checks tool definitions in OpenAI's chat shape (`{"type": "function", "function":
+/// {"name", ...}}`), which every dialect's tools are given to the template in. Errors
+/// name the tool at fault.
+pub fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.get("type").is_some_and(|t| t != "function")
+            || crate::chat_template::tool_name(tool).is_none()
+        {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}]"),
+                "must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Stop sequences a request may give in dialects that set no limit of their own (each
+/// is matched against the text after every token).
+pub const MAX_STOPS: usize = 16;
+
+/// Refuses a `tool_choice` that requires a call when there are no tools to call.
+pub fn require_tools(choice: &ToolChoice, tools: &[Value]) -> Result<(), ApiError> {
+    if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "requires a tool call, but no tools were given",
+        ));
+    }
+    Ok(())
+}
+
+/// The role a chat template knows for a message's `role`: OpenAI's `developer` is the
+/// system prompt (as OpenAI treats it for models without a developer role).
+pub fn template_role(role: &str) -> &str {
+    match role {
+        "developer" => "system",
+        other => other,
+    }
+}
+
+/// Whether a reasoning effort (OpenAI's `reasoning_effort`, the Responses API's
+/// `reasoning.effort`) turns thinking on: `none` and `minimal` off, any other on.
+pub fn thinks_at(effort: &str) -> bool {
+    !matches!(effort, "none" | "minimal")
+}
+
+/// The error of a turn whose events stopped before its end (the generation task ended).
+pub fn ended_early() -> ApiError {
+    ApiError::engine(&crate::Error::Internal("generation ended early".into()))
+}
+
+/// The engine request for the `prompt` ids with checked `params`: `max_tokens`
+/// defaults to `default_max_tokens`, and either is capped at the room the context leaves
+/// after the prompt (the reply then ends with finish reason `length`), as llama-server
+/// caps it. Errors: a prompt that leaves no room (400 `context_length_exceeded`).
+pub fn request(
+    prompt: Vec<u32>,
+    params: &Params,
+    context: usize,
+    default_max_tokens: usize,
+) -> Result<Request, ApiError> {
+    let room = crate::context::room(prompt.len(), context)
+        .map_err(|e| ApiError::context_length(e.to_string()))?;
+    Ok(Request {
+        input: Input::Ids(prompt),
+        max_tokens: params.max_tokens.unwrap_or(default_max_tokens).min(room),
+        sampling: params.sampling.clone(),
+    })
 }
 
 /// The log line of a request that generated.

@@ -53,13 +53,21 @@ impl ApiError {
 
     /// The same error for a field inside `parent` (Ollama's `options`): `temperature`
     /// becomes `options.temperature`.
-    pub fn under(mut self, parent: &str) -> Self {
-        if let Some(param) = self.param.take() {
-            let inner = format!("{parent}.{param}");
-            if let Some(rest) = self.message.strip_prefix(&format!("{param}:")) {
-                self.message = format!("{inner}:{rest}");
+    pub fn under(self, parent: &str) -> Self {
+        match self.param.clone() {
+            Some(param) => self.renamed(&param, &format!("{parent}.{param}")),
+            None => self,
+        }
+    }
+
+    /// The same error with the field `from` named `to` (a dialect's name for a field the
+    /// core checks under OpenAI's name: Anthropic's `stop_sequences` for `stop`).
+    pub fn renamed(mut self, from: &str, to: &str) -> Self {
+        if self.param.as_deref() == Some(from) {
+            if let Some(rest) = self.message.strip_prefix(&format!("{from}:")) {
+                self.message = format!("{to}:{rest}");
             }
-            self.param = Some(inner);
+            self.param = Some(to.to_string());
         }
         self
     }
@@ -116,7 +124,7 @@ impl ApiError {
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             Some("invalid_api_key"),
-            "missing or incorrect API key (send `Authorization: Bearer <key>`)".into(),
+            "missing or incorrect API key (send `Authorization: Bearer <key>` or `x-api-key: <key>`)".into(),
         )
     }
 

@@ -42,8 +42,9 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
+        let mut registry = Registry::with_prefix("slotstream");
         let m = Metrics {
-            registry: Registry::with_prefix("slotstream"),
+            registry: Registry::default(),
             requests: Family::default(),
             prompt_tokens: Counter::default(),
             generated_tokens: Counter::default(),
@@ -58,7 +59,6 @@ impl Default for Metrics {
             reused_prompt_tokens: Counter::default(),
         };
         // The metrics are shared handles: the registry keeps clones of them.
-        let mut registry = Registry::with_prefix("slotstream");
         let r = &mut registry;
         r.register(
             "requests",

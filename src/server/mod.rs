@@ -16,8 +16,9 @@
 //! Requests run one at a time in arrival order (the engine's queue); at most
 //! [`ServerOptions::queue`] may be running or waiting, and the next one gets 503 with
 //! `Retry-After` (Anthropic's dialect: 529 `overloaded_error`). A client that disconnects
-//! cancels its generation at the next token. A request with `"slotstream_stats": true`
-//! gets its statistics in the response (the last streamed chunk) as `slotstream_stats`.
+//! cancels its generation at the next token. An OpenAI chat or completion request with
+//! `"slotstream_stats": true` gets its statistics in the response (the last streamed
+//! chunk) as `slotstream_stats`.
 //! Each request logs one line (route, status, tokens, speed, or the reason of a refusal)
 //! through `tracing`.
 //!
@@ -174,9 +175,14 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
         )
         .route("/api/version", get(ollama::version))
         .merge(authenticated)
-        .fallback(|uri: Uri| async move { ApiError::no_route(uri.path()) })
+        .fallback(
+            |uri: Uri| async move { error_response(uri.path(), ApiError::no_route(uri.path())) },
+        )
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
-            ApiError::method_not_allowed(&method, uri.path())
+            error_response(
+                uri.path(),
+                ApiError::method_not_allowed(&method, uri.path()),
+            )
         })
         .layer(middleware::from_fn_with_state(app.clone(), log_request))
         .with_state(app.clone());

@@ -26,8 +26,9 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::conversation::{self, Conversation, Outcome, Turn, TurnEvent};
+use super::conversation::{check_tools, Params, MAX_STOPS};
 use super::error::ApiError;
-use super::openai::{check_tools, parse_object, typed, Common, Params, Stop};
+use super::openai::{parse_object, typed, Common, Stop};
 use super::{generated_response, request_body, turn_frames, App, Logged};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
@@ -310,7 +311,9 @@ impl Shared {
             stream: Some(self.stream.unwrap_or(true)),
             ..Default::default()
         };
-        let params = common.params(defaults).map_err(|e| e.under("options"))?;
+        let params = common
+            .params(defaults, MAX_STOPS)
+            .map_err(|e| e.under("options"))?;
         let mut kwargs = Map::new();
         match &self.think {
             None | Some(Value::Null) => {}
@@ -332,10 +335,12 @@ impl Shared {
     }
 }
 
+/// `POST /api/chat`.
 pub async fn chat(State(app): State<Arc<App>>, body: Body) -> Response {
     answer(app, Endpoint::Chat, body).await
 }
 
+/// `POST /api/generate`.
 pub async fn generate(State(app): State<Arc<App>>, body: Body) -> Response {
     answer(app, Endpoint::Generate, body).await
 }
@@ -362,7 +367,6 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
     let writer = Writer {
         endpoint,
         model: turn.model.clone(),
-        prompt_tokens: turn.prompt_tokens,
         start,
     };
     if stream {
@@ -387,7 +391,6 @@ fn load_acknowledgement(app: &App, endpoint: Endpoint) -> Response {
     let writer = Writer {
         endpoint,
         model: app.options.model_id.clone(),
-        prompt_tokens: 0,
         start: Instant::now(),
     };
     let mut body = writer.reply(&Reply::default());
@@ -400,7 +403,6 @@ fn load_acknowledgement(app: &App, endpoint: Endpoint) -> Response {
 struct Writer {
     endpoint: Endpoint,
     model: String,
-    prompt_tokens: usize,
     start: Instant,
 }
 
@@ -444,7 +446,9 @@ impl Writer {
         });
         line["total_duration"] = json!(self.start.elapsed().as_nanos() as u64);
         line["load_duration"] = json!(0);
-        line["prompt_eval_count"] = json!(self.prompt_tokens);
+        // The tokens evaluated, as Ollama counts them: a prefix continued from a kept
+        // state is not (and its duration covers only these).
+        line["prompt_eval_count"] = json!(s.prefill_tokens);
         line["prompt_eval_duration"] = json!(ns(s.prefill_seconds));
         line["eval_count"] = json!(outcome.completion_tokens);
         line["eval_duration"] = json!(ns(s.decode_seconds));
@@ -560,6 +564,7 @@ fn names(app: &App) -> impl Iterator<Item = &String> {
     std::iter::once(&app.options.model_id).chain(&app.options.aliases)
 }
 
+/// `GET /api/tags`: the served names.
 pub async fn tags(State(app): State<Arc<App>>) -> Response {
     match ModelFacts::of(&app) {
         Ok(facts) => {
@@ -662,6 +667,7 @@ pub async fn show(State(app): State<Arc<App>>, body: Body) -> Response {
     .into_response()
 }
 
+/// `GET /api/version`: the Ollama API version this follows, and slotstream's.
 pub async fn version() -> Json<Value> {
     Json(json!({ "version": OLLAMA_VERSION, "slotstream": env!("CARGO_PKG_VERSION") }))
 }

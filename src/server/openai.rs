@@ -5,19 +5,23 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::conversation::{check_tools, require_tools, template_role, thinks_at, Params};
 use super::error::ApiError;
 use crate::chat_template::{
     set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
 };
-use crate::engine::{Input, Request};
+use crate::engine::Input;
 use crate::sampling::{SamplingInput, SamplingOptions};
 
+/// Stop sequences OpenAI's API accepts.
+pub const OPENAI_STOPS: usize = 4;
 /// The longest stop sequence accepted (they are matched against the text after each token).
 const MAX_STOP_BYTES: usize = 256;
 /// The longest model name accepted: every response (each streamed chunk) repeats it.
 const MAX_MODEL_BYTES: usize = 256;
 
-/// Fields both endpoints take.
+/// Fields both endpoints take (and the fields the other dialects map their sampling and
+/// limits into).
 #[derive(Debug, Default, Deserialize)]
 pub struct Common {
     /// Any name: the server serves the one model it loaded (as llama.cpp's does), and
@@ -91,6 +95,8 @@ pub struct ChatFields {
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// The template's `enable_thinking` (also settable in `chat_template_kwargs`).
     pub enable_thinking: Option<bool>,
+    /// `none` or `minimal`: thinking off; any other effort: on ([`thinks_at`]).
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -190,23 +196,6 @@ pub enum Prompt {
     IdLists(Vec<Vec<u32>>),
 }
 
-/// Checks tool definitions in OpenAI's chat shape (`{"type": "function", "function":
-/// {"name", ...}}`), which every dialect's tools are given to the template in. Errors
-/// name the tool at fault.
-pub(super) fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
-    for (i, tool) in tools.iter().enumerate() {
-        if tool.get("type").is_some_and(|t| t != "function")
-            || crate::chat_template::tool_name(tool).is_none()
-        {
-            return Err(ApiError::invalid(
-                &format!("tools[{i}]"),
-                "must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// What a chat request asks, checked: the conversation for the template.
 fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
     let tools = request.common.tools.clone().unwrap_or_default();
@@ -228,12 +217,7 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
             }
         },
     };
-    if matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "requires a tool call, but no tools were given",
-        ));
-    }
+    require_tools(&tool_choice, &tools)?;
     let mut kwargs = request
         .chat
         .chat_template_kwargs
@@ -248,6 +232,10 @@ fn chat_input(request: &ChatRequest) -> Result<Chat, ApiError> {
     if let Some(on) = request.chat.enable_thinking {
         set_enable_thinking(&mut kwargs, on)
             .map_err(|e| ApiError::invalid("enable_thinking", &e))?;
+    }
+    if let Some(effort) = &request.chat.reasoning_effort {
+        set_enable_thinking(&mut kwargs, thinks_at(effort))
+            .map_err(|e| ApiError::invalid("reasoning_effort", &e))?;
     }
     Ok(Chat {
         messages: Vec::new(),
@@ -276,22 +264,11 @@ impl Usage {
     }
 }
 
-/// What the request asks of the engine besides its input, after checks.
-pub struct Params {
-    /// The model the request named, echoed in the response.
-    pub model: Option<String>,
-    pub max_tokens: Option<usize>,
-    pub sampling: SamplingOptions,
-    pub stops: Vec<String>,
-    pub stream: bool,
-    pub include_usage: bool,
-    pub stats: bool,
-}
-
 impl Common {
     /// Checks the fields and turns them into [`Params`], starting from the server's
-    /// `defaults`. Errors name the field.
-    pub fn params(&self, defaults: &SamplingOptions) -> Result<Params, ApiError> {
+    /// `defaults`, with at most `max_stops` stop sequences (OpenAI allows 4:
+    /// [`OPENAI_STOPS`]). Errors name the field.
+    pub fn params(&self, defaults: &SamplingOptions, max_stops: usize) -> Result<Params, ApiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("n", "only n = 1 is supported"));
         }
@@ -392,8 +369,11 @@ impl Common {
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
-        if stops.len() > 4 {
-            return Err(ApiError::invalid("stop", "at most 4 stop sequences"));
+        if stops.len() > max_stops {
+            return Err(ApiError::invalid(
+                "stop",
+                &format!("at most {max_stops} stop sequences"),
+            ));
         }
         if stops
             .iter()
@@ -482,7 +462,7 @@ impl ApiRequest for ChatRequest {
                 }
             };
             messages.push(Message {
-                role: m.role.clone(),
+                role: template_role(&m.role).to_string(),
                 content,
                 reasoning_content: m.reasoning_content.clone(),
                 tool_calls: m.tool_calls.clone().unwrap_or_default(),
@@ -550,23 +530,4 @@ impl ApiRequest for CompletionRequest {
             Prompt::IdLists(v) => return Err(batch(v.len())),
         })
     }
-}
-
-/// The engine request for the `prompt` ids with checked `params`: `max_tokens`
-/// defaults to `default_max_tokens`, and either is capped at the room the context leaves
-/// after the prompt (the reply then ends with finish reason `length`), as llama-server
-/// caps it. Errors: a prompt that leaves no room (400 `context_length_exceeded`).
-pub fn request(
-    prompt: Vec<u32>,
-    params: &Params,
-    context: usize,
-    default_max_tokens: usize,
-) -> Result<Request, ApiError> {
-    let room = crate::context::room(prompt.len(), context)
-        .map_err(|e| ApiError::context_length(e.to_string()))?;
-    Ok(Request {
-        input: Input::Ids(prompt),
-        max_tokens: params.max_tokens.unwrap_or(default_max_tokens).min(room),
-        sampling: params.sampling.clone(),
-    })
 }

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use super::conversation::{self, Conversation, Outcome, Turn, TurnEvent};
 use super::error::ApiError;
-use super::openai::{ApiRequest, ChatRequest, CompletionRequest, Usage};
+use super::openai::{ApiRequest, ChatRequest, CompletionRequest, Usage, OPENAI_STOPS};
 use super::{generated_response, request_body, sse_response, turn_frames, unix_now, App};
 use crate::reply::{FunctionCall, Reply, ReplyPart};
 
@@ -32,6 +32,7 @@ fn model_objects(app: &App) -> impl Iterator<Item = Value> + '_ {
     })
 }
 
+/// `GET /v1/models`.
 pub async fn models(State(app): State<Arc<App>>) -> Json<Value> {
     let data: Vec<Value> = model_objects(&app).collect();
     Json(json!({ "object": "list", "data": data }))
@@ -45,10 +46,12 @@ pub async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Respo
     }
 }
 
+/// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
     handle::<ChatRequest>(app, Endpoint::Chat, body).await
 }
 
+/// `POST /v1/completions`.
 pub async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
     handle::<CompletionRequest>(app, Endpoint::Completion, body).await
 }
@@ -59,7 +62,12 @@ async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) ->
     let parsed = request_body::read_body(body)
         .await
         .and_then(|b| R::parse(&b))
-        .and_then(|r| Ok((r.input()?, r.common().params(&app.options.sampling)?)));
+        .and_then(|r| {
+            Ok((
+                r.input()?,
+                r.common().params(&app.options.sampling, OPENAI_STOPS)?,
+            ))
+        });
     let (input, params) = match parsed {
         Ok(p) => p,
         Err(e) => return e.into_response(),

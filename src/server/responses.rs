@@ -27,8 +27,11 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
+use super::conversation::{
+    check_tools, ended_early, require_tools, template_role, thinks_at, MAX_STOPS,
+};
 use super::error::ApiError;
-use super::openai::{check_tools, parse_object, required, typed, Common};
+use super::openai::{parse_object, required, typed, Common};
 use super::{generated_response, named_events, request_body, turn_frames, unix_now, App, Named};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
@@ -69,11 +72,9 @@ impl Store {
     }
 
     fn put(&self, id: String, messages: Vec<Message>, response: Value) {
-        let bytes = messages
-            .iter()
-            .map(|m| m.content.len() + m.reasoning_content.as_ref().map_or(0, String::len))
-            .sum::<usize>()
-            + response.to_string().len();
+        // Everything kept, tool calls included, as it would be written out.
+        let bytes =
+            serde_json::to_string(&messages).map_or(0, |s| s.len()) + response.to_string().len();
         let mut inner = self.0.lock().unwrap_or_else(|e| e.into_inner());
         inner.bytes += bytes;
         inner.order.push_back(id.clone());
@@ -115,6 +116,7 @@ struct ResponsesBody {
 
 /// A request, translated: the conversation, and what its response echoes and stores.
 pub struct Translated {
+    /// What the core runs.
     pub conversation: Conversation,
     /// The messages to store (the conversation without the instructions).
     history: Vec<Message>,
@@ -198,8 +200,7 @@ fn push_items(items: &[Value], messages: &mut Vec<Message>) -> Result<(), ApiErr
             match kind {
                 "message" => {
                     let role = match role {
-                        Some("user") => "user",
-                        Some("system" | "developer") => "system",
+                        Some(r @ ("user" | "system" | "developer")) => template_role(r),
                         Some(other) => {
                             return Err(ApiError::invalid(
                                 &format!("{at}.role"),
@@ -318,12 +319,7 @@ fn tool_choice(choice: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, Ap
             }
         },
     };
-    if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) && tools.is_empty() {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "requires a tool call, but no tools were given",
-        ));
-    }
+    require_tools(&choice, tools)?;
     Ok(choice)
 }
 
@@ -385,8 +381,7 @@ pub fn translate(
         .and_then(|r| r.get("effort"))
         .and_then(Value::as_str)
     {
-        let on = !matches!(effort, "none" | "minimal");
-        set_enable_thinking(&mut chat.kwargs, on)
+        set_enable_thinking(&mut chat.kwargs, thinks_at(effort))
             .map_err(|e| ApiError::invalid("reasoning.effort", &e))?;
     }
     let common = Common {
@@ -398,7 +393,7 @@ pub fn translate(
         ..Default::default()
     };
     let params = common
-        .params(defaults)
+        .params(defaults, MAX_STOPS)
         .map_err(|e| match e.param.as_deref() {
             Some("max_tokens") => ApiError::invalid("max_output_tokens", "must be at least 1"),
             _ => e,
@@ -476,7 +471,9 @@ impl Items {
         r
     }
 
-    fn close(&mut self, out: &mut Vec<Named>) {
+    /// Closes the open item; `truncated`: the token limit cut it (a message is then
+    /// `incomplete`).
+    fn close(&mut self, out: &mut Vec<Named>, truncated: bool) {
         let Some((mut item, text)) = self.open.take() else {
             return;
         };
@@ -502,7 +499,7 @@ impl Items {
         ));
         item["content"] = json!([part]);
         if item["type"] == "message" {
-            item["status"] = json!("completed");
+            item["status"] = json!(if truncated { "incomplete" } else { "completed" });
         }
         out.push(self.event(
             "response.output_item.done",
@@ -518,7 +515,7 @@ impl Items {
             .as_ref()
             .is_none_or(|(item, _)| item["type"] != kind)
         {
-            self.close(out);
+            self.close(out, false);
             let (item, part) = match kind {
                 "reasoning" => (
                     json!({ "type": "reasoning", "id": new_id("rs"), "summary": [], "content": [] }),
@@ -560,7 +557,7 @@ impl Items {
     }
 
     fn call(&mut self, call: &FunctionCall, out: &mut Vec<Named>) {
-        self.close(out);
+        self.close(out, false);
         let index = self.done.len();
         let id = new_id("fc");
         let mut item = json!({
@@ -597,7 +594,7 @@ impl Items {
             TurnEvent::Part(ReplyPart::Content(t)) => self.text("message", &t, &mut out),
             TurnEvent::Part(ReplyPart::ToolCall(c)) => self.call(&c, &mut out),
             TurnEvent::Done(outcome) => {
-                self.close(&mut out);
+                self.close(&mut out, outcome.finish == Finish::Length);
                 let (status, kind) = match outcome.finish {
                     Finish::Length => ("incomplete", "response.incomplete"),
                     _ => ("completed", "response.completed"),
@@ -625,6 +622,7 @@ fn output_message(output: &[Value]) -> Option<Message> {
     messages.pop()
 }
 
+/// `POST /v1/responses`.
 pub async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
     let parsed = request_body::read_body(body)
         .await
@@ -696,7 +694,7 @@ pub async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
             None => {}
         }
     }
-    ApiError::engine(&crate::Error::Internal("generation ended early".into())).into_response()
+    ended_early().into_response()
 }
 
 /// A stored response; 404 when it is not (or no longer) stored.

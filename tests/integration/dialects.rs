@@ -45,7 +45,8 @@ fn every_dialect_renders_one_conversation_to_the_same_ids() {
         ],
         "tools": [{ "type": "function", "function": { "name": "get_weather", "description": "Weather", "parameters": schema } }],
     });
-    let openai = ChatRequest::parse(openai.to_string().as_bytes())
+    let openai_body = openai.to_string();
+    let openai = ChatRequest::parse(openai_body.as_bytes())
         .unwrap()
         .input()
         .unwrap();
@@ -103,6 +104,24 @@ fn every_dialect_renders_one_conversation_to_the_same_ids() {
     .unwrap()
     .conversation
     .input;
+
+    // OpenAI's `developer` role is the system prompt; `reasoning_effort: none` is
+    // thinking off, as `enable_thinking: false` is.
+    let mut developer: Value = serde_json::from_str(&openai_body).unwrap();
+    developer["messages"][0]["role"] = json!("developer");
+    let chat = |body: &Value| {
+        ChatRequest::parse(body.to_string().as_bytes())
+            .unwrap()
+            .input()
+            .unwrap()
+    };
+    assert_eq!(ids(&engine, &chat(&developer)), ids(&engine, &openai));
+    let mut effort = developer.clone();
+    effort["reasoning_effort"] = json!("none");
+    let mut off = developer.clone();
+    off["enable_thinking"] = json!(false);
+    assert_eq!(ids(&engine, &chat(&effort)), ids(&engine, &chat(&off)));
+    assert_ne!(ids(&engine, &chat(&effort)), ids(&engine, &openai));
 
     let want = ids(&engine, &openai);
     let text = engine.tokenizer().unwrap().decode(&want).unwrap();
@@ -322,6 +341,7 @@ async fn ollama_chat_and_generate_equal_generate() {
         ("/api/show", json!({ "model": "no-such-model" }), 404),
         ("/api/embed", json!({ "model": "m", "input": "a" }), 501),
         ("/api/pull", json!({ "model": "m" }), 501),
+        ("/api/no-such-route", json!({}), 404),
     ] {
         let (got, v) = s.post(path, &body).await;
         assert_eq!(got, status, "{path} {body}: {v}");
