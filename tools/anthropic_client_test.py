@@ -13,16 +13,12 @@ raises OverloadedError (529). Exits non-zero on any mismatch. Pinned client vers
 tools/requirements-clients.txt.
 """
 
-import json
-import os
-import shutil
 import sys
 import tempfile
-import time
 
 import anthropic
 
-from client_common import check, generate, start, stop
+from client_common import check, generate, model_copy, qwen3_template, start, stop
 
 KEY = "ci-key"
 WEATHER = {
@@ -34,28 +30,6 @@ THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n<think>\n"
 )
-
-
-def copy_model(model, tmp, template=None, no_eos=False):
-    copy = os.path.join(tmp, "model")
-    shutil.copytree(model, copy)
-    if template is not None:
-        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
-            f.write(template)
-    if no_eos:
-        for name, key in [("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
-                          ("tokenizer_config.json", "eos_token")]:
-            path = os.path.join(copy, name)
-            if os.path.exists(path):
-                with open(path) as f:
-                    cfg = json.load(f)
-                if name == "config.json":
-                    cfg[key] = []
-                else:
-                    cfg.pop(key, None)
-                with open(path, "w") as f:
-                    json.dump(cfg, f)
-    return copy
 
 
 def client_for(base):
@@ -95,11 +69,8 @@ def main():
     finally:
         stop(server)
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
-        qwen3 = json.load(f)["chat_template"]
     with tempfile.TemporaryDirectory() as tmp:
-        server, base = start(binary, copy_model(model, tmp, qwen3), "--api-key", KEY)
+        server, base = start(binary, model_copy(model, tmp, qwen3_template()), "--api-key", KEY)
         try:
             client = client_for(base)
             plain = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}])
@@ -116,7 +87,7 @@ def main():
             stop(server)
 
     with tempfile.TemporaryDirectory() as tmp:
-        server, base = start(binary, copy_model(model, tmp, THINKING_TEMPLATE), "--api-key", KEY)
+        server, base = start(binary, model_copy(model, tmp, THINKING_TEMPLATE), "--api-key", KEY)
         try:
             client = client_for(base)
             thinking = {"type": "enabled", "budget_tokens": 1024}
@@ -144,7 +115,7 @@ def main():
             stop(server)
 
     with tempfile.TemporaryDirectory() as tmp:
-        server, base = start(binary, copy_model(model, tmp, no_eos=True), "--api-key", KEY, "--queue", "1")
+        server, base = start(binary, model_copy(model, tmp, no_eos=True), "--api-key", KEY, "--queue", "1")
         try:
             client = client_for(base)
             with client.messages.stream(model="m", max_tokens=3000, messages=messages) as s:

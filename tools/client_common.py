@@ -3,10 +3,54 @@ a `slotstream serve` on a free loopback port, and a check that prints what it co
 """
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# A tool every check gives the model, in OpenAI's chat shape.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def qwen3_template():
+    """Qwen3's real chat template (tests/fixtures/qwen3-chat), which renders tools."""
+    with open(os.path.join(HERE, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
+        return json.load(f)["chat_template"]
+
+
+def model_copy(model, tmp, template=None, no_eos=False):
+    """A copy of `model` in `tmp` with `template` as its chat template and, with `no_eos`,
+    no end of sequence (its streams run to their token limit)."""
+    copy = os.path.join(tmp, "model")
+    shutil.copytree(model, copy)
+    if template is not None:
+        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
+            f.write(template)
+    if no_eos:
+        for name, key in [("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"),
+                          ("tokenizer_config.json", "eos_token")]:
+            path = os.path.join(copy, name)
+            if os.path.exists(path):
+                with open(path) as f:
+                    cfg = json.load(f)
+                if name == "config.json":
+                    cfg[key] = []
+                else:
+                    cfg.pop(key, None)
+                with open(path, "w") as f:
+                    json.dump(cfg, f)
+    return copy
 
 
 def generate(binary, model, *args):

@@ -42,13 +42,14 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+
+from client_common import model_copy, qwen3_template
 
 # The request mix: each client draws its next request's kind by weight.
 MIX = [
@@ -686,18 +687,6 @@ def percentile(values, p):
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-def model_copy(model, tmp):
-    """A copy of `model` with Qwen3's chat template, which renders tools."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
-        template = json.load(f)["chat_template"]
-    copy = os.path.join(tmp, "model")
-    shutil.copytree(model, copy)
-    with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
-        f.write(template)
-    return copy
-
-
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -715,7 +704,7 @@ def main():
     print(f"load test: {a.clients} clients, {a.duration:.0f} s, seed {seed}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_copy(a.model, tmp)
+        model = model_copy(a.model, tmp, qwen3_template())
         common = ["--pool-slots", "24", "--queue", str(2 * a.clients + 8)]
         table = kinds()
 

@@ -13,25 +13,17 @@ on any mismatch. Pinned client version: tools/requirements-clients.txt.
 """
 
 import json
-import os
-import shutil
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import ollama
 
-from client_common import check, generate, start, stop
+from client_common import WEATHER, check, generate, model_copy, qwen3_template, start, stop
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 def main():
@@ -79,14 +71,8 @@ def main():
 
 def check_tools(binary, model):
     """Tools and thinking through the client, on a copy of the model with Qwen3's template."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
-        template = json.load(f)["chat_template"]
     with tempfile.TemporaryDirectory() as tmp:
-        copy = os.path.join(tmp, "model")
-        shutil.copytree(model, copy)
-        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
-            f.write(template)
+        copy = model_copy(model, tmp, qwen3_template())
         question = "Weather in Paris?"
         off_want = generate(binary, copy, "--think", "off", "--prompt", question, "--max-tokens", "4")
         server, base = start(binary, copy)
@@ -112,8 +98,6 @@ def check_default_port(binary, model):
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 11434)) == 0:
             raise SystemExit("port 11434 is already in use: the default-port check cannot run")
-    import subprocess
-
     server = subprocess.Popen(
         [binary, "serve", "--model", model, "--device", "cpu", "--pool-slots", "24"],
         stderr=subprocess.DEVNULL,
@@ -123,11 +107,9 @@ def check_default_port(binary, model):
             try:
                 names = [m.model for m in ollama.Client().list().models]
                 break
-            except (ollama.ResponseError, ConnectionError, OSError, Exception) as e:  # loading or not yet listening
+            except Exception as e:  # not yet listening, or still loading (503)
                 if server.poll() is not None:
                     raise SystemExit(f"the server exited ({server.returncode})") from e
-                import time
-
                 time.sleep(0.1)
         else:
             raise SystemExit("no server answered on the default port")

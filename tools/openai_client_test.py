@@ -19,14 +19,12 @@ tools/requirements-clients.txt.
 """
 
 import json
-import os
-import shutil
 import sys
 import tempfile
 
 import openai
 
-from client_common import check, generate, start, stop
+from client_common import WEATHER, check, generate, model_copy, qwen3_template, start, stop
 
 KEY = "ci-key"
 
@@ -93,26 +91,12 @@ def main():
     check_tools(binary, model)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 def check_tools(binary, model):
     """Tool fields through the client, on a copy of the model with Qwen3's template."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "..", "tests", "fixtures", "qwen3-chat", "tokenizer_config.json")) as f:
-        template = json.load(f)["chat_template"]
     with tempfile.TemporaryDirectory() as tmp:
-        copy = os.path.join(tmp, "model")
-        shutil.copytree(model, copy)
-        with open(os.path.join(copy, "chat_template.jinja"), "w") as f:
-            f.write(template)
+        copy = model_copy(model, tmp, qwen3_template())
         question = "Weather in Paris?"
         off_want = generate(binary, copy, "--think", "off", "--prompt", question, "--max-tokens", "4")
         server, base = start(binary, copy, "--api-key", KEY)
