@@ -263,15 +263,7 @@ async fn ollama_chat_and_generate_equal_generate() {
     assert_eq!(ack["done_reason"], "load", "{ack}");
 
     // Metadata.
-    let tags: Value = s
-        .client
-        .get(format!("{}/api/tags", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let tags: Value = s.get_json("/api/tags").await;
     let names: Vec<&str> = tags["models"]
         .as_array()
         .unwrap()
@@ -290,25 +282,9 @@ async fn ollama_chat_and_generate_equal_generate() {
         SourceOptions::default().context
     );
     assert_eq!(show["capabilities"], json!(["completion"]));
-    let ps: Value = s
-        .client
-        .get(format!("{}/api/ps", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ps: Value = s.get_json("/api/ps").await;
     assert_eq!(ps["models"][0]["name"], NAME);
-    let version: Value = s
-        .client
-        .get(format!("{}/api/version", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let version: Value = s.get_json("/api/version").await;
     assert!(version["version"].as_str().is_some());
 
     // Errors are `{"error": "..."}` with the status.
@@ -574,15 +550,7 @@ async fn responses_equal_generate_and_continue_stored_ones() {
     // A follow-up continues the stored conversation: its prompt is the chat of the
     // question, the reply and the follow-up.
     let id = v["id"].as_str().unwrap();
-    let stored: Value = s
-        .client
-        .get(format!("{}/v1/responses/{id}", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stored: Value = s.get_json(&format!("/v1/responses/{id}")).await;
     assert_eq!(stored["id"], id);
     let follow_up = word();
     let (status, v2) = s

@@ -121,8 +121,13 @@ pub(crate) async fn start_without_eos(queue: usize) -> (Server, tempfile::TempDi
 impl Server {
     /// `/stats`.
     async fn stats(&self) -> Value {
+        self.get_json("/stats").await
+    }
+
+    /// `GET path`'s JSON body.
+    pub(crate) async fn get_json(&self, path: &str) -> Value {
         self.client
-            .get(format!("{}/stats", self.base))
+            .get(format!("{}{path}", self.base))
             .send()
             .await
             .unwrap()
