@@ -6,7 +6,9 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 
-use cli::{bench, chat, demo, devices, generate, launch, pack, plan, routing, score, serve, synth};
+use cli::{
+    bench, chat, demo, devices, generate, launch, pack, plan, pull, routing, score, serve, synth,
+};
 
 #[derive(Parser)]
 #[command(
@@ -55,6 +57,9 @@ enum Command {
     /// The built-in demo: a synthetic model (made on first use) streamed through a pool
     /// that holds a third of its experts.
     Demo(demo::DemoArgs),
+    /// Download a checkpoint from a Hugging Face hub ($HF_ENDPOINT) into a directory that
+    /// `--model ORG/NAME` then finds.
+    Pull(pull::PullArgs),
 }
 
 fn main() {
@@ -82,6 +87,7 @@ fn main() {
         Command::Launch(args) => launch::launch(args),
         Command::Stop(args) => launch::stop(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Pull(args) => pull::pull(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

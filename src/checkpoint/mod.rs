@@ -89,8 +89,8 @@ pub fn open_config(dir: &Path) -> Result<ModelConfig> {
         if let Some(id) = hub_id(dir) {
             return Err(missing(&format!(
                 "model directory not found; `{id}` looks like a Hugging Face id: download it \
-                 with `huggingface-cli download {id} --local-dir DIR` and give DIR \
-                 (a `slotstream pull` command is planned)"
+                 with `slotstream pull {id}` (then `--model {id}` finds it), or with \
+                 `huggingface-cli download {id} --local-dir DIR` and give DIR"
             )));
         }
         return Err(missing("model directory not found"));

@@ -16,8 +16,8 @@ use super::load::{engine_options, open, Loaded, Reply};
 
 #[derive(Args)]
 pub struct ChatArgs {
-    /// Model directory (an MLX checkpoint).
-    #[arg(short, long)]
+    /// Model directory (an MLX checkpoint), or ORG/NAME downloaded by `slotstream pull`.
+    #[arg(short, long, value_parser = super::pull::model_path)]
     model: PathBuf,
     /// A system prompt for the conversation.
     #[arg(long)]

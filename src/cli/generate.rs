@@ -18,8 +18,8 @@ use super::load::{engine_options, open, Loaded};
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Model directory (an MLX checkpoint).
-    #[arg(short, long)]
+    /// Model directory (an MLX checkpoint), or ORG/NAME downloaded by `slotstream pull`.
+    #[arg(short, long, value_parser = super::pull::model_path)]
     pub model: PathBuf,
     /// Prompt text (the same as --prompt).
     #[arg(value_name = "PROMPT", conflicts_with_all = ["prompt", "prompt_file", "prompt_ids"])]

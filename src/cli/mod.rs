@@ -12,6 +12,7 @@ pub mod launch;
 pub mod load;
 pub mod pack;
 pub mod plan;
+pub mod pull;
 pub mod routing;
 pub mod score;
 pub mod serve;
@@ -19,7 +20,7 @@ pub mod synth;
 
 /// slotstream's cache directory: `$XDG_CACHE_HOME/slotstream`, else
 /// `~/.cache/slotstream`, else under the system's temporary directory (the demo model,
-/// `launch`'s logs and per-run configurations).
+/// `launch`'s logs and per-run configurations, `pull`'s models).
 pub fn cache_dir() -> std::path::PathBuf {
     std::env::var_os("XDG_CACHE_HOME")
         .filter(|d| !d.is_empty())

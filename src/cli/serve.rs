@@ -13,8 +13,8 @@ pub const DEFAULT_PORT: u16 = 11434;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model directory (an MLX checkpoint).
-    #[arg(short, long)]
+    /// Model directory (an MLX checkpoint), or ORG/NAME downloaded by `slotstream pull`.
+    #[arg(short, long, value_parser = super::pull::model_path)]
     model: PathBuf,
     /// Address to bind (127.0.0.1: this machine only).
     #[arg(long, default_value = "127.0.0.1")]

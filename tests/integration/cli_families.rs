@@ -715,10 +715,12 @@ fn model_path_errors_say_what_to_do() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("looks like a Hugging Face id: download it with `huggingface-cli download mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit --local-dir DIR`"),
-        "{stderr}"
-    );
+    for said in [
+        "looks like a Hugging Face id: download it with `slotstream pull mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit`",
+        "`huggingface-cli download mlx-community/Qwen3-Next-80B-A3B-Instruct-4bit --local-dir DIR`",
+    ] {
+        assert!(stderr.contains(said), "{said}: {stderr}");
+    }
     // A missing path of another shape is only missing.
     let out = slotstream(&["generate", "--model", "/nonexistent/model/dir", "hi"]);
     let stderr = String::from_utf8_lossy(&out.stderr);

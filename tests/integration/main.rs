@@ -25,6 +25,7 @@ mod launch;
 mod layers;
 mod parity;
 mod pool;
+mod pull;
 mod routing;
 mod serve;
 mod wgsl_translation;
