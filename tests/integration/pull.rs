@@ -287,7 +287,8 @@ fn pull_resumes_a_dropped_file_and_model_finds_it_by_id() {
 }
 
 /// A file whose bytes do not match the listed sha256 fails the pull with an error naming
-/// it, and leaves neither it nor its part file; the other files arrive whole.
+/// it, and leaves neither it nor its part file; the other files arrive whole: one already
+/// complete is skipped, one with a part from an earlier run resumes from the part's length.
 #[test]
 fn a_wrong_hash_fails_naming_the_file_and_leaves_nothing() {
     let files: BTreeMap<String, Vec<u8>> = [
@@ -308,8 +309,17 @@ fn a_wrong_hash_fails_naming_the_file_and_leaves_nothing() {
         ..Default::default()
     });
     let rt = runtime();
-    let endpoint = start(&rt, hub);
+    let endpoint = start(&rt, hub.clone());
     let dir = tempfile::tempdir().unwrap();
+    // What an earlier, interrupted run left: config.json complete, a part of the first shard.
+    let first = "model-00001-of-00002.safetensors";
+    std::fs::write(dir.path().join("config.json"), &files["config.json"]).unwrap();
+    let left = 1 + rand::random::<u64>() as usize % (files[first].len() - 1);
+    std::fs::write(
+        dir.path().join(format!("{first}.part")),
+        &files[first][..left],
+    )
+    .unwrap();
     let client = Hub::new(&endpoint, Some(TOKEN.into())).unwrap();
     let bar = indicatif::ProgressBar::hidden();
     let err = rt
@@ -334,10 +344,20 @@ fn a_wrong_hash_fails_naming_the_file_and_leaves_nothing() {
         .path()
         .join("model-00002-of-00002.safetensors.part")
         .exists());
-    // One file at a time, in the listing's order: the ones before the bad one are in place.
-    for good in ["config.json", "model-00001-of-00002.safetensors"] {
+    // One file at a time, in the listing's order: the ones before the bad one are in place,
+    // config.json left as it was (not requested), the shard resumed from its part's length.
+    for good in ["config.json", first] {
         assert_eq!(std::fs::read(dir.path().join(good)).unwrap(), files[good]);
     }
+    let requests: Vec<(String, Option<String>)> = hub.log.lock().unwrap().clone();
+    assert_eq!(
+        requests[..2],
+        [
+            (first.to_string(), Some(format!("bytes={left}-"))),
+            ("model-00002-of-00002.safetensors".to_string(), None),
+        ],
+        "{requests:?}"
+    );
 
     // Without the token the hub refuses, and the error says what to set.
     let anonymous = Hub::new(&endpoint, None).unwrap();
