@@ -93,7 +93,11 @@ pub fn open_config(dir: &Path) -> Result<ModelConfig> {
                  `huggingface-cli download {id} --local-dir DIR` and give DIR"
             )));
         }
-        return Err(missing("model directory not found"));
+        return Err(missing(
+            "model directory not found (give an MLX checkpoint's directory: `slotstream pull \
+             ORG/NAME` downloads one, `slotstream synth --preset qwen3-next-80b-a3b --layers 4 \
+             --out DIR` writes a synthetic one)",
+        ));
     }
     if !dir.join("config.json").is_file() {
         return Err(missing("not a model directory: it has no config.json"));

@@ -726,4 +726,8 @@ fn model_path_errors_say_what_to_do() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("model directory not found"), "{stderr}");
     assert!(!stderr.contains("Hugging Face"), "{stderr}");
+    // It says how to get one.
+    for said in ["`slotstream pull ORG/NAME`", "`slotstream synth --preset"] {
+        assert!(stderr.contains(said), "{said}: {stderr}");
+    }
 }
