@@ -147,34 +147,16 @@ fn every_dialect_renders_one_conversation_to_the_same_ids() {
 
 /// The lines of an Ollama stream.
 async fn ndjson(s: &Server, path: &str, body: &Value) -> Vec<Value> {
-    let r = s
-        .client
-        .post(format!("{}{path}", s.base))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    assert_eq!(r.headers()["content-type"], "application/x-ndjson");
-    r.text()
-        .await
-        .unwrap()
-        .lines()
+    let (kind, raw) = s.post_text(path, body).await;
+    assert_eq!(kind, "application/x-ndjson");
+    raw.lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
 
 /// Named server-sent events: `(event, data)`.
 async fn named_events(s: &Server, path: &str, body: &Value) -> Vec<(String, Value)> {
-    let r = s
-        .client
-        .post(format!("{}{path}", s.base))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let raw = r.text().await.unwrap();
+    let (_, raw) = s.post_text(path, body).await;
     let mut events = Vec::new();
     for block in raw.split("\n\n").filter(|b| !b.trim().is_empty()) {
         let name = block.lines().find_map(|l| l.strip_prefix("event: "));

@@ -153,8 +153,8 @@ impl Server {
         (status, r.json().await.unwrap())
     }
 
-    /// A streamed request: the text of every chunk, the finish reason and the chunks.
-    pub(crate) async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
+    /// `POST path` answered 200: its content type and its body as text.
+    pub(crate) async fn post_text(&self, path: &str, body: &Value) -> (String, String) {
         let r = self
             .client
             .post(format!("{}{path}", self.base))
@@ -163,7 +163,13 @@ impl Server {
             .await
             .unwrap();
         assert_eq!(r.status().as_u16(), 200);
-        let raw = r.text().await.unwrap();
+        let kind = r.headers()["content-type"].to_str().unwrap().to_string();
+        (kind, r.text().await.unwrap())
+    }
+
+    /// A streamed request: the text of every chunk, the finish reason and the chunks.
+    pub(crate) async fn stream(&self, path: &str, body: &Value) -> (String, String, Vec<Value>) {
+        let (_, raw) = self.post_text(path, body).await;
         let mut chunks = Vec::new();
         let mut done = false;
         for line in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
