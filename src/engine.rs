@@ -51,7 +51,7 @@ use crate::generate::{GenerateOptions, GenerateStats};
 use crate::model::{Logits, Model};
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::plan::{ContextCost, Plan};
-use crate::pool::{PoolStats, SlotPool, TraceEvent};
+use crate::pool::{PoolStats, ResidentSet, SlotPool, TraceEvent};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions, PromptCacheStats};
 use crate::sampling::SamplingOptions;
 use crate::score::Score;
@@ -228,6 +228,10 @@ struct Shared {
     stats: Mutex<EngineStats>,
     /// Prompt tokens per second the plan expects of a prefill before one is measured.
     planned_prefill_rate: Option<f64>,
+    /// Decoder-layer indices with routed experts, and experts per layer: the shape of
+    /// [`Engine::resident_experts`] when every record is mapped.
+    moe_layers: Vec<usize>,
+    num_experts: usize,
 }
 
 /// Runs one request to completion, sending events; object-safe so the engine can hold
@@ -386,6 +390,7 @@ impl Prepared {
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
             let ckpt = Arc::new(Checkpoint::open(&front.dir)?);
+            let (moe_layers, num_experts) = (ckpt.config.moe_layers(), ckpt.config.num_experts);
             let (runner, pool, plan, context): (Box<dyn Runner>, _, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
                     Compute::Cpu(b) => {
@@ -416,6 +421,8 @@ impl Prepared {
                 ngram,
                 stats: Mutex::new(stats),
                 planned_prefill_rate,
+                moe_layers,
+                num_experts,
             })
         })
         .await
@@ -582,6 +589,16 @@ impl Engine {
     /// experts stream through a pool.
     pub fn pool_stats(&self) -> Option<PoolStats> {
         self.shared.pool.as_ref().map(|p| p.stats())
+    }
+
+    /// Which records are resident now: those in the pool's slots
+    /// ([`SlotPool::resident_set`]), or every one when the checkpoint is mapped (no pool;
+    /// `streamed` false). Cheap enough to take several times a second.
+    pub fn resident_experts(&self) -> ResidentSet {
+        match &self.shared.pool {
+            Some(pool) => pool.resident_set(),
+            None => ResidentSet::all(self.shared.moe_layers.clone(), self.shared.num_experts),
+        }
     }
 
     /// The n-gram table's row lookups and reads since the model was loaded; `None` for a

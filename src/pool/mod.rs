@@ -21,7 +21,7 @@ mod stats;
 
 pub use experts::{PoolExperts, PoolRecord};
 pub use pin::{LayerPin, SlotRecord};
-pub use stats::{LayerCounts, Outcome, PoolStats, TraceEvent};
+pub use stats::{LayerCounts, Outcome, PoolStats, ResidentSet, TraceEvent};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

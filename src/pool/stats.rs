@@ -1,9 +1,10 @@
 //! The pool's counters and routing trace: how each lookup was served ([`Outcome`]), the
-//! per-layer and pool-wide counts ([`PoolStats`]), and the trace events.
+//! per-layer and pool-wide counts ([`PoolStats`]), the trace events, and which records are
+//! in slots now ([`ResidentSet`]).
 
 use serde::Serialize;
 
-use super::{Inner, SlotPool};
+use super::{Inner, SlotPool, State};
 
 /// How a lookup was served, as written to the routing trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -165,6 +166,78 @@ impl PoolStats {
     }
 }
 
+/// Which records are in slots at one moment: a bit per (MoE layer, expert), for a live
+/// view of the pool (`slotstream serve`'s `/stats/stream`). Taking one costs a pass over
+/// the pool's map under its lock, about a microsecond per thousand slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResidentSet {
+    /// Decoder-layer indices that have routed experts, in order: the rows.
+    pub moe_layers: Vec<usize>,
+    /// Experts per layer: the columns.
+    pub num_experts: usize,
+    /// Whether the records stream through a pool (false: every record is mapped, all
+    /// resident).
+    pub streamed: bool,
+    /// Row-major bits, [`ResidentSet::words_per_layer`] `u64`s per layer; bit `e % 64` of
+    /// word `e / 64` of a row is expert `e`.
+    bits: Vec<u64>,
+}
+
+impl ResidentSet {
+    /// No record resident, for a pool over `moe_layers` x `num_experts`.
+    pub fn empty(moe_layers: Vec<usize>, num_experts: usize) -> Self {
+        let words = moe_layers.len() * num_experts.div_ceil(64);
+        ResidentSet {
+            moe_layers,
+            num_experts,
+            streamed: true,
+            bits: vec![0; words],
+        }
+    }
+
+    /// Every record resident (a mapped checkpoint, no pool).
+    pub fn all(moe_layers: Vec<usize>, num_experts: usize) -> Self {
+        let mut set = ResidentSet::empty(moe_layers, num_experts);
+        set.streamed = false;
+        for row in 0..set.moe_layers.len() {
+            for e in 0..num_experts {
+                set.set(row, e);
+            }
+        }
+        set
+    }
+
+    /// `u64` words per layer's row: `ceil(num_experts / 64)`.
+    pub fn words_per_layer(&self) -> usize {
+        self.num_experts.div_ceil(64)
+    }
+
+    fn set(&mut self, row: usize, expert: usize) {
+        let w = self.words_per_layer();
+        self.bits[row * w + expert / 64] |= 1 << (expert % 64);
+    }
+
+    /// Whether expert `expert` of the MoE layer in row `row` (its position in
+    /// `moe_layers`) is resident; false out of range.
+    pub fn contains(&self, row: usize, expert: usize) -> bool {
+        let w = self.words_per_layer();
+        row < self.moe_layers.len()
+            && expert < self.num_experts
+            && self.bits[row * w + expert / 64] & (1 << (expert % 64)) != 0
+    }
+
+    /// The words of row `row` (`words_per_layer` of them). Panics: `row` out of range.
+    pub fn row(&self, row: usize) -> &[u64] {
+        let w = self.words_per_layer();
+        &self.bits[row * w..(row + 1) * w]
+    }
+
+    /// Records resident.
+    pub fn count(&self) -> usize {
+        self.bits.iter().map(|w| w.count_ones() as usize).sum()
+    }
+}
+
 impl Inner {
     /// Marks resident slot `i` referenced for a lookup: a hit, or a prefetch used when a
     /// lookahead read brought it in.
@@ -216,6 +289,25 @@ impl SlotPool {
         let mut s = inner.stats.clone();
         s.derive();
         s
+    }
+
+    /// The records in slots now, loaded ([`ResidentSet`]; reads in flight are not
+    /// counted).
+    pub fn resident_set(&self) -> ResidentSet {
+        let index = &self.index;
+        let mut set = ResidentSet::empty(index.moe_layers.clone(), index.num_experts);
+        let inner = self.lock();
+        for (&(layer, expert), &i) in &inner.map {
+            if inner.slots[i].state != State::Ready {
+                continue;
+            }
+            if let Some(row) = index.moe_layers.iter().position(|&l| l == layer as usize) {
+                if (expert as usize) < index.num_experts {
+                    set.set(row, expert as usize);
+                }
+            }
+        }
+        set
     }
 
     /// Slots pinned now: held by a caller, or in flight (0 when no request runs and no

@@ -183,6 +183,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     // A required call's opening is in the prompt: the reply continues it.
     let opening = parser.push(&reply_prefix);
     let generation = engine.generate(request);
+    let live = app.live.begin(prompt_tokens, generation.progress());
     let stops = params.stops.clone();
     let shared = app.clone();
     let accepted = Instant::now();
@@ -204,6 +205,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
                 Some(t) => shared.metrics.next_token(t.elapsed()),
             }
             last_token = Some(Instant::now());
+            live.token();
         };
         let driven = drive(generation, stops, on_token, |piece| {
             parser.push(&piece).into_iter().all(&mut send)
@@ -224,6 +226,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
                 }
                 log_generation(route, 200, prompt_tokens, &outcome);
                 shared.metrics.finished(prompt_tokens, &outcome);
+                live.finished(&outcome);
                 let _ = tx.send(TurnEvent::Done(outcome));
             }
             Ok(None) => gone(),

@@ -9,9 +9,11 @@
 //!   ([`anthropic`]);
 //! - Ollama: `POST /api/chat`, `/api/generate`, `/api/show`, `GET /api/tags`, `/api/ps`,
 //!   `/api/version` ([`ollama`]);
-//! - `GET /health` (503 `loading` until the model is loaded), `GET /` (the engine's name),
-//!   `GET /stats` (the engine's and the pool's counters), `GET /metrics` (Prometheus'
-//!   scrape, [`metrics`]).
+//! - `GET /health` (503 `loading` until the model is loaded), `GET /stats` (the engine's
+//!   and the pool's counters), `GET /stats/stream` (the same and the resident experts,
+//!   live, as server-sent events: [`live`]), `GET /metrics` (Prometheus' scrape,
+//!   [`metrics`]);
+//! - `GET /`: the web app, a chat beside a live view of the pool ([`web`]).
 //!
 //! Requests run one at a time in arrival order (the engine's queue); at most
 //! [`ServerOptions::queue`] may be running or waiting, and the next one gets 503 with
@@ -29,6 +31,7 @@ pub mod anthropic;
 pub mod conversation;
 pub mod error;
 pub mod idle;
+pub mod live;
 mod metrics;
 pub mod ollama;
 pub mod openai;
@@ -36,6 +39,7 @@ mod openai_reply;
 mod request_body;
 pub mod responses;
 mod stop;
+pub mod web;
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
@@ -97,6 +101,8 @@ pub struct App {
     /// Recent Responses API responses, for `previous_response_id`.
     responses: responses::Store,
     metrics: metrics::Metrics,
+    /// The requests in progress, for `/stats/stream`.
+    live: live::Live,
 }
 
 impl App {
@@ -133,6 +139,7 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
         created: unix_now(),
         responses: responses::Store::default(),
         metrics: metrics::Metrics::default(),
+        live: live::Live::default(),
     });
     let authenticated = Router::new()
         .route("/v1/models", get(openai_reply::models))
@@ -165,14 +172,14 @@ pub fn loading_router(options: ServerOptions) -> (Router, Loading) {
             post(|| async { ollama::unsupported("creating models") }),
         )
         .route("/stats", get(stats))
+        .route("/stats/stream", get(live::stream))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(app.clone(), authenticate));
     let router = Router::new()
         .route("/health", get(health))
-        .route(
-            "/",
-            get(|| async { Json(json!({ "status": "ok", "engine": "slotstream" })) }),
-        )
+        .route("/", get(web::index))
+        .route("/web/app.js", get(web::app_js))
+        .route("/web/style.css", get(web::style_css))
         .route("/api/version", get(ollama::version))
         .merge(authenticated)
         .fallback(
@@ -488,6 +495,13 @@ fn generated_response(body: Value) -> Response {
     let mut response = Json(body).into_response();
     response.extensions_mut().insert(Logged);
     response
+}
+
+/// Unix time in seconds, with its fraction.
+fn unix_now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn unix_now() -> u64 {

@@ -28,4 +28,5 @@ mod pool;
 mod pull;
 mod routing;
 mod serve;
+mod web;
 mod wgsl_translation;

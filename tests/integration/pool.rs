@@ -470,6 +470,22 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
             }
         }
     }
+    // The live view's snapshot agrees with the per-record lookups, key by key.
+    let set = pool.resident_set();
+    prop_assert!(set.streamed);
+    prop_assert_eq!(set.count(), owner.len());
+    prop_assert!(set.count() <= slots);
+    for (row, &l) in index.moe_layers.iter().enumerate() {
+        for e in 0..index.num_experts {
+            prop_assert_eq!(
+                set.contains(row, e),
+                pool.resident((l as u32, e as u32)).is_some(),
+                "layer {} expert {}",
+                l,
+                e
+            );
+        }
+    }
 
     // (d) nothing stays pinned: a full layer fits. Speculative reads may still be landing
     // (their slots are in flight, so not victims yet); retry briefly for those only.

@@ -20,7 +20,7 @@ const EOS: [u32; 2] = [509, 511];
 
 pub(crate) struct Server {
     pub(crate) base: String,
-    engine: Engine,
+    pub(crate) engine: Engine,
     pub(crate) client: reqwest::Client,
 }
 
@@ -95,7 +95,7 @@ async fn app_on(
 }
 
 /// `app` served on a free port within `limits`.
-async fn listen(engine: Engine, app: axum::Router, limits: ConnectionLimits) -> Server {
+pub(crate) async fn listen(engine: Engine, app: axum::Router, limits: ConnectionLimits) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(serve(listener, app, limits));
