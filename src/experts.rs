@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
 use crate::io::{IoMode, RangeRead};
-use crate::plan::{AutoPlan, Footprint, Plan, Target};
+use crate::plan::{AutoPlan, CacheTerm, Footprint, Plan, Target};
 use crate::pool::{PoolExperts, SlotPool, StreamOptions};
 use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
 
@@ -191,6 +191,10 @@ pub struct SourceOptions {
     /// Bytes a memory budget sets aside for prompt-cache snapshots (the engine sets it
     /// from its `prompt_cache::PromptCacheOptions::memory`).
     pub prompt_cache: u64,
+    /// When set, `prompt_cache` is this share (0 to 1) of the memory budget (the CLI's
+    /// `--prompt-cache 10%`): a plan refused for its pool then advises a budget whose
+    /// share leaves the pool its floor ([`crate::plan::smallest_budget`]).
+    pub prompt_cache_share: Option<f64>,
 }
 
 impl Default for SourceOptions {
@@ -208,6 +212,7 @@ impl Default for SourceOptions {
             placement: None,
             trace: false,
             prompt_cache: 0,
+            prompt_cache_share: None,
         }
     }
 }
@@ -235,9 +240,12 @@ fn auto_plan<B: Backend>(
 ) -> Result<AutoPlan> {
     let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
     let fp = Footprint::new(ckpt, index, options.queue_depth, chunk);
+    let cache = options
+        .prompt_cache_share
+        .map_or(CacheTerm::Bytes(options.prompt_cache), CacheTerm::Share);
     let plan = match options.context_budget {
-        Some(_) => AutoPlan::choose_context(&fp, target, options.context, options.prompt_cache)?,
-        None => AutoPlan::choose(&fp, target, options.context, options.prompt_cache)?,
+        Some(_) => AutoPlan::choose_context(&fp, target, options.context, cache)?,
+        None => AutoPlan::choose(&fp, target, options.context, cache)?,
     };
     tracing::info!("memory plan: {}", plan.describe());
     Ok(plan)

@@ -220,12 +220,44 @@ impl Plan {
             &Footprint::new(ckpt, index, queue_depth, chunk),
             budget,
             context,
-            prompt_cache,
+            CacheTerm::Bytes(prompt_cache),
         )
     }
 
-    /// [`Plan::new`] from a checkpoint's [`Footprint`].
-    pub fn with(fp: &Footprint, budget: u64, context: usize, prompt_cache: u64) -> Result<Self> {
+    /// [`Plan::new`] from a checkpoint's [`Footprint`], with the prompt cache's term
+    /// `cache` (bytes, or a share of `budget`). Errors: a budget that leaves less than the
+    /// pool's floor; the message gives every term and the smallest budget that runs,
+    /// rounded up to the precision it is printed at ([`smallest_budget`]).
+    pub fn with(fp: &Footprint, budget: u64, context: usize, cache: CacheTerm) -> Result<Self> {
+        let plan = Plan::split(fp, budget, context, cache)?;
+        if plan.slots < plan.floor {
+            let left = plan.pool + plan.unused;
+            let advice = match smallest_budget(fp, context, cache) {
+                Some(b) => format!("the smallest budget that runs is {b}"),
+                None => format!(
+                    "no budget runs while the prompt cache takes {:.0}% of it: give it a smaller share or a size",
+                    100.0 * cache.share().unwrap_or(1.0)
+                ),
+            };
+            return Err(Error::Pool(format!(
+                "a budget of {} leaves {} for the pool, {} slots of {}, below the floor of {} slots ({}); \
+                 {advice}; the other terms: {}",
+                human(budget),
+                human(left),
+                plan.slots,
+                human(plan.slot_bytes),
+                plan.floor,
+                human(plan.floor as u64 * plan.slot_bytes),
+                plan.terms()
+            )));
+        }
+        Ok(plan)
+    }
+
+    /// The terms of `budget` split as [`Plan::with`] splits it, the pool's floor not
+    /// checked.
+    fn split(fp: &Footprint, budget: u64, context: usize, cache: CacheTerm) -> Result<Self> {
+        let prompt_cache = cache.bytes(budget);
         let context_state = fp.context.context_state(context)?;
         let fixed = fp.fixed(context, prompt_cache)?;
         let left = budget.saturating_sub(fixed);
@@ -249,19 +281,6 @@ impl Plan {
             floor,
             records,
         };
-        if slots < floor {
-            return Err(Error::Pool(format!(
-                "a budget of {} leaves {} for the pool, {} slots of {}, below the floor of {floor} slots ({}); \
-                 the smallest budget that runs is {}; the other terms: {}",
-                human(budget),
-                human(left),
-                slots,
-                human(slot_bytes),
-                human(floor as u64 * slot_bytes),
-                human(fixed + floor as u64 * slot_bytes),
-                plan.terms()
-            )));
-        }
         Ok(plan)
     }
 
@@ -432,7 +451,7 @@ pub struct AutoPlan {
 }
 
 impl AutoPlan {
-    /// Plans `fp` within `target` for `context` tokens and `prompt_cache` bytes of
+    /// Plans `fp` within `target` for `context` tokens and the prompt cache's `cache` of
     /// snapshots: every record resident exactly when the target is not fixed and
     /// [`Footprint::resident_need`] fits it, else the streamed [`Plan`]. Errors: a
     /// streamed plan whose pool is below the floor (the message gives every term), a
@@ -441,13 +460,13 @@ impl AutoPlan {
         fp: &Footprint,
         target: Target,
         context: usize,
-        prompt_cache: u64,
+        cache: CacheTerm,
     ) -> Result<Self> {
-        let resident_need = fp.resident_need(context, prompt_cache)?;
+        let resident_need = fp.resident_need(context, cache.bytes(target.bytes))?;
         let streamed = if !target.is_fixed() && resident_need <= target.bytes {
             None
         } else {
-            Some(Plan::with(fp, target.bytes, context, prompt_cache)?)
+            Some(Plan::with(fp, target.bytes, context, cache)?)
         };
         Ok(AutoPlan {
             target,
@@ -464,19 +483,19 @@ impl AutoPlan {
         fp: &Footprint,
         target: Target,
         largest: usize,
-        prompt_cache: u64,
+        cache: CacheTerm,
     ) -> Result<Self> {
         let smaller = fp
             .context
             .context_sizes()
             .into_iter()
             .filter(|&c| c < largest);
-        let mut result = AutoPlan::choose(fp, target, largest, prompt_cache);
+        let mut result = AutoPlan::choose(fp, target, largest, cache);
         for c in smaller {
             if result.is_ok() {
                 break;
             }
-            result = AutoPlan::choose(fp, target, c, prompt_cache);
+            result = AutoPlan::choose(fp, target, c, cache);
         }
         result
     }
@@ -555,6 +574,69 @@ fn scales_of(weight: &str) -> String {
 }
 
 /// Bytes as KiB, MiB or GiB.
+/// The prompt cache's term of a plan: a size, or a share of the budget (the CLI's
+/// `--prompt-cache 10%`, and the default of `chat` and `serve` with a budget).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum CacheTerm {
+    Bytes(u64),
+    /// A fraction of the budget, from 0 to 1.
+    Share(f64),
+}
+
+impl CacheTerm {
+    /// Its bytes within a budget of `budget` bytes (a share: `floor(share * budget)`).
+    pub fn bytes(self, budget: u64) -> u64 {
+        match self {
+            CacheTerm::Bytes(n) => n,
+            CacheTerm::Share(share) => (share * budget as f64) as u64,
+        }
+    }
+
+    /// The share, for a share.
+    pub fn share(self) -> Option<f64> {
+        match self {
+            CacheTerm::Bytes(_) => None,
+            CacheTerm::Share(share) => Some(share),
+        }
+    }
+}
+
+/// The smallest budget that plans `fp` for `context` tokens with its pool at the floor,
+/// as [`human`] prints it, rounded up (to 0.01 GiB, 0.1 MiB or 0.1 KiB), so that the
+/// figure given back as a budget runs: the fixed terms and the floor's slots, plus the
+/// prompt cache's bytes, or, for a share `s` of the budget, divided by `1 - s` (the
+/// cache's share is of the budget advised, not of the one refused). `None` when no budget
+/// runs (a share of 100%) or the context's state overflows.
+pub fn smallest_budget(fp: &Footprint, context: usize, cache: CacheTerm) -> Option<String> {
+    let need = fp.fixed(context, 0).ok()? + fp.floor as u64 * fp.slot_bytes;
+    let at_least = match cache {
+        CacheTerm::Bytes(n) => need.checked_add(n)?,
+        CacheTerm::Share(s) if s < 1.0 => (need as f64 / (1.0 - s)).ceil() as u64,
+        CacheTerm::Share(_) => return None,
+    };
+    // The figure parses back to a few bytes less than it reads (decimal fractions of a
+    // binary unit), and a share's bytes are rounded down: the first figure whose parsed
+    // budget plans is given (the next one at most, in practice).
+    figures_from(at_least).take(64).find(|figure| {
+        parse_size(figure).is_ok_and(|budget| {
+            Plan::split(fp, budget, context, cache).is_ok_and(|p| p.slots >= p.floor)
+        })
+    })
+}
+
+/// Sizes as [`human`] prints them, from the smallest at or above `bytes` upwards.
+fn figures_from(bytes: u64) -> impl Iterator<Item = String> {
+    let (unit, name, scale, digits) = if bytes >= 1 << 30 {
+        (1u128 << 30, "GiB", 100u128, 2)
+    } else if bytes >= 1 << 20 {
+        (1 << 20, "MiB", 10, 1)
+    } else {
+        (1 << 10, "KiB", 10, 1)
+    };
+    let first = (bytes as u128 * scale).div_ceil(unit);
+    (first..).map(move |k| format!("{}.{:0digits$} {name}", k / scale, k % scale))
+}
+
 pub fn human(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -714,7 +796,7 @@ mod tests {
             let target = fixed.map_or(Target::from_machine(machine, 70, None), Target::fixed);
             let context = fp.context.auto_context(target.bytes);
             let need = fp.resident_need(context, prompt_cache).unwrap();
-            match AutoPlan::choose(&fp, target, context, prompt_cache) {
+            match AutoPlan::choose(&fp, target, context, CacheTerm::Bytes(prompt_cache)) {
                 Ok(plan) => {
                     prop_assert_eq!(plan.resident_need, need);
                     prop_assert_eq!(plan.streamed.is_none(), fixed.is_none() && need <= target.bytes);
@@ -735,6 +817,57 @@ mod tests {
                     prop_assert!(fixed_terms + fp.floor as u64 * fp.slot_bytes > target.bytes, "{}", e);
                 }
             }
+        }
+
+        /// A budget refused for its pool advises the smallest that runs, rounded up to the
+        /// precision it is printed at; that figure, parsed as a user would type it back,
+        /// plans (the context chosen for it again when automatic, the prompt cache's share
+        /// of it, not of the budget refused), and it is at most two printed steps above
+        /// the exact bound (the fixed terms and the floor, divided by `1 - share`).
+        #[test]
+        fn the_advised_budget_runs_the_first_time(
+            fp in arb_footprint(),
+            fraction in 0.0f64..1.0,
+            cache in prop_oneof![
+                (0u64..(4 << 30)).prop_map(CacheTerm::Bytes),
+                (0.0f64..0.9).prop_map(CacheTerm::Share),
+            ],
+            auto in any::<bool>(),
+        ) {
+            let smallest = *fp.context.context_sizes().last().unwrap();
+            let bound = fp.fixed(smallest, 0).unwrap() + fp.floor as u64 * fp.slot_bytes;
+            let given = ((fraction * bound as f64) as u64).max(1 << 20);
+            let plan = |budget: u64| {
+                let target = Target::fixed(budget);
+                if auto {
+                    let context = fp.context.auto_context(budget);
+                    AutoPlan::choose_context(&fp, target, context, cache)
+                } else {
+                    AutoPlan::choose(&fp, target, smallest, cache)
+                }
+            };
+            let message = plan(given).expect_err("below the bound").to_string();
+            let advised = message
+                .split("the smallest budget that runs is ")
+                .nth(1)
+                .and_then(|rest| rest.split(';').next())
+                .unwrap_or_else(|| panic!("no advice in: {message}"));
+            let budget = parse_size(advised).unwrap();
+            let accepted = plan(budget);
+            prop_assert!(accepted.is_ok(), "{} refused: {}", advised, accepted.unwrap_err());
+            let exact = match cache {
+                CacheTerm::Bytes(n) => (bound + n) as f64,
+                CacheTerm::Share(s) => bound as f64 / (1.0 - s),
+            };
+            let step = if advised.ends_with("GiB") {
+                (1u64 << 30) as f64 / 100.0
+            } else if advised.ends_with("MiB") {
+                (1u64 << 20) as f64 / 10.0
+            } else {
+                102.4
+            };
+            prop_assert!(budget as f64 >= exact - 16.0, "{} below {}", advised, exact);
+            prop_assert!((budget as f64) <= exact + 2.0 * step, "{} over {}", advised, exact);
         }
 
         /// The automatic context is the largest size whose state takes at most a tenth of
@@ -762,12 +895,12 @@ mod tests {
     fn the_read_bound_prefill_rate_counts_the_records_not_held() {
         let fp = footprint(1 << 20, 1 << 20, 100, 10, 1024, None);
         let budget = fp.fixed(4096, 0).unwrap() + 40 * fp.slot_bytes;
-        let plan = Plan::with(&fp, budget, 4096, 0).unwrap();
+        let plan = Plan::with(&fp, budget, 4096, CacheTerm::Bytes(0)).unwrap();
         assert_eq!(plan.slots, 40);
         let rate = plan.read_bound_prefill_rate(256).unwrap();
         let want = 256.0 * ASSUMED_READ_BYTES_PER_S / (60.0 * (1u64 << 20) as f64);
         assert!((rate - want).abs() < 1e-9 * want, "{rate} {want}");
-        let all = Plan::with(&fp, budget + 60 * fp.slot_bytes, 4096, 0).unwrap();
+        let all = Plan::with(&fp, budget + 60 * fp.slot_bytes, 4096, CacheTerm::Bytes(0)).unwrap();
         assert_eq!(all.slots, all.records);
         assert_eq!(all.read_bound_prefill_rate(256), None);
     }
@@ -803,7 +936,7 @@ mod tests {
             };
             let target = Target::from_machine(machine, DEFAULT_MAX_RAM_PERCENT, None);
             let context = fp.context.auto_context(target.bytes);
-            AutoPlan::choose(&fp, target, context, 0).unwrap()
+            AutoPlan::choose(&fp, target, context, CacheTerm::Bytes(0)).unwrap()
         };
         let small = on(32);
         assert_eq!(small.target.why, Bound::Ram(70));

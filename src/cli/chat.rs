@@ -54,7 +54,12 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         args.device.clone(),
         &args.stream,
         args.trace.trace.is_some(),
-        |budget| args.prompt_cache.options(budget),
+        |budget| {
+            Ok((
+                args.prompt_cache.options(budget)?,
+                args.prompt_cache.share(budget)?,
+            ))
+        },
     )?;
     // Refused before the weights load: no tokenizer, no chat template.
     let prepared = open(&args.model, options)?;

@@ -10,7 +10,7 @@ use slotstream::backend::gpu::Placement;
 use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::io::IoMode;
 use slotstream::machine::MachineMemory;
-use slotstream::plan::{Bound, Target, DEFAULT_MAX_RAM_PERCENT};
+use slotstream::plan::{Bound, CacheTerm, Target, DEFAULT_MAX_RAM_PERCENT};
 use slotstream::prompt_cache::PromptCacheOptions;
 use slotstream::sampling::{SamplingInput, SamplingOptions};
 
@@ -61,6 +61,13 @@ impl PromptCacheArgs {
             disk: self.prompt_cache_disk,
         })
     }
+
+    /// The share of `memory_budget` the snapshots take (`--prompt-cache 10%`, or the
+    /// default with a budget), for the memory plan; `None` for a size. Errors: a share
+    /// without a budget.
+    pub fn share(&self, memory_budget: Option<u64>) -> Result<Option<f64>> {
+        Ok(CacheSize::term(self.prompt_cache, memory_budget)?.share())
+    }
 }
 
 /// `--prompt-cache`: bytes, or a share of the memory budget.
@@ -77,13 +84,20 @@ impl CacheSize {
     /// Bytes of `size` (by default 10% of the budget, else the library's default) within
     /// `memory_budget`. Errors: a share without a budget.
     pub fn bytes(size: Option<CacheSize>, memory_budget: Option<u64>) -> Result<u64> {
+        Ok(CacheSize::term(size, memory_budget)?.bytes(memory_budget.unwrap_or(0)))
+    }
+
+    /// `size` (by default 10% of the budget, else the library's default) as the memory
+    /// plan's term: a share of the budget stays a share, so that a refused plan advises
+    /// a budget whose share leaves the pool its floor. Errors: a share without a budget.
+    pub fn term(size: Option<CacheSize>, memory_budget: Option<u64>) -> Result<CacheTerm> {
         let size = size.unwrap_or(match memory_budget {
             Some(_) => CacheSize::Share(DEFAULT_CACHE_SHARE),
             None => CacheSize::Bytes(PromptCacheOptions::default().memory),
         });
         match (size, memory_budget) {
-            (CacheSize::Bytes(n), _) => Ok(n),
-            (CacheSize::Share(share), Some(budget)) => Ok((share * budget as f64) as u64),
+            (CacheSize::Bytes(n), _) => Ok(CacheTerm::Bytes(n)),
+            (CacheSize::Share(share), Some(_)) => Ok(CacheTerm::Share(share)),
             (CacheSize::Share(_), None) => {
                 bail!(
                     "--prompt-cache as a share (%) needs a memory budget (not --pool-slots or --experts-per-layer); give a size such as 2GiB"

@@ -131,8 +131,9 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
             if cache.dir.is_none() {
                 // Nothing outlives the run: no snapshots to take.
                 cache.memory = 0;
+                return Ok((cache, None));
             }
-            Ok(cache)
+            Ok((cache, args.prompt_cache.share(budget)?))
         },
     )?;
     // The prompt is checked before the weights load.

@@ -25,12 +25,14 @@ use super::flags::{StreamArgs, TraceArgs};
 /// planned from the machine); the GPU's options from the environment
 /// ([`GpuOptions::from_env`]). Without a pool flag the run is planned from the machine
 /// ([`PoolSize::Auto`]), and without `--context` the context is chosen for the budget.
+/// `prompt_cache` also gives the share of the budget the snapshots take, when they take
+/// one (the plan's advice counts it: [`slotstream::plan::smallest_budget`]).
 /// Errors: `prompt_cache`'s.
 pub fn engine_options(
     device: Option<String>,
     stream: &StreamArgs,
     trace: bool,
-    prompt_cache: impl FnOnce(Option<u64>) -> Result<PromptCacheOptions>,
+    prompt_cache: impl FnOnce(Option<u64>) -> Result<(PromptCacheOptions, Option<f64>)>,
 ) -> Result<EngineOptions> {
     let mut source = stream.source();
     source.trace = trace;
@@ -50,7 +52,8 @@ pub fn engine_options(
     if stream.io.context().is_none() {
         source.context_budget = target.map(|t| t.bytes);
     }
-    let prompt_cache = prompt_cache(target.filter(|_| !explicit_slots).map(|t| t.bytes))?;
+    let (prompt_cache, share) = prompt_cache(target.filter(|_| !explicit_slots).map(|t| t.bytes))?;
+    source.prompt_cache_share = share;
     Ok(EngineOptions {
         device,
         gpu: GpuOptions::from_env(),

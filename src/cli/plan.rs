@@ -50,11 +50,11 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         Some(c) => slotstream::context::limit(c, &ckpt.config),
         None => ContextCost::of(&ckpt.config).auto_context(target.bytes),
     };
-    let prompt_cache = CacheSize::bytes(
+    let cache = CacheSize::term(
         Some(args.prompt_cache.unwrap_or(CacheSize::Bytes(0))),
         Some(target.bytes),
     )?;
-    let plan = AutoPlan::choose(&fp, target, context, prompt_cache)?;
+    let plan = AutoPlan::choose(&fp, target, context, cache)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

@@ -53,7 +53,7 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         args.device.clone(),
         &args.stream,
         args.trace.trace.is_some(),
-        |_| Ok(off),
+        |_| Ok((off, None)),
     )?;
     // The text is tokenized before the weights load; ids need no tokenizer.json.
     let prepared = open(&args.model, options)?;

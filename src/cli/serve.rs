@@ -126,7 +126,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             args.device.clone(),
             &args.stream,
             false,
-            |budget| args.prompt_cache.options(budget),
+            |budget| {
+                Ok((
+                    args.prompt_cache.options(budget)?,
+                    args.prompt_cache.share(budget)?,
+                ))
+            },
         )?;
         let engine = tokio::select! {
             loaded = Engine::load(&args.model, options) => loaded.context("loading the model")?,

@@ -724,3 +724,46 @@ fn generate_estimates_the_prefill_and_refuses_one_over_max_prefill_wait() {
         "{err}"
     );
 }
+
+/// `chat` (whose prompt cache takes 10% of the budget) refuses a random budget below the
+/// floor with the smallest budget that runs; that figure, typed back, is accepted, and
+/// the figure printed one step (0.1 MiB) lower is refused.
+#[test]
+fn the_budget_chat_advises_runs_the_first_time() {
+    use rand::Rng;
+    let dir = fixture_dir("qwen3-next-bf16");
+    let dir = dir.to_str().unwrap();
+    let chat = |budget: &str| {
+        let out = slotstream()
+            .args(["chat", "--model", dir, "--device", "cpu"])
+            .args(["--memory-budget", budget])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let given = format!("{} KiB", rand::rng().random_range(1024..40 * 1024));
+    let (ok, err) = chat(&given);
+    assert!(!ok, "{given} ran");
+    let advised = err
+        .split("the smallest budget that runs is ")
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .unwrap_or_else(|| panic!("no advice: {err}"))
+        .to_string();
+    let (ok, err) = chat(&advised);
+    assert!(ok, "{advised} (advised after {given}) refused: {err}");
+    let mib: f64 = advised
+        .strip_suffix(" MiB")
+        .expect("a figure in MiB")
+        .parse()
+        .unwrap();
+    let (ok, _) = chat(&format!("{:.1} MiB", mib - 0.1));
+    assert!(
+        !ok,
+        "one step below {advised} ran: the advice is not the smallest"
+    );
+}
