@@ -91,6 +91,11 @@ pub enum Error {
     #[error("invalid input: {0}")]
     InvalidInput(String),
 
+    /// An image that cannot be used: not a supported format, truncated or corrupt, too
+    /// large, or of a shape the image processor refuses.
+    #[error("image: {0}")]
+    Image(String),
+
     /// A synthetic checkpoint's routing model file is unreadable or malformed.
     #[error(transparent)]
     Routing(#[from] RoutingModelError),

@@ -44,6 +44,7 @@ pub mod engine;
 pub mod error;
 pub mod experts;
 pub mod generate;
+pub mod image_processor;
 pub mod io;
 pub mod machine;
 pub mod model;

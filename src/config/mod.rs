@@ -24,6 +24,7 @@
 mod fields;
 mod flash_next;
 mod quantization;
+mod vision;
 
 #[cfg(test)]
 mod tests;
@@ -40,6 +41,8 @@ use flash_next::parse_flash_next;
 pub use flash_next::{FlashNext, IndexerConfig, PleConfig};
 use quantization::parse_quantization;
 pub use quantization::{QuantSpec, Quantization};
+use vision::parse_vision;
+pub use vision::VisionConfig;
 
 /// Model families this build implements, by `model_type`.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next", "qwen3_5_moe", "qwen4_exp"];
@@ -165,6 +168,9 @@ pub struct ModelConfig {
     pub gate_activation: GateActivation,
     /// Qwen3.8-Flash-Next's extra blocks; `None` for the other families.
     pub flash_next: Option<FlashNext>,
+    /// The vision tower (`vision_config` at the top level of a Qwen3.5-MoE or Flash-Next
+    /// config); `None` for a text-only checkpoint and for Qwen3-Next.
+    pub vision: Option<VisionConfig>,
 }
 
 impl ModelConfig {
@@ -417,6 +423,10 @@ impl ModelConfig {
             quantization,
             gate_activation,
             flash_next,
+            vision: match family {
+                Family::Qwen3Next => None,
+                Family::Qwen35Moe | Family::Qwen4Exp => parse_vision(&top_f)?,
+            },
         };
         cfg.check()?;
         Ok(cfg)

@@ -36,6 +36,7 @@ mod projections;
 mod residual;
 mod routes;
 mod snapshot;
+mod vision;
 
 use std::sync::{Arc, Mutex};
 
@@ -52,6 +53,7 @@ pub use routes::RouteSource;
 use routes::StepSource;
 use snapshot::{lock_kv, SharedKv, Writer};
 pub use snapshot::{ImageTensor, Snapshot, StateImage};
+pub use vision::{VisionTower, VISION_PREFIXES};
 
 use crate::backend::{Backend, KeyMask, ResidualAdd, Routing};
 use crate::checkpoint::{Checkpoint, ExpertIndex};

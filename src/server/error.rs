@@ -202,6 +202,7 @@ impl ApiError {
                 e.to_string(),
             ),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
+            crate::Error::Image(_) => Self::malformed(e.to_string()),
             // A template that refuses the conversation (raise_exception, tools it does not
             // render) refuses the request.
             crate::Error::Template { message, .. } => {

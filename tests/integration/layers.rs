@@ -14,7 +14,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("base", &["error", "atomic_file", "machine"]),
     (
         "formats",
-        &["config", "checkpoint", "pack", "tokenizer", "chat_template"],
+        &[
+            "config",
+            "checkpoint",
+            "pack",
+            "tokenizer",
+            "chat_template",
+            "image_processor",
+        ],
     ),
     ("I/O", &["io"]),
     ("records contract", &["records"]),

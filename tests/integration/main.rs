@@ -28,5 +28,6 @@ mod pool;
 mod pull;
 mod routing;
 mod serve;
+mod vision;
 mod web;
 mod wgsl_translation;

@@ -1,0 +1,341 @@
+//! Images: the image processor against transformers 5.24.0's `Qwen2VLImageProcessor`
+//! (tests/fixtures/qwen3_5-moe-vision, made by tools/make_vision_fixtures.py), and
+//! decoding's refusals.
+
+use std::io::Cursor;
+
+use serde_json::Value;
+use slotstream::config::ModelConfig;
+use slotstream::image_processor::{decode, ImageProcessor};
+use slotstream::Error;
+
+use crate::common::{compare, fixture_dir, read_json};
+
+const FIXTURE: &str = "qwen3_5-moe-vision";
+
+/// The fixture's vision config (a small tower with the released patch sizes).
+fn vision_config() -> slotstream::config::VisionConfig {
+    let cfg = ModelConfig::load(&fixture_dir(FIXTURE)).unwrap();
+    cfg.vision.expect("the fixture has a vision_config")
+}
+
+/// The processor with a fixture entry's settings (`size.shortest_edge`/`longest_edge`).
+fn processor_from(settings: &Value) -> ImageProcessor {
+    let mut p = ImageProcessor::for_tower(&vision_config());
+    let n = |v: &Value| v.as_u64().unwrap() as usize;
+    p.min_pixels = n(&settings["size"]["shortest_edge"]);
+    p.max_pixels = n(&settings["size"]["longest_edge"]);
+    assert_eq!(n(&settings["patch_size"]), p.patch_size);
+    assert_eq!(n(&settings["merge_size"]), p.merge_size);
+    assert_eq!(n(&settings["temporal_patch_size"]), p.temporal_patch_size);
+    p
+}
+
+/// A safetensors file's f32 tensor.
+fn f32_tensor(st: &safetensors::SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+    let values = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (t.shape().to_vec(), values)
+}
+
+#[test]
+fn released_processor_defaults_are_the_fixture_generators() {
+    let want = read_json(&fixture_dir(FIXTURE).join("processor_sizes.json"));
+    let p = processor_from(&want["processor"]);
+    let released = ImageProcessor::for_tower(&vision_config());
+    assert_eq!(p, released);
+    assert_eq!(released.max_pixels, 2_304 * 32 * 32);
+    for c in 0..3 {
+        assert_eq!(
+            released.image_mean[c] as f64,
+            want["processor"]["image_mean"][c]
+        );
+        assert_eq!(
+            released.image_std[c] as f64,
+            want["processor"]["image_std"][c]
+        );
+    }
+}
+
+/// For 319 sizes (random over four scales, and the edges: 1x1, sides that round half to
+/// even, ratios at and over 200, images over the pixel bound), the grid and so the token
+/// count are the processor's, and every size it refuses is refused.
+#[test]
+fn token_counts_equal_the_processors_for_every_size() {
+    let want = read_json(&fixture_dir(FIXTURE).join("processor_sizes.json"));
+    let p = processor_from(&want["processor"]);
+    let cases = want["cases"].as_array().unwrap();
+    assert!(cases.len() > 300);
+    for case in cases {
+        let (h, w) = (
+            case["height"].as_u64().unwrap(),
+            case["width"].as_u64().unwrap(),
+        );
+        let got = p.grid(h as usize, w as usize);
+        match case.get("grid") {
+            Some(grid) => {
+                let g = got.unwrap_or_else(|e| panic!("{h}x{w}: {e}"));
+                let grid: Vec<usize> = grid
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as usize)
+                    .collect();
+                assert_eq!(vec![g.t, g.h, g.w], grid, "{h}x{w}");
+                let tokens = g.patches() / (p.merge_size * p.merge_size);
+                assert!(tokens <= 2_304 && tokens * 4 == g.patches(), "{h}x{w}");
+            }
+            None => assert!(
+                matches!(got, Err(Error::Image(ref m)) if m.contains("aspect ratio")),
+                "{h}x{w}: the processor refuses it ({}), ours gives {got:?}",
+                case["error"]
+            ),
+        }
+    }
+}
+
+/// The fixture's PNGs through our processor: the grid is the processor's, and the patches
+/// equal its `pixel_values` where no resampling is needed (to f32 rounding) and lie within
+/// a few levels of 255 where the image is resized (Catmull-Rom against torchvision's
+/// antialiased bicubic).
+#[test]
+fn patches_match_the_processors_pixel_values() {
+    let dir = fixture_dir(FIXTURE);
+    let cases = read_json(&dir.join("vision_cases.json"));
+    let bytes = std::fs::read(dir.join("vision_cases.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for case in cases["cases"].as_array().unwrap() {
+        let what = case["what"].as_str().unwrap();
+        let p = processor_from(&case["processor"]);
+        let png = std::fs::read(dir.join(case["image"].as_str().unwrap())).unwrap();
+        let image = decode(&png, 1 << 20).unwrap();
+        let (h, w) = (
+            case["height"].as_u64().unwrap(),
+            case["width"].as_u64().unwrap(),
+        );
+        assert_eq!(
+            (image.height() as u64, image.width() as u64),
+            (h, w),
+            "{what}"
+        );
+        let got = p.preprocess(&image).unwrap();
+        let grid: Vec<u64> = case["grid"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            vec![got.grid.t as u64, got.grid.h as u64, got.grid.w as u64],
+            grid,
+            "{what}"
+        );
+        let (shape, want) = f32_tensor(&st, case["pixels"].as_str().unwrap());
+        assert_eq!(shape, vec![got.grid.patches(), 3 * 2 * 16 * 16], "{what}");
+        let resized = p.resized_size(h as usize, w as usize).unwrap() != (h as usize, w as usize);
+        if resized {
+            // One level is 2/255 after normalization: the two bicubic filters differ by
+            // under one level on average (0.17 measured).
+            let mean = got
+                .values
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .sum::<f32>()
+                / want.len() as f32;
+            assert!(mean < 2.0 / 255.0, "{what}: mean difference {mean}");
+            compare::assert_rel(what, &got.values, &want, 0.02);
+        } else {
+            compare::assert_rel(what, &got.values, &want, 1e-6);
+        }
+    }
+}
+
+/// Encodes `image` in `format` with the `image` crate's encoders.
+fn encode(image: &image::DynamicImage, format: image::ImageFormat) -> Vec<u8> {
+    let mut out = Cursor::new(Vec::new());
+    image.write_to(&mut out, format).unwrap();
+    out.into_inner()
+}
+
+/// A random RGB image.
+fn random_rgb(width: u32, height: u32) -> image::RgbImage {
+    let mut rng = rand::rng();
+    image::RgbImage::from_fn(width, height, |_, _| {
+        image::Rgb([
+            rand::Rng::random(&mut rng),
+            rand::Rng::random(&mut rng),
+            rand::Rng::random(&mut rng),
+        ])
+    })
+}
+
+#[test]
+fn png_webp_and_jpeg_decode_to_their_pixels() {
+    let rgb = random_rgb(37, 23);
+    let dynamic = image::DynamicImage::ImageRgb8(rgb.clone());
+    for format in [image::ImageFormat::Png, image::ImageFormat::WebP] {
+        let got = decode(&encode(&dynamic, format), 1 << 20).unwrap();
+        assert_eq!(got, rgb, "{format:?} is lossless");
+    }
+    // JPEG is lossy: a flat colour survives it within a few levels.
+    let flat = image::RgbImage::from_pixel(40, 24, image::Rgb([200, 40, 90]));
+    let jpeg = encode(
+        &image::DynamicImage::ImageRgb8(flat),
+        image::ImageFormat::Jpeg,
+    );
+    let got = decode(&jpeg, 1 << 20).unwrap();
+    assert_eq!(got.dimensions(), (40, 24));
+    for (a, b) in got
+        .pixels()
+        .flat_map(|p| p.0)
+        .zip([200u8, 40, 90].iter().cycle())
+    {
+        assert!(a.abs_diff(*b) <= 4, "JPEG pixel {a} for {b}");
+    }
+}
+
+#[test]
+fn a_gif_decodes_to_its_first_frame_and_transparency_to_white() {
+    use image::codecs::gif::GifEncoder;
+    use image::{Delay, Frame, Rgba, RgbaImage};
+    let red = RgbaImage::from_pixel(8, 6, Rgba([255, 0, 0, 255]));
+    let blue = RgbaImage::from_pixel(8, 6, Rgba([0, 0, 255, 255]));
+    let mut gif = Vec::new();
+    {
+        let mut enc = GifEncoder::new(&mut gif);
+        for frame in [red, blue] {
+            let frame = Frame::from_parts(frame, 0, 0, Delay::from_numer_denom_ms(100, 1));
+            enc.encode_frame(frame).unwrap();
+        }
+    }
+    let got = decode(&gif, 1 << 20).unwrap();
+    assert!(got.pixels().all(|p| p.0 == [255, 0, 0]), "the first frame");
+
+    // A transparent pixel over white, a half-transparent black one grey, an opaque one as is.
+    let rgba = RgbaImage::from_fn(3, 1, |x, _| match x {
+        0 => Rgba([10, 20, 30, 0]),
+        1 => Rgba([0, 0, 0, 128]),
+        _ => Rgba([10, 20, 30, 255]),
+    });
+    let png = encode(
+        &image::DynamicImage::ImageRgba8(rgba),
+        image::ImageFormat::Png,
+    );
+    let got = decode(&png, 1 << 20).unwrap();
+    assert_eq!(got.get_pixel(0, 0).0, [255, 255, 255]);
+    assert_eq!(got.get_pixel(1, 0).0, [127, 127, 127]);
+    assert_eq!(got.get_pixel(2, 0).0, [10, 20, 30]);
+}
+
+/// Not an image, a truncated one, a decompression bomb (a header that claims 10⁶ x 10⁶
+/// pixels over a few bytes of data) and a real image over the pixel limit: each a clear
+/// [`Error::Image`], none a panic or a large allocation.
+#[test]
+fn bad_images_are_refused_clearly() {
+    let message = |bytes: &[u8], limit: u64| match decode(bytes, limit) {
+        Err(Error::Image(m)) => m,
+        other => panic!("expected an image error, got {other:?}"),
+    };
+    assert!(message(b"just some text, not a picture", 1 << 20).contains("not an image"));
+    assert!(message(b"", 1 << 20).contains("not an image"));
+
+    let png = encode(
+        &image::DynamicImage::ImageRgb8(random_rgb(64, 48)),
+        image::ImageFormat::Png,
+    );
+    let cut = &png[..png.len() / 2];
+    assert!(message(cut, 1 << 20).contains("cannot decode"), "truncated");
+
+    // A PNG whose IHDR claims 1,000,000 x 1,000,000 pixels (a valid CRC), then one IDAT.
+    let mut bomb = b"\x89PNG\r\n\x1a\n".to_vec();
+    let chunk = |kind: &[u8], data: &[u8], out: &mut Vec<u8>| {
+        out.extend((data.len() as u32).to_be_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(kind);
+        crc.update(data);
+        out.extend(kind);
+        out.extend(data);
+        out.extend(crc.finalize().to_be_bytes());
+    };
+    let mut ihdr = Vec::new();
+    ihdr.extend(1_000_000u32.to_be_bytes());
+    ihdr.extend(1_000_000u32.to_be_bytes());
+    ihdr.extend([8, 2, 0, 0, 0]); // 8-bit RGB
+    chunk(b"IHDR", &ihdr, &mut bomb);
+    chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00], &mut bomb);
+    chunk(b"IEND", &[], &mut bomb);
+    let m = message(&bomb, 50_000_000);
+    assert!(
+        m.contains("1000000x1000000") && m.contains("over the limit"),
+        "{m}"
+    );
+
+    // A flat 3000 x 3000 PNG: 9 megapixels (27 MB decoded) in a small file.
+    let flat = image::RgbImage::from_pixel(3000, 3000, image::Rgb([1, 2, 3]));
+    let png = encode(
+        &image::DynamicImage::ImageRgb8(flat),
+        image::ImageFormat::Png,
+    );
+    assert!(png.len() < 1_000_000, "{} bytes", png.len());
+    let m = message(&png, 4_000_000);
+    assert!(m.contains("9.0 megapixels") && m.contains("4.0"), "{m}");
+    assert_eq!(decode(&png, 9_000_000).unwrap().dimensions(), (3000, 3000));
+}
+
+/// The tower's merged rows against transformers' `Qwen3_5MoeVisionModel` (f32 on the
+/// stored bf16 weights, under the MLX names with the channels-last patch embedding) for
+/// four images: one token, non-square, one resized to the processor's pixel bound, and a
+/// resized non-square one, each from the processor's own `pixel_values`.
+#[test]
+fn tower_rows_match_transformers() {
+    let dir = fixture_dir(FIXTURE);
+    let ckpt = slotstream::checkpoint::Checkpoint::open(&dir).unwrap();
+    let tower = slotstream::model::VisionTower::load(&ckpt).unwrap();
+    let cases = read_json(&dir.join("vision_cases.json"));
+    let bytes = std::fs::read(dir.join("vision_cases.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let out_hidden = ckpt.config.hidden_size;
+    for case in cases["cases"].as_array().unwrap() {
+        let what = case["what"].as_str().unwrap();
+        let (_, pixels) = f32_tensor(&st, case["pixels"].as_str().unwrap());
+        let g: Vec<usize> = case["grid"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
+        let grid = slotstream::image_processor::Grid {
+            t: g[0],
+            h: g[1],
+            w: g[2],
+        };
+        let patches = slotstream::image_processor::Patches {
+            grid,
+            values: pixels,
+            tokens: grid.patches() / 4,
+        };
+        let got = tower.forward(&patches).unwrap();
+        let (shape, want) = f32_tensor(&st, case["tower"].as_str().unwrap());
+        assert_eq!(shape, vec![patches.tokens, out_hidden], "{what}");
+        for (t, (g, w)) in got
+            .chunks(out_hidden)
+            .zip(want.chunks(out_hidden))
+            .enumerate()
+        {
+            compare::assert_rel(&format!("{what}: token {t}"), g, w, 1e-5);
+        }
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // 1.5e-6 measured: f32 against f32, summed in other orders.
+        assert!(worst < 1e-4, "{what}: largest difference {worst}");
+    }
+}
