@@ -19,6 +19,11 @@ pub struct SynthArgs {
     /// a table of about N x 1.6 KB, for small disks and tests. NOT the released shape.
     #[arg(long)]
     ngram_rows: Option<u64>,
+    /// The vision tower of qwen3.5-35b-a3b and qwen3.8-flash-next: `released` (27 blocks,
+    /// 0.9 GB), `small` (2 blocks of width 64, for tests: NOT the released shape) or `none`
+    /// (a text-only checkpoint).
+    #[arg(long, value_enum, default_value = "released")]
+    vision: SynthVision,
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
@@ -27,6 +32,14 @@ pub struct SynthArgs {
     /// the checkpoint's random router (routing almost uniform).
     #[arg(long, value_enum, default_value = "synthetic")]
     routing: SynthRouting,
+}
+
+/// Which vision tower a synthetic checkpoint of a multimodal preset carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SynthVision {
+    Released,
+    Small,
+    None,
 }
 
 /// How a synthetic checkpoint routes (see `slotstream::routing_model`).
@@ -52,6 +65,12 @@ pub fn synth(args: SynthArgs) -> Result<()> {
             .with_ngram_rows(rows)
             .map_err(|e| anyhow::anyhow!("--ngram-rows {rows}: {e}"))?;
     }
+    preset.vision = match (args.vision, preset.vision) {
+        (SynthVision::None, _) => None,
+        (SynthVision::Released, v) => v,
+        (SynthVision::Small, Some(_)) => Some(slotstream::tools::synth::SMALL_VISION_SHAPE),
+        (SynthVision::Small, None) => bail!("--vision small: {} has no vision tower", preset.name),
+    };
     let routing = (args.routing == SynthRouting::Synthetic).then(RoutingParams::calibrated);
     slotstream::tools::synth::write_checkpoint_with(
         &args.out,

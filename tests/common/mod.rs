@@ -111,6 +111,7 @@ pub const TINY: slotstream::tools::synth::Preset = slotstream::tools::synth::Pre
     group_size: 64,
     rope_theta: 1e7,
     flash_next: None,
+    vision: None,
 };
 
 /// A fixture loaded on the CPU backend with experts read from the mapped checkpoint.

@@ -12,7 +12,7 @@ use slotstream::experts::{MappedExperts, SourceOptions};
 use slotstream::model::{Logits, Model, NormConvention};
 use slotstream::tools::bench::{active_bytes_per_token, run, BenchOptions, Budget};
 use slotstream::tools::synth::{
-    write_checkpoint, DEMO, QWEN35_35B, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B,
+    write_checkpoint, Preset, DEMO, QWEN35_35B, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B,
 };
 
 /// A two-layer synth of each Qwen3-Next and Qwen3.5 preset validates, and keeps the
@@ -20,7 +20,12 @@ use slotstream::tools::synth::{
 /// as configured. (Qwen3.8-Flash-Next has its own test below.)
 #[test]
 fn two_layer_synths_keep_the_presets_shapes() {
-    for (preset, record_bytes) in [(QWEN3_NEXT_80B, 1_769_472), (QWEN35_35B, 1_769_472)] {
+    // The text model: the vision tower's synth is tested in vision::.
+    let qwen35 = Preset {
+        vision: None,
+        ..QWEN35_35B
+    };
+    for (preset, record_bytes) in [(QWEN3_NEXT_80B, 1_769_472), (qwen35, 1_769_472)] {
         let dir = tempfile::tempdir().unwrap();
         write_checkpoint(dir.path(), &preset, 2, false).unwrap();
         let ckpt = Checkpoint::open(dir.path()).unwrap();
@@ -140,7 +145,11 @@ fn released_shape(name: &str, shard_rows: usize) -> Vec<usize> {
 /// include an EOS (the n-gram hash's segment reset).
 #[test]
 fn two_layer_flash_next_synth_has_the_released_layout_and_runs() {
-    let preset = QWEN38_FLASH_NEXT.with_ngram_rows(NGRAM_ROWS).unwrap();
+    // The text model (the fixture's tensors): the vision tower's synth is tested in vision::.
+    let preset = Preset {
+        vision: None,
+        ..QWEN38_FLASH_NEXT.with_ngram_rows(NGRAM_ROWS).unwrap()
+    };
     let shard_rows = preset.ngram_geometry().unwrap().rows_per_shard;
     assert_eq!(shard_rows, 132);
     let dir = tempfile::tempdir().unwrap();

@@ -155,6 +155,7 @@ const TINY: Preset = Preset {
     group_size: 64,
     rope_theta: 1e7,
     flash_next: None,
+    vision: None,
 };
 
 /// On a synthetic checkpoint whose head leaves one token's logit finite (every other row

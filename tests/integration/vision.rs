@@ -339,3 +339,93 @@ fn tower_rows_match_transformers() {
         assert!(worst < 1e-4, "{what}: largest difference {worst}");
     }
 }
+
+/// A Qwen3.5-MoE synth with the small tower: its config reads back the tower's geometry,
+/// and the tower loads (channels-last patch embedding) and turns an image into one row of
+/// the model's width per token. The released tower is 897,862,112 bytes in bf16 at width
+/// 2560 (Flash-Next), the spec's 0.9 GB.
+#[test]
+fn a_synth_with_a_tower_loads_and_runs_it() {
+    use slotstream::tools::synth::{Preset, SMALL_VISION_SHAPE, VISION_SHAPE};
+    let preset = Preset {
+        family: slotstream::config::Family::Qwen35Moe,
+        vision: Some(SMALL_VISION_SHAPE),
+        ..crate::common::TINY
+    };
+    let dir = tempfile::tempdir().unwrap();
+    slotstream::tools::synth::write_checkpoint_with(dir.path(), &preset, 1, false, None).unwrap();
+    let ckpt = slotstream::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let v = ckpt.config.vision.clone().unwrap();
+    assert_eq!(
+        (v.depth, v.hidden_size, v.num_heads, v.out_hidden_size),
+        (2, 64, 4, preset.hidden)
+    );
+    let tower = slotstream::model::VisionTower::load(&ckpt).unwrap();
+    let p = ImageProcessor::for_tower(&v);
+    let patches = p.preprocess(&random_rgb(300, 170)).unwrap();
+    let rows = tower.forward(&patches).unwrap();
+    assert_eq!(rows.len(), patches.tokens * preset.hidden);
+    assert!(rows.iter().all(|x| x.is_finite()));
+
+    let flash = slotstream::tools::synth::QWEN38_FLASH_NEXT;
+    assert_eq!(flash.vision, Some(VISION_SHAPE));
+    let text_only = Preset {
+        vision: None,
+        ..flash
+    };
+    assert_eq!(
+        flash.checkpoint_bytes(2) - text_only.checkpoint_bytes(2),
+        897_862_112
+    );
+}
+
+/// The released tower's time per image on the CPU backend at 1, 256 and 2,304 tokens
+/// (grids of 2 x 2, 32 x 32 and 96 x 96 patches; a synth tower, random weights), printed
+/// for BENCHMARKS.md. Minutes on 2 cores, so ignored:
+/// `cargo test --release --test integration vision::tower_time_per_image -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn tower_time_per_image() {
+    use slotstream::image_processor::{Grid, Patches};
+    use slotstream::tools::synth::{Preset, QWEN35_35B, VISION_SHAPE};
+    let preset = Preset {
+        family: slotstream::config::Family::Qwen35Moe,
+        hidden: QWEN35_35B.hidden,
+        vision: Some(VISION_SHAPE),
+        ..crate::common::TINY
+    };
+    let dir = tempfile::tempdir().unwrap();
+    slotstream::tools::synth::write_checkpoint_with(dir.path(), &preset, 1, false, None).unwrap();
+    let ckpt = slotstream::checkpoint::Checkpoint::open(dir.path()).unwrap();
+    let tower = slotstream::model::VisionTower::load(&ckpt).unwrap();
+    let values = tower.config().patch_values();
+    let image = |side: usize| {
+        let grid = Grid {
+            t: 1,
+            h: side,
+            w: side,
+        };
+        let mut rng = rand::rng();
+        Patches {
+            grid,
+            values: (0..grid.patches() * values)
+                .map(|_| rand::Rng::random_range(&mut rng, -1.0..1.0))
+                .collect(),
+            tokens: grid.patches() / 4,
+        }
+    };
+    // Warm-up: the weights' pages, rayon's threads.
+    tower.forward(&image(2)).unwrap();
+    for (side, runs) in [(2, 5), (32, 3), (96, 1)] {
+        let patches = image(side);
+        let start = std::time::Instant::now();
+        for _ in 0..runs {
+            tower.forward(&patches).unwrap();
+        }
+        let per = start.elapsed().as_secs_f64() / runs as f64;
+        println!(
+            "tower: {} tokens ({side} x {side} patches): {per:.3} s per image ({runs} runs)",
+            patches.tokens
+        );
+    }
+}

@@ -18,7 +18,7 @@ use super::writer::{fill_bf16, Filler, SafetensorsWriter};
 /// Writes a `layers`-layer checkpoint of `preset` into `dir` (created if needed):
 /// config.json, `model-0000i-of-0000n.safetensors` (embeddings and head first, then one
 /// per layer; Qwen3.8-Flash-Next's layer 1 also holds the n-gram table, 32 GB at the
-/// released shape), `model.safetensors.index.json`, and a byte-level tokenizer built in code
+/// released shape; the vision tower last, where the preset has one), `model.safetensors.index.json`, and a byte-level tokenizer built in code
 /// (`tokenizer.json`, `tokenizer_config.json` with a ChatML template). Files are written
 /// under temporary names and renamed, the index last, so an interrupted run leaves no
 /// checkpoint that opens. Shows a progress bar when `progress` is set. The checkpoint
@@ -88,7 +88,7 @@ pub fn write_checkpoint_with(
             _ => {}
         }
     }
-    let shards = layers + 1;
+    let shards = layers + 1 + usize::from(preset.vision.is_some());
     let bar = progress.then(|| {
         let bar = indicatif::ProgressBar::new(preset.checkpoint_bytes(layers));
         bar.set_style(
@@ -105,8 +105,10 @@ pub fn write_checkpoint_with(
     for shard in 0..shards {
         let tensors = if shard == 0 {
             preset.head_tensors()
-        } else {
+        } else if shard <= layers {
             preset.layer_tensors(shard - 1)
+        } else {
+            preset.vision_tensors()
         };
         let file = format!("model-{:05}-of-{:05}.safetensors", shard + 1, shards);
         let path = dir.join(&file);

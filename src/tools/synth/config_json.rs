@@ -66,11 +66,13 @@ impl Preset {
                     json!({"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": 0.25,
                            "mrope_section": [11, 11, 10], "mrope_interleaved": true}),
                 );
-                json!({
+                let mut top = json!({
                     "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
                     "text_config": text, "tie_word_embeddings": false,
                     "quantization": quant.clone(), "quantization_config": quant,
-                })
+                });
+                self.add_vision_config(&mut top);
+                top
             }
         }
     }
@@ -82,8 +84,8 @@ impl Preset {
     /// group 64, with a group-`ngram_group_size` override per n-gram shard and no other
     /// (the unquantized modules have no `.scales`), keyed as the release keys them:
     /// `model.layers.1.ple.ple_embedding.ngram_embedding.shard_N`, without the
-    /// `language_model.` prefix its tensor names carry. The vision tower is left out, so
-    /// there is no `vision_config` and `language_model_only` is true.
+    /// `language_model.` prefix its tensor names carry. With the preset's vision tower it
+    /// has a `vision_config` and `language_model_only` false; without, true.
     fn flash_next_config(&self, x: &FlashNextShape, layers: usize) -> serde_json::Value {
         let mut quant = serde_json::Map::new();
         quant.insert("group_size".into(), json!(self.group_size));
@@ -183,17 +185,46 @@ impl Preset {
         ] {
             text.insert(k.into(), v);
         }
-        // The released vision placeholders (A.1), though this checkpoint has no tower.
-        json!({
+        // The released vision placeholders (A.1), with or without a tower.
+        let mut top = json!({
             "architectures": ["Qwen4ExpForConditionalGeneration"],
             "model_type": "qwen4_exp",
             "transformers_version": "5.8.0.dev0",
             "tie_word_embeddings": false,
-            "language_model_only": true,
+            "language_model_only": self.vision.is_none(),
             "image_token_id": 248_056, "video_token_id": 248_057,
             "vision_start_token_id": 248_053, "vision_end_token_id": 248_054,
             "text_config": text,
             "quantization": quant.clone(), "quantization_config": quant,
-        })
+        });
+        self.add_vision_config(&mut top);
+        top
+    }
+
+    /// Adds the tower's `vision_config` (transformers' `Qwen3_5MoeVisionConfig` fields) and
+    /// the released placeholder ids to a config's top level, where the preset has a tower.
+    fn add_vision_config(&self, top: &mut serde_json::Value) {
+        let Some(v) = &self.vision else {
+            return;
+        };
+        for (k, value) in [
+            (
+                "vision_config",
+                json!({
+                    "model_type": "qwen3_5_moe_vision", "depth": v.depth, "hidden_size": v.hidden,
+                    "intermediate_size": v.intermediate, "num_heads": v.heads, "in_channels": 3,
+                    "patch_size": v.patch, "temporal_patch_size": v.temporal_patch,
+                    "spatial_merge_size": v.merge, "out_hidden_size": self.hidden,
+                    "num_position_embeddings": v.positions, "hidden_act": "gelu_pytorch_tanh",
+                    "deepstack_visual_indexes": [],
+                }),
+            ),
+            ("image_token_id", json!(248_056)),
+            ("video_token_id", json!(248_057)),
+            ("vision_start_token_id", json!(248_053)),
+            ("vision_end_token_id", json!(248_054)),
+        ] {
+            top[k] = value;
+        }
     }
 }

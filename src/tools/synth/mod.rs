@@ -14,8 +14,9 @@
 //! hyper-connections, split gated-DeltaNet projections, QSA attention with its indexer,
 //! the PLE layer at layer 1 with its hashed n-gram table in 128 shards (4 bits, group 32),
 //! bf16 routers, inject weights, indexer and a/b projections, norms with the `+1` folded
-//! in. The text model only: the vision tower (A.10) and the MTP head (A.11) are left out,
-//! as slotstream never reads them.
+//! in. The multimodal presets (Qwen3.5-MoE, Flash-Next) carry the vision tower (A.10) at
+//! its released shape, in its own shard, unless a preset drops it (`vision: None`); the
+//! MTP head (A.11) is left out.
 //!
 //! A random router routes almost uniformly, so by default a checkpoint also carries a
 //! synthetic routing model ([`crate::routing_model`], `synthetic_routing.json`) calibrated
@@ -40,8 +41,8 @@ mod tests;
 pub use checkpoint::{write_checkpoint, write_checkpoint_with};
 pub use flash_next::NgramGeometry;
 pub use presets::{
-    preset, FlashNextShape, Preset, DEMO, FLASH_NEXT_SHAPE, PRESETS, QWEN35_35B, QWEN38_FLASH_NEXT,
-    QWEN3_NEXT_80B,
+    preset, FlashNextShape, Preset, VisionShape, DEMO, FLASH_NEXT_SHAPE, PRESETS, QWEN35_35B,
+    QWEN38_FLASH_NEXT, QWEN3_NEXT_80B, SMALL_VISION_SHAPE, VISION_SHAPE,
 };
 pub use tokenizer::refresh_tokenizer;
 pub use writer::{Filler, SafetensorsWriter};

@@ -30,7 +30,60 @@ pub struct Preset {
     /// Qwen3.8-Flash-Next's extra blocks; `Some` exactly when `family` is
     /// [`Family::Qwen4Exp`].
     pub flash_next: Option<FlashNextShape>,
+    /// The vision tower, written as the MLX conversions store it (`vision_tower.*`, bf16,
+    /// the patch embedding's Conv3d weight channels-last) with its `vision_config`; only for
+    /// the multimodal families (`qwen3_5_moe`, `qwen4_exp`). `None`: a text-only checkpoint.
+    pub vision: Option<VisionShape>,
 }
+
+/// A vision tower's geometry (reference-system.md A.10, transformers' `vision_config`
+/// names in the comments); its output width is the preset's `hidden`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct VisionShape {
+    /// Blocks (`depth`).
+    pub depth: usize,
+    /// Width of the tower's rows (`hidden_size`).
+    pub hidden: usize,
+    /// Width of a block's MLP (`intermediate_size`).
+    pub intermediate: usize,
+    /// Attention heads (`num_heads`).
+    pub heads: usize,
+    /// Side of a patch in pixels (`patch_size`).
+    pub patch: usize,
+    /// Frames of a patch (`temporal_patch_size`).
+    pub temporal_patch: usize,
+    /// Side of the square of patches merged into a token (`spatial_merge_size`).
+    pub merge: usize,
+    /// Rows of the learned position grid, a square (`num_position_embeddings`).
+    pub positions: usize,
+}
+
+/// The released tower of Qwen3.5-MoE and Qwen3.8-Flash-Next (A.10): 27 blocks of width
+/// 1152, 16 heads, MLP 4304, patch 16 over 2 frames, merge 2, a 48 x 48 position grid;
+/// 0.9 GB in bf16.
+pub const VISION_SHAPE: VisionShape = VisionShape {
+    depth: 27,
+    hidden: 1152,
+    intermediate: 4304,
+    heads: 16,
+    patch: 16,
+    temporal_patch: 2,
+    merge: 2,
+    positions: 2304,
+};
+
+/// A small tower with the released patch sizes, for tests: 2 blocks of width 64, 4 heads,
+/// an 8 x 8 position grid.
+pub const SMALL_VISION_SHAPE: VisionShape = VisionShape {
+    depth: 2,
+    hidden: 64,
+    intermediate: 128,
+    heads: 4,
+    patch: 16,
+    temporal_patch: 2,
+    merge: 2,
+    positions: 64,
+};
 
 /// What a Qwen3.8-Flash-Next (`qwen4_exp`) preset adds to the Qwen3.5 blocks: the
 /// hyper-connections (reference-system.md A.3), the QSA indexer (A.5) and the PLE layer
@@ -124,6 +177,7 @@ pub const DEMO: Preset = Preset {
     group_size: 64,
     rope_theta: 1e7,
     flash_next: None,
+    vision: None,
 };
 
 /// Qwen3-Next-80B-A3B (../shared/spec/models.md §1.1): records of 1,769,472 bytes.
@@ -145,11 +199,12 @@ pub const QWEN3_NEXT_80B: Preset = Preset {
     group_size: 64,
     rope_theta: 1e7,
     flash_next: None,
+    vision: None,
 };
 
 /// Qwen3.8-Flash-Next (`qwen4_exp`, reference-system.md A.1-A.9) as released in MLX 4-bit:
 /// 48 layers of 512 experts (top-10), records of 2,764,800 bytes, a 32 GB n-gram table;
-/// 102.87 GB of tensors at 48 layers ([`Preset::checkpoint_bytes`]).
+/// 103.77 GB of tensors at 48 layers with the vision tower ([`Preset::checkpoint_bytes`]).
 pub const QWEN38_FLASH_NEXT: Preset = Preset {
     name: "qwen3.8-flash-next",
     family: Family::Qwen4Exp,
@@ -168,10 +223,11 @@ pub const QWEN38_FLASH_NEXT: Preset = Preset {
     group_size: 64,
     rope_theta: 1e7,
     flash_next: Some(FLASH_NEXT_SHAPE),
+    vision: Some(VISION_SHAPE),
 };
 
-/// Qwen3.5-35B-A3B (../shared/spec/models.md §1.2), text model only, in the `qwen3_5_moe`
-/// layout: 40 layers of 256 experts (top-8), records of 1,769,472 bytes.
+/// Qwen3.5-35B-A3B (../shared/spec/models.md §1.2) in the `qwen3_5_moe` layout: 40 layers
+/// of 256 experts (top-8), records of 1,769,472 bytes, and the vision tower.
 pub const QWEN35_35B: Preset = Preset {
     name: "qwen3.5-35b-a3b",
     family: Family::Qwen35Moe,
@@ -190,6 +246,7 @@ pub const QWEN35_35B: Preset = Preset {
     group_size: 64,
     rope_theta: 1e7,
     flash_next: None,
+    vision: Some(VISION_SHAPE),
 };
 
 /// The presets by name.
@@ -263,7 +320,8 @@ impl Preset {
     /// Errors ([`Error::InvalidInput`]) unless a `layers`-layer checkpoint of this preset
     /// can be written and loaded: at least [`Preset::min_layers`] layers, a
     /// [`FlashNextShape`] exactly for `qwen4_exp`, special tokens inside the vocabulary,
-    /// and n-gram rows of whole quantization groups.
+    /// n-gram rows of whole quantization groups, and a vision tower only for a multimodal
+    /// family, with heads of a width divisible by 4 and a square position grid.
     pub fn check(&self, layers: usize) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidInput(format!("preset `{}`: {m}", self.name)));
         if layers < self.min_layers() {
@@ -281,6 +339,20 @@ impl Preset {
                 self.special_tokens(),
                 self.vocab
             ));
+        }
+        if let Some(v) = &self.vision {
+            if self.family == Family::Qwen3Next {
+                return bad("qwen3_next has no vision tower".into());
+            }
+            let side = v.positions.isqrt();
+            if v.heads == 0
+                || !v.hidden.is_multiple_of(v.heads)
+                || !(v.hidden / v.heads).is_multiple_of(4)
+                || side * side != v.positions
+                || [v.depth, v.intermediate, v.patch, v.temporal_patch, v.merge].contains(&0)
+            {
+                return bad(format!("unusable vision tower geometry {v:?}"));
+            }
         }
         if let Some(x) = &self.flash_next {
             let heads = x.ngram_heads();

@@ -365,9 +365,71 @@ impl Preset {
         t
     }
 
-    /// Bytes of all tensors of a `layers`-layer checkpoint.
+    /// The vision tower's tensors (none without one), as mlx-vlm stores them: bf16 under
+    /// `vision_tower.`, the patch embedding's Conv3d weight channels-last
+    /// (`[out, frames, rows, cols, channels]`), LayerNorms 1 and biases 0.
+    pub(super) fn vision_tensors(&self) -> Vec<TensorSpec> {
+        let Some(v) = &self.vision else {
+            return Vec::new();
+        };
+        let mut t = Vec::new();
+        let linear = |t: &mut Vec<TensorSpec>, module: String, rows: usize, cols: usize| {
+            dense(t, format!("{module}.weight"), rows, cols);
+            vector(t, format!("{module}.bias"), vec![rows], Fill::Const(0.0));
+        };
+        let norm = |t: &mut Vec<TensorSpec>, module: String, width: usize| {
+            vector(t, format!("{module}.weight"), vec![width], Fill::Const(1.0));
+            vector(t, format!("{module}.bias"), vec![width], Fill::Const(0.0));
+        };
+        let (d, p) = (v.hidden, "vision_tower");
+        let patch_values = 3 * v.temporal_patch * v.patch * v.patch;
+        vector(
+            &mut t,
+            format!("{p}.patch_embed.proj.weight"),
+            vec![d, v.temporal_patch, v.patch, v.patch, 3],
+            Fill::Uniform((3.0 / patch_values as f32).sqrt()),
+        );
+        vector(
+            &mut t,
+            format!("{p}.patch_embed.proj.bias"),
+            vec![d],
+            Fill::Const(0.0),
+        );
+        vector(
+            &mut t,
+            format!("{p}.pos_embed.weight"),
+            vec![v.positions, d],
+            Fill::Uniform(1.0),
+        );
+        for b in 0..v.depth {
+            let m = format!("{p}.blocks.{b}");
+            norm(&mut t, format!("{m}.norm1"), d);
+            norm(&mut t, format!("{m}.norm2"), d);
+            linear(&mut t, format!("{m}.attn.qkv"), 3 * d, d);
+            linear(&mut t, format!("{m}.attn.proj"), d, d);
+            linear(&mut t, format!("{m}.mlp.linear_fc1"), v.intermediate, d);
+            linear(&mut t, format!("{m}.mlp.linear_fc2"), d, v.intermediate);
+        }
+        let merged = d * v.merge * v.merge;
+        norm(&mut t, format!("{p}.merger.norm"), d);
+        linear(&mut t, format!("{p}.merger.linear_fc1"), merged, merged);
+        linear(
+            &mut t,
+            format!("{p}.merger.linear_fc2"),
+            self.hidden,
+            merged,
+        );
+        t
+    }
+
+    /// Bytes of all tensors of a `layers`-layer checkpoint (the vision tower's included).
     pub fn checkpoint_bytes(&self, layers: usize) -> u64 {
         let mut n: u64 = self.head_tensors().iter().map(TensorSpec::bytes).sum();
+        n += self
+            .vision_tensors()
+            .iter()
+            .map(TensorSpec::bytes)
+            .sum::<u64>();
         for l in 0..layers {
             n += self
                 .layer_tensors(l)

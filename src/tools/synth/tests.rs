@@ -48,7 +48,15 @@ fn flash_next_sizes_match_the_release() {
     for t in p.head_tensors().chunks(3).take(2) {
         assert_eq!(t.iter().map(TensorSpec::bytes).sum::<u64>(), 357_580_800);
     }
-    assert_eq!(p.checkpoint_bytes(48), 102_871_883_800);
+    // The text model's 102,871,883,800 bytes and the vision tower's 897,862,112 (bf16).
+    assert_eq!(
+        p.vision_tensors()
+            .iter()
+            .map(TensorSpec::bytes)
+            .sum::<u64>(),
+        897_862_112
+    );
+    assert_eq!(p.checkpoint_bytes(48), 103_769_745_912);
 }
 
 /// An attention layer (l % 4 == 3) holds QSA attention with its bf16 indexer and
