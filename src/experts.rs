@@ -14,8 +14,9 @@ use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, ExpertIndex};
 use crate::error::{Error, Result};
 use crate::io::{IoMode, RangeRead};
+use crate::machine::{MemoryProbe, OsMemory};
 use crate::plan::{AutoPlan, CacheTerm, Footprint, Plan, Target};
-use crate::pool::{PoolExperts, SlotPool, StreamOptions};
+use crate::pool::{ElasticOptions, PoolExperts, SlotPool, StreamOptions, Watcher};
 use crate::records::{ExpertSource, HeldRecord, LayerRecords, SlotTag};
 
 /// Reads records straight from the memory-mapped checkpoint (page cache), with no pool.
@@ -195,6 +196,35 @@ pub struct SourceOptions {
     /// `--prompt-cache 10%`): a plan refused for its pool then advises a budget whose
     /// share leaves the pool its floor ([`crate::plan::smallest_budget`]).
     pub prompt_cache_share: Option<f64>,
+    /// Resize a pool planned from the machine ([`PoolSize::Auto`]) as its memory comes and
+    /// goes ([`crate::pool::Watcher`]); `None`: the pool keeps its plan's size.
+    pub elastic: Option<Elastic>,
+}
+
+/// The elastic pool's watcher: where it reads the machine's memory, and when it resizes.
+#[derive(Clone)]
+pub struct Elastic {
+    pub probe: Arc<dyn MemoryProbe>,
+    pub options: ElasticOptions,
+}
+
+impl Elastic {
+    /// The OS's readings ([`OsMemory`]) with the options for a machine (or cgroup) of
+    /// `ram` bytes ([`ElasticOptions::for_ram`]).
+    pub fn os(ram: u64) -> Self {
+        Elastic {
+            probe: Arc::new(OsMemory),
+            options: ElasticOptions::for_ram(ram),
+        }
+    }
+}
+
+impl std::fmt::Debug for Elastic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Elastic")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for SourceOptions {
@@ -213,6 +243,7 @@ impl Default for SourceOptions {
             trace: false,
             prompt_cache: 0,
             prompt_cache_share: None,
+            elastic: None,
         }
     }
 }
@@ -252,7 +283,9 @@ fn auto_plan<B: Backend>(
 }
 
 /// Opens the expert source `options` ask for, attaching a pool to `backend` (whose GPU
-/// may mirror or import it); the pool's reads run on `runtime`.
+/// may mirror or import it); the pool's reads run on `runtime`, and so does the elastic
+/// pool's watcher of a pool planned from the machine (`options.elastic`; not where the
+/// backend cannot release part of the pool's memory, which is logged).
 /// Errors: a pool below its floor or a budget that leaves less (with every term), a
 /// trace or placement asked for without a pool, a pool that cannot read its files.
 pub fn open_source<B: Backend>(
@@ -290,8 +323,26 @@ pub fn open_source<B: Backend>(
     stream.queue_depth = options.queue_depth;
     stream.io = options.io;
     stream.use_pack = options.use_pack;
-    let pool = SlotPool::open(ckpt, index, stream, runtime)?;
+    let pool = SlotPool::open(ckpt, index, stream, runtime.clone())?;
     backend.attach_pool(&pool.memory(), options.placement)?;
+    pool.set_releasable(backend.pool_memory_releasable());
+    if let (Some(PoolSize::Auto(_)), Some(elastic)) = (options.pool, &options.elastic) {
+        if backend.pool_memory_releasable() {
+            tracing::info!(
+                low_water = elastic.options.low_water,
+                high_water = elastic.options.high_water,
+                "elastic pool: {} to {} slots as the machine's memory allows",
+                pool.floor(),
+                pool.slots()
+            );
+            Watcher::new(&pool, elastic.probe.clone(), elastic.options).spawn(&runtime);
+        } else {
+            tracing::info!(
+                "elastic pool off: the GPU maps the pool's host memory itself, so its pages cannot be returned; the pool keeps its plan's {} slots",
+                pool.slots()
+            );
+        }
+    }
     if options.trace {
         pool.enable_trace();
     }

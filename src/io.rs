@@ -91,6 +91,49 @@ impl AlignedBuf {
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    /// Gives the whole pages of `offset..offset + len` back to the OS (Linux
+    /// `madvise(MADV_DONTNEED)`: they read as zeros when touched again; macOS
+    /// `MADV_FREE`: the OS takes them when it needs them; elsewhere nothing); returns the
+    /// bytes advised (0 where nothing was). The memory stays allocated and valid.
+    ///
+    /// # Safety
+    /// Nothing may read or write the range while this runs, and nothing may count on its
+    /// contents afterwards (the slot pool calls it on retired slots alone).
+    pub(crate) unsafe fn release(&self, offset: usize, len: usize) -> usize {
+        let page = page_size();
+        let start = (self.ptr.as_ptr() as usize + offset).next_multiple_of(page);
+        let end = (self.ptr.as_ptr() as usize + (offset + len).min(self.capacity)) / page * page;
+        if end <= start {
+            return 0;
+        }
+        #[cfg(target_os = "linux")]
+        let advice = libc::MADV_DONTNEED;
+        #[cfg(target_os = "macos")]
+        let advice = libc::MADV_FREE;
+        #[cfg(any(target_os = "linux", target_os = "macos"))]
+        {
+            // SAFETY: the range lies inside this allocation (private anonymous memory)
+            // and, by the caller's contract, nothing uses it.
+            let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
+            if rc == 0 {
+                return end - start;
+            }
+            tracing::debug!(error = %std::io::Error::last_os_error(), "madvise failed; the pages stay");
+        }
+        0
+    }
+}
+
+/// The OS's page size in bytes (4096 where it cannot be read).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
 }
 
 impl Drop for AlignedBuf {

@@ -3,9 +3,14 @@
 //! recommended working set where the GPU backend shares memory with the CPU.
 //!
 //! Linux: `/proc/meminfo` (`MemTotal`, `MemAvailable`) and the cgroup v2 `memory.max` and
-//! `memory.current` of this process's cgroup and its ancestors (the tightest limit wins).
+//! `memory.current` of this process's cgroup and its ancestors (the tightest limit wins),
+//! or on a cgroup v1 host the memory controller's `memory.limit_in_bytes` and
+//! `memory.usage_in_bytes`; the cgroup's inactive file cache (`memory.stat`), which the
+//! kernel reclaims first, is not counted as used. Memory pressure: PSI's
+//! `/proc/pressure/memory` where the kernel has it.
 //! macOS: `sysctl hw.memsize`; the available memory is taken as the total, since macOS
-//! compresses and reclaims memory rather than leaving it free.
+//! compresses and reclaims memory rather than leaving it free (so the elastic pool's
+//! watcher, [`MemoryProbe`], never sees it short there).
 //!
 //! For tests, `SLOTSTREAM_SIM_RAM_GB` (a number of GiB, fractions allowed) replaces the
 //! probe with a machine of that much RAM, all of it available, and no cgroup.
@@ -26,7 +31,8 @@ pub struct MachineMemory {
     /// The cgroup v2 `memory.max` of this process (the least of its cgroup's and its
     /// ancestors'), when one is set.
     pub cgroup_max: Option<u64>,
-    /// The cgroup's `memory.current` (bytes it is charged now), when `cgroup_max` is set.
+    /// The cgroup's `memory.current` (bytes it is charged now) less its inactive file
+    /// cache, when `cgroup_max` is set.
     pub cgroup_current: Option<u64>,
     /// The GPU's recommended working set (Metal's `recommendedMaxWorkingSetSize`) where
     /// a unified-memory GPU runs the model; `None` elsewhere.
@@ -62,8 +68,15 @@ impl MachineMemory {
         let (total, available) = parse_meminfo(&meminfo)?;
         let (cgroup_max, cgroup_current) = std::fs::read_to_string("/proc/self/cgroup")
             .ok()
-            .and_then(|text| cgroup_dir(&text, Path::new("/sys/fs/cgroup")))
-            .map_or((None, None), |dir| cgroup_limits(&dir));
+            .map_or((None, None), |text| {
+                let v2 = cgroup_dir(&text, Path::new("/sys/fs/cgroup"))
+                    .map_or((None, None), |dir| cgroup_limits(&dir, CgroupVersion::V2));
+                if v2.0.is_some() {
+                    return v2;
+                }
+                cgroup_v1_dir(&text, Path::new("/sys/fs/cgroup/memory"))
+                    .map_or((None, None), |dir| cgroup_limits(&dir, CgroupVersion::V1))
+            });
         Some(MachineMemory {
             total,
             available,
@@ -133,10 +146,34 @@ pub fn parse_meminfo(text: &str) -> Option<(u64, u64)> {
     Some((field("MemTotal")?, field("MemAvailable")?))
 }
 
-/// A cgroup v2 memory file (`memory.max`, `memory.current`) in bytes: `None` for `max`
-/// (no limit) or a malformed text.
+/// A cgroup memory file (v2 `memory.max`, `memory.current`; v1 `memory.limit_in_bytes`,
+/// `memory.usage_in_bytes`) in bytes: `None` for `max` (no limit), a v1 "no limit" (the
+/// largest page-aligned `i64`, anything from 2^62 up) or a malformed text.
 pub fn parse_cgroup_bytes(text: &str) -> Option<u64> {
-    text.trim().parse().ok()
+    text.trim().parse().ok().filter(|&b: &u64| b < 1 << 62)
+}
+
+/// Which cgroup hierarchy a directory belongs to (its files are named differently).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CgroupVersion {
+    /// `memory.max`, `memory.current`, `memory.stat`'s `inactive_file`.
+    V2,
+    /// `memory.limit_in_bytes`, `memory.usage_in_bytes`, `memory.stat`'s
+    /// `total_inactive_file`.
+    V1,
+}
+
+impl CgroupVersion {
+    fn files(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            CgroupVersion::V2 => ("memory.max", "memory.current", "inactive_file"),
+            CgroupVersion::V1 => (
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            ),
+        }
+    }
 }
 
 /// The directory of this process's cgroup v2 under `root`, from a `/proc/self/cgroup`
@@ -149,23 +186,95 @@ pub fn cgroup_dir(proc_self_cgroup: &str, root: &Path) -> Option<PathBuf> {
     Some(root.join(path.trim_start_matches('/')))
 }
 
-/// The tightest `memory.max` of `dir` and its ancestors that have one, with the
-/// `memory.current` of the cgroup that sets it.
-pub fn cgroup_limits(dir: &Path) -> (Option<u64>, Option<u64>) {
+/// The directory of this process's cgroup v1 memory controller under `root` (the
+/// controller's mount), from a `/proc/self/cgroup` text (its `N:memory:/path` line).
+/// `None` without one.
+pub fn cgroup_v1_dir(proc_self_cgroup: &str, root: &Path) -> Option<PathBuf> {
+    let path = proc_self_cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    })?;
+    Some(root.join(path.trim().trim_start_matches('/')))
+}
+
+/// The tightest memory limit of `dir` and its ancestors that have one, with what the
+/// cgroup that sets it is charged, less its inactive file cache (`memory.stat`), which
+/// the kernel reclaims before it fails an allocation.
+pub fn cgroup_limits(dir: &Path, version: CgroupVersion) -> (Option<u64>, Option<u64>) {
+    let (max_file, current_file, inactive_key) = version.files();
     let read = |d: &Path, file: &str| {
         std::fs::read_to_string(d.join(file))
             .ok()
             .and_then(|t| parse_cgroup_bytes(&t))
     };
+    let inactive = |d: &Path| {
+        let stat = std::fs::read_to_string(d.join("memory.stat")).ok()?;
+        stat.lines().find_map(|l| {
+            let (key, value) = l.split_once(' ')?;
+            (key == inactive_key).then(|| value.trim().parse::<u64>().ok())?
+        })
+    };
     let mut best: (Option<u64>, Option<u64>) = (None, None);
     for d in dir.ancestors() {
-        if let Some(max) = read(d, "memory.max") {
+        if let Some(max) = read(d, max_file) {
             if best.0.is_none_or(|b| max < b) {
-                best = (Some(max), read(d, "memory.current"));
+                let current =
+                    read(d, current_file).map(|c| c.saturating_sub(inactive(d).unwrap_or(0)));
+                best = (Some(max), current);
             }
         }
     }
     best
+}
+
+/// Memory pressure: PSI's `some avg10` of a `/proc/pressure/memory` text, the share (in
+/// percent) of the last 10 seconds in which some task stalled waiting for memory. `None`
+/// when the line is missing or malformed.
+pub fn parse_pressure(text: &str) -> Option<f64> {
+    let line = text.lines().find(|l| l.starts_with("some "))?;
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("avg10="))?
+        .parse()
+        .ok()
+}
+
+/// What the elastic pool's watcher reads: the machine's memory, and its memory pressure
+/// where the OS reports one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct MemoryReading {
+    pub memory: MachineMemory,
+    /// PSI `some avg10` (percent, 0 to 100; [`parse_pressure`]); `None` where absent.
+    pub pressure: Option<f64>,
+}
+
+/// A source of [`MemoryReading`]s: the OS ([`OsMemory`]), or a script in tests.
+pub trait MemoryProbe: Send + Sync {
+    /// The memory now; `None` when it cannot be read (the watcher then leaves the pool
+    /// as it is).
+    fn read(&self) -> Option<MemoryReading>;
+}
+
+/// The machine's own memory ([`MachineMemory::probe`], [`SIM_RAM_ENV`] included) and
+/// `/proc/pressure/memory`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OsMemory;
+
+impl MemoryProbe for OsMemory {
+    fn read(&self) -> Option<MemoryReading> {
+        let memory = MachineMemory::probe()?;
+        // A simulated machine has no pressure of its own.
+        let pressure = match std::env::var_os(SIM_RAM_ENV) {
+            Some(_) => None,
+            None => std::fs::read_to_string("/proc/pressure/memory")
+                .ok()
+                .and_then(|t| parse_pressure(&t)),
+        };
+        Some(MemoryReading { memory, pressure })
+    }
 }
 
 #[cfg(test)]
@@ -193,6 +302,17 @@ mod tests {
         assert_eq!(parse_cgroup_bytes("max\n"), None);
         assert_eq!(parse_cgroup_bytes("8589934592\n"), Some(8 << 30));
         assert_eq!(parse_cgroup_bytes(""), None);
+        assert_eq!(parse_cgroup_bytes("9223372036854771712\n"), None);
+        let root = Path::new("/sys/fs/cgroup/memory");
+        assert_eq!(
+            cgroup_v1_dir("5:devices:/\n4:memory:/process_api/abc\n0::/\n", root),
+            Some(root.join("process_api/abc"))
+        );
+        assert_eq!(
+            cgroup_v1_dir("3:cpu,memory:/x\n", root),
+            Some(root.join("x"))
+        );
+        assert_eq!(cgroup_v1_dir("0::/\n4:memoryx:/y\n", root), None);
         let root = Path::new("/sys/fs/cgroup");
         assert_eq!(cgroup_dir("0::/\n", root), Some(root.to_path_buf()));
         assert_eq!(
@@ -209,9 +329,31 @@ mod tests {
         std::fs::create_dir_all(&leaf).unwrap();
         std::fs::write(leaf.join("memory.max"), "max\n").unwrap();
         std::fs::write(root.join("a/memory.max"), "4294967296\n").unwrap();
-        std::fs::write(root.join("a/memory.current"), "1073741824\n").unwrap();
+        std::fs::write(root.join("a/memory.current"), "1207959552\n").unwrap();
+        // 128 MiB of it inactive file cache, which is not counted.
+        std::fs::write(
+            root.join("a/memory.stat"),
+            "anon 1073741824\nfile 134217728\ninactive_file 134217728\n",
+        )
+        .unwrap();
         std::fs::write(root.join("memory.max"), "8589934592\n").unwrap();
-        assert_eq!(cgroup_limits(&leaf), (Some(4 << 30), Some(1 << 30)));
+        assert_eq!(
+            cgroup_limits(&leaf, CgroupVersion::V2),
+            (Some(4 << 30), Some(1 << 30))
+        );
+        // The same limits under v1's names.
+        std::fs::write(leaf.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        std::fs::write(root.join("a/memory.limit_in_bytes"), "4294967296\n").unwrap();
+        std::fs::write(root.join("a/memory.usage_in_bytes"), "1207959552\n").unwrap();
+        std::fs::write(
+            root.join("a/memory.stat"),
+            "cache 134217728\ntotal_inactive_file 134217728\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cgroup_limits(&leaf, CgroupVersion::V1),
+            (Some(4 << 30), Some(1 << 30))
+        );
         std::fs::remove_dir_all(&root).unwrap();
         let m = MachineMemory {
             total: 16 << 30,
@@ -221,5 +363,13 @@ mod tests {
             gpu_working_set: None,
         };
         assert_eq!((m.ram(), m.room()), (4 << 30, 3 << 30));
+    }
+
+    #[test]
+    fn pressure_parses() {
+        let text = "some avg10=12.50 avg60=3.00 avg300=0.80 total=123456\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=1\n";
+        assert_eq!(parse_pressure(text), Some(12.5));
+        assert_eq!(parse_pressure("full avg10=1.00\n"), None);
+        assert_eq!(parse_pressure("some avg10=x\n"), None);
     }
 }

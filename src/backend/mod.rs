@@ -301,6 +301,16 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Whether pages of the attached pool's memory may be given back to the OS
+    /// (`madvise`) while the backend uses the pool, as an elastic pool's shrink does with
+    /// the slots it retires: true (the default) where the device reads the slots through
+    /// the process's own mapping (the CPU) or copies them out of it; false where it holds
+    /// a mapping of its own (host memory a GPU imported: a driver that pins the pages
+    /// would go on reading the old ones after the process's mapping was emptied).
+    fn pool_memory_releasable(&self) -> bool {
+        true
+    }
+
     /// Bytes per second (read plus written) of a large copy in the memory this backend
     /// computes from: the ceiling a bandwidth-bound decode step is compared with. The
     /// default times a 512 MiB host copy on the rayon pool (the CPU backend's threads).

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use slotstream::backend::gpu::GpuOptions;
 
 use slotstream::engine::{Engine, EngineOptions, Event, Generation, Prepared, Request};
-use slotstream::experts::PoolSize;
+use slotstream::experts::{Elastic, PoolSize};
 use slotstream::generate::GenerateStats;
 use slotstream::pool::PoolStats;
 use slotstream::prompt_cache::PromptCacheOptions;
@@ -24,7 +24,8 @@ use super::flags::{StreamArgs, TraceArgs};
 /// (`prompt_cache` given the memory budget its share is of: `--memory-budget` or the one
 /// planned from the machine); the GPU's options from the environment
 /// ([`GpuOptions::from_env`]). Without a pool flag the run is planned from the machine
-/// ([`PoolSize::Auto`]), and without `--context` the context is chosen for the budget.
+/// ([`PoolSize::Auto`]), with an elastic pool ([`Elastic::os`]) that follows the machine's
+/// memory within the plan, and without `--context` the context is chosen for the budget.
 /// `prompt_cache` also gives the share of the budget the snapshots take, when they take
 /// one (the plan's advice counts it: [`slotstream::plan::smallest_budget`]).
 /// Errors: `prompt_cache`'s.
@@ -42,7 +43,10 @@ pub fn engine_options(
         Some(PoolSize::Slots(_) | PoolSize::PerLayer(_))
     );
     match (&source.pool, target) {
-        (None, Some(target)) => source.pool = Some(PoolSize::Auto(target)),
+        (None, Some(target)) => {
+            source.pool = Some(PoolSize::Auto(target));
+            source.elastic = target.machine.map(|m| Elastic::os(m.ram()));
+        }
         (None, None) => tracing::warn!(
             "the machine's memory could not be read: every record stays mapped, with a context of {} tokens (--memory-budget or --memory-limit plans a run)",
             source.context

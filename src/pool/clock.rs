@@ -42,9 +42,9 @@ impl SlotPool {
     /// state.
     pub(super) fn claim_victim(&self, inner: &mut Inner, key: Key) -> Option<usize> {
         let n = inner.slots.len();
-        let free = |s: &Slot| s.pins == 0 && s.state != State::Loading;
+        let free = |s: &Slot| s.pins == 0 && s.state != State::Loading && s.state != State::Retired;
         let mut victim = None;
-        if n >= self.index.records() {
+        if inner.holds_every_record(self.index.records()) {
             // A pool of every record: each record gets a slot of its own, in layer order,
             // so that a layer's records lie together (in one GPU arena where an arena
             // holds a layer, see SlotTag::layer_records; whole-layer routing on the
@@ -64,7 +64,7 @@ impl SlotPool {
             };
             victim = Some(i).filter(|&i| free(&inner.slots[i]) && inner.slots[i].key.is_none());
         }
-        if victim.is_none() && n < 2 * self.floor {
+        if victim.is_none() && inner.active < 2 * self.floor {
             // Near the floor, evicting another layer's expert would likely evict one the
             // next layers need; the same layer's cold experts are the cheaper loss.
             victim = (0..n).map(|i| (inner.hand + i) % n).find(|&i| {
@@ -101,6 +101,8 @@ impl SlotPool {
                 speculative: false,
                 load: None,
                 generation,
+                // The load writes the slot's pages again.
+                backed: true,
             },
         );
         if let Some(old_key) = old.key {

@@ -14,17 +14,19 @@
 //! a permit a demand read needs) and then runs its `pread`s on the blocking pool.
 
 mod clock;
+mod elastic;
 mod experts;
 mod pin;
 mod read;
 mod stats;
 
+pub use elastic::{ElasticOptions, ElasticStats, Governor, Watcher};
 pub use experts::{PoolExperts, PoolRecord};
 pub use pin::{LayerPin, SlotRecord};
 pub use stats::{LayerCounts, Outcome, PoolStats, ResidentSet, TraceEvent};
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -52,6 +54,9 @@ enum State {
     Empty,
     Loading,
     Ready,
+    /// Given back by a shrink of an elastic pool ([`SlotPool::resize`]): never claimed,
+    /// its memory returned to the OS where the backend allows it.
+    Retired,
 }
 
 struct Slot {
@@ -64,6 +69,9 @@ struct Slot {
     load: Option<watch::Receiver<Load>>,
     /// Number of loads into this slot so far (see [`SlotTag`](crate::records::SlotTag)).
     generation: u64,
+    /// Whether the slot's pages are backed by memory: false once a shrink returned them
+    /// to the OS, until a load writes them again.
+    backed: bool,
 }
 
 /// Where records are read from.
@@ -125,8 +133,20 @@ struct Inner {
     /// Per layer, the slots of all its experts as [`SlotPool::pin_layer`] last found them
     /// (checked against the slots before use, so evictions only cost a fresh lookup).
     layer_slots: HashMap<usize, Vec<usize>>,
-    /// Slots [`SlotPool::evict`] emptied, which a claim takes before any other victim.
+    /// Slots [`SlotPool::evict`] emptied (or a grow brought back), which a claim takes
+    /// before any other victim.
     emptied: Vec<usize>,
+    /// Slots not retired: the pool's size now (`slots.len()` but for an elastic pool that
+    /// shrank).
+    active: usize,
+}
+
+impl Inner {
+    /// Whether the pool has a slot for every record (each record then has a slot of its
+    /// own, in layer order).
+    fn holds_every_record(&self, records: usize) -> bool {
+        self.active >= records
+    }
 }
 
 /// The shared expert cache. Build with [`SlotPool::new`]; share as `Arc<SlotPool>`.
@@ -143,6 +163,13 @@ pub struct SlotPool {
     in_flight: AtomicUsize,
     /// Process-unique id (see [`SlotTag::pool`](crate::records::SlotTag::pool)).
     id: u64,
+    /// Whether a shrink may return retired slots' pages to the OS (false where the
+    /// backend reads the pool's memory through a mapping of its own,
+    /// [`crate::backend::Backend::pool_memory_releasable`]).
+    releasable: AtomicBool,
+    /// Serializes [`SlotPool::resize`]: a slot's pages are returned outside the lock on
+    /// `inner`, and only a resize brings a retired slot back.
+    resizing: Mutex<()>,
 }
 
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
@@ -209,6 +236,7 @@ impl SlotPool {
                 speculative: false,
                 load: None,
                 generation: 0,
+                backed: true,
             })
             .collect();
         let stats = PoolStats {
@@ -230,6 +258,7 @@ impl SlotPool {
                 token: 0,
                 layer_slots: HashMap::new(),
                 emptied: Vec::new(),
+                active: options.slots,
             }),
             memory,
             stride,
@@ -241,6 +270,8 @@ impl SlotPool {
             floor,
             in_flight: AtomicUsize::new(0),
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+            releasable: AtomicBool::new(true),
+            resizing: Mutex::new(()),
         }))
     }
 
@@ -286,8 +317,14 @@ impl SlotPool {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Number of slots.
+    /// Number of slots in use now: [`SlotPool::capacity`], less those an elastic pool's
+    /// shrink retired ([`SlotPool::resize`]).
     pub fn slots(&self) -> usize {
+        self.lock().active
+    }
+
+    /// Number of slots the pool's memory holds (the most it can grow to).
+    pub fn capacity(&self) -> usize {
         self.lock().slots.len()
     }
 
@@ -301,7 +338,7 @@ impl SlotPool {
     pub fn memory(&self) -> PoolMemory {
         PoolMemory {
             pool: self.id,
-            slots: self.slots(),
+            slots: self.capacity(),
             stride: self.stride,
             layer_records: self.layer_records(),
             memory: self.memory.clone(),
@@ -480,7 +517,7 @@ impl SlotPool {
     pub fn evict(&self, keys: &[Key]) -> Vec<Key> {
         let mut inner = self.lock();
         let mut evicted = Vec::new();
-        if inner.slots.len() >= self.index.records() {
+        if inner.holds_every_record(self.index.records()) {
             return evicted;
         }
         for &key in keys {

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::{Inner, SlotPool, State};
+use super::{ElasticStats, Inner, SlotPool, State};
 
 /// How a lookup was served, as written to the routing trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -50,6 +50,7 @@ pub struct LayerCounts {
 /// record that fails its checksum is read again from the shards and counted once).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PoolStats {
+    /// Slots in use now ([`SlotPool::slots`]).
     pub slots: usize,
     pub record_bytes: usize,
     /// Lookups served without a new demand read (resident, or joining a read in flight).
@@ -99,6 +100,9 @@ pub struct PoolStats {
     /// Bytes of `range_reads`.
     pub range_bytes: u64,
     pub per_layer: Vec<LayerCounts>,
+    /// An elastic pool's resizes since it was built (not zeroed by
+    /// [`SlotPool::reset_stats`]); `None` for a pool of fixed size.
+    pub elastic: Option<ElasticStats>,
     #[serde(skip)]
     pub(super) in_flight_samples: u64,
     #[serde(skip)]
@@ -109,9 +113,11 @@ impl PoolStats {
     /// Adds `other`'s counters to these, as if both periods had been counted without a
     /// reset between them (a chat's turns, each a request the engine counts apart):
     /// counts, bytes and seconds add, `max_in_flight` is the larger, the rates are
-    /// computed again from the sums; `slots` and `record_bytes` are `other`'s.
+    /// computed again from the sums; `slots`, `record_bytes` and `elastic` (counted since
+    /// the pool was built) are `other`'s.
     pub fn add(&mut self, other: &PoolStats) {
         self.slots = other.slots;
+        self.elastic = other.elastic.clone();
         self.record_bytes = other.record_bytes;
         self.hits += other.hits;
         self.misses += other.misses;
@@ -316,14 +322,16 @@ impl SlotPool {
         self.lock().slots.iter().filter(|s| s.pins > 0).count()
     }
 
-    /// Zeroes the counters (the pool's contents stay).
+    /// Zeroes the counters (the pool's contents stay, and so do an elastic pool's
+    /// resize counters).
     pub fn reset_stats(&self) {
         let mut inner = self.lock();
         let layers = inner.stats.per_layer.len();
         inner.stats = PoolStats {
-            slots: inner.slots.len(),
+            slots: inner.active,
             record_bytes: self.index.layout.record_bytes,
             per_layer: vec![LayerCounts::default(); layers],
+            elastic: inner.stats.elastic.take(),
             ..Default::default()
         };
     }

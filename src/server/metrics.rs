@@ -1,8 +1,8 @@
 //! `GET /metrics`: the server's counters in the OpenMetrics text format that Prometheus
 //! scrapes (through the `prometheus-client` crate), as llama-server and vLLM expose
 //! theirs: requests by route and status, prompt and generated tokens, the queue, time to
-//! first token and the time between tokens, the pool's hit rate and bytes read, and
-//! prompt-cache hits.
+//! first token and the time between tokens, the pool's hit rate and bytes read, an
+//! elastic pool's size and resizes, and prompt-cache hits.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -13,6 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use crate::pool::PoolStats;
 
 use super::conversation::Outcome;
 
@@ -38,6 +40,10 @@ pub struct Metrics {
     bytes_read: Counter,
     prompt_cache_hits: Counter,
     reused_prompt_tokens: Counter,
+    slots: Gauge,
+    shrinks: Counter,
+    grows: Counter,
+    bytes_returned: Counter,
 }
 
 impl Default for Metrics {
@@ -57,6 +63,10 @@ impl Default for Metrics {
             bytes_read: Counter::default(),
             prompt_cache_hits: Counter::default(),
             reused_prompt_tokens: Counter::default(),
+            slots: Gauge::default(),
+            shrinks: Counter::default(),
+            grows: Counter::default(),
+            bytes_returned: Counter::default(),
         };
         // The metrics are shared handles: the registry keeps clones of them.
         let r = &mut registry;
@@ -110,6 +120,26 @@ impl Default for Metrics {
             "Prompt tokens continued from a kept state instead of being run",
             m.reused_prompt_tokens.clone(),
         );
+        r.register(
+            "pool_slots",
+            "Slots the pool has now (an elastic pool's change as the machine's memory does)",
+            m.slots.clone(),
+        );
+        r.register(
+            "pool_shrinks",
+            "Times the elastic pool gave slots back because the machine ran short",
+            m.shrinks.clone(),
+        );
+        r.register(
+            "pool_grows",
+            "Times the elastic pool took slots back once memory came back",
+            m.grows.clone(),
+        );
+        r.register(
+            "pool_bytes_returned",
+            "Bytes of the elastic pool's retired slots returned to the OS",
+            m.bytes_returned.clone(),
+        );
         Metrics { registry, ..m }
     }
 }
@@ -150,9 +180,23 @@ impl Metrics {
         }
     }
 
-    /// The text a scrape gets, with `queue` requests running or waiting now.
-    pub fn render(&self, queue: usize) -> String {
+    /// The text a scrape gets, with `queue` requests running or waiting now and the
+    /// pool's counters now (`None` without a pool, or before the model has loaded).
+    pub fn render(&self, queue: usize, pool: Option<&PoolStats>) -> String {
         self.queue.set(queue as i64);
+        if let Some(p) = pool {
+            self.slots.set(p.slots as i64);
+            if let Some(e) = &p.elastic {
+                // The pool counts from its start; the counters catch up with it.
+                for (counter, total) in [
+                    (&self.shrinks, e.shrinks),
+                    (&self.grows, e.grows),
+                    (&self.bytes_returned, e.bytes_returned),
+                ] {
+                    counter.inc_by(total.saturating_sub(counter.get()));
+                }
+            }
+        }
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);

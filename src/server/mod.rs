@@ -449,7 +449,10 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        app.metrics.render(queue),
+        app.metrics.render(
+            queue,
+            app.engine().ok().and_then(|e| e.pool_stats()).as_ref(),
+        ),
     )
         .into_response()
 }

@@ -622,7 +622,8 @@ async fn health_is_loading_until_the_engine_is_handed_over() {
 }
 
 /// `GET /metrics` in OpenMetrics text: requests by route and status, tokens, the queue and
-/// the latency histograms add up to what the requests answered.
+/// the latency histograms add up to what the requests answered; the pool's size is its
+/// slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_what_was_served() {
     let s = start(16, 0, None).await;
@@ -682,5 +683,10 @@ async fn metrics_count_what_was_served() {
         gaps as f64
     );
     assert_eq!(value("slotstream_queue_length"), 0.0);
+    // A fixed pool of 24 slots: its size, and no resizes.
+    assert_eq!(value("slotstream_pool_slots"), 24.0);
+    assert_eq!(value("slotstream_pool_shrinks_total"), 0.0);
+    assert_eq!(value("slotstream_pool_grows_total"), 0.0);
+    assert_eq!(value("slotstream_pool_bytes_returned_total"), 0.0);
     assert!(text.trim_end().ends_with("# EOF"));
 }

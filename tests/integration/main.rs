@@ -17,6 +17,7 @@ mod cli_families;
 mod cpu_kernels;
 mod demo;
 mod dialects;
+mod elastic;
 mod engine;
 mod flash_next;
 mod generate;

@@ -426,6 +426,16 @@ impl Backend for GpuBackend {
         self.place_pool(pool, placement.unwrap_or_else(|| self.default_placement()))
     }
 
+    /// Only when the mirror imports none of the pool's host memory (device arenas filled
+    /// through staging copies): an imported range is the driver's mapping too. The device
+    /// arenas themselves stay as large as the pool's capacity.
+    fn pool_memory_releasable(&self) -> bool {
+        let mirror = self.mirror.lock().unwrap_or_else(|p| p.into_inner());
+        mirror
+            .as_ref()
+            .is_none_or(|m| m.unified.is_none() && m.host.is_none())
+    }
+
     /// A device-to-device copy of 1 GiB (or what one binding allows), timed over a few
     /// runs after a warm-up.
     fn copy_bandwidth(&self) -> Result<f64> {
