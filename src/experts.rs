@@ -196,6 +196,10 @@ pub struct SourceOptions {
     /// `--prompt-cache 10%`): a plan refused for its pool then advises a budget whose
     /// share leaves the pool its floor ([`crate::plan::smallest_budget`]).
     pub prompt_cache_share: Option<f64>,
+    /// Directories with byte-identical copies of the checkpoint's files or its
+    /// `experts.pack` (`--mirror`): a pool reads each record from the copy expected to
+    /// finish first ([`SlotPool::open_mirrored`]).
+    pub mirrors: Vec<std::path::PathBuf>,
     /// Resize a pool planned from the machine ([`PoolSize::Auto`]) as its memory comes and
     /// goes ([`crate::pool::Watcher`]); `None`: the pool keeps its plan's size.
     pub elastic: Option<Elastic>,
@@ -243,6 +247,7 @@ impl Default for SourceOptions {
             trace: false,
             prompt_cache: 0,
             prompt_cache_share: None,
+            mirrors: Vec::new(),
             elastic: None,
         }
     }
@@ -323,7 +328,7 @@ pub fn open_source<B: Backend>(
     stream.queue_depth = options.queue_depth;
     stream.io = options.io;
     stream.use_pack = options.use_pack;
-    let pool = SlotPool::open(ckpt, index, stream, runtime.clone())?;
+    let pool = SlotPool::open_mirrored(ckpt, index, stream, &options.mirrors, runtime.clone())?;
     backend.attach_pool(&pool.memory(), options.placement)?;
     pool.set_releasable(backend.pool_memory_releasable());
     if let (Some(PoolSize::Auto(_)), Some(elastic)) = (options.pool, &options.elastic) {
@@ -369,6 +374,9 @@ fn mapped(
             "a routing trace and a slot placement need a pool (a slot count, experts per layer or a memory budget)"
                 .into(),
         ));
+    }
+    if !options.mirrors.is_empty() {
+        tracing::warn!("--mirror is not used: every record stays resident in the mapped checkpoint (the mirrors serve a pool's reads)");
     }
     Ok(OpenedSource {
         experts: AnyExperts::Mapped(MappedExperts::new(ckpt.clone(), index)),

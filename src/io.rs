@@ -422,6 +422,8 @@ pub struct Reader {
     files: Vec<Arc<dyn ReadAt>>,
     demand: Arc<Semaphore>,
     queue_depth: usize,
+    /// The copies of the files, the model directory first, when there are mirrors.
+    replicas: Vec<Arc<Replica>>,
 }
 
 impl Reader {
@@ -441,6 +443,7 @@ impl Reader {
             files,
             demand: Arc::new(Semaphore::new(queue_depth)),
             queue_depth,
+            replicas: Vec::new(),
         }
     }
 
@@ -459,5 +462,335 @@ impl Reader {
 
     pub(crate) fn semaphore(&self) -> Arc<Semaphore> {
         self.demand.clone()
+    }
+}
+
+/// Readings of a copy's speed expire after this long with no read in flight, so a copy
+/// that looked slow is tried again (reference-system.md B.7).
+pub const MIRROR_FORGET: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// One copy of a checkpoint's files: the model directory, or a `--mirror` directory
+/// (which holds byte-identical copies of some or all of them). It learns its own speed:
+/// seconds per byte over the time it had a read in flight (not per read, which would
+/// count the queueing twice), forgotten after [`MIRROR_FORGET`] idle.
+pub struct Replica {
+    dir: PathBuf,
+    state: std::sync::Mutex<ReplicaState>,
+    dropped: std::sync::atomic::AtomicBool,
+}
+
+struct ReplicaState {
+    /// Bytes of the reads in flight.
+    queued: u64,
+    in_flight: usize,
+    /// Since when a read has been in flight (while one is).
+    busy_since: Option<std::time::Instant>,
+    /// Since when none has been (while none is).
+    idle_since: std::time::Instant,
+    /// Busy seconds and bytes read since the readings were last forgotten.
+    busy: f64,
+    bytes: u64,
+    /// The same since the copy was opened (statistics).
+    total_busy: f64,
+    total_bytes: u64,
+}
+
+/// What one copy read ([`Reader::mirror_stats`]).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct MirrorStats {
+    /// The copy's directory.
+    pub dir: PathBuf,
+    /// Bytes read from it since it was opened.
+    pub bytes: u64,
+    /// Seconds with at least one read in flight on it.
+    pub busy_seconds: f64,
+    /// `bytes / busy_seconds / 1e9`.
+    pub gb_per_s: f64,
+    /// Whether it was dropped after a failed read.
+    pub dropped: bool,
+}
+
+impl Replica {
+    /// A copy in `dir`, nothing learned yet.
+    pub fn new(dir: &Path) -> Arc<Self> {
+        Arc::new(Replica {
+            dir: dir.to_path_buf(),
+            state: std::sync::Mutex::new(ReplicaState {
+                queued: 0,
+                in_flight: 0,
+                busy_since: None,
+                idle_since: std::time::Instant::now(),
+                busy: 0.0,
+                bytes: 0,
+                total_busy: 0.0,
+                total_bytes: 0,
+            }),
+            dropped: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReplicaState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// When a read of `len` bytes would finish if it started now: the bytes queued and
+    /// its own times the seconds per byte learned (0 before anything is learned, so an
+    /// unknown copy is tried).
+    fn estimate(&self, len: usize) -> f64 {
+        let mut s = self.lock();
+        if s.in_flight == 0 && s.idle_since.elapsed() > MIRROR_FORGET {
+            s.busy = 0.0;
+            s.bytes = 0;
+        }
+        let per_byte = if s.bytes == 0 {
+            0.0
+        } else {
+            s.busy / s.bytes as f64
+        };
+        (s.queued + len as u64) as f64 * per_byte
+    }
+
+    fn start(&self, len: usize) {
+        let mut s = self.lock();
+        if s.in_flight == 0 {
+            s.busy_since = Some(std::time::Instant::now());
+        }
+        s.in_flight += 1;
+        s.queued += len as u64;
+    }
+
+    fn finish(&self, len: usize, read: usize) {
+        let mut s = self.lock();
+        s.in_flight -= 1;
+        s.queued -= len as u64;
+        s.bytes += read as u64;
+        s.total_bytes += read as u64;
+        if s.in_flight == 0 {
+            let now = std::time::Instant::now();
+            let busy = s.busy_since.take().map_or(0.0, |t| (now - t).as_secs_f64());
+            s.busy += busy;
+            s.total_busy += busy;
+            s.idle_since = now;
+        }
+    }
+
+    fn stats(&self) -> MirrorStats {
+        let s = self.lock();
+        // A busy period still open counts up to now.
+        let open = s.busy_since.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let busy = s.total_busy + open;
+        MirrorStats {
+            dir: self.dir.clone(),
+            bytes: s.total_bytes,
+            busy_seconds: busy,
+            gb_per_s: if busy > 0.0 {
+                s.total_bytes as f64 / busy / 1e9
+            } else {
+                0.0
+            },
+            dropped: self.dropped.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    fn live(&self) -> bool {
+        !self.dropped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Drops the copy after a failed read (one warning); false when it was already.
+    fn drop_after(&self, file: &Path, error: &std::io::Error) -> bool {
+        let first = !self
+            .dropped
+            .swap(true, std::sync::atomic::Ordering::Relaxed);
+        if first {
+            tracing::warn!(
+                copy = %self.dir.display(),
+                file = %file.display(),
+                %error,
+                "a read from this copy failed: it is dropped, the other copies serve the run"
+            );
+        }
+        first
+    }
+}
+
+/// A file with byte-identical copies on several disks ([`Replica`]s): each read goes to
+/// the copy with the earliest estimated finish, and a copy whose read fails (or whose
+/// file changed) is dropped and the read is made again on another.
+pub struct MirroredFile {
+    copies: Vec<(Arc<Replica>, Arc<dyn ReadAt>)>,
+}
+
+impl MirroredFile {
+    /// A file read from `copies` (the first the original). Tests build one from faulty
+    /// or slowed files.
+    pub fn new(copies: Vec<(Arc<Replica>, Arc<dyn ReadAt>)>) -> Self {
+        MirroredFile { copies }
+    }
+}
+
+impl ReadAt for MirroredFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        loop {
+            let live: Vec<&(Arc<Replica>, Arc<dyn ReadAt>)> =
+                self.copies.iter().filter(|(r, _)| r.live()).collect();
+            let Some((replica, file)) = live
+                .iter()
+                .map(|c| (c.0.estimate(buf.len()), *c))
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .map(|(_, c)| c)
+            else {
+                return Err(std::io::Error::other("every copy of the file was dropped"));
+            };
+            replica.start(buf.len());
+            // A changed copy (truncated, replaced, removed) may have served anything.
+            let result = file
+                .read_at(buf, offset)
+                .and_then(|n| file.check_unchanged().map(|()| n));
+            replica.finish(buf.len(), *result.as_ref().unwrap_or(&0));
+            match result {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if live.len() > 1 => {
+                    replica.drop_after(file.path(), &e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.copies[0].1.path()
+    }
+
+    /// Reads are aligned when any copy needs it (a buffered copy takes aligned reads too).
+    fn direct(&self) -> bool {
+        self.copies.iter().any(|(_, f)| f.direct())
+    }
+
+    /// Each read checks the copy it used.
+    fn check_unchanged(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The bytes that identify a checkpoint file for [`open_mirrored`]'s check: a
+/// safetensors file's header (its length and JSON), else the first 64 KiB.
+fn file_header(path: &Path) -> Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut len = size.min(64 << 10);
+    if path.extension().is_some_and(|e| e == "safetensors") && size >= 8 {
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0)
+            .map_err(|e| Error::io(path, e))?;
+        len = (8 + u64::from_le_bytes(n)).min(size).min(100 << 20);
+    }
+    let mut buf = vec![0u8; len as usize];
+    file.read_exact_at(&mut buf, 0)
+        .map_err(|e| Error::io(path, e))?;
+    Ok(buf)
+}
+
+impl Reader {
+    /// [`Reader::open`] with copies of the files in `mirrors` (`--mirror`): each
+    /// directory's file of the same name, where it has one, is checked against the
+    /// original by size and header and read as another copy ([`MirroredFile`]).
+    /// Errors: a mirror that holds none of the files, or a copy whose size or header
+    /// differs (naming both files), besides [`Reader::open`]'s.
+    pub fn open_mirrored(
+        paths: &[PathBuf],
+        mirrors: &[PathBuf],
+        mode: IoMode,
+        queue_depth: usize,
+    ) -> Result<Self> {
+        if mirrors.is_empty() {
+            return Self::open(paths, mode, queue_depth);
+        }
+        let model_dir = paths
+            .first()
+            .and_then(|p| p.parent())
+            .unwrap_or(Path::new("."));
+        let replicas: Vec<Arc<Replica>> = std::iter::once(model_dir)
+            .chain(mirrors.iter().map(PathBuf::as_path))
+            .map(Replica::new)
+            .collect();
+        let mut used = vec![false; mirrors.len()];
+        let mut files = Vec::with_capacity(paths.len());
+        for path in paths {
+            let original: Arc<dyn ReadAt> = Arc::new(DiskFile::open(path, mode)?);
+            let mut copies = vec![(replicas[0].clone(), original)];
+            let name = path.file_name().unwrap_or_default();
+            for (m, dir) in mirrors.iter().enumerate() {
+                let copy = dir.join(name);
+                if !copy.exists() {
+                    continue;
+                }
+                let size = |p: &Path| {
+                    std::fs::metadata(p)
+                        .map(|m| m.len())
+                        .map_err(|e| Error::io(p, e))
+                };
+                let (a, b) = (size(path)?, size(&copy)?);
+                if a != b {
+                    return Err(Error::InvalidInput(format!(
+                        "--mirror {}: {} is {b} bytes, but {} is {a}: not a copy",
+                        dir.display(),
+                        copy.display(),
+                        path.display()
+                    )));
+                }
+                if file_header(path)? != file_header(&copy)? {
+                    return Err(Error::InvalidInput(format!(
+                        "--mirror {}: the header of {} differs from {}'s: not a copy",
+                        dir.display(),
+                        copy.display(),
+                        path.display()
+                    )));
+                }
+                used[m] = true;
+                copies.push((
+                    replicas[m + 1].clone(),
+                    Arc::new(DiskFile::open(&copy, mode)?),
+                ));
+            }
+            files.push(if copies.len() == 1 {
+                copies.pop().map(|c| c.1).expect("the original")
+            } else {
+                Arc::new(MirroredFile::new(copies)) as Arc<dyn ReadAt>
+            });
+        }
+        if let Some(m) = used.iter().position(|u| !u) {
+            return Err(Error::InvalidInput(format!(
+                "--mirror {}: none of the files read from the model directory is there ({})",
+                mirrors[m].display(),
+                paths
+                    .iter()
+                    .filter_map(|p| p.file_name())
+                    .map(|n| n.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let mut reader = Self::from_files(files, queue_depth);
+        reader.replicas = replicas;
+        Ok(reader)
+    }
+
+    /// What each copy read (the model directory first), when there are mirrors; empty
+    /// otherwise.
+    pub fn mirror_stats(&self) -> Vec<MirrorStats> {
+        self.replicas.iter().map(|r| r.stats()).collect()
+    }
+
+    /// A reader over `files` whose copies are `replicas` (tests of the choice of copy).
+    pub fn with_replicas(
+        files: Vec<Arc<dyn ReadAt>>,
+        replicas: Vec<Arc<Replica>>,
+        queue_depth: usize,
+    ) -> Self {
+        let mut reader = Self::from_files(files, queue_depth);
+        reader.replicas = replicas;
+        reader
     }
 }

@@ -85,6 +85,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
                 io: IoMode::Direct,
                 no_pack: false,
                 placement: None,
+                mirror: Vec::new(),
             },
             stats: !args.json,
             lookahead: OnOff::On,

@@ -324,6 +324,12 @@ pub struct IoArgs {
     /// and CPU adapters that support it, device on discrete GPUs.
     #[arg(long)]
     pub placement: Option<Placement>,
+    /// A directory with a byte-identical copy of the checkpoint's files or of its
+    /// experts.pack, on another disk (repeatable): each read of the pool goes to the copy
+    /// expected to finish first, and a copy whose reads fail is dropped. Checked at start
+    /// by sizes and headers; `--stats` gives each copy's bytes and GB/s.
+    #[arg(long)]
+    pub mirror: Vec<PathBuf>,
 }
 
 impl IoArgs {
@@ -340,6 +346,7 @@ impl IoArgs {
             io: self.io,
             use_pack: !self.no_pack,
             placement: self.placement,
+            mirrors: self.mirror.clone(),
             ..Default::default()
         }
     }

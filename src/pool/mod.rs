@@ -283,6 +283,19 @@ impl SlotPool {
         options: StreamOptions,
         runtime: tokio::runtime::Handle,
     ) -> Result<Arc<Self>> {
+        Self::open_mirrored(ckpt, index, options, &[], runtime)
+    }
+
+    /// [`SlotPool::open`] with copies of the files it reads in `mirrors` (`--mirror`
+    /// directories, [`Reader::open_mirrored`]): each read goes to the copy expected to
+    /// finish first. Errors: [`Reader::open_mirrored`]'s, besides [`SlotPool::open`]'s.
+    pub fn open_mirrored(
+        ckpt: &Checkpoint,
+        index: Arc<ExpertIndex>,
+        options: StreamOptions,
+        mirrors: &[std::path::PathBuf],
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Arc<Self>> {
         let mut paths: Vec<_> = ckpt.shards().iter().map(|s| s.path.clone()).collect();
         let pack = if options.use_pack {
             PackedRecords::open_if_valid(&ckpt.dir, ckpt, &index)
@@ -302,7 +315,7 @@ impl SlotPool {
                 RecordFiles::Shards
             }
         };
-        let reader = Reader::open(&paths, options.io, options.queue_depth)?;
+        let reader = Reader::open_mirrored(&paths, mirrors, options.io, options.queue_depth)?;
         Self::new(index, files, reader, options.pool, runtime)
     }
 

@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+use crate::io::MirrorStats;
+
 use super::{ElasticStats, Inner, SlotPool, State};
 
 /// How a lookup was served, as written to the routing trace.
@@ -103,6 +105,9 @@ pub struct PoolStats {
     /// An elastic pool's resizes since it was built (not zeroed by
     /// [`SlotPool::reset_stats`]); `None` for a pool of fixed size.
     pub elastic: Option<ElasticStats>,
+    /// With `--mirror`, what each copy read since the pool was opened (the model
+    /// directory first; not zeroed by [`SlotPool::reset_stats`]); empty otherwise.
+    pub mirrors: Vec<MirrorStats>,
     #[serde(skip)]
     pub(super) in_flight_samples: u64,
     #[serde(skip)]
@@ -113,11 +118,12 @@ impl PoolStats {
     /// Adds `other`'s counters to these, as if both periods had been counted without a
     /// reset between them (a chat's turns, each a request the engine counts apart):
     /// counts, bytes and seconds add, `max_in_flight` is the larger, the rates are
-    /// computed again from the sums; `slots`, `record_bytes` and `elastic` (counted since
-    /// the pool was built) are `other`'s.
+    /// computed again from the sums; `slots`, `record_bytes`, `elastic` and `mirrors`
+    /// (counted since the pool was built) are `other`'s.
     pub fn add(&mut self, other: &PoolStats) {
         self.slots = other.slots;
         self.elastic = other.elastic.clone();
+        self.mirrors = other.mirrors.clone();
         self.record_bytes = other.record_bytes;
         self.hits += other.hits;
         self.misses += other.misses;
@@ -294,6 +300,7 @@ impl SlotPool {
         let inner = self.lock();
         let mut s = inner.stats.clone();
         s.derive();
+        s.mirrors = self.reader.mirror_stats();
         s
     }
 

@@ -24,6 +24,7 @@ mod generate;
 mod generate_matrix;
 mod launch;
 mod layers;
+mod mirror;
 mod parity;
 mod pool;
 mod pull;
