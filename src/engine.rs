@@ -410,9 +410,16 @@ impl Prepared {
                 prompt_cache: runner.prompt_cache_stats(),
                 prefill_rate: None,
             };
+            // A streamed prompt reads the records not in slots once per stretch between
+            // snapshots (every `every` tokens; the whole prompt, at most the context,
+            // without them), and at least once per chunk.
+            let piece = match options.prompt_cache.every {
+                0 => context,
+                every => every,
+            };
             let planned_prefill_rate = plan
                 .as_ref()
-                .and_then(|p| p.read_bound_prefill_rate(runner.prefill_chunk()));
+                .and_then(|p| p.read_bound_prefill_rate(piece.max(runner.prefill_chunk())));
             Ok(Shared {
                 runner: Arc::new(tokio::sync::Mutex::new(runner)),
                 front,

@@ -127,6 +127,10 @@ impl ExpertSource for AnyExperts {
         matches!(self, AnyExperts::Pool(p) if p.lookahead())
     }
 
+    fn streams(&self) -> bool {
+        matches!(self, AnyExperts::Pool(p) if p.streams())
+    }
+
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         if let AnyExperts::Pool(p) = self {
             p.prefetch(layer, experts);

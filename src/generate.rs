@@ -23,8 +23,10 @@ pub struct GenerateOptions {
     /// When set to true (by another thread), generation stops at the next prefill chunk
     /// or token with finish reason "stopped"; the state stays consistent.
     pub cancel: Option<Arc<AtomicBool>>,
-    /// When set, the prompt tokens run so far, stored after each prefill chunk (for a
-    /// progress display; tokens reused from a snapshot are not run, so not counted).
+    /// When set, the prompt tokens run so far, stored after each prefill chunk, or each
+    /// layer of a prefill run layer by layer, as tokens' worth of work
+    /// ([`Model::forward_with_progress`]; for a progress display; tokens reused from a
+    /// snapshot are not run, so not counted).
     pub prefilled: Option<Arc<AtomicUsize>>,
 }
 
@@ -92,8 +94,8 @@ pub struct PrefillStops<'a, F> {
     pub restored: bool,
 }
 
-/// [`generate`], pausing the prefill at `stops`. The prompt runs in chunks of
-/// [`Model::prefill_chunk`] between stops. Errors: as [`generate`], stops that are not
+/// [`generate`], pausing the prefill at `stops`. The prompt runs in pieces of
+/// [`Model::prefill_piece`] between stops. Errors: as [`generate`], stops that are not
 /// ascending or not inside the prompt, what `on_stop` returns, and
 /// [`Error::BrokenSnapshot`] (see [`PrefillStops::restored`]).
 #[allow(clippy::too_many_arguments)]
@@ -136,15 +138,30 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
             return Ok((out, stats));
         }
         let start = Instant::now();
-        // Chunk by chunk (as the model would), so a cancelled request stops within one chunk.
-        // (An earlier chunk's last-position logits cost one lm_head row; they are dropped.)
+        // In pieces of the model's choice (`Model::prefill_piece`): chunk by chunk, as the
+        // model would, so a cancelled request stops within one chunk, unless the experts
+        // stream: then each stretch between stops is one call, which reads each routed
+        // record once (layer by layer) and stops at its end when cancelled. (An earlier
+        // piece's last-position logits cost one lm_head row; they are dropped.)
         let mut logits = Vec::new();
         let mut done = 0;
-        let chunk = model.prefill_chunk(backend, Logits::Last);
+        let piece_len = model.prefill_piece(backend, experts);
         for end in stops.at.iter().copied().chain([prompt.len()]) {
-            for piece in prompt[done..end].chunks(chunk) {
+            for piece in prompt[done..end].chunks(piece_len) {
+                let mut progress = |n| {
+                    if let Some(prefilled) = &options.prefilled {
+                        prefilled.store(done + n, Ordering::Relaxed);
+                    }
+                };
                 logits = model
-                    .forward(backend, state, piece, experts, Logits::Last)
+                    .forward_with_progress(
+                        backend,
+                        state,
+                        piece,
+                        experts,
+                        Logits::Last,
+                        &mut progress,
+                    )
                     // The prefill is over: the source frees what it kept for it.
                     .inspect_err(|_| experts.end_prefill(false))?;
                 if done == 0 && stops.restored && !logits.iter().all(|v| v.is_finite()) {
@@ -154,9 +171,6 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     });
                 }
                 done += piece.len();
-                if let Some(prefilled) = &options.prefilled {
-                    prefilled.store(done, Ordering::Relaxed);
-                }
                 if options.cancelled() {
                     experts.end_prefill(false);
                     stats.finish_reason = "stopped".into();

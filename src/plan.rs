@@ -3,7 +3,8 @@
 //! system's Plan.swift splits its budget the same way, reference-system.md B.3).
 //!
 //! budget = resident weights + KV cache and recurrent state for the context
-//!        + activations and workspaces + read staging + runtime + prompt cache + pool
+//!        + a prompt's hidden states (streamed plans) + activations and workspaces
+//!        + read staging + runtime + prompt cache + pool
 
 use serde::Serialize;
 
@@ -32,6 +33,10 @@ pub struct Plan {
     /// DeltaNet layers, for `context` tokens.
     pub context_state: u64,
     pub context: usize,
+    /// The hidden states of a prompt of `context` tokens prefilled layer by layer (as a
+    /// streaming run does, `Model::forward`): [`Footprint::prompt_state_per_token`] per
+    /// token.
+    pub prompt_states: u64,
     /// Activations of one prefill chunk with logits for every position, and the
     /// chunk's expert records read outside the pool (a layer's, and the next layer's
     /// read ahead with their read buffers).
@@ -59,6 +64,11 @@ pub struct Footprint {
     pub resident_weights: u64,
     /// What the context costs.
     pub context: ContextCost,
+    /// Bytes a streamed run holds per prompt token while it prefills layer by layer
+    /// (`Model::forward` over every chunk of the call, one layer at a time): each chunk's
+    /// residual stream and the next block's normed input between layers, f32,
+    /// `2 x residual width x 4`.
+    pub prompt_state_per_token: u64,
     /// [`Plan::workspaces`].
     pub workspaces: u64,
     /// [`Plan::staging`].
@@ -112,6 +122,7 @@ impl Footprint {
         Footprint {
             resident_weights,
             context: ContextCost::of(cfg),
+            prompt_state_per_token: 2 * cfg.residual_width() as u64 * 4,
             workspaces,
             staging: queue_depth as u64 * slot_bytes,
             slot_bytes,
@@ -132,8 +143,25 @@ impl Footprint {
             + prompt_cache)
     }
 
+    /// Every term of a streamed plan but the pool: [`Footprint::fixed`]'s and the
+    /// prompt's hidden states ([`Footprint::prompt_states`]). Errors: a context whose
+    /// bytes overflow.
+    fn streamed_fixed(&self, context: usize, prompt_cache: u64) -> Result<u64> {
+        Ok(self.fixed(context, prompt_cache)? + self.prompt_states(context)?)
+    }
+
+    /// [`Plan::prompt_states`] for `context` tokens. Errors: a context whose bytes
+    /// overflow.
+    pub fn prompt_states(&self, context: usize) -> Result<u64> {
+        (context as u64)
+            .checked_mul(self.prompt_state_per_token)
+            .ok_or_else(|| {
+                Error::InvalidInput(format!("a context of {context} tokens is too large"))
+            })
+    }
+
     /// Bytes of a run with every record resident (the checkpoint mapped): the plan's
-    /// fixed terms plus all the records.
+    /// fixed terms plus all the records (no prompt states: it prefills chunk by chunk).
     pub fn resident_need(&self, context: usize, prompt_cache: u64) -> Result<u64> {
         Ok(self.fixed(context, prompt_cache)? + self.record_bytes)
     }
@@ -259,7 +287,8 @@ impl Plan {
     fn split(fp: &Footprint, budget: u64, context: usize, cache: CacheTerm) -> Result<Self> {
         let prompt_cache = cache.bytes(budget);
         let context_state = fp.context.context_state(context)?;
-        let fixed = fp.fixed(context, prompt_cache)?;
+        let prompt_states = fp.prompt_states(context)?;
+        let fixed = fp.streamed_fixed(context, prompt_cache)?;
         let left = budget.saturating_sub(fixed);
         let (slot_bytes, floor, records) = (fp.slot_bytes, fp.floor, fp.records);
         let slots = ((left / slot_bytes) as usize).min(records.max(floor));
@@ -270,6 +299,7 @@ impl Plan {
             resident_weights: fp.resident_weights,
             context_state,
             context,
+            prompt_states,
             workspaces: fp.workspaces,
             staging: fp.staging,
             runtime: RUNTIME_BYTES,
@@ -284,22 +314,25 @@ impl Plan {
         Ok(plan)
     }
 
-    /// Prompt tokens per second a prefill in chunks of `chunk` tokens reaches when its
-    /// reads bound it, at [`ASSUMED_READ_BYTES_PER_S`]: a chunk of 32 tokens or more routes
-    /// to nearly every expert of every layer, so each chunk reads the records that are not
-    /// in slots. `None` when every record is in a slot (the compute then bounds it, which
-    /// the plan does not know).
-    pub fn read_bound_prefill_rate(&self, chunk: usize) -> Option<f64> {
+    /// Prompt tokens per second a prefill in pieces of `piece` tokens reaches when its
+    /// reads bound it, at [`ASSUMED_READ_BYTES_PER_S`]: a piece of 32 tokens or more routes
+    /// to nearly every expert of every layer, and a streamed prefill runs each piece (each
+    /// stretch between prompt-cache snapshots) layer by layer, so each piece reads the
+    /// records that are not in slots once. A `piece` no longer than the real pieces makes
+    /// the rate an upper bound (a shorter prompt reads them once too). `None` when every
+    /// record is in a slot (the compute then bounds it, which the plan does not know).
+    pub fn read_bound_prefill_rate(&self, piece: usize) -> Option<f64> {
         let missing = self.records.saturating_sub(self.slots) as f64 * self.slot_bytes as f64;
-        (missing > 0.0).then(|| chunk as f64 * ASSUMED_READ_BYTES_PER_S / missing)
+        (missing > 0.0).then(|| piece as f64 * ASSUMED_READ_BYTES_PER_S / missing)
     }
 
     fn terms(&self) -> String {
         format!(
-            "resident weights {}, context state for {} tokens {}, workspaces {}, staging {}, runtime {}, prompt cache {}",
+            "resident weights {}, context state for {} tokens {}, prompt states {}, workspaces {}, staging {}, runtime {}, prompt cache {}",
             human(self.resident_weights),
             self.context,
             human(self.context_state),
+            human(self.prompt_states),
             human(self.workspaces),
             human(self.staging),
             human(self.runtime),
@@ -312,6 +345,7 @@ impl Plan {
         let rows = [
             ("resident weights", self.resident_weights),
             ("context state", self.context_state),
+            ("prompt states", self.prompt_states),
             ("workspaces", self.workspaces),
             ("read staging", self.staging),
             ("runtime", self.runtime),
@@ -608,7 +642,7 @@ impl CacheTerm {
 /// cache's share is of the budget advised, not of the one refused). `None` when no budget
 /// runs (a share of 100%) or the context's state overflows.
 pub fn smallest_budget(fp: &Footprint, context: usize, cache: CacheTerm) -> Option<String> {
-    let need = fp.fixed(context, 0).ok()? + fp.floor as u64 * fp.slot_bytes;
+    let need = fp.streamed_fixed(context, 0).ok()? + fp.floor as u64 * fp.slot_bytes;
     let at_least = match cache {
         CacheTerm::Bytes(n) => need.checked_add(n)?,
         CacheTerm::Share(s) if s < 1.0 => (need as f64 / (1.0 - s)).ceil() as u64,
@@ -710,6 +744,7 @@ mod tests {
                 recurrent_state: 3 * kv_per_token,
                 max_context,
             },
+            prompt_state_per_token: kv_per_token / 4,
             workspaces: 3 * experts as u64 * slot_bytes + (8 << 20),
             staging: 32 * slot_bytes,
             slot_bytes,
@@ -801,19 +836,21 @@ mod tests {
                     prop_assert_eq!(plan.resident_need, need);
                     prop_assert_eq!(plan.streamed.is_none(), fixed.is_none() && need <= target.bytes);
                     if let Some(p) = &plan.streamed {
-                        let spent = p.resident_weights + p.context_state + p.workspaces
+                        let spent = p.resident_weights + p.context_state + p.prompt_states + p.workspaces
                             + p.staging + p.runtime + p.prompt_cache + p.pool;
                         prop_assert!(spent <= p.budget, "{} > {}", spent, p.budget);
                         prop_assert_eq!(spent + p.unused, p.budget);
                         prop_assert!(p.slots >= p.floor);
                         prop_assert!(p.slots <= p.records.max(p.floor));
                         prop_assert_eq!(p.context_state, fp.context.context_state(context).unwrap());
+                        prop_assert_eq!(p.prompt_states, fp.prompt_states(context).unwrap());
                     }
                 }
                 Err(e) => {
                     // Only a streamed plan whose pool would be below the floor fails.
                     prop_assert!(fixed.is_some() || need > target.bytes);
-                    let fixed_terms = need - fp.record_bytes;
+                    let fixed_terms =
+                        need - fp.record_bytes + fp.prompt_states(context).unwrap();
                     prop_assert!(fixed_terms + fp.floor as u64 * fp.slot_bytes > target.bytes, "{}", e);
                 }
             }
@@ -835,7 +872,7 @@ mod tests {
             auto in any::<bool>(),
         ) {
             let smallest = *fp.context.context_sizes().last().unwrap();
-            let bound = fp.fixed(smallest, 0).unwrap() + fp.floor as u64 * fp.slot_bytes;
+            let bound = fp.streamed_fixed(smallest, 0).unwrap() + fp.floor as u64 * fp.slot_bytes;
             let given = ((fraction * bound as f64) as u64).max(1 << 20);
             let plan = |budget: u64| {
                 let target = Target::fixed(budget);
@@ -890,11 +927,11 @@ mod tests {
         }
     }
 
-    /// A streamed prefill reads, each chunk, the records not in slots.
+    /// A streamed prefill reads, each piece, the records not in slots.
     #[test]
     fn the_read_bound_prefill_rate_counts_the_records_not_held() {
         let fp = footprint(1 << 20, 1 << 20, 100, 10, 1024, None);
-        let budget = fp.fixed(4096, 0).unwrap() + 40 * fp.slot_bytes;
+        let budget = fp.streamed_fixed(4096, 0).unwrap() + 40 * fp.slot_bytes;
         let plan = Plan::with(&fp, budget, 4096, CacheTerm::Bytes(0)).unwrap();
         assert_eq!(plan.slots, 40);
         let rate = plan.read_bound_prefill_rate(256).unwrap();

@@ -95,6 +95,15 @@ pub trait ExpertSource: Send + Sync {
         false
     }
 
+    /// Whether the source streams: it cannot hold every record at once, so a layer's
+    /// records are read again for each pass that routes to them. A forward call of several
+    /// prefill chunks then runs layer by layer over all of them (`Model::forward`), so
+    /// that each layer's routed records are fetched once per call; `false` (the default)
+    /// for a source that holds everything (a mapped checkpoint, a pool of every record).
+    fn streams(&self) -> bool {
+        false
+    }
+
     /// A hint that `experts` of `layer` will probably be asked for soon. Never fails:
     /// a source may ignore it.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}

@@ -181,6 +181,36 @@ impl<B: Backend> SequenceState<B> {
     }
 }
 
+/// One chunk's way through the layers.
+struct Pass<B: Backend> {
+    /// Its number of tokens.
+    tokens: usize,
+    /// The residual stream `[tokens, residual width]`.
+    h: B::Tensor,
+    /// The next block's input when the residual add before it also normed it.
+    normed: Option<B::Tensor>,
+}
+
+impl<B: Backend> Pass<B> {
+    /// Takes an MLP block's output (as [`moe::Moe::forward`] returns it): with hyper-connections
+    /// (`inject`) the block's output, added per stream; else the residual sum and
+    /// perhaps the next block's input.
+    fn mlp_done(
+        &mut self,
+        backend: &B,
+        (out, normed): (B::Tensor, Option<B::Tensor>),
+        inject: Option<B::Tensor>,
+    ) {
+        (self.h, self.normed) = match &inject {
+            Some(inject) => (backend.hyper_inject(&self.h, &out, inject), None),
+            None => (out, normed),
+        };
+    }
+}
+
+/// A PLE layer's n-gram rows being read: `[tokens, width]` f32 ([`NgramTable::embed`]).
+type RowsRead<'scope> = std::thread::ScopedJoinHandle<'scope, Result<Vec<f32>>>;
+
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -313,6 +343,17 @@ impl<B: Backend> Model<B> {
     /// workspaces and per-dispatch sizes; the result is the same as one pass (the model
     /// is causal).
     ///
+    /// Chunk by chunk (every layer for one chunk, then the next chunk), unless the input
+    /// is longer than a chunk and `experts` streams ([`ExpertSource::streams`]: it cannot
+    /// hold every record): then layer by layer, every chunk through one layer before the
+    /// next, so that each layer's routed records are fetched once for the whole call
+    /// rather than once per chunk (a pool reads them in one sweep, and the next MoE
+    /// layer's while this one computes). That holds every chunk's hidden state between
+    /// layers (`[ids.len(), residual width]` f32, twice: the residual and the next block's
+    /// normed input; the plan's `prompt_states`). The mixers still see the chunks in
+    /// order, so every state advances as chunk by chunk, and the output is identical.
+    /// [`Model::prefill_piece`] says how long a caller's pieces of a prompt should be.
+    ///
     /// Errors: empty input, a token id beyond the vocabulary, a failure of `experts`, or a
     /// state left inconsistent by an earlier failed call (start a new sequence).
     pub fn forward<E: ExpertSource>(
@@ -322,6 +363,22 @@ impl<B: Backend> Model<B> {
         ids: &[u32],
         experts: &E,
         which: Logits,
+    ) -> Result<Vec<f32>> {
+        self.forward_with_progress(backend, state, ids, experts, which, &mut |_| {})
+    }
+
+    /// [`Model::forward`], telling `progress` how many of `ids`' tokens' worth of work is
+    /// done: after each chunk chunk by chunk, after each layer layer by layer (`ids.len()`
+    /// times the share of the layers done, rounded down), so that a long prompt's progress
+    /// display moves in either order. Errors: as [`Model::forward`].
+    pub fn forward_with_progress<E: ExpertSource>(
+        &self,
+        backend: &B,
+        state: &mut SequenceState<B>,
+        ids: &[u32],
+        experts: &E,
+        which: Logits,
+        progress: &mut dyn FnMut(usize),
     ) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(Error::InvalidInput("no tokens to run".into()));
@@ -341,17 +398,24 @@ impl<B: Backend> Model<B> {
             ));
         }
         state.broken = true;
-        let mut out = Vec::new();
         let chunks: Vec<&[u32]> = ids.chunks(self.prefill_chunk(backend, which)).collect();
-        for (n, chunk) in chunks.iter().enumerate() {
-            let last = n + 1 == chunks.len();
-            let want = match which {
-                Logits::All => Some(Logits::All),
-                Logits::Last if last => Some(Logits::Last),
-                Logits::Last => None,
-            };
-            out.extend(self.forward_chunk(backend, state, chunk, experts, want)?);
-        }
+        let out = if chunks.len() > 1 && experts.streams() {
+            self.forward_layers(backend, state, &chunks, experts, which, progress)?
+        } else {
+            let (mut out, mut done) = (Vec::new(), 0);
+            for (n, chunk) in chunks.iter().enumerate() {
+                let last = n + 1 == chunks.len();
+                let want = match which {
+                    Logits::All => Some(Logits::All),
+                    Logits::Last if last => Some(Logits::Last),
+                    Logits::Last => None,
+                };
+                out.extend(self.forward_chunk(backend, state, chunk, experts, want)?);
+                done += chunk.len();
+                progress(done);
+            }
+            out
+        };
         state.broken = false;
         Ok(out)
     }
@@ -362,7 +426,19 @@ impl<B: Backend> Model<B> {
         crate::backend::prefill_chunk(backend, &self.config, which == Logits::All)
     }
 
-    /// One chunk of [`Model::forward`]; `which: None` skips the head.
+    /// The most prompt tokens a caller should hand one [`Model::forward`] call between its
+    /// own stops (prompt-cache snapshots): one [`Model::prefill_chunk`] when `experts`
+    /// holds every record (a cancelled prompt then stops within a chunk), unbounded when it
+    /// streams, so that the call runs layer by layer and reads each routed record once.
+    pub fn prefill_piece<E: ExpertSource>(&self, backend: &B, experts: &E) -> usize {
+        if experts.streams() {
+            usize::MAX
+        } else {
+            self.prefill_chunk(backend, Logits::Last)
+        }
+    }
+
+    /// One chunk of [`Model::forward`], every layer; `which: None` skips the head.
     fn forward_chunk<E: ExpertSource>(
         &self,
         backend: &B,
@@ -372,7 +448,6 @@ impl<B: Backend> Model<B> {
         which: Option<Logits>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let eps = cfg.rms_norm_eps;
         experts.begin_step();
         // Where this chunk starts in its sequence (synthetic routing is per position).
         let start = state.tokens.len() as u64;
@@ -381,17 +456,7 @@ impl<B: Backend> Model<B> {
         let routing_state = state.routing.as_mut();
         let mut hold = StepHold::new(backend);
         let h = std::thread::scope(|scope| -> Result<B::Tensor> {
-            // The PLE layers' n-gram rows depend only on the token ids: they are read from
-            // the SSD while the layers before them run.
-            let mut rows: Vec<_> = self
-                .layers
-                .iter()
-                .map(|l| {
-                    l.ple
-                        .as_ref()
-                        .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
-                })
-                .collect();
+            let mut rows = self.read_rows(scope, history, ids, experts);
             // A long chunk reads its experts outside the pool: guesses would only churn it.
             let lookahead = experts.lookahead() && ids.len() < SWEEP_MIN_TOKENS;
             let mut routes = self.routes.step(
@@ -401,61 +466,14 @@ impl<B: Backend> Model<B> {
                 (start, ids),
                 lookahead,
             )?;
-            let embedded = backend.embed(&self.embed, ids)?;
-            let mut h = match &self.tile {
-                Some(tile) => backend.gather_columns(&embedded, tile),
-                None => embedded,
-            };
-            // The next block's input when the residual add before it also normed it.
-            let mut normed: Option<B::Tensor> = None;
+            let mut pass = self.embed_pass(backend, ids)?;
             for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
-                if let (Some(ple), Some(job)) = (&layer.ple, rows[i].take()) {
-                    let e = job
-                        .join()
-                        .map_err(|_| Error::Internal("the n-gram row reader panicked".into()))??;
-                    let LayerState::DeltaNet {
-                        ple_conv: Some(conv),
-                        ..
-                    } = st
-                    else {
-                        unreachable!("a PLE layer's state has a PLE conv state")
-                    };
-                    h = ple.forward(backend, cfg, &h, &e, conv);
-                }
-                let (x, inject) = match normed.take() {
-                    Some(x) => (x, None),
-                    None => layer.residual.input(backend, cfg, Block::Mixer, &h),
-                };
-                let r = match (&layer.mixer, &mut *st) {
-                    (
-                        Mixer::DeltaNet(w),
-                        LayerState::DeltaNet {
-                            conv, recurrent, ..
-                        },
-                    ) => w.forward(backend, cfg, &x, conv, recurrent),
-                    (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
-                        w.forward(backend, cfg, &x, &mut lock_kv(kv), index.as_mut())?
-                    }
-                    _ => unreachable!("state layout follows the model's layer kinds"),
-                };
-                let post = layer.residual.pre_norm(Block::Mlp);
-                (h, normed) = residual::add(backend, eps, &h, &r, inject.as_ref(), post);
+                let (x, inject) = self.mixer_block(backend, i, st, &mut pass, rows[i].take())?;
                 if lookahead {
-                    self.lookahead(backend, i + 2, &h, experts, &mut routes)?;
+                    self.lookahead(backend, i + 2, &pass.h, experts, &mut routes)?;
                 }
-                let (x, inject) = match normed.take() {
-                    Some(x) => (x, None),
-                    None => layer.residual.input(backend, cfg, Block::Mlp, &h),
-                };
-                let next = self.layers.get(i + 1).filter(|l| l.ple.is_none());
-                let input = next.and_then(|l| l.residual.pre_norm(Block::Mixer));
-                // A pre-norm layer's MoE block adds its output to `h` and norms the sum for
-                // the next block in its own last pass where the backend can.
-                let then = inject.is_none().then_some(ResidualAdd {
-                    h: &h,
-                    norm: input.map(|w| (w, eps)),
-                });
-                let (out, out_normed) = match &layer.mlp {
+                let then = self.mlp_then(i, &pass.h, &inject);
+                let out = match &layer.mlp {
                     Mlp::Moe(w) => {
                         let layout = &self.experts.layout;
                         let (routes, hold) = (&mut routes, &mut hold);
@@ -463,25 +481,235 @@ impl<B: Backend> Model<B> {
                     }
                     Mlp::Dense(w) => ResidualAdd::apply_to(then, backend, w.forward(backend, &x)),
                 };
-                (h, normed) = match &inject {
-                    // Hyper-connections: `out` is the block's output, added per stream.
-                    Some(inject) => (backend.hyper_inject(&h, &out, inject), None),
-                    None => (out, out_normed),
-                };
+                pass.mlp_done(backend, out, inject);
             }
-            Ok(h)
+            Ok(pass.h)
         })?;
         state.tokens.extend_from_slice(ids);
+        self.finish(backend, hold, &h, ids.len(), which, experts)
+    }
+
+    /// [`Model::forward`] layer by layer over `chunks` (at least two), each layer's routed
+    /// records fetched once for all of them ([`moe::Moe::route_on_host`]); the source streams,
+    /// so no layer is routed on the device. The chunks run through each mixer in order,
+    /// and the synthetic route source routes the whole call at once (token by token, as
+    /// chunk by chunk would), so every state ends as [`Model::forward_chunk`] over each
+    /// chunk would leave it. No lookahead: the sweeps read whole layers, and the next
+    /// layer's ahead.
+    fn forward_layers<E: ExpertSource>(
+        &self,
+        backend: &B,
+        state: &mut SequenceState<B>,
+        chunks: &[&[u32]],
+        experts: &E,
+        which: Logits,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        experts.begin_step();
+        let ids = chunks.concat();
+        let start = state.tokens.len() as u64;
+        // Each chunk's history for the n-gram rows: the sequence, then the chunks before it.
+        let mut histories = Vec::with_capacity(chunks.len());
+        if self.layers.iter().any(|l| l.ple.is_some()) {
+            let mut history = state.tokens.clone();
+            for chunk in chunks {
+                histories.push(history.clone());
+                history.extend_from_slice(chunk);
+            }
+        }
+        let layer_states = &mut state.layers;
+        let routing_state = state.routing.as_mut();
+        let mut hold = StepHold::new(backend);
+        let layout = &self.experts.layout;
+        let passes = std::thread::scope(|scope| -> Result<Vec<Pass<B>>> {
+            let mut rows: Vec<_> = chunks
+                .iter()
+                .enumerate()
+                .map(|(c, chunk)| {
+                    let history = histories.get(c).map_or(&[][..], Vec::as_slice);
+                    self.read_rows(scope, history, chunk, experts)
+                })
+                .collect();
+            let moe_layers = cfg.moe_layers();
+            let mut routes =
+                self.routes
+                    .step(scope, routing_state, moe_layers, (start, &ids), false)?;
+            let mut passes = chunks
+                .iter()
+                .map(|chunk| self.embed_pass(backend, chunk))
+                .collect::<Result<Vec<_>>>()?;
+            for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
+                let mut inputs = Vec::with_capacity(passes.len());
+                for (pass, rows) in passes.iter_mut().zip(&mut rows) {
+                    inputs.push(self.mixer_block(backend, i, st, pass, rows[i].take())?);
+                }
+                // Each chunk's input is dropped once its block is done, and its output
+                // replaces its residual at once: the pass holds about two hidden states a
+                // token (the plan's `prompt_states`).
+                match &layer.mlp {
+                    Mlp::Moe(w) => {
+                        let xs: Vec<&B::Tensor> = inputs.iter().map(|(x, _)| x).collect();
+                        let (routes, hold) = (&mut routes, &mut hold);
+                        let routed =
+                            w.route_on_host(backend, cfg, i, &xs, routes, experts, hold)?;
+                        for (c, (pass, (x, inject))) in passes.iter_mut().zip(inputs).enumerate() {
+                            let then = self.mlp_then(i, &pass.h, &inject);
+                            let out = w.experts_on_host(backend, layout, &x, &routed, c, then);
+                            pass.mlp_done(backend, out, inject);
+                        }
+                    }
+                    Mlp::Dense(w) => {
+                        for (pass, (x, inject)) in passes.iter_mut().zip(inputs) {
+                            let then = self.mlp_then(i, &pass.h, &inject);
+                            let out = ResidualAdd::apply_to(then, backend, w.forward(backend, &x));
+                            pass.mlp_done(backend, out, inject);
+                        }
+                    }
+                }
+                progress(ids.len() * (i + 1) / self.layers.len());
+            }
+            Ok(passes)
+        })?;
+        state.tokens.extend_from_slice(&ids);
+        let mut out = Vec::new();
+        let Some((last, earlier)) = passes.split_last() else {
+            return Err(Error::Internal("a layer-major pass of no chunks".into()));
+        };
+        if which == Logits::All {
+            for pass in earlier {
+                let logits = self.head.forward(backend, cfg, &pass.h, &self.embed);
+                out.extend(backend.download(&logits)?);
+            }
+        }
+        out.extend(self.finish(backend, hold, &last.h, last.tokens, Some(which), experts)?);
+        Ok(out)
+    }
+
+    /// The PLE layers' n-gram rows of `ids` after `history`, each read on a thread of
+    /// `scope` while the layers before it run (they depend only on the token ids); `None`
+    /// for a layer without PLE.
+    fn read_rows<'scope, 'env, E: ExpertSource>(
+        &'env self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        history: &'env [u32],
+        ids: &'env [u32],
+        experts: &'env E,
+    ) -> Vec<Option<RowsRead<'scope>>> {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.ple
+                    .as_ref()
+                    .map(|ple| scope.spawn(|| ple.table.embed(history, ids, experts)))
+            })
+            .collect()
+    }
+
+    /// The embedding of `ids`, the start of their pass (copied into every residual stream
+    /// with hyper-connections).
+    fn embed_pass(&self, backend: &B, ids: &[u32]) -> Result<Pass<B>> {
+        let embedded = backend.embed(&self.embed, ids)?;
+        let h = match &self.tile {
+            Some(tile) => backend.gather_columns(&embedded, tile),
+            None => embedded,
+        };
+        Ok(Pass {
+            tokens: ids.len(),
+            h,
+            normed: None,
+        })
+    }
+
+    /// Layer `i`'s PLE block (on its n-gram `rows`), token mixer (advancing its state
+    /// `st`) and the residual add after it, on `pass`; returns the MLP block's input and,
+    /// with hyper-connections, its inject logits. Errors: the mixer's, or a failed n-gram
+    /// read.
+    fn mixer_block(
+        &self,
+        backend: &B,
+        i: usize,
+        st: &mut LayerState<B>,
+        pass: &mut Pass<B>,
+        rows: Option<RowsRead<'_>>,
+    ) -> Result<(B::Tensor, Option<B::Tensor>)> {
+        let (cfg, layer) = (&self.config, &self.layers[i]);
+        if let (Some(ple), Some(job)) = (&layer.ple, rows) {
+            let e = job
+                .join()
+                .map_err(|_| Error::Internal("the n-gram row reader panicked".into()))??;
+            let LayerState::DeltaNet {
+                ple_conv: Some(conv),
+                ..
+            } = st
+            else {
+                unreachable!("a PLE layer's state has a PLE conv state")
+            };
+            pass.h = ple.forward(backend, cfg, &pass.h, &e, conv);
+        }
+        let (x, inject) = match pass.normed.take() {
+            Some(x) => (x, None),
+            None => layer.residual.input(backend, cfg, Block::Mixer, &pass.h),
+        };
+        let r = match (&layer.mixer, st) {
+            (
+                Mixer::DeltaNet(w),
+                LayerState::DeltaNet {
+                    conv, recurrent, ..
+                },
+            ) => w.forward(backend, cfg, &x, conv, recurrent),
+            (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
+                w.forward(backend, cfg, &x, &mut lock_kv(kv), index.as_mut())?
+            }
+            _ => unreachable!("state layout follows the model's layer kinds"),
+        };
+        let post = layer.residual.pre_norm(Block::Mlp);
+        let eps = cfg.rms_norm_eps;
+        (pass.h, pass.normed) = residual::add(backend, eps, &pass.h, &r, inject.as_ref(), post);
+        Ok(match pass.normed.take() {
+            Some(x) => (x, None),
+            None => layer.residual.input(backend, cfg, Block::Mlp, &pass.h),
+        })
+    }
+
+    /// What layer `i`'s MLP block adds its output to, `h`, and the next block's pre-norm
+    /// when the block can norm the sum for it in its own last pass; `None` with
+    /// hyper-connections (`inject`), whose output is added per stream.
+    fn mlp_then<'a>(
+        &'a self,
+        i: usize,
+        h: &'a B::Tensor,
+        inject: &Option<B::Tensor>,
+    ) -> Option<ResidualAdd<'a, B::Tensor>> {
+        let next = self.layers.get(i + 1).filter(|l| l.ple.is_none());
+        let input = next.and_then(|l| l.residual.pre_norm(Block::Mixer));
+        inject.is_none().then_some(ResidualAdd {
+            h,
+            norm: input.map(|w| (w, self.config.rms_norm_eps)),
+        })
+    }
+
+    /// The end of a pass: its head (`which: None`: none, only a wait for its work), the
+    /// step's read-back (`hold`: the records released after it, the device-routed
+    /// lookups counted) of the last hidden state `h` of a chunk of `tokens` tokens.
+    fn finish<'e, E: ExpertSource>(
+        &self,
+        backend: &B,
+        hold: StepHold<'e, B>,
+        h: &B::Tensor,
+        tokens: usize,
+        which: Option<Logits>,
+        experts: &'e E,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
         let out = match which {
             // Wait for the chunk's work before its last layer's records are released.
-            None => backend.rows(&h, 0, 1),
-            Some(which) => {
-                let h = match which {
-                    Logits::Last => backend.rows(&h, ids.len() - 1, 1),
-                    Logits::All => h,
-                };
-                self.head.forward(backend, cfg, &h, &self.embed)
+            None => backend.rows(h, 0, 1),
+            Some(Logits::Last) => {
+                self.head
+                    .forward(backend, cfg, &backend.rows(h, tokens - 1, 1), &self.embed)
             }
+            Some(Logits::All) => self.head.forward(backend, cfg, h, &self.embed),
         };
         // The read-back waits for all recorded work and releases the step's records.
         let (values, routed_layers) = hold.read_back(&out)?;

@@ -4,7 +4,7 @@
 use super::load::Loader;
 use super::projections::Projections;
 use super::routes::StepSource;
-use crate::backend::{Backend, InFlight, ResidualAdd, Shared, SharedExpert};
+use crate::backend::{distinct_ids, Backend, InFlight, ResidualAdd, Routing, Shared, SharedExpert};
 use crate::checkpoint::{LinearWeight, RecordLayout};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -56,6 +56,19 @@ impl<'a, B: Backend> StepHold<'a, B> {
         let values = step.read_back(&read)?;
         Ok((values, routings.into_iter().map(|(l, _)| l).collect()))
     }
+}
+
+/// A MoE layer's routings of the chunks of a pass and their records
+/// ([`Moe::route_on_host`]).
+pub(super) struct Routed<B: Backend, R> {
+    /// Per chunk.
+    routings: Vec<Routing>,
+    /// The shared expert's gate `[T, 1]`, per chunk.
+    shared_gates: Vec<B::Tensor>,
+    /// The union of the chunks' expert ids, ascending.
+    distinct: Vec<u32>,
+    /// The records of `distinct`, in the same order, held in the step's `hold.layer`.
+    held: std::sync::Arc<Vec<R>>,
 }
 
 /// A SwiGLU MLP (the shared expert, or a dense layer's MLP).
@@ -184,10 +197,9 @@ impl<B: Backend> Moe<B> {
         hold: &mut StepHold<'e, B>,
         then: Option<ResidualAdd<'_, B::Tensor>>,
     ) -> Result<(B::Tensor, Option<B::Tensor>)> {
-        let [logits, shared_gate] = self.gates.apply(backend, x);
-        let resident = experts.resident_layer(layer);
-        let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
-        if let Some(resident) = resident {
+        if let Some(resident) = experts.resident_layer(layer) {
+            let [logits, shared_gate] = self.gates.apply(backend, x);
+            let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
             let resident = hold.step.keep(resident);
             let routed = routes.on_device(backend, layer, &logits, k, norm)?;
             // Nothing waits here (the routing stays on the device), so the shared expert can
@@ -220,12 +232,46 @@ impl<B: Backend> Moe<B> {
             routed.count(layer, experts, &mut hold.routings);
             return Ok(out);
         }
+        let routed = self.route_on_host(backend, cfg, layer, &[x], routes, experts, hold)?;
+        Ok(self.experts_on_host(backend, layout, x, &routed, 0, then))
+    }
+
+    /// The MoE block of `layer` up to its experts, on the inputs `xs` (`[T, hidden]` each)
+    /// of the chunks of a pass, routed on the host: every chunk's routing is read back (the
+    /// first read-back releases `hold.layer`'s records, as in [`Moe::forward`]), and the
+    /// records of their union are fetched once (through [`ExpertSource::fetch_prefill`]
+    /// when the chunks hold [`SWEEP_MIN_TOKENS`] tokens or more) into `hold.layer`;
+    /// [`Moe::experts_on_host`] then computes each chunk. One chunk is [`Moe::forward`]'s
+    /// path when the layer is not resident; several are a layer-major prefill's
+    /// (`Model::forward`), whose chunks thereby read each routed record once. Errors: the
+    /// read-back's, the route source's, or `experts`'.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn route_on_host<'e, E: ExpertSource>(
+        &self,
+        backend: &B,
+        cfg: &ModelConfig,
+        layer: usize,
+        xs: &[&B::Tensor],
+        routes: &mut StepSource,
+        experts: &'e E,
+        hold: &mut StepHold<'e, B>,
+    ) -> Result<Routed<B, E::Record<'e>>> {
+        let (k, norm) = (cfg.num_experts_per_tok, cfg.norm_topk_prob);
+        let (logits, shared_gates): (Vec<B::Tensor>, Vec<B::Tensor>) = xs
+            .iter()
+            .map(|x| {
+                let [logits, shared_gate] = self.gates.apply(backend, x);
+                (logits, shared_gate)
+            })
+            .unzip();
+        let logits: Vec<&B::Tensor> = logits.iter().collect();
         // The read-back waits for the previous layer's work: its records are released.
-        let routing = routes.on_host(layer, &mut hold.layer, &logits, k, norm)?;
-        let distinct = routing.distinct();
-        let held = if routing.tokens() >= SWEEP_MIN_TOKENS {
+        let routings = routes.on_host(layer, &mut hold.layer, &logits, k, norm)?;
+        let distinct = distinct_ids(routings.iter().flat_map(|r| r.ids.clone()).collect());
+        let tokens: usize = routings.iter().map(Routing::tokens).sum();
+        let held = if tokens >= SWEEP_MIN_TOKENS {
             let mut uses = vec![0u32; distinct.len()];
-            for id in &routing.ids {
+            for id in routings.iter().flat_map(|r| &r.ids) {
                 if let Ok(at) = distinct.binary_search(id) {
                     uses[at] += 1;
                 }
@@ -234,12 +280,31 @@ impl<B: Backend> Moe<B> {
         } else {
             experts.fetch(layer, &distinct)?
         };
-        let held = hold.layer.keep(held);
+        Ok(Routed {
+            routings,
+            shared_gates,
+            distinct,
+            held: hold.layer.keep(held),
+        })
+    }
+
+    /// The routed experts and the shared expert of chunk `chunk` of `routed`
+    /// ([`Moe::route_on_host`]), on its input `x`; returns as [`Moe::forward`] does.
+    pub(super) fn experts_on_host<R: HeldRecord>(
+        &self,
+        backend: &B,
+        layout: &RecordLayout,
+        x: &B::Tensor,
+        routed: &Routed<B, R>,
+        chunk: usize,
+        then: Option<ResidualAdd<'_, B::Tensor>>,
+    ) -> (B::Tensor, Option<B::Tensor>) {
+        let routing = &routed.routings[chunk];
         let records: Vec<ExpertRecord<'_>> = routing
             .ids
             .iter()
             .map(|id| {
-                let r = &held[distinct.binary_search(id).unwrap_or_default()];
+                let r = &routed.held[routed.distinct.binary_search(id).unwrap_or_default()];
                 ExpertRecord {
                     bytes: r,
                     slot: r.slot(),
@@ -250,9 +315,9 @@ impl<B: Backend> Moe<B> {
         let shared = self.shared.forward(backend, x);
         let shared = SharedExpert {
             y: &shared,
-            gate: &shared_gate,
+            gate: &routed.shared_gates[chunk],
         };
-        let out = backend.moe_experts(x, &routing, &records, layout, Some(shared));
-        Ok(ResidualAdd::apply_to(then, backend, out))
+        let out = backend.moe_experts(x, routing, &records, layout, Some(shared));
+        ResidualAdd::apply_to(then, backend, out)
     }
 }

@@ -104,23 +104,41 @@ impl<B: Backend> DeviceRouting<B> {
 }
 
 impl StepSource {
-    /// `layer`'s routing of `logits` `[T, E]` read back to the host: the router's top-k
-    /// (softmax weights, renormalized if `renormalize`) through `pins`, whose read-back
-    /// releases what the previous layer's work read; a synthetic source replaces the ids.
-    /// Errors: the read-back's, or the synthetic model's.
+    /// `layer`'s routings of `logits` (one `[T, E]` per chunk of the pass) read back to
+    /// the host: the router's top-k (softmax weights, renormalized if `renormalize`)
+    /// through `pins`, whose first read-back releases what the previous layer's work read;
+    /// a synthetic source replaces the ids, each chunk taking its rows of the pass's ids in
+    /// order. Errors: the read-back's, the synthetic model's, or synthetic ids that do not
+    /// match the chunks' tokens.
     pub(super) fn on_host<B: Backend>(
         &mut self,
         layer: usize,
         pins: &mut InFlight<'_, B>,
-        logits: &B::Tensor,
+        logits: &[&B::Tensor],
         k: usize,
         renormalize: bool,
-    ) -> Result<Routing> {
-        let mut routing = pins.router_top_k(logits, k, renormalize)?;
+    ) -> Result<Vec<Routing>> {
+        let mut routings = logits
+            .iter()
+            .map(|l| pins.router_top_k(l, k, renormalize))
+            .collect::<Result<Vec<_>>>()?;
         if let StepSource::Synthetic(routes) = self {
-            routing.ids = routes.ids(layer)?;
+            let ids = routes.ids(layer)?;
+            let want: usize = routings.iter().map(|r| r.ids.len()).sum();
+            if ids.len() != want {
+                return Err(Error::Internal(format!(
+                    "synthetic routing: {} ids for layer {layer}, {want} routes asked",
+                    ids.len()
+                )));
+            }
+            let mut rest = &ids[..];
+            for routing in &mut routings {
+                let (mine, after) = rest.split_at(routing.ids.len());
+                routing.ids = mine.to_vec();
+                rest = after;
+            }
         }
-        Ok(routing)
+        Ok(routings)
     }
 
     /// `layer`'s routing of `logits` left on the device (nothing read back), with the

@@ -378,6 +378,12 @@ impl ExpertSource for PoolExperts {
         self.lookahead && self.pool.slots() < self.pool.index.records()
     }
 
+    /// While the pool has fewer slots than records (then [`ExpertSource::resident_layer`]
+    /// offers none).
+    fn streams(&self) -> bool {
+        self.pool.slots() < self.pool.index.records()
+    }
+
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         self.pool.prefetch(layer, experts);
     }

@@ -129,7 +129,7 @@ fn plan_cli_counts_the_text_models_weights() {
             "--model",
             dir.to_str().unwrap(),
             "--memory-budget",
-            "64MiB",
+            "80MiB",
             "--json",
         ]);
         let auto: serde_json::Value = serde_json::from_str(&stdout).unwrap();

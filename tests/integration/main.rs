@@ -23,6 +23,7 @@ mod flash_next;
 mod generate;
 mod generate_matrix;
 mod launch;
+mod layer_major;
 mod layers;
 mod mirror;
 mod parity;
