@@ -205,8 +205,14 @@ async fn a_pool_that_shrinks_and_grows_while_generating_gives_the_same_ids() {
     let chunk = slotstream::backend::prefill_chunk(&CpuBackend, &ckpt.config, false);
     let fp = Footprint::new(&ckpt, &index, 32, chunk);
     // A ceiling that leaves 40 slots (the whole model would need more).
-    let context = slotstream::context::limit(4096, &ckpt.config);
-    let budget = fp.resident_need(context, 0).unwrap() - fp.record_bytes + 40 * fp.slot_bytes;
+    // The context the run needs: this tiny model's records are fewer bytes than a long
+    // prompt's hidden states (the plan's `prompt_states`).
+    let needed = r.prompt_ids.len() + r.greedy_ids.len();
+    let context = slotstream::context::limit(needed, &ckpt.config);
+    // A streamed plan also holds a prompt's hidden states (layer-major prefill).
+    let budget = fp.resident_need(context, 0).unwrap() - fp.record_bytes
+        + fp.prompt_states(context).unwrap()
+        + 40 * fp.slot_bytes;
     assert!(budget < fp.resident_need(context, 0).unwrap());
     let s = fp.slot_bytes;
     let probe = Script::new([0, 0, 100, 100].map(|room| reading(room * s, None)), true);
