@@ -14,7 +14,8 @@
 //! - `SLOTSTREAM_BENCH_DEPTHS` (default `1,2,4,8,16,32,64`).
 //!
 //! Each row of the summary (printed, and written to `<dir>/io_sweep.md` and `.json`)
-//! carries engine GB/s, raw GB/s and their ratio.
+//! carries engine GB/s, raw GB/s and their ratio; `<dir>/io_sweep.svg` draws them
+//! against the queue depth.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,7 @@ use slotstream::io::IoMode;
 use slotstream::pack::{pack, PACK_FILE};
 use slotstream::pool::{floor_slots, SlotPool, StreamOptions};
 use slotstream::tools::bench::{raw_ranges, raw_read};
+use slotstream::tools::plot::{self, Axes, Series};
 use slotstream::tools::synth::{write_checkpoint, Preset, QWEN38_FLASH_NEXT, QWEN3_NEXT_80B};
 
 /// Records read per measured batch (enough to keep 64 reads in flight).
@@ -198,6 +200,34 @@ fn sweep(c: &mut Criterion) {
         root.join("io_sweep.json"),
         serde_json::to_vec_pretty(&rows).unwrap_or_default(),
     );
+    // GB/s against the queue depth: the engine's line and the raw reads' (dashed) for
+    // each preset, layout and mode.
+    let mut series: Vec<Series> = Vec::new();
+    for r in &rows {
+        let name = format!("{} {} {}", r.preset, r.layout, r.mode);
+        for (kind, gbps, dashed) in [("engine", r.engine_gbps, false), ("raw", r.raw_gbps, true)] {
+            let label = format!("{name}, {kind}");
+            match series.iter_mut().find(|s| s.name == label) {
+                Some(s) => s.points.push((r.queue_depth as f64, gbps)),
+                None => series.push(Series {
+                    name: label,
+                    points: vec![(r.queue_depth as f64, gbps)],
+                    dashed,
+                }),
+            }
+        }
+    }
+    let axes = Axes {
+        title: "expert records read at each queue depth: the pool against raw O_DIRECT reads",
+        x: "queue depth (reads in flight)",
+        y: "GB/s",
+        log2_x: true,
+    };
+    let chart = root.join("io_sweep.svg");
+    match plot::lines(&chart, axes, &series) {
+        Ok(()) => println!("chart: {}", chart.display()),
+        Err(e) => eprintln!("no chart: {e}"),
+    }
 }
 
 criterion_group!(benches, sweep);

@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also draw the report as an SVG chart here: decode tok/s and hit rate against the
+    /// pool's memory, with each row's limit (SVG only: a PNG needs system fonts).
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// Compute device: `cpu`, `gpu` (any GPU adapter), or part of an adapter's name.
     #[arg(long)]
     device: Option<String>,
@@ -65,6 +69,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if args.prompt_len == 0 {
         bail!("--prompt-len must be at least 1");
     }
+    if let Some(path) = &args.plot {
+        slotstream::atomic_file::check_writable(path)
+            .with_context(|| format!("--plot {}", path.display()))?;
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
     let steps = (options.budgets.len() * options.lookahead.len()) as u64 + 2;
     let bar = indicatif::ProgressBar::new(steps).with_style(
@@ -83,6 +91,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.table());
+    }
+    if let Some(path) = &args.plot {
+        slotstream::tools::plot::bench(path, &report)
+            .with_context(|| format!("--plot {}", path.display()))?;
+        eprintln!("chart written to {}", path.display());
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use slotstream::tools::cachesim;
+use slotstream::tools::plot::{Axes, Series};
 
 #[derive(Args)]
 pub struct CachesimArgs {
@@ -16,6 +17,9 @@ pub struct CachesimArgs {
     /// Pool sizes to simulate, comma-separated (each at least 1).
     #[arg(long, value_delimiter = ',', required = true, value_parser = clap::value_parser!(u64).range(1..))]
     slots: Vec<u64>,
+    /// Also draw the hit rates against the slots, a line per policy, as an SVG chart here.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -53,16 +57,38 @@ pub fn cachesim(args: CachesimArgs) -> Result<()> {
         print!(" {:>8}", p.name());
     }
     println!();
+    let mut series: Vec<Series> = cachesim::Policy::ALL
+        .iter()
+        .map(|p| Series {
+            name: p.name().to_string(),
+            points: Vec::new(),
+            dashed: false,
+        })
+        .collect();
     for &slots in &args.slots {
         let slots = usize::try_from(slots).unwrap_or(usize::MAX);
         print!("{slots:>8}");
-        for p in cachesim::Policy::ALL {
-            print!(
-                " {:>8.4}",
-                cachesim::simulate(&requests, slots, p).hit_rate()
-            );
+        for (p, s) in cachesim::Policy::ALL.iter().zip(&mut series) {
+            let rate = cachesim::simulate(&requests, slots, *p).hit_rate();
+            print!(" {rate:>8.4}");
+            s.points.push((slots as f64, rate));
         }
         println!();
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "hit rate against pool slots: {lookups} lookups in {} requests",
+            requests.len()
+        );
+        let axes = Axes {
+            title: &title,
+            x: "slots",
+            y: "hit rate",
+            log2_x: true,
+        };
+        slotstream::tools::plot::lines(path, axes, &series)
+            .with_context(|| format!("--plot {}", path.display()))?;
+        eprintln!("chart written to {}", path.display());
     }
     Ok(())
 }

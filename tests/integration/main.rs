@@ -27,6 +27,7 @@ mod layer_major;
 mod layers;
 mod mirror;
 mod parity;
+mod plots;
 mod pool;
 mod pull;
 mod routing;
