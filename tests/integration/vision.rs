@@ -418,14 +418,26 @@ fn tower_time_per_image() {
     tower.forward(&image(2)).unwrap();
     for (side, runs) in [(2, 5), (32, 3), (96, 1)] {
         let patches = image(side);
+        let grid = patches.grid;
         let start = std::time::Instant::now();
         for _ in 0..runs {
             tower.forward(&patches).unwrap();
         }
         let per = start.elapsed().as_secs_f64() / runs as f64;
+        // Multiply-adds x 2 of the matmuls and the attention (QK^T and PV).
+        let v = VISION_SHAPE;
+        let (n, d, i) = (
+            grid.patches() as f64,
+            v.hidden as f64,
+            v.intermediate as f64,
+        );
+        let blocks = v.depth as f64 * (2.0 * n * (4.0 * d * d + 2.0 * d * i) + 4.0 * n * n * d);
+        let ends = 2.0 * n * values as f64 * d
+            + 2.0 * (n / 4.0) * (16.0 * d * d + 4.0 * d * preset.hidden as f64);
         println!(
-            "tower: {} tokens ({side} x {side} patches): {per:.3} s per image ({runs} runs)",
-            patches.tokens
+            "tower: {} tokens ({side} x {side} patches): {per:.3} s per image ({runs} runs), {:.1} GFLOP/s",
+            patches.tokens,
+            (blocks + ends) / per / 1e9
         );
     }
 }
