@@ -665,6 +665,7 @@ impl Engine {
                 eos_ids: self.shared.front.eos.clone(),
                 cancel: Some(cancel.clone()),
                 prefilled: Some(prefilled.clone()),
+                draft_tokens: 0,
             };
             Ok((prompt, options))
         });

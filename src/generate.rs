@@ -28,6 +28,10 @@ pub struct GenerateOptions {
     /// ([`Model::forward_with_progress`]; for a progress display; tokens reused from a
     /// snapshot are not run, so not counted).
     pub prefilled: Option<Arc<AtomicUsize>>,
+    /// Draft tokens per decode step from the model's MTP head (0: plain decoding), each
+    /// step's drafts verified in one forward pass ([`generate`]). Used with greedy
+    /// sampling on a model whose head is loaded ([`Model::load_mtp`]), else ignored.
+    pub draft_tokens: usize,
 }
 
 impl GenerateOptions {
@@ -51,10 +55,37 @@ pub struct GenerateStats {
     pub decode_tps: f64,
     /// Why generation ended: "eos", "length" or "stopped".
     pub finish_reason: String,
+    /// Draft tokens the MTP head proposed ([`GenerateOptions::draft_tokens`]).
+    pub drafted: usize,
+    /// Drafts that verification accepted (emitted without a decode step of their own).
+    pub accepted: usize,
+    /// Verify passes: forward passes of a sampled token and its drafts.
+    pub verify_passes: usize,
+}
+
+impl GenerateStats {
+    /// Accepted drafts over drafted ones (0 without drafts).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
 }
 
 /// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
 /// each new id and may return `false` to stop early (finish reason "stopped").
+///
+/// With drafts ([`GenerateOptions::draft_tokens`] `k`, greedy sampling, the model's MTP
+/// head loaded) each decode step proposes `k` tokens with the head ([`Model::draft`]) and
+/// runs the sampled token and the drafts through the model in one pass of `k + 1`
+/// positions; the drafts that match what greedy decoding picks from that pass's logits
+/// are emitted with the token after them, as plain decoding would emit them. On a
+/// rejection the sequence is put back where the pass began ([`SequenceState::rewind`]:
+/// the DeltaNet states copied before the pass, the KV caches cut back) and the accepted
+/// prefix is run again, so that the state is what plain decoding leaves (a copy of the
+/// DeltaNet states per pass, and a pass of the accepted tokens per rejection).
 /// Generation stops with finish reason "length" after `options.max_tokens` new tokens or
 /// when the sequence (the tokens in `state`, the prompt and the new tokens) reaches the
 /// model's context ([`Model::context`]). Non-finite logits are left out of sampling, with
@@ -123,6 +154,11 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         )));
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
+    let drafting =
+        options.draft_tokens > 0 && options.sampling.temperature == 0.0 && model.drafts();
+    if drafting {
+        model.start_drafting(backend, state)?;
+    }
     let max_tokens = options.max_tokens.min(room);
     let restored_tokens = state.tokens.len();
     // The prefill and decode loop, in a closure so that the warning below is logged
@@ -186,8 +222,13 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         experts.end_prefill(true);
         stats.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
+        // A token sampled by a verify pass's walk, not yet emitted.
+        let mut carried = None;
         loop {
-            let next = sampler.sample(&logits, &state.tokens)?;
+            let next = match carried.take() {
+                Some(t) => t,
+                None => sampler.sample(&logits, &state.tokens)?,
+            };
             if options.eos_ids.contains(&next) {
                 stats.finish_reason = "eos".into();
                 break;
@@ -200,7 +241,61 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
             if out.len() >= max_tokens {
                 break;
             }
-            logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+            // Drafts only where plain decoding would run as many tokens.
+            let k = match drafting {
+                true => options.draft_tokens.min(max_tokens - 1 - out.len()),
+                false => 0,
+            };
+            if k == 0 {
+                logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+                continue;
+            }
+            let drafts = model.draft(backend, state, next, k, crate::sampling::argmax)?;
+            let point = state.rewind_point(backend)?;
+            let base = state.tokens.len();
+            let run: Vec<u32> = [next].into_iter().chain(drafts.iter().copied()).collect();
+            let rows = model.forward(backend, state, &run, experts, Logits::All)?;
+            let vocab = rows.len() / run.len();
+            stats.drafted += k;
+            stats.verify_passes += 1;
+            // Row j holds the logits after run[..=j]; `fed` counts the tokens of `run`
+            // that plain decoding would have run by the end of the walk.
+            let mut fed = run.len();
+            let mut stop = None;
+            for (j, &draft) in drafts.iter().enumerate() {
+                let row = &rows[j * vocab..(j + 1) * vocab];
+                let t = sampler.sample(row, &state.tokens[..base + j + 1])?;
+                if t != draft {
+                    carried = Some(t);
+                    fed = j + 1;
+                    break;
+                }
+                stats.accepted += 1;
+                if options.eos_ids.contains(&t) {
+                    stop = Some("eos");
+                } else {
+                    out.push(t);
+                    if !on_token(t)? || options.cancelled() {
+                        stop = Some("stopped");
+                    } else if out.len() >= max_tokens {
+                        stop = Some("length");
+                    }
+                }
+                if stop.is_some() {
+                    fed = j + 1;
+                    break;
+                }
+            }
+            if fed == run.len() {
+                logits = rows[k * vocab..].to_vec();
+            } else {
+                state.rewind(backend, &point);
+                model.forward(backend, state, &run[..fed], experts, Logits::Last)?;
+            }
+            if let Some(reason) = stop {
+                stats.finish_reason = reason.into();
+                break;
+            }
         }
         stats.generated_tokens = out.len();
         stats.decode_seconds = decode_start.elapsed().as_secs_f64();

@@ -140,11 +140,28 @@ impl ExpertIndex {
     /// quantization or scale dtype (one record layout serves every layer).
     pub fn build(ckpt: &Checkpoint) -> Result<Self> {
         let cfg = &ckpt.config;
+        let layers: Vec<(usize, String)> = (cfg.moe_layers().into_iter())
+            .map(|l| (l, cfg.layer_name(l, "mlp.switch_mlp")))
+            .collect();
+        Self::build_layers(ckpt, &layers)
+    }
+
+    /// The index of one MoE block outside the decoder layers, whose stacked experts are
+    /// `{module}.{gate,up,down}_proj` (an MTP head's `mtp.layers.0.mlp.switch_mlp`), as
+    /// its layer 0. Errors: as [`ExpertIndex::build`].
+    pub fn build_block(ckpt: &Checkpoint, module: &str) -> Result<Self> {
+        Self::build_layers(ckpt, &[(0, module.to_string())])
+    }
+
+    /// The index of `layers`: each a layer index and the module holding its stacked
+    /// experts.
+    fn build_layers(ckpt: &Checkpoint, layers: &[(usize, String)]) -> Result<Self> {
+        let cfg = &ckpt.config;
         let (e, d, i) = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size);
-        let moe_layers = cfg.moe_layers();
+        let moe_layers: Vec<usize> = layers.iter().map(|(l, _)| *l).collect();
         let mut layout: Option<RecordLayout> = None;
         let mut ranges = Vec::with_capacity(moe_layers.len() * e);
-        for &layer in &moe_layers {
+        for (_, switch_mlp) in layers {
             let mut lens = [0usize; PIECES_PER_RECORD];
             let mut specs = [QuantSpec {
                 bits: 4,
@@ -153,7 +170,7 @@ impl ExpertIndex {
             let mut scale_dtype = Dtype::BF16;
             let mut bases = [(0usize, 0u64); PIECES_PER_RECORD];
             for (p, proj) in Projection::ALL.into_iter().enumerate() {
-                let module = cfg.layer_name(layer, &format!("mlp.switch_mlp.{}", proj.module()));
+                let module = format!("{switch_mlp}.{}", proj.module());
                 let (rows, cols) = if proj == Projection::Down {
                     (d, i)
                 } else {
@@ -197,7 +214,7 @@ impl ExpertIndex {
                 None => layout = Some(this),
                 Some(first) if *first != this => {
                     return Err(Error::bad_tensor(
-                        &cfg.layer_name(layer, "mlp.switch_mlp"),
+                        switch_mlp,
                         "quantization or dtype differs from the first MoE layer's",
                     ))
                 }

@@ -59,6 +59,32 @@ pub struct Checkpoint {
     tensors: HashMap<String, TensorEntry>,
 }
 
+/// Maps the safetensors file `path` as shard `shard` and lists its tensors under their
+/// stored names. Errors: an unreadable or malformed file.
+fn map_shard(path: PathBuf, shard: usize) -> Result<(Shard, Vec<TensorEntry>)> {
+    let handle = File::open(&path).map_err(|e| Error::io(&path, e))?;
+    // SAFETY: the map is read-only; a file truncated underneath us would fault, which is
+    // the documented hazard of mmap and is why the streaming reader uses pread.
+    let mmap = unsafe { Mmap::map(&handle) }.map_err(|e| Error::io(&path, e))?;
+    let parsed = SafeTensors::deserialize(&mmap).map_err(|e| Error::Safetensors {
+        path: path.clone(),
+        message: describe_header_error(&mmap, &e),
+    })?;
+    let base = mmap.as_ptr() as usize;
+    let entries = parsed
+        .iter()
+        .map(|(name, view)| TensorEntry {
+            name: name.to_string(),
+            shard,
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            offset: (view.data().as_ptr() as usize - base) as u64,
+            len: view.data().len() as u64,
+        })
+        .collect();
+    Ok((Shard { path, mmap }, entries))
+}
+
 /// Reads the config of the checkpoint in `dir` without touching its shards (what
 /// [`Checkpoint::open`] reads first). Errors: `dir` missing or a file (a GGUF file and a
 /// Hugging Face id said to be such, with what to do), no config.json, and every config
@@ -162,34 +188,20 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors: HashMap<String, TensorEntry> = HashMap::new();
         for (shard_idx, file) in files.iter().enumerate() {
-            let path = dir.join(file);
-            let handle = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            // SAFETY: the map is read-only; a file truncated underneath us would fault,
-            // which is the documented hazard of mmap and is why the streaming reader uses pread.
-            let mmap = unsafe { Mmap::map(&handle) }.map_err(|e| Error::io(&path, e))?;
-            let parsed = SafeTensors::deserialize(&mmap).map_err(|e| Error::Safetensors {
-                path: path.clone(),
-                message: describe_header_error(&mmap, &e),
-            })?;
-            let base = mmap.as_ptr() as usize;
-            for (name, view) in parsed.iter() {
-                let entry = TensorEntry {
-                    name: name.to_string(),
-                    shard: shard_idx,
-                    dtype: view.dtype(),
-                    shape: view.shape().to_vec(),
-                    offset: (view.data().as_ptr() as usize - base) as u64,
-                    len: view.data().len() as u64,
-                };
-                if let Some(prev) = tensors.get(name) {
+            let (shard, entries) = map_shard(dir.join(file), shard_idx)?;
+            for entry in entries {
+                if let Some(prev) = tensors.get(&entry.name) {
                     return Err(Error::Safetensors {
-                        path: path.clone(),
-                        message: format!("tensor `{name}` also appears in {}", files[prev.shard]),
+                        path: shard.path.clone(),
+                        message: format!(
+                            "tensor `{}` also appears in {}",
+                            entry.name, files[prev.shard]
+                        ),
                     });
                 }
-                tensors.insert(name.to_string(), entry);
+                tensors.insert(entry.name.clone(), entry);
             }
-            shards.push(Shard { path, mmap });
+            shards.push(shard);
         }
         if let Some(map) = weight_map {
             for (name, file) in &map {
@@ -249,6 +261,30 @@ impl Checkpoint {
             shards,
             tensors,
         })
+    }
+
+    /// Adds the tensors of the safetensors file `path` (an MTP head shipped on its own,
+    /// the reference system's `mtp.safetensors`), under the names the family's renames
+    /// give them ([`ModelConfig::canonical_name`]). Errors: an unreadable or malformed
+    /// file, or a tensor the checkpoint already has (nothing is added then).
+    pub fn add_file(&mut self, path: &Path) -> Result<()> {
+        let (shard, entries) = map_shard(path.to_path_buf(), self.shards.len())?;
+        let mut added = HashMap::with_capacity(entries.len());
+        for mut entry in entries {
+            let name = self.config.canonical_name(&entry.name).into_owned();
+            if self.tensors.contains_key(&name) || added.contains_key(&name) {
+                return Err(Error::Safetensors {
+                    path: shard.path.clone(),
+                    message: format!("tensor `{name}` is already in the checkpoint"),
+                });
+            }
+            entry.name = name.clone();
+            added.insert(name, entry);
+        }
+        tracing::debug!(file = %path.display(), tensors = added.len(), "tensors added to the checkpoint");
+        self.tensors.extend(added);
+        self.shards.push(shard);
+        Ok(())
     }
 
     /// The shards in index order.

@@ -123,6 +123,67 @@ impl LinearWeight {
         }
     }
 
+    /// The weight split by input columns at `at`: `(W[:, ..at], W[:, at..])`, so that
+    /// `concat(a, b) W^T = a W1^T + b W2^T` runs without joining `a` and `b` (the MTP
+    /// head's `fc` over an embedding and a hidden state). A quantized weight splits on a
+    /// quantization group, its packed words, scales and biases moving with their columns.
+    /// Errors: `at` outside the row, or not on a group (or packed word) boundary.
+    pub fn split_columns(&self, name: &str, at: usize) -> Result<(LinearWeight, LinearWeight)> {
+        fn cut<T: Copy>(data: &[T], width: usize, at: usize) -> (Vec<T>, Vec<T>) {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for row in data.chunks(width.max(1)) {
+                a.extend_from_slice(&row[..at]);
+                b.extend_from_slice(&row[at..]);
+            }
+            (a, b)
+        }
+        let (_, cols) = self.shape();
+        if at == 0 || at >= cols {
+            return Err(Error::bad_tensor(
+                name,
+                format!("cannot split its {cols} columns at {at}"),
+            ));
+        }
+        Ok(match self {
+            LinearWeight::Quantized(q) => {
+                let (g, per_word) = (q.spec.group_size, q.spec.per_word());
+                if !at.is_multiple_of(g) || !at.is_multiple_of(per_word) {
+                    return Err(Error::bad_tensor(
+                        name,
+                        format!("column {at} is not on a quantization group of {g}"),
+                    ));
+                }
+                let size = q.scales.len() / (q.rows * cols / g).max(1);
+                let (pa, pb) = cut(&q.packed, cols / per_word, at / per_word);
+                let (sa, sb) = cut(&q.scales, cols / g * size, at / g * size);
+                let (ba, bb) = cut(&q.biases, cols / g * size, at / g * size);
+                let part = |cols, packed, scales, biases| {
+                    LinearWeight::Quantized(QuantizedMatrix {
+                        spec: q.spec,
+                        rows: q.rows,
+                        cols,
+                        packed,
+                        scale_dtype: q.scale_dtype,
+                        scales,
+                        biases,
+                    })
+                };
+                (part(at, pa, sa, ba), part(cols - at, pb, sb, bb))
+            }
+            LinearWeight::Dense(d) => {
+                let (a, b) = cut(&d.data, cols, at);
+                let part = |cols, data| {
+                    LinearWeight::Dense(DenseMatrix {
+                        rows: d.rows,
+                        cols,
+                        data,
+                    })
+                };
+                (part(at, a), part(cols - at, b))
+            }
+        })
+    }
+
     /// Whether [`LinearWeight::stack_rows`] keeps `parts` as they are: all dense, or all
     /// quantized with the same bits, group size and scale dtype.
     pub fn stack_losslessly(parts: &[&LinearWeight]) -> bool {
@@ -448,5 +509,36 @@ mod tests {
         let narrow = quantized(2, 32, 4, Dtype::BF16);
         let err = LinearWeight::stack_rows("in_proj_a", vec![a, narrow]).unwrap_err();
         assert!(err.to_string().contains("in_proj_a"), "{err}");
+    }
+
+    /// Each half of a split dequantizes to its columns of the whole (4 and 8 bits, bf16
+    /// and f32 scales, and dense); a split off a group boundary is refused by name.
+    #[test]
+    fn split_columns_are_the_columns_of_the_whole() {
+        for w in [
+            quantized(5, 128, 4, Dtype::BF16),
+            quantized(7, 96, 8, Dtype::F32),
+        ] {
+            let at = 64;
+            let cols = w.shape().1;
+            let dense = LinearWeight::Dense(w.to_dense());
+            for whole in [&w, &dense] {
+                let (a, b) = whole.split_columns("fc", at).unwrap();
+                let (rows, full) = (w.shape().0, w.to_dense().data);
+                let want_a: Vec<f32> = (0..rows)
+                    .flat_map(|r| full[r * cols..r * cols + at].to_vec())
+                    .collect();
+                let want_b: Vec<f32> = (0..rows)
+                    .flat_map(|r| full[r * cols + at..(r + 1) * cols].to_vec())
+                    .collect();
+                assert_eq!(a.to_dense().data, want_a);
+                assert_eq!(b.to_dense().data, want_b);
+                assert_eq!((a.shape(), b.shape()), ((rows, at), (rows, cols - at)));
+            }
+        }
+        let err = quantized(2, 128, 4, Dtype::BF16)
+            .split_columns("mtp.fc", 48)
+            .unwrap_err();
+        assert!(err.to_string().contains("mtp.fc"), "{err}");
     }
 }

@@ -42,20 +42,20 @@ impl<B: Backend> Head<B> {
         Ok(Head { norm, lm_head })
     }
 
-    /// The logits of the residual rows `h`; `embed` is the LM head when it is tied.
-    pub(super) fn forward(
-        &self,
-        backend: &B,
-        cfg: &ModelConfig,
-        h: &B::Tensor,
-        embed: &B::Weight,
-    ) -> B::Tensor {
-        let y = match &self.norm {
+    /// The final norm (or mixer) of the residual rows `h`: what the LM head reads, and
+    /// the hidden state an MTP head takes.
+    pub(super) fn norm(&self, backend: &B, cfg: &ModelConfig, h: &B::Tensor) -> B::Tensor {
+        match &self.norm {
             FinalNorm::Norm(w) => {
                 backend.rms_norm(h, Some(w), cfg.hidden_size, cfg.rms_norm_eps, 1.0)
             }
             FinalNorm::Mixer(hc) => hc.forward(backend, cfg, h).0,
-        };
-        backend.matmul(&y, self.lm_head.as_ref().unwrap_or(embed))
+        }
+    }
+
+    /// The logits of normed rows `y` ([`Head::norm`]); `embed` is the LM head when it is
+    /// tied.
+    pub(super) fn logits(&self, backend: &B, y: &B::Tensor, embed: &B::Weight) -> B::Tensor {
+        backend.matmul(y, self.lm_head.as_ref().unwrap_or(embed))
     }
 }

@@ -31,6 +31,7 @@ mod delta_net;
 mod head;
 mod load;
 mod moe;
+mod mtp;
 mod ple;
 mod projections;
 mod residual;
@@ -47,12 +48,13 @@ use load::Loader;
 pub use load::NormConvention;
 pub use moe::SWEEP_MIN_TOKENS;
 use moe::{Mlp, StepHold};
+use mtp::{MtpHead, MtpState};
 use ple::Ple;
 use residual::{Block, Residual};
 pub use routes::RouteSource;
 use routes::StepSource;
 use snapshot::{lock_kv, SharedKv, Writer};
-pub use snapshot::{ImageTensor, Snapshot, StateImage};
+pub use snapshot::{ImageTensor, RewindPoint, Snapshot, StateImage};
 pub use vision::{VisionTower, VISION_PREFIXES};
 
 use crate::backend::{Backend, KeyMask, ResidualAdd, Routing};
@@ -87,7 +89,7 @@ impl<B: Backend> Layer<B> {
             LayerKind::FullAttention => Mixer::Attention(Attention::load(l, &p)?),
         };
         Ok(Layer {
-            mlp: Mlp::load(l, &p, i)?,
+            mlp: Mlp::load(l, &p, l.cfg.is_moe_layer(i))?,
             residual: Residual::load(l, &p)?,
             ple: Ple::load(l, &p, i)?,
             mixer,
@@ -113,6 +115,8 @@ pub struct Model<B: Backend> {
     tile: Option<B::Index>,
     /// The most tokens one sequence may hold ([`Model::context`]).
     context: usize,
+    /// The MTP draft head, once [`Model::load_mtp`] has loaded it.
+    mtp: Option<MtpHead<B>>,
 }
 
 /// Recurrent and attention state of one layer for one sequence.
@@ -147,6 +151,9 @@ pub struct SequenceState<B: Backend> {
     broken: bool,
     /// This sequence appends to its KV caches, which snapshots may share.
     writer: Writer,
+    /// The MTP head's cache and the hidden rows it has not run yet, on a sequence that
+    /// drafts ([`Model::new_drafting_state`]).
+    mtp: Option<MtpState<B>>,
 }
 
 impl<B: Backend> SequenceState<B> {
@@ -262,6 +269,7 @@ impl<B: Backend> Model<B> {
             head,
             layers,
             tile,
+            mtp: None,
         })
     }
 
@@ -334,6 +342,7 @@ impl<B: Backend> Model<B> {
             routing: self.routes.new_state(),
             broken: false,
             writer: Writer::new_line(),
+            mtp: None,
         }
     }
 
@@ -486,7 +495,8 @@ impl<B: Backend> Model<B> {
             Ok(pass.h)
         })?;
         state.tokens.extend_from_slice(ids);
-        self.finish(backend, hold, &h, ids.len(), which, experts)
+        let behind = state.mtp.as_mut().map(|m| &mut m.behind);
+        self.finish(backend, hold, &h, ids.len(), which, experts, behind)
     }
 
     /// [`Model::forward`] layer by layer over `chunks` (at least two), each layer's routed
@@ -576,13 +586,28 @@ impl<B: Backend> Model<B> {
         let Some((last, earlier)) = passes.split_last() else {
             return Err(Error::Internal("a layer-major pass of no chunks".into()));
         };
-        if which == Logits::All {
-            for pass in earlier {
-                let logits = self.head.forward(backend, cfg, &pass.h, &self.embed);
-                out.extend(backend.download(&logits)?);
+        let mut behind = state.mtp.as_mut().map(|m| &mut m.behind);
+        for pass in earlier {
+            let drafting = behind.is_some();
+            if which == Logits::All || drafting {
+                let y = self.head.norm(backend, cfg, &pass.h);
+                if which == Logits::All {
+                    out.extend(backend.download(&self.head.logits(backend, &y, &self.embed))?);
+                }
+                if let Some(behind) = behind.as_mut() {
+                    behind.push(y);
+                }
             }
         }
-        out.extend(self.finish(backend, hold, &last.h, last.tokens, Some(which), experts)?);
+        out.extend(self.finish(
+            backend,
+            hold,
+            &last.h,
+            last.tokens,
+            Some(which),
+            experts,
+            behind,
+        )?);
         Ok(out)
     }
 
@@ -700,17 +725,38 @@ impl<B: Backend> Model<B> {
         tokens: usize,
         which: Option<Logits>,
         experts: &'e E,
+        behind: Option<&mut Vec<B::Tensor>>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
+        // A drafting sequence keeps every row's final hidden state for the MTP head.
+        let hidden = behind.is_some().then(|| self.head.norm(backend, cfg, h));
         let out = match which {
             // Wait for the chunk's work before its last layer's records are released.
-            None => backend.rows(h, 0, 1),
+            None => backend.rows(hidden.as_ref().unwrap_or(h), 0, 1),
             Some(Logits::Last) => {
-                self.head
-                    .forward(backend, cfg, &backend.rows(h, tokens - 1, 1), &self.embed)
+                let y = match &hidden {
+                    Some(y) => backend.rows(y, tokens - 1, 1),
+                    None => self
+                        .head
+                        .norm(backend, cfg, &backend.rows(h, tokens - 1, 1)),
+                };
+                self.head.logits(backend, &y, &self.embed)
             }
-            Some(Logits::All) => self.head.forward(backend, cfg, h, &self.embed),
+            Some(Logits::All) => {
+                let normed;
+                let y = match &hidden {
+                    Some(y) => y,
+                    None => {
+                        normed = self.head.norm(backend, cfg, h);
+                        &normed
+                    }
+                };
+                self.head.logits(backend, y, &self.embed)
+            }
         };
+        if let (Some(behind), Some(y)) = (behind, hidden) {
+            behind.push(y);
+        }
         // The read-back waits for all recorded work and releases the step's records.
         let (values, routed_layers) = hold.read_back(&out)?;
         let mut values = values.into_iter();

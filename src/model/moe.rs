@@ -101,11 +101,11 @@ pub(super) enum Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    /// Loads the MLP block of layer `i` under `p` (`model.layers.{i}`): MoE or dense as
-    /// the config says.
-    pub(super) fn load(l: &Loader<'_, B>, p: &str, i: usize) -> Result<Self> {
+    /// Loads the MLP block of the layer under `p` (`model.layers.{i}`): MoE if `moe`,
+    /// else dense.
+    pub(super) fn load(l: &Loader<'_, B>, p: &str, moe: bool) -> Result<Self> {
         let cfg = l.cfg;
-        Ok(if cfg.is_moe_layer(i) {
+        Ok(if moe {
             let (router, gate) = (
                 format!("{p}.mlp.gate"),
                 format!("{p}.mlp.shared_expert_gate"),

@@ -162,6 +162,7 @@ impl<B: Backend> Snapshot<B> {
             routing: self.routing.clone(),
             broken: false,
             writer: writer.unwrap_or_else(Writer::new_line),
+            mtp: None,
         })
     }
 
@@ -331,6 +332,77 @@ impl<B: Backend> SequenceState<B> {
             ));
         }
         Ok(())
+    }
+}
+
+/// Where a sequence can be put back to after a verify pass ran draft tokens through it
+/// ([`SequenceState::rewind_point`], [`SequenceState::rewind`]): copies of its gated
+/// DeltaNet states, and its length, to which the KV caches are cut back.
+pub struct RewindPoint<B: Backend> {
+    len: usize,
+    /// Per layer: a DeltaNet layer's conv and recurrent states.
+    states: Vec<Option<(B::Tensor, B::Tensor)>>,
+    routing: Option<RoutingState>,
+}
+
+impl<B: Backend> SequenceState<B> {
+    /// The state as it is now, to come back to: copies the gated DeltaNet layers' conv and
+    /// recurrent states (the KV caches only grow, so their length is enough). Errors: a
+    /// state left inconsistent by a failed forward pass; Flash-Next's PLE conv states and
+    /// QSA keys (not kept).
+    pub fn rewind_point(&self, backend: &B) -> Result<RewindPoint<B>> {
+        self.check_whole()?;
+        let states = self
+            .layers
+            .iter()
+            .map(|layer| match layer {
+                LayerState::DeltaNet {
+                    ple_conv: Some(_), ..
+                }
+                | LayerState::Attention { index: Some(_), .. } => Err(Error::InvalidInput(
+                    "rewinding a Flash-Next sequence is not implemented".into(),
+                )),
+                LayerState::DeltaNet {
+                    conv, recurrent, ..
+                } => Ok(Some((copy(backend, conv), copy(backend, recurrent)))),
+                LayerState::Attention { .. } => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        Ok(RewindPoint {
+            len: self.tokens.len(),
+            states,
+            routing: self.routing.clone(),
+        })
+    }
+
+    /// Puts the state back to `point` (made from this sequence, which has only grown
+    /// since): the DeltaNet states restored, the KV caches, tokens and the MTP head's
+    /// pending rows cut back to its length. The KV rows cut were written after `point`,
+    /// so no snapshot keeps them.
+    pub fn rewind(&mut self, backend: &B, point: &RewindPoint<B>) {
+        for (layer, saved) in self.layers.iter_mut().zip(&point.states) {
+            match (layer, saved) {
+                (
+                    LayerState::DeltaNet {
+                        conv, recurrent, ..
+                    },
+                    Some((c, r)),
+                ) => {
+                    *conv = copy(backend, c);
+                    *recurrent = copy(backend, r);
+                }
+                (LayerState::Attention { kv, .. }, _) => {
+                    backend.kv_truncate(&mut lock_kv(kv), point.len);
+                }
+                _ => {}
+            }
+        }
+        self.tokens.truncate(point.len);
+        self.routing.clone_from(&point.routing);
+        if let Some(mtp) = &mut self.mtp {
+            mtp.truncate(backend, point.len);
+        }
+        self.broken = false;
     }
 }
 

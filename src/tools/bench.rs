@@ -147,6 +147,7 @@ fn reuse_row<B: Backend, E: ExpertSource>(
         eos_ids: Vec::new(),
         cancel: None,
         prefilled: None,
+        draft_tokens: 0,
     };
     let open = || PromptCache::open(ckpt, model, backend, &PromptCacheOptions::default());
     // Seconds to the first token and prompt tokens run.
@@ -379,6 +380,7 @@ pub fn run<B: Backend>(
                 eos_ids: Vec::new(),
                 cancel: None,
                 prefilled: None,
+                draft_tokens: 0,
             };
             let mut state = model.new_state(backend);
             let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;

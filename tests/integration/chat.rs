@@ -30,6 +30,7 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         eos_ids: vec![],
         cancel: None,
         prefilled: None,
+        draft_tokens: 0,
     };
     let turns = ["the cat sat on the mat", "and then what", "tell me more"];
     let snapshots = tempfile::tempdir().unwrap();

@@ -311,6 +311,7 @@ fn greedy(n: usize) -> GenerateOptions {
         eos_ids: vec![],
         cancel: None,
         prefilled: None,
+        draft_tokens: 0,
     }
 }
 

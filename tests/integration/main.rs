@@ -26,6 +26,7 @@ mod launch;
 mod layer_major;
 mod layers;
 mod mirror;
+mod mtp;
 mod parity;
 mod plots;
 mod pool;

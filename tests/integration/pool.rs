@@ -1636,6 +1636,7 @@ fn bytes_read_counts_everything_the_reader_read() {
         eos_ids: vec![],
         cancel: None,
         prefilled: None,
+        draft_tokens: 0,
     };
     let mut state = l.model.new_state(&CpuBackend);
     generate(
