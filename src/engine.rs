@@ -73,6 +73,43 @@ pub struct EngineOptions {
     /// Snapshots kept for prompt reuse (in memory, and on disk with a directory); a
     /// memory plan counts their bound (`source.prompt_cache` is set from it).
     pub prompt_cache: PromptCacheOptions,
+    /// The MTP draft head: whether it is loaded, from where, and drafts per step.
+    pub mtp: MtpOptions,
+}
+
+/// Whether the engine loads the checkpoint's MTP head and drafts with it (the CLI's
+/// `--mtp`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MtpMode {
+    /// When the checkpoint has a head and every routed expert is resident (its experts
+    /// are read from the mapped checkpoint, which a streamed run's plan does not count).
+    #[default]
+    Auto,
+    /// Always; a checkpoint without a head is an error.
+    On,
+    Off,
+}
+
+/// The MTP head's options ([`EngineOptions::mtp`]).
+#[derive(Clone, Debug)]
+pub struct MtpOptions {
+    pub mode: MtpMode,
+    /// A safetensors file holding the head's `mtp.*` tensors (the reference system's
+    /// `mtp.safetensors`), added to the checkpoint's ([`Checkpoint::add_file`]).
+    pub weights: Option<PathBuf>,
+    /// Draft tokens per decode step ([`GenerateOptions::draft_tokens`]).
+    pub draft_tokens: usize,
+}
+
+impl Default for MtpOptions {
+    /// Auto, the checkpoint's own head, one draft per step.
+    fn default() -> Self {
+        MtpOptions {
+            mode: MtpMode::Auto,
+            weights: None,
+            draft_tokens: 1,
+        }
+    }
 }
 
 impl Default for EngineOptions {
@@ -84,6 +121,7 @@ impl Default for EngineOptions {
             gpu: GpuOptions::default(),
             source: SourceOptions::default(),
             prompt_cache: PromptCacheOptions::default(),
+            mtp: MtpOptions::default(),
         }
     }
 }
@@ -157,6 +195,11 @@ pub struct EngineStats {
     /// Prompt tokens per second of the last prefill that ran at least one chunk: what
     /// [`Engine::prefill_estimate`] goes by once it is known.
     pub prefill_rate: Option<f64>,
+    /// Draft tokens the MTP head proposed, drafts accepted, and verify passes, over all
+    /// requests ([`GenerateStats`]).
+    pub drafted: u64,
+    pub accepted: u64,
+    pub verify_passes: u64,
 }
 
 /// How long a prefill is expected to take ([`Engine::prefill_estimate`]).
@@ -232,6 +275,11 @@ struct Shared {
     /// [`Engine::resident_experts`] when every record is mapped.
     moe_layers: Vec<usize>,
     num_experts: usize,
+    /// Draft tokens per step when the MTP head is loaded, else 0.
+    draft_tokens: usize,
+    /// Requests started and not yet running (queued behind the runner's lock): a request
+    /// drafts only when none waits as it starts ([`Engine::generate`]).
+    waiting: AtomicUsize,
 }
 
 /// Runs one request to completion, sending events; object-safe so the engine can hold
@@ -247,6 +295,9 @@ trait Runner: Send + Sync {
 
     /// Scores `ids` on a fresh sequence ([`crate::score::score`]).
     fn score(&self, ids: &[u32]) -> Result<Score>;
+
+    /// Whether the model's MTP head is loaded.
+    fn drafts(&self) -> bool;
 
     /// The model's n-gram tables ([`Model::ngram_tables`]).
     fn ngram_tables(&self) -> Vec<Arc<NgramTable>>;
@@ -389,7 +440,11 @@ impl Prepared {
         // The pool's reads run on the caller's runtime.
         let handle = tokio::runtime::Handle::current();
         let shared = tokio::task::spawn_blocking(move || -> Result<Shared> {
-            let ckpt = Arc::new(Checkpoint::open(&front.dir)?);
+            let mut ckpt = Checkpoint::open(&front.dir)?;
+            if let Some(file) = &options.mtp.weights {
+                ckpt.add_file(file)?;
+            }
+            let ckpt = Arc::new(ckpt);
             let (moe_layers, num_experts) = (ckpt.config.moe_layers(), ckpt.config.num_experts);
             let (runner, pool, plan, context): (Box<dyn Runner>, _, _, _) =
                 match open_compute(options.device.as_deref(), &options.gpu)? {
@@ -402,13 +457,17 @@ impl Prepared {
                         (Box::new(o.loaded), o.pool, o.plan, o.context)
                     }
                 };
+            let draft_tokens = if runner.drafts() {
+                options.mtp.draft_tokens
+            } else {
+                0
+            };
             // Prompts are checked against the context the plan kept.
             front.context = context;
             let ngram = runner.ngram_tables();
             let stats = EngineStats {
-                requests: 0,
                 prompt_cache: runner.prompt_cache_stats(),
-                prefill_rate: None,
+                ..EngineStats::default()
             };
             // A streamed prompt reads the records not in slots once per stretch between
             // snapshots (every `every` tokens; the whole prompt, at most the context,
@@ -430,6 +489,8 @@ impl Prepared {
                 planned_prefill_rate,
                 moe_layers,
                 num_experts,
+                draft_tokens,
+                waiting: AtomicUsize::new(0),
             })
         })
         .await
@@ -673,10 +734,18 @@ impl Engine {
             Err(e) => {
                 let _ = tx.send(Err(e));
             }
-            Ok((prompt, options)) => {
+            Ok((prompt, mut options)) => {
                 let shared = self.shared.clone();
+                shared.waiting.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(async move {
                     let guard = shared.runner.clone().lock_owned().await;
+                    // Drafts for a lone request: one that starts with others queued decodes
+                    // plainly (each verify pass reads more experts, which queued requests'
+                    // records compete with in the pool).
+                    let others = shared.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+                    if others == 0 {
+                        options.draft_tokens = shared.draft_tokens;
+                    }
                     if tx.is_closed() {
                         return; // cancelled while queued
                     }
@@ -798,6 +867,32 @@ fn load_on<B: Backend + 'static>(
         runtime,
     )?;
     let context = model.set_context(source.context);
+    let has_head = Model::<B>::has_mtp(ckpt);
+    let resident = source
+        .pool
+        .as_ref()
+        .is_none_or(|p| p.slots() >= model.experts.records());
+    match options.mtp.mode {
+        MtpMode::On if !has_head => {
+            return Err(Error::InvalidInput(format!(
+                "--mtp on: {} has no MTP head (no {} tensor); give its weights with --mtp-weights",
+                ckpt.dir.display(),
+                ckpt.config.name("mtp.fc.weight")
+            )))
+        }
+        MtpMode::On => model.load_mtp(ckpt, &backend)?,
+        MtpMode::Auto if has_head && resident => model.load_mtp(ckpt, &backend)?,
+        MtpMode::Auto if has_head => tracing::info!(
+            "MTP head not used: experts are streamed, and the memory plan does not count the head's (--mtp on uses it)"
+        ),
+        MtpMode::Auto | MtpMode::Off => {}
+    }
+    if model.drafts() {
+        tracing::info!(
+            draft_tokens = options.mtp.draft_tokens,
+            "MTP head loaded: decoding drafts and verifies"
+        );
+    }
     let cache = PromptCache::open(ckpt, &model, &backend, &options.prompt_cache)?;
     let loaded = Loaded {
         backend,
@@ -820,6 +915,10 @@ impl<B: Backend> Runner for Loaded<B> {
 
     fn score(&self, ids: &[u32]) -> Result<Score> {
         crate::score::score(&self.model, &self.backend, &self.experts, ids)
+    }
+
+    fn drafts(&self) -> bool {
+        self.model.drafts()
     }
 
     fn prompt_cache_stats(&self) -> PromptCacheStats {
@@ -862,6 +961,9 @@ impl<B: Backend> Runner for Loaded<B> {
             s.prompt_cache = cache.stats();
             // A prompt shorter than a chunk says little of a long one's rate.
             if let Ok(g) = &generated {
+                s.drafted += g.stats.drafted as u64;
+                s.accepted += g.stats.accepted as u64;
+                s.verify_passes += g.stats.verify_passes as u64;
                 if g.stats.prompt_tokens >= self.prefill_chunk() && g.stats.prefill_tps > 0.0 {
                     s.prefill_rate = Some(g.stats.prefill_tps);
                 }

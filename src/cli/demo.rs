@@ -8,8 +8,8 @@ use clap::Args;
 use slotstream::io::IoMode;
 
 use super::flags::{
-    BudgetArgs, ContextSize, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs, StreamArgs,
-    TemplateArgs, TraceArgs,
+    BudgetArgs, ContextSize, DraftArgs, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs,
+    StreamArgs, TemplateArgs, TraceArgs,
 };
 use super::generate::{run_generate, GenerateArgs};
 
@@ -89,6 +89,10 @@ pub fn demo(args: DemoArgs) -> Result<()> {
             },
             stats: !args.json,
             lookahead: OnOff::On,
+            draft: DraftArgs {
+                draft_tokens: 1,
+                ..DraftArgs::default()
+            },
         },
         trace: TraceArgs::default(),
         visible_controls: true,

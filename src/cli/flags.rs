@@ -246,6 +246,49 @@ pub struct StreamArgs {
     /// Prefetch the experts that layer L+2's router picks on layer L's hidden state.
     #[arg(long, value_enum, default_value = "on")]
     pub lookahead: OnOff,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+}
+
+/// Speculative decoding with the checkpoint's MTP draft head.
+#[derive(Args, Clone, Debug, Default)]
+pub struct DraftArgs {
+    /// Draft tokens with the MTP head and verify them in one pass (greedy sampling):
+    /// `auto` when the checkpoint has a head and every expert is resident, `on`, `off`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub mtp: MtpFlag,
+    /// The MTP head's weights in a safetensors file of their own (the reference system's
+    /// `mtp.safetensors`: `mtp.*` tensors).
+    #[arg(long, value_name = "FILE")]
+    pub mtp_weights: Option<std::path::PathBuf>,
+    /// Draft tokens per decode step, 1 to 4.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
+    pub draft_tokens: u8,
+}
+
+/// `--mtp`'s values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MtpFlag {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl DraftArgs {
+    /// The engine's options for these flags.
+    pub fn options(&self) -> slotstream::engine::MtpOptions {
+        use slotstream::engine::MtpMode;
+        slotstream::engine::MtpOptions {
+            mode: match self.mtp {
+                MtpFlag::Auto => MtpMode::Auto,
+                MtpFlag::On => MtpMode::On,
+                MtpFlag::Off => MtpMode::Off,
+            },
+            weights: self.mtp_weights.clone(),
+            draft_tokens: usize::from(self.draft_tokens.max(1)),
+        }
+    }
 }
 
 /// The memory a run is planned within (streaming commands and `plan`).

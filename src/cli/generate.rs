@@ -237,6 +237,15 @@ fn summary(
         stats.finish_reason,
         slotstream::plan::peak_rss().map_or("unknown".into(), human)
     );
+    if stats.drafted > 0 {
+        out += &format!(
+            "drafts: {} of {} accepted ({:.1}%) in {} verify passes\n",
+            stats.accepted,
+            stats.drafted,
+            100.0 * stats.acceptance_rate(),
+            stats.verify_passes
+        );
+    }
     match pool {
         None => {}
         Some(p) if p.hits + p.misses == 0 => {

@@ -63,6 +63,7 @@ pub fn engine_options(
         gpu: GpuOptions::from_env(),
         source,
         prompt_cache,
+        mtp: stream.draft.options(),
     })
 }
 

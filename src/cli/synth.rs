@@ -24,6 +24,10 @@ pub struct SynthArgs {
     /// (a text-only checkpoint).
     #[arg(long, value_enum, default_value = "released")]
     vision: SynthVision,
+    /// Also write an MTP draft head (`mtp.*`, one full-attention + MoE layer; Qwen3-Next
+    /// and Qwen3.5-MoE presets), which `generate --mtp` drafts with.
+    #[arg(long)]
+    mtp_head: bool,
     /// Output directory.
     #[arg(long)]
     out: PathBuf,
@@ -71,6 +75,7 @@ pub fn synth(args: SynthArgs) -> Result<()> {
         (SynthVision::Small, Some(_)) => Some(slotstream::tools::synth::SMALL_VISION_SHAPE),
         (SynthVision::Small, None) => bail!("--vision small: {} has no vision tower", preset.name),
     };
+    preset.mtp = args.mtp_head;
     let routing = (args.routing == SynthRouting::Synthetic).then(RoutingParams::calibrated);
     slotstream::tools::synth::write_checkpoint_with(
         &args.out,

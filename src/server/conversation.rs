@@ -78,6 +78,11 @@ pub struct RequestStats {
     pub prefetches_wasted: u64,
     /// Seconds of decode spent waiting on expert reads.
     pub decode_wait_seconds: f64,
+    /// Draft tokens the MTP head proposed, those accepted, and verify passes (0 when the
+    /// request did not draft).
+    pub drafted: usize,
+    pub accepted: usize,
+    pub verify_passes: usize,
 }
 
 /// How a reply ended.
@@ -365,8 +370,15 @@ pub fn request(
 /// The log line of a request that generated.
 fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outcome) {
     let s = &outcome.stats;
+    let drafts = match s.drafted {
+        0 => String::new(),
+        n => format!(
+            ", drafts {} of {n} accepted in {} verify passes",
+            s.accepted, s.verify_passes
+        ),
+    };
     tracing::info!(
-        "POST {route} {status} {}: prompt {prompt_tokens} tokens ({} reused), output {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s",
+        "POST {route} {status} {}: prompt {prompt_tokens} tokens ({} reused), output {} tokens, prefill {:.1} tok/s, decode {:.1} tok/s{drafts}",
         outcome.finish.openai(),
         s.reused_prompt_tokens,
         outcome.completion_tokens,
@@ -444,6 +456,9 @@ async fn drive(
                     prefetches_used: pool.as_ref().map_or(0, |p| p.prefetches_used),
                     prefetches_wasted: pool.as_ref().map_or(0, |p| p.prefetches_wasted),
                     decode_wait_seconds: pool.as_ref().map_or(0.0, |p| p.decode_wait_seconds),
+                    drafted: stats.drafted,
+                    accepted: stats.accepted,
+                    verify_passes: stats.verify_passes,
                 };
                 return Ok(Some(Outcome {
                     completion_tokens,

@@ -112,6 +112,7 @@ pub const TINY: slotstream::tools::synth::Preset = slotstream::tools::synth::Pre
     rope_theta: 1e7,
     flash_next: None,
     vision: None,
+    mtp: false,
 };
 
 /// A fixture loaded on the CPU backend with experts read from the mapped checkpoint.

@@ -156,6 +156,7 @@ const TINY: Preset = Preset {
     rope_theta: 1e7,
     flash_next: None,
     vision: None,
+    mtp: false,
 };
 
 /// On a synthetic checkpoint whose head leaves one token's logit finite (every other row

@@ -458,6 +458,7 @@ fn four_layer_flash_next_synth_runs_past_the_indexer_budget() {
             ..FLASH_NEXT_SHAPE
         }),
         vision: None,
+        mtp: false,
     };
     let dir = tempfile::tempdir().unwrap();
     write_checkpoint_with(dir.path(), &TINY, 4, false, None).unwrap();

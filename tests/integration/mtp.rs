@@ -140,3 +140,86 @@ fn drafted_greedy_equals_plain<B: TestBackend>(backend: &B) {
         }
     }
 }
+
+/// `slotstream generate` on `args` (CPU), its JSON reply.
+fn generate_json(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .args(["generate", "--device", "cpu", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {err}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The CLI drafts with a head from `--mtp-weights` (mlx-lm's ids, drafts counted), and
+/// with a synthetic checkpoint's own head (`synth --mtp-head`) under `--mtp auto`, giving
+/// `--mtp off`'s ids; `--mtp on` without a head is an error that names the way out.
+#[test]
+fn the_cli_drafts_with_a_head_from_either_place() {
+    let name = "qwen3-next-bf16";
+    let r = reference(name);
+    let dir = fixture_dir(name);
+    let prompt: Vec<String> = r.prompt_ids.iter().map(|i| i.to_string()).collect();
+    let prompt = prompt.join(",");
+    let head = dir.join("mtp.safetensors");
+    let got = generate_json(&[
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt,
+        "--max-tokens",
+        "16",
+        "--mtp-weights",
+        head.to_str().unwrap(),
+        "--draft-tokens",
+        "2",
+    ]);
+    let ids: Vec<u32> = serde_json::from_value(got["output_ids"].clone()).unwrap();
+    let want: Vec<u32> = (r.greedy_ids.iter().copied())
+        .take_while(|t| ![509, 511].contains(t))
+        .take(16)
+        .collect();
+    assert_eq!(ids, want, "{got}");
+    assert!(got["stats"]["verify_passes"].as_u64().unwrap() > 0, "{got}");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .args([
+            "generate",
+            "--device",
+            "cpu",
+            "--mtp",
+            "on",
+            "--prompt-ids",
+            "1,2",
+        ])
+        .args(["--model", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--mtp-weights"),
+        "{err}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let preset = slotstream::tools::synth::Preset { mtp: true, ..TINY };
+    slotstream::tools::synth::write_checkpoint_with(tmp.path(), &preset, 4, false, None).unwrap();
+    let run = |mtp: &str| {
+        generate_json(&[
+            "--model",
+            tmp.path().to_str().unwrap(),
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--max-tokens",
+            "12",
+            "--mtp",
+            mtp,
+        ])
+    };
+    let (auto, off) = (run("auto"), run("off"));
+    assert_eq!(auto["output_ids"], off["output_ids"]);
+    assert!(auto["stats"]["drafted"].as_u64().unwrap() > 0, "{auto}");
+    assert_eq!(off["stats"]["drafted"].as_u64(), Some(0), "{off}");
+}

@@ -104,7 +104,9 @@ pub fn write_checkpoint_with(
     let mut filler = Filler::new(0x5107_5742 ^ layers as u64);
     for shard in 0..shards {
         let tensors = if shard == 0 {
-            preset.head_tensors()
+            let mut head = preset.head_tensors();
+            head.extend(preset.mtp_tensors());
+            head
         } else if shard <= layers {
             preset.layer_tensors(shard - 1)
         } else {

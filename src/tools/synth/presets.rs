@@ -34,6 +34,9 @@ pub struct Preset {
     /// the patch embedding's Conv3d weight channels-last) with its `vision_config`; only for
     /// the multimodal families (`qwen3_5_moe`, `qwen4_exp`). `None`: a text-only checkpoint.
     pub vision: Option<VisionShape>,
+    /// Whether the checkpoint carries an MTP draft head (`mtp.*`; Qwen3-Next and
+    /// Qwen3.5-MoE only).
+    pub mtp: bool,
 }
 
 /// A vision tower's geometry (reference-system.md A.10, transformers' `vision_config`
@@ -178,6 +181,7 @@ pub const DEMO: Preset = Preset {
     rope_theta: 1e7,
     flash_next: None,
     vision: None,
+    mtp: false,
 };
 
 /// Qwen3-Next-80B-A3B (../shared/spec/models.md §1.1): records of 1,769,472 bytes.
@@ -200,6 +204,7 @@ pub const QWEN3_NEXT_80B: Preset = Preset {
     rope_theta: 1e7,
     flash_next: None,
     vision: None,
+    mtp: false,
 };
 
 /// Qwen3.8-Flash-Next (`qwen4_exp`, reference-system.md A.1-A.9) as released in MLX 4-bit:
@@ -224,6 +229,7 @@ pub const QWEN38_FLASH_NEXT: Preset = Preset {
     rope_theta: 1e7,
     flash_next: Some(FLASH_NEXT_SHAPE),
     vision: Some(VISION_SHAPE),
+    mtp: false,
 };
 
 /// Qwen3.5-35B-A3B (../shared/spec/models.md §1.2) in the `qwen3_5_moe` layout: 40 layers
@@ -247,6 +253,7 @@ pub const QWEN35_35B: Preset = Preset {
     rope_theta: 1e7,
     flash_next: None,
     vision: Some(VISION_SHAPE),
+    mtp: false,
 };
 
 /// The presets by name.
@@ -339,6 +346,11 @@ impl Preset {
                 self.special_tokens(),
                 self.vocab
             ));
+        }
+        if self.mtp && self.flash_next.is_some() {
+            return bad(
+                "synth writes no MTP head for Flash-Next (its scheme A is not implemented)".into(),
+            );
         }
         if let Some(v) = &self.vision {
             if self.family == Family::Qwen3Next {

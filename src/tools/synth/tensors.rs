@@ -111,8 +111,14 @@ impl Preset {
         if let Some(x) = &self.flash_next {
             return self.flash_next_layer_tensors(x, l);
         }
-        let (d, g, e) = (self.hidden, self.group_size, self.experts);
         let p = format!("{}model.layers.{l}", self.family.prefix());
+        self.decoder_layer_tensors(&p, self.is_full_attention(l))
+    }
+
+    /// The tensors of a Qwen3-Next / Qwen3.5-MoE decoder layer under `p`: pre-norms, the
+    /// mixer (full attention if `full_attention`, else gated DeltaNet), the MoE block.
+    fn decoder_layer_tensors(&self, p: &str, full_attention: bool) -> Vec<TensorSpec> {
+        let (d, g, e) = (self.hidden, self.group_size, self.experts);
         let mut t = Vec::new();
         vector(
             &mut t,
@@ -126,7 +132,7 @@ impl Preset {
             vec![d],
             Fill::Const(1.0),
         );
-        if self.is_full_attention(l) {
+        if full_attention {
             let (h, kv, hd) = (self.heads, self.kv_heads, self.head_dim);
             quantized(
                 &mut t,
@@ -287,7 +293,30 @@ impl Preset {
             8,
             64,
         );
-        self.expert_mlps(&mut t, &p);
+        self.expert_mlps(&mut t, p);
+        t
+    }
+
+    /// The MTP head of a Qwen3-Next / Qwen3.5-MoE preset under its released names
+    /// (`mtp.*`, without the text model's prefix; ../shared/spec/models.md §2.9) in the MLX
+    /// layout: `fc` `[hidden, 2 hidden]`, the two pre-fc norms, one full-attention + MoE
+    /// layer `mtp.layers.0` (stacked `switch_mlp` experts), `mtp.norm`; 4-bit, norms with
+    /// the `1 + w` folded in. Empty for a preset without a head ([`Preset::mtp`]).
+    pub(super) fn mtp_tensors(&self) -> Vec<TensorSpec> {
+        if !self.mtp {
+            return Vec::new();
+        }
+        let d = self.hidden;
+        let mut t = self.decoder_layer_tensors("mtp.layers.0", true);
+        quantized(&mut t, "mtp.fc", &[], d, 2 * d, 4, self.group_size);
+        for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
+            vector(
+                &mut t,
+                format!("mtp.{norm}.weight"),
+                vec![d],
+                Fill::Const(1.0),
+            );
+        }
         t
     }
 
@@ -424,7 +453,8 @@ impl Preset {
 
     /// Bytes of all tensors of a `layers`-layer checkpoint (the vision tower's included).
     pub fn checkpoint_bytes(&self, layers: usize) -> u64 {
-        let mut n: u64 = self.head_tensors().iter().map(TensorSpec::bytes).sum();
+        let head = self.head_tensors().into_iter().chain(self.mtp_tensors());
+        let mut n: u64 = head.map(|t| t.bytes()).sum();
         n += self
             .vision_tensors()
             .iter()
