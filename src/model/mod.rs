@@ -190,8 +190,6 @@ impl<B: Backend> SequenceState<B> {
 
 /// One chunk's way through the layers.
 struct Pass<B: Backend> {
-    /// Its number of tokens.
-    tokens: usize,
     /// The residual stream `[tokens, residual width]`.
     h: B::Tensor,
     /// The next block's input when the residual add before it also normed it.
@@ -496,7 +494,7 @@ impl<B: Backend> Model<B> {
         })?;
         state.tokens.extend_from_slice(ids);
         let behind = state.mtp.as_mut().map(|m| &mut m.behind);
-        self.finish(backend, hold, &h, ids.len(), which, experts, behind)
+        self.finish(backend, hold, &h, which, experts, behind)
     }
 
     /// [`Model::forward`] layer by layer over `chunks` (at least two), each layer's routed
@@ -599,15 +597,7 @@ impl<B: Backend> Model<B> {
                 }
             }
         }
-        out.extend(self.finish(
-            backend,
-            hold,
-            &last.h,
-            last.tokens,
-            Some(which),
-            experts,
-            behind,
-        )?);
+        out.extend(self.finish(backend, hold, &last.h, Some(which), experts, behind)?);
         Ok(out)
     }
 
@@ -639,11 +629,7 @@ impl<B: Backend> Model<B> {
             Some(tile) => backend.gather_columns(&embedded, tile),
             None => embedded,
         };
-        Ok(Pass {
-            tokens: ids.len(),
-            h,
-            normed: None,
-        })
+        Ok(Pass { h, normed: None })
     }
 
     /// Layer `i`'s PLE block (on its n-gram `rows`), token mixer (advancing its state
@@ -716,18 +702,18 @@ impl<B: Backend> Model<B> {
 
     /// The end of a pass: its head (`which: None`: none, only a wait for its work), the
     /// step's read-back (`hold`: the records released after it, the device-routed
-    /// lookups counted) of the last hidden state `h` of a chunk of `tokens` tokens.
+    /// lookups counted) of the last chunk's residual stream `h`, `[tokens, residual width]`.
     fn finish<'e, E: ExpertSource>(
         &self,
         backend: &B,
         hold: StepHold<'e, B>,
         h: &B::Tensor,
-        tokens: usize,
         which: Option<Logits>,
         experts: &'e E,
         behind: Option<&mut Vec<B::Tensor>>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
+        let tokens = backend.shape(h).0;
         // A drafting sequence keeps every row's final hidden state for the MTP head.
         let hidden = behind.is_some().then(|| self.head.norm(backend, cfg, h));
         let out = match which {
