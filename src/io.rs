@@ -533,21 +533,16 @@ impl Replica {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// When a read of `len` bytes would finish if it started now: the bytes queued and
-    /// its own times the seconds per byte learned (0 before anything is learned, so an
-    /// unknown copy is tried).
-    fn estimate(&self, len: usize) -> f64 {
+    /// Seconds per byte learned, and the bytes queued; `None` for the rate before
+    /// anything is learned (or after [`MIRROR_FORGET`] idle, when it is forgotten).
+    fn reading(&self) -> (Option<f64>, u64) {
         let mut s = self.lock();
         if s.in_flight == 0 && s.idle_since.elapsed() > MIRROR_FORGET {
             s.busy = 0.0;
             s.bytes = 0;
         }
-        let per_byte = if s.bytes == 0 {
-            0.0
-        } else {
-            s.busy / s.bytes as f64
-        };
-        (s.queued + len as u64) as f64 * per_byte
+        let per_byte = (s.bytes > 0).then(|| s.busy / s.bytes as f64);
+        (per_byte, s.queued)
     }
 
     fn start(&self, len: usize) {
@@ -633,11 +628,25 @@ impl ReadAt for MirroredFile {
         loop {
             let live: Vec<&(Arc<Replica>, Arc<dyn ReadAt>)> =
                 self.copies.iter().filter(|(r, _)| r.live()).collect();
-            let Some((replica, file)) = live
+            // The estimated finish: (bytes queued + this read) x seconds per byte. A copy
+            // whose rate is not known (yet, or again) is taken to be as fast as the
+            // fastest known, so it is tried without taking every read at once; equal
+            // estimates go to the copy with fewer bytes queued.
+            let readings: Vec<(Option<f64>, u64)> = live.iter().map(|c| c.0.reading()).collect();
+            let fastest = readings
                 .iter()
-                .map(|c| (c.0.estimate(buf.len()), *c))
-                .min_by(|a, b| a.0.total_cmp(&b.0))
-                .map(|(_, c)| c)
+                .filter_map(|r| r.0)
+                .min_by(f64::total_cmp)
+                .unwrap_or(1.0);
+            let Some(&(replica, file)) = live
+                .iter()
+                .zip(&readings)
+                .map(|(c, &(per_byte, queued))| {
+                    let finish = (queued + buf.len() as u64) as f64 * per_byte.unwrap_or(fastest);
+                    (finish, queued, c)
+                })
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+                .map(|(_, _, c)| c)
             else {
                 return Err(std::io::Error::other("every copy of the file was dropped"));
             };
