@@ -24,6 +24,11 @@ fi
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  # The squeezer's python is a child of a subshell: whatever is left in the cgroup goes
+  # too, or the cgroup cannot be removed.
+  if [ -f "$cg/cgroup.procs" ]; then
+    while read -r p; do kill "$p" 2>/dev/null || true; done < "$cg/cgroup.procs"
+  fi
   sleep 1; rmdir "$cg" 2>/dev/null || true
 }
 trap cleanup EXIT
