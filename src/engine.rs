@@ -34,7 +34,7 @@
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use futures::stream::{BoxStream, Stream, StreamExt};
@@ -45,6 +45,7 @@ use crate::backend::gpu::GpuOptions;
 use crate::backend::{open_compute, Backend, Compute};
 use crate::chat_template::{chat_prompt, Chat, ChatPrompt, ChatTemplate, Message};
 use crate::checkpoint::{open_config, Checkpoint};
+use crate::constraint::{Constraint, Grammar, Vocabulary};
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
@@ -53,7 +54,7 @@ use crate::ngram::{NgramCounts, NgramTable};
 use crate::plan::{ContextCost, Plan};
 use crate::pool::{PoolStats, ResidentSet, SlotPool, TraceEvent};
 use crate::prompt_cache::{PromptCache, PromptCacheOptions, PromptCacheStats};
-use crate::sampling::SamplingOptions;
+use crate::sampling::{SamplingOptions, TokenLogprobs};
 use crate::score::Score;
 use crate::tokenizer::{eos_ids, StreamDecoder, Tokenizer};
 
@@ -136,6 +137,12 @@ pub struct Request {
     pub max_tokens: usize,
     /// How each token is picked (greedy by default); checked when the request starts.
     pub sampling: SamplingOptions,
+    /// When set, each token's event carries its log-probability and this many of the most
+    /// probable tokens' ([`Event::Token`]).
+    pub logprobs: Option<usize>,
+    /// When set, tokens are sampled among those this grammar allows
+    /// ([`Engine::constrain`]).
+    pub constraint: Option<Constraint>,
 }
 
 /// What a request starts from.
@@ -158,6 +165,8 @@ impl Request {
             input: Input::Chat(Chat::new(vec![Message::new("user", text)])),
             max_tokens: 256,
             sampling: SamplingOptions::default(),
+            logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -167,8 +176,13 @@ impl Request {
 #[allow(clippy::large_enum_variant)] // one `Done` per request: not worth a box
 pub enum Event {
     /// A new token and the text it completes (possibly empty while a character is split
-    /// across tokens).
-    Token { id: u32, text: String },
+    /// across tokens), with its log-probabilities when the request asked
+    /// ([`Request::logprobs`]).
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
     /// The end: all output ids, text still held back at the end (an incomplete
     /// character; usually empty), generation statistics and the pool's counters for
     /// this request.
@@ -330,6 +344,8 @@ struct Front {
     eos: Vec<u32>,
     context: usize,
     vocab: usize,
+    /// llguidance's view of the vocabulary, built on first use (constraints, token bytes).
+    vocabulary: OnceLock<std::result::Result<Arc<Vocabulary>, String>>,
 }
 
 impl Front {
@@ -353,6 +369,35 @@ impl Front {
                 message: message.clone(),
             }),
         }
+    }
+
+    /// The vocabulary as llguidance reads it, built from tokenizer.json on first use.
+    /// Errors: no tokenizer, one llguidance cannot read, a model without an end of
+    /// sequence (kept: the next call gives the same error at once).
+    fn vocabulary(&self) -> Result<Arc<Vocabulary>> {
+        let path = self.tokenizer()?.path().to_path_buf();
+        let built = self.vocabulary.get_or_init(|| {
+            let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            Vocabulary::from_tokenizer_json(&bytes, &path, self.vocab, &self.eos)
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+        });
+        built
+            .clone()
+            .map_err(|message| Error::Tokenizer { path, message })
+    }
+
+    /// [`Engine::constrain`].
+    fn constrain(&self, grammar: &Grammar, thinking_open: bool, field: &str) -> Result<Constraint> {
+        let vocabulary = self.vocabulary()?;
+        let after = match thinking_open {
+            true => match self.tokenizer()?.encode_plain("</think>")?.as_slice() {
+                [id] => Some(*id),
+                _ => None,
+            },
+            false => None,
+        };
+        vocabulary.constrain(grammar, after, field)
     }
 
     fn encode(&self, input: &Input) -> Result<Vec<u32>> {
@@ -418,6 +463,16 @@ impl Prepared {
     /// As [`Engine::encode_chat`], before the weights load.
     pub fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
         self.front.encode_chat(chat)
+    }
+
+    /// As [`Engine::constrain`], before the weights load.
+    pub fn constrain(
+        &self,
+        grammar: &Grammar,
+        thinking_open: bool,
+        field: &str,
+    ) -> Result<Constraint> {
+        self.front.constrain(grammar, thinking_open, field)
     }
 
     /// As [`Engine::tokenizer`]. Errors: the model has no tokenizer.json.
@@ -543,6 +598,7 @@ impl Engine {
             eos,
             context: options.source.context,
             vocab: config.vocab_size,
+            vocabulary: OnceLock::new(),
         };
         Ok(Prepared { front, options })
     }
@@ -581,6 +637,29 @@ impl Engine {
     /// of a required tool call, an open `<think>` block). Errors: as [`Engine::encode`].
     pub fn encode_chat(&self, chat: &Chat) -> Result<ChatPrompt> {
         self.shared.front.encode_chat(chat)
+    }
+
+    /// A constraint to `grammar` for one request ([`Request::constraint`]); with
+    /// `thinking_open` (the prompt opened a `<think>` block: [`ChatPrompt::thinking_open`])
+    /// it starts after the reply's `</think>` token, when the tokenizer has one. The
+    /// vocabulary is read from tokenizer.json on the first call. Errors:
+    /// [`Error::Grammar`] naming `field` for a grammar llguidance refuses; a tokenizer
+    /// llguidance cannot read or a model without an end-of-sequence id
+    /// ([`Error::Tokenizer`]).
+    pub fn constrain(
+        &self,
+        grammar: &Grammar,
+        thinking_open: bool,
+        field: &str,
+    ) -> Result<Constraint> {
+        self.shared.front.constrain(grammar, thinking_open, field)
+    }
+
+    /// Token `id`'s bytes (a special token's text), as llguidance reads tokenizer.json (for
+    /// log-probabilities' `bytes`). Errors: as [`Engine::constrain`]'s vocabulary.
+    pub fn token_bytes(&self, ids: &[u32]) -> Result<Vec<Vec<u8>>> {
+        let vocabulary = self.shared.front.vocabulary()?;
+        Ok(ids.iter().map(|&id| vocabulary.token_bytes(id)).collect())
     }
 
     /// Decodes ids to text (special tokens left out, [`Tokenizer::decode`]).
@@ -727,6 +806,8 @@ impl Engine {
                 cancel: Some(cancel.clone()),
                 prefilled: Some(prefilled.clone()),
                 draft_tokens: 0,
+                logprobs: request.logprobs,
+                constraint: request.constraint,
             };
             Ok((prompt, options))
         });
@@ -949,10 +1030,15 @@ impl<B: Backend> Runner for Loaded<B> {
             &self.experts,
             prompt,
             options,
-            |id| {
-                let text = decoder.push(tokenizer, id)?;
+            |sampled| {
+                let text = decoder.push(tokenizer, sampled.id)?;
+                let token = Event::Token {
+                    id: sampled.id,
+                    text,
+                    logprobs: sampled.logprobs.clone(),
+                };
                 // A closed channel means the caller dropped the stream: stop.
-                Ok(events.send(Ok(Event::Token { id, text })).is_ok())
+                Ok(events.send(Ok(token)).is_ok())
             },
         );
         {

@@ -77,6 +77,17 @@ pub enum Error {
     #[error("none of the {vocab} logits of a step is finite (NaN or infinite): the model's output is broken (check its weights)")]
     NoFiniteLogits { vocab: usize },
 
+    /// A grammar's mask left none of a step's finite logits (the grammar allows only
+    /// tokens the model gives no probability to).
+    #[error("the grammar allows none of the tokens the model gives a probability to")]
+    NothingAllowed,
+
+    /// A JSON schema, Lark grammar or regular expression that llguidance refuses (the
+    /// message is its own), or a constraint the model cannot take (no end-of-sequence
+    /// token); `field` is where the request gave it (`response_format`, `--json-schema`).
+    #[error("{field}: {message}")]
+    Grammar { field: String, message: String },
+
     /// A state restored from a prompt-cache snapshot of `tokens` tokens gave logits that
     /// are not all finite on its first step: the snapshot is broken. The prompt cache drops
     /// it and runs the prompt from the start, so a request never fails with it.

@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::Backend;
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, SequenceState};
 use crate::records::ExpertSource;
-use crate::sampling::{Sampler, SamplingOptions};
+use crate::sampling::{token_logprobs, Sampler, SamplingOptions, TokenLogprobs};
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -32,6 +33,21 @@ pub struct GenerateOptions {
     /// step's drafts verified in one forward pass ([`generate`]). Used with greedy
     /// sampling on a model whose head is loaded ([`Model::load_mtp`]), else ignored.
     pub draft_tokens: usize,
+    /// When set, each token comes with its log-probability and this many of the most
+    /// probable tokens' ([`Sampled::logprobs`]).
+    pub logprobs: Option<usize>,
+    /// When set, every token is sampled among those the grammar allows (a clone of it
+    /// follows the run; end of sequence only where the grammar accepts).
+    pub constraint: Option<Constraint>,
+}
+
+/// A generated token, as `on_token` receives it.
+#[derive(Clone, Debug)]
+pub struct Sampled {
+    pub id: u32,
+    /// The log-softmax of the model's logits at this step, before the penalty, the
+    /// filters and a grammar's mask, when [`GenerateOptions::logprobs`] asks.
+    pub logprobs: Option<TokenLogprobs>,
 }
 
 impl GenerateOptions {
@@ -75,7 +91,7 @@ impl GenerateStats {
 }
 
 /// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
-/// each new id and may return `false` to stop early (finish reason "stopped").
+/// each new token and may return `false` to stop early (finish reason "stopped").
 ///
 /// With drafts ([`GenerateOptions::draft_tokens`] `k`, greedy sampling, the model's MTP
 /// head loaded) each decode step proposes `k` tokens with the head ([`Model::draft`]) and
@@ -85,15 +101,20 @@ impl GenerateStats {
 /// rejection the sequence is put back where the pass began ([`SequenceState::rewind`]:
 /// the DeltaNet states copied before the pass, the KV caches cut back) and the accepted
 /// prefix is run again, so that the state is what plain decoding leaves (a copy of the
-/// DeltaNet states per pass, and a pass of the accepted tokens per rejection).
+/// DeltaNet states per pass, and a pass of the accepted tokens per rejection). Drafts
+/// are not used with a constraint or log-probabilities.
+///
 /// Generation stops with finish reason "length" after `options.max_tokens` new tokens or
 /// when the sequence (the tokens in `state`, the prompt and the new tokens) reaches the
-/// model's context ([`Model::context`]). Non-finite logits are left out of sampling, with
+/// model's context ([`Model::context`]). With a constraint, each step's mask is computed
+/// on a CPU thread while that step's forward pass runs (the first, after the prefill,
+/// before sampling), and joined before sampling. Non-finite logits are left out of sampling, with
 /// one warning for the request giving their count ([`Sampler::sample`]).
 /// Returns the new ids and the stats.
 /// Errors: an empty prompt; a prompt that leaves no room in the context
 /// ([`Error::ContextFull`]); a forward-pass error (expert read, bad token id); bad
-/// sampling options; a step with no finite logit ([`Error::NoFiniteLogits`]).
+/// sampling options; a step with no finite logit ([`Error::NoFiniteLogits`]) or none the
+/// grammar allows ([`Error::NothingAllowed`]).
 pub fn generate<B: Backend, E: ExpertSource>(
     model: &Model<B>,
     backend: &B,
@@ -101,7 +122,7 @@ pub fn generate<B: Backend, E: ExpertSource>(
     state: &mut SequenceState<B>,
     prompt: &[u32],
     options: &GenerateOptions,
-    on_token: impl FnMut(u32) -> Result<bool>,
+    on_token: impl FnMut(&Sampled) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let stops = PrefillStops {
         at: &[],
@@ -138,7 +159,7 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
     prompt: &[u32],
     options: &GenerateOptions,
     mut stops: PrefillStops<'_, impl FnMut(&SequenceState<B>) -> Result<()>>,
-    mut on_token: impl FnMut(u32) -> Result<bool>,
+    mut on_token: impl FnMut(&Sampled) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
     if prompt.is_empty() {
@@ -154,8 +175,12 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         )));
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
-    let drafting =
-        options.draft_tokens > 0 && options.sampling.temperature == 0.0 && model.drafts();
+    // Drafts are verified against greedy picks of unmasked logits, one token at a time.
+    let drafting = options.draft_tokens > 0
+        && options.sampling.temperature == 0.0
+        && options.constraint.is_none()
+        && options.logprobs.is_none()
+        && model.drafts();
     if drafting {
         model.start_drafting(backend, state)?;
     }
@@ -222,19 +247,28 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         experts.end_prefill(true);
         stats.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
+        let mut constraint = options.constraint.clone();
+        let mut mask = match &mut constraint {
+            Some(c) => c.mask()?,
+            None => None,
+        };
         // A token sampled by a verify pass's walk, not yet emitted.
         let mut carried = None;
         loop {
             let next = match carried.take() {
                 Some(t) => t,
-                None => sampler.sample(&logits, &state.tokens)?,
+                None => sampler.sample_allowed(&logits, &state.tokens, mask.as_ref())?,
             };
+            let logprobs = options.logprobs.map(|n| token_logprobs(&logits, next, n));
             if options.eos_ids.contains(&next) {
                 stats.finish_reason = "eos".into();
                 break;
             }
             out.push(next);
-            if !on_token(next)? || options.cancelled() {
+            if let Some(c) = &mut constraint {
+                c.commit(next)?;
+            }
+            if !on_token(&Sampled { id: next, logprobs })? || options.cancelled() {
                 stats.finish_reason = "stopped".into();
                 break;
             }
@@ -247,7 +281,21 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                 false => 0,
             };
             if k == 0 {
-                logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+                let Some(c) = &mut constraint else {
+                    logits = model.forward(backend, state, &[next], experts, Logits::Last)?;
+                    continue;
+                };
+                // The next step's mask on another thread while the model computes its logits.
+                let (forward, next_mask) = std::thread::scope(|scope| {
+                    let masking = scope.spawn(|| c.mask());
+                    let forward = model.forward(backend, state, &[next], experts, Logits::Last);
+                    let next_mask = masking
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::Internal("the mask's thread panicked".into())));
+                    (forward, next_mask)
+                });
+                logits = forward?;
+                mask = next_mask?;
                 continue;
             }
             let drafts = model.draft(backend, state, next, k, crate::sampling::argmax)?;
@@ -275,7 +323,7 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     stop = Some("eos");
                 } else {
                     out.push(t);
-                    if !on_token(t)? || options.cancelled() {
+                    if !on_token(&Sampled { id: t, logprobs: None })? || options.cancelled() {
                         stop = Some("stopped");
                     } else if out.len() >= max_tokens {
                         stop = Some("length");

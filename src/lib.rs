@@ -24,8 +24,8 @@
 //! - [`context`], [`routing_model`], [`ngram`], [`model`]: the context bound, synthetic
 //!   routing, Flash-Next's n-gram table, and the Qwen3-Next forward pass over any backend,
 //!   with per-sequence state.
-//! - [`sampling`], [`generate`], [`prompt_cache`], [`chat`], [`score`], [`reply`]: picking
-//!   each token, generation, snapshots of sequence states for prompt reuse (in memory and
+//! - [`sampling`], [`constraint`], [`generate`], [`prompt_cache`], [`chat`], [`score`],
+//!   [`reply`]: picking each token, grammars' token masks (llguidance), generation, snapshots of sequence states for prompt reuse (in memory and
 //!   on disk), multi-turn chat, teacher-forced log-likelihood and perplexity, and reading
 //!   reasoning and tool calls out of a reply.
 //! - [`engine`]: the async library API.
@@ -39,6 +39,7 @@ pub mod chat;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
+pub mod constraint;
 pub mod context;
 pub mod engine;
 pub mod error;

@@ -16,6 +16,8 @@ use std::borrow::Cow;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use llguidance::toktrie::SimpleVob;
+
 use crate::error::{Error, Result};
 
 /// Sampling parameters. `Default` is greedy.
@@ -167,13 +169,42 @@ impl Sampler {
     /// that are not finite are left out (and counted, [`Sampler::non_finite`]).
     /// Errors: [`Error::NoFiniteLogits`] when no logit is finite.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
-        let (logits, bad) = finite(logits);
+        self.sample_allowed(logits, history, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `allowed` holds (a grammar's mask, bit `id`
+    /// set for an allowed id; `None`: every token): the others are left out of every path
+    /// (greedy, temperature, the filters, the penalty) as logits of -inf, before anything
+    /// else, so the filters see only the tokens the grammar allows. Errors:
+    /// [`Error::NoFiniteLogits`] when no logit is finite, [`Error::NothingAllowed`] when
+    /// the mask leaves none of the finite ones.
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        allowed: Option<&SimpleVob>,
+    ) -> Result<u32> {
+        let (mut logits, bad) = finite(logits);
         if bad > 0 {
             self.ignored.logits += bad as u64;
             self.ignored.steps += 1;
         }
         if bad == logits.len() {
             return Err(Error::NoFiniteLogits { vocab: bad });
+        }
+        if let Some(allowed) = allowed {
+            let masked = logits.to_mut();
+            let mut left = 0usize;
+            for (id, l) in masked.iter_mut().enumerate() {
+                if id >= allowed.len() || !allowed.is_allowed(id as u32) {
+                    *l = f32::NEG_INFINITY;
+                } else if l.is_finite() {
+                    left += 1;
+                }
+            }
+            if left == 0 {
+                return Err(Error::NothingAllowed);
+            }
         }
         Ok(self.draw(&logits, history))
     }
@@ -323,6 +354,36 @@ fn greedy(x: &[f32]) -> u32 {
     best as u32
 }
 
+/// The log-softmax of `logits` at token `id` and the `top` most probable tokens with
+/// theirs, most probable first (ties: lower ids first): the model's own distribution,
+/// before penalties, filters and masks (non-finite logits count as probability zero).
+/// `top` is capped at the vocabulary.
+pub fn token_logprobs(logits: &[f32], id: u32, top: usize) -> TokenLogprobs {
+    let lp = log_softmax(&finite(logits).0);
+    let mut order: Vec<u32> = (0..lp.len() as u32).collect();
+    let by = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+    let top = top.min(order.len());
+    if top > 0 && top < order.len() {
+        order.select_nth_unstable_by(top - 1, by);
+    }
+    order.truncate(top);
+    order.sort_by(by);
+    TokenLogprobs {
+        logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        top: order.into_iter().map(|i| (i, lp[i as usize])).collect(),
+    }
+}
+
+/// One generated token's log-probability and the most probable alternatives
+/// ([`token_logprobs`]); natural logarithms.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// `(id, logprob)` of the most probable tokens, most probable first.
+    pub top: Vec<(u32, f32)>,
+}
+
 fn log_softmax(x: &[f32]) -> Vec<f32> {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let lse = max + x.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
@@ -375,6 +436,70 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(s.sample(&logits, &[]).unwrap(), argmax(&logits));
         }
+    }
+
+    /// Every path (greedy, temperature, top-k, top-p, min-p, the repetition penalty, and
+    /// all at once) draws only tokens the mask allows, on fresh random logits and masks;
+    /// greedy picks the best allowed one; a mask that allows nothing finite is an error.
+    #[test]
+    fn a_mask_holds_in_every_path() {
+        let seed: u64 = rand::random();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let paths: [fn(&mut SamplingOptions); 7] = [
+            |o| o.temperature = 0.0,
+            |_| {},
+            |o| o.top_k = 3,
+            |o| o.top_p = 0.5,
+            |o| o.min_p = 0.2,
+            |o| o.repetition_penalty = 1.5,
+            |o| {
+                o.temperature = 0.7;
+                o.top_k = 5;
+                o.top_p = 0.9;
+                o.min_p = 0.05;
+                o.repetition_penalty = 1.3;
+            },
+        ];
+        for (p, path) in paths.iter().enumerate() {
+            let mut s = Sampler::new(opts(|o| {
+                path(o);
+                o.seed = rng.random();
+            }))
+            .unwrap();
+            for _ in 0..50 {
+                let n = rng.random_range(2..300);
+                let logits: Vec<f32> = (0..n).map(|_| rng.random_range(-8.0..8.0)).collect();
+                let mut mask = SimpleVob::alloc(n);
+                for id in 0..n {
+                    if rng.random_bool(0.1) {
+                        mask.allow_token(id as u32);
+                    }
+                }
+                let any = rng.random_range(0..n) as u32;
+                mask.allow_token(any);
+                let history: Vec<u32> = (0..10).map(|_| rng.random_range(0..n as u32)).collect();
+                let id = s.sample_allowed(&logits, &history, Some(&mask)).unwrap();
+                assert!(mask.is_allowed(id), "seed {seed} path {p}");
+                if p == 0 {
+                    let best = (0..n as u32)
+                        .filter(|&i| mask.is_allowed(i))
+                        .max_by(|&a, &b| {
+                            logits[a as usize]
+                                .total_cmp(&logits[b as usize])
+                                .then(b.cmp(&a))
+                        })
+                        .unwrap();
+                    assert_eq!(id, best, "seed {seed}");
+                }
+            }
+        }
+        let mut s = Sampler::new(opts(|_| {})).unwrap();
+        let mut mask = SimpleVob::alloc(3);
+        mask.allow_token(1);
+        assert!(matches!(
+            s.sample_allowed(&[0.0, f32::NAN, 1.0], &[], Some(&mask)),
+            Err(Error::NothingAllowed)
+        ));
     }
 
     #[test]

@@ -72,6 +72,11 @@ impl Tokenizer {
         }
     }
 
+    /// The tokenizer.json it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Token ids of `text` with special-token parsing, without added special tokens (Qwen
     /// tokenizers add no BOS): for raw prompts, where the text is the whole prompt and
     /// `<|im_start|>` typed in it is meant as the control token (as llama.cpp does).

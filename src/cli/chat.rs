@@ -99,6 +99,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
                 input: Input::Ids(turn.ids.clone()),
                 max_tokens: args.max_tokens,
                 sampling: sampling.clone(),
+                logprobs: None,
+                constraint: None,
             });
             let _stoppable = prompts.replying(&generation);
             let reply = loaded.finish_generation(generation, turn.ids.len(), |t| {

@@ -72,6 +72,8 @@ pub fn demo(args: DemoArgs) -> Result<()> {
         template: TemplateArgs::default(),
         max_tokens: args.max_tokens,
         sampling: SamplingArgs::default(),
+        json_schema: None,
+        grammar: None,
         json: args.json,
         device: args.device,
         prompt_cache: PromptCacheArgs::default(),

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use slotstream::chat_template::{Chat, Message};
+use slotstream::constraint::Grammar;
 use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
 
@@ -44,6 +45,13 @@ pub struct GenerateArgs {
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Constrain the output to this JSON schema (a file; llguidance; the reply is compact
+    /// JSON, and with thinking on the constraint starts after `</think>`).
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the output to this Lark grammar (a file, in llguidance's Lark syntax).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
     /// Print one JSON object (prompt ids, output ids, text, stats) instead of streaming.
     #[arg(long)]
     pub json: bool,
@@ -118,6 +126,21 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
         _ => bail!("give a prompt: as an argument, --prompt, --prompt-file or --prompt-ids"),
     };
     let sampling = args.sampling.options()?;
+    let grammar = match (&args.json_schema, &args.grammar) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let schema = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not JSON", path.display()))?;
+            Some((Grammar::JsonSchema(schema), "--json-schema"))
+        }
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Some((Grammar::Lark(text), "--grammar"))
+        }
+        (None, None) => None,
+    };
     if let Some(path) = &args.trace.trace {
         slotstream::atomic_file::check_writable(path)
             .with_context(|| format!("output {}", path.display()))?;
@@ -155,7 +178,17 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
         }),
         input => input,
     };
-    let prompt = prepared.encode(&input)?;
+    let (prompt, thinking_open) = match &input {
+        Input::Chat(chat) => {
+            let p = prepared.encode_chat(chat)?;
+            (p.ids, p.thinking_open)
+        }
+        other => (prepared.encode(other)?, false),
+    };
+    // A grammar llguidance refuses fails the run before the weights load.
+    let constraint = grammar
+        .map(|(g, field)| prepared.constrain(&g, thinking_open, field))
+        .transpose()?;
     let loaded = Loaded::load(prepared)?;
     let engine = &loaded.engine;
     loaded.announce_prefill(prompt.len(), args.prefill.max_prefill_wait)?;
@@ -163,6 +196,8 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
         input: Input::Ids(prompt.clone()),
         max_tokens: args.max_tokens,
         sampling,
+        logprobs: None,
+        constraint,
     });
     // Ctrl-C stops after the current token, or between a long prompt's chunks; the
     // output so far and the stats still print. A second one ends the process.

@@ -42,7 +42,7 @@ use serde::Serialize;
 use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::generate::{generate_with, GenerateOptions, GenerateStats, PrefillStops};
+use crate::generate::{generate_with, GenerateOptions, GenerateStats, PrefillStops, Sampled};
 use crate::model::{Model, SequenceState, Snapshot};
 use crate::records::ExpertSource;
 
@@ -204,7 +204,7 @@ impl<B: Backend> PromptCache<B> {
         experts: &E,
         prompt: &[u32],
         options: &GenerateOptions,
-        mut on_token: impl FnMut(u32) -> Result<bool>,
+        mut on_token: impl FnMut(&Sampled) -> Result<bool>,
     ) -> Result<Generated> {
         if prompt.is_empty() {
             return Err(Error::InvalidInput(
@@ -262,7 +262,7 @@ impl<B: Backend> PromptCache<B> {
         options: &GenerateOptions,
         mut state: SequenceState<B>,
         from: Option<Reuse>,
-        on_token: impl FnMut(u32) -> Result<bool>,
+        on_token: impl FnMut(&Sampled) -> Result<bool>,
     ) -> Result<(Vec<u32>, GenerateStats)> {
         let reused = from.map_or(0, |s| s.reused);
         let at = self.stops(reused, prompt.len());

@@ -568,6 +568,8 @@ impl Blocks {
     fn frames(&mut self, event_: TurnEvent) -> Vec<Named> {
         let mut out = Vec::new();
         match event_ {
+            // Anthropic's API has no log-probabilities (a request cannot ask for them).
+            TurnEvent::Logprobs(_) => {}
             TurnEvent::Part(ReplyPart::Reasoning(t)) => {
                 self.open(Open::Thinking, &mut out);
                 self.thinking.push_str(&t);
@@ -656,6 +658,7 @@ mod tests {
                 reused_prompt_tokens: 3,
                 ..Default::default()
             },
+            logprobs: Vec::new(),
         }
     }
 

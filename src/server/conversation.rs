@@ -17,9 +17,10 @@ use super::error::ApiError;
 use super::stop::StopMatcher;
 use super::App;
 use crate::chat_template::{Chat, ChatPrompt, ToolChoice};
-use crate::engine::{Event, Generation, Input, Request};
+use crate::constraint::{Constraint, Grammar};
+use crate::engine::{Engine, Event, Generation, Input, Request};
 use crate::reply::{Reply, ReplyOptions, ReplyParser, ReplyPart};
-use crate::sampling::SamplingOptions;
+use crate::sampling::{SamplingOptions, TokenLogprobs};
 
 /// What a dialect's request asks, translated.
 pub struct Conversation {
@@ -92,11 +93,80 @@ pub struct Outcome {
     pub completion_tokens: usize,
     pub finish: Finish,
     pub stats: RequestStats,
+    /// Every counted token's log-probabilities, when the request asked ([`Params::logprobs`]);
+    /// filled by [`Turn::collect`] (a stream has them as [`TurnEvent::Logprobs`]).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
-/// What a running turn yields, in order: parts, then one `Done` or `Failed`.
+/// A generated token's log-probability and the most probable tokens' at its step, as
+/// OpenAI's chat `logprobs.content` entries and Ollama's `logprobs` show them (natural
+/// logarithms of the model's own distribution, before penalties, filters and masks).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text (its bytes read as UTF-8, a partial character replaced).
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    /// Most probable first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// One of the most probable tokens at a step ([`TokenLogprob::top_logprobs`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// The generated tokens' `logprobs` with their texts and bytes. Errors: the vocabulary
+/// cannot be read ([`Engine::token_bytes`]).
+fn token_logprobs(
+    engine: &Engine,
+    steps: Vec<(u32, TokenLogprobs)>,
+) -> crate::Result<Vec<TokenLogprob>> {
+    let ids: Vec<u32> = steps
+        .iter()
+        .flat_map(|(id, l)| std::iter::once(*id).chain(l.top.iter().map(|t| t.0)))
+        .collect();
+    let mut bytes = engine.token_bytes(&ids)?.into_iter();
+    let mut next = || {
+        let b = bytes.next().unwrap_or_default();
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    };
+    Ok(steps
+        .into_iter()
+        .map(|(_, l)| {
+            let (token, bytes) = next();
+            let top_logprobs = l
+                .top
+                .iter()
+                .map(|&(_, logprob)| {
+                    let (token, bytes) = next();
+                    TopLogprob {
+                        token,
+                        logprob,
+                        bytes,
+                    }
+                })
+                .collect();
+            TokenLogprob {
+                token,
+                logprob: l.logprob,
+                bytes,
+                top_logprobs,
+            }
+        })
+        .collect())
+}
+
+/// What a running turn yields, in order: parts (with the log-probabilities of their
+/// tokens before them, when asked), then one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum TurnEvent {
+    /// The log-probabilities of tokens generated since the last ones (their text is in the
+    /// parts that follow; a part may be held back, as a tool call is until it closes).
+    Logprobs(Vec<TokenLogprob>),
     /// Reasoning, text or a whole tool call.
     Part(ReplyPart),
     Done(Outcome),
@@ -123,10 +193,15 @@ impl Turn {
     /// The whole reply (for a response that is not streamed). Errors: the generation's.
     pub async fn collect(mut self) -> Result<(Reply, Outcome), ApiError> {
         let mut reply = Reply::default();
+        let mut logprobs = Vec::new();
         while let Some(event) = self.next().await {
             match event {
+                TurnEvent::Logprobs(l) => logprobs.extend(l),
                 TurnEvent::Part(part) => reply.extend([part]),
-                TurnEvent::Done(outcome) => return Ok((reply, outcome)),
+                TurnEvent::Done(mut outcome) => {
+                    outcome.logprobs = logprobs;
+                    return Ok((reply, outcome));
+                }
                 TurnEvent::Failed(e) => return Err(e),
             }
         }
@@ -134,10 +209,11 @@ impl Turn {
     }
 }
 
-/// Renders and tokenizes `conversation`, checks it against the context, takes a place in
-/// the queue and starts it. Errors (before anything is sent): a prompt the template or
-/// tokenizer refuses, one that does not fit the context (400 `context_length_exceeded`),
-/// a full queue (503).
+/// Renders and tokenizes `conversation`, compiles its grammar, checks it against the
+/// context, takes a place in the queue and starts it. Errors (before anything is sent): a
+/// prompt the template or tokenizer refuses, a grammar llguidance refuses (400 with its
+/// message), one that does not fit the context (400 `context_length_exceeded`), a full
+/// queue (503).
 pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, ApiError> {
     let engine = app.engine()?.clone();
     let Conversation {
@@ -149,18 +225,35 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     // before they queue.
     let reasoning = app.options.reasoning;
     let encoder = engine.clone();
-    let encoded = tokio::task::spawn_blocking(move || match input {
-        Input::Chat(chat) => encoder.encode_chat(&chat).map(|prompt| {
-            let options = reply_options(&chat, &prompt, reasoning);
-            (prompt.ids, options, prompt.reply_prefix)
-        }),
-        // Raw text and ids: the reply is all text.
-        other => encoder
-            .encode(&other)
-            .map(|ids| (ids, ReplyOptions::default(), String::new())),
+    let grammar = params.grammar.clone();
+    // Compiling a grammar is CPU work (milliseconds for a schema); it runs here too.
+    let encoded = tokio::task::spawn_blocking(move || {
+        let (ids, options, reply_prefix, thinking_open) = match input {
+            Input::Chat(chat) => {
+                let prompt = encoder.encode_chat(&chat)?;
+                let options = reply_options(&chat, &prompt, reasoning);
+                (
+                    prompt.ids,
+                    options,
+                    prompt.reply_prefix,
+                    prompt.thinking_open,
+                )
+            }
+            // Raw text and ids: the reply is all text.
+            other => (
+                encoder.encode(&other)?,
+                ReplyOptions::default(),
+                String::new(),
+                false,
+            ),
+        };
+        let constraint = grammar
+            .map(|g| encoder.constrain(&g.grammar, thinking_open, g.field))
+            .transpose()?;
+        Ok::<_, crate::Error>((ids, options, reply_prefix, constraint))
     })
     .await;
-    let (prompt, options, reply_prefix) = match encoded {
+    let (prompt, options, reply_prefix, constraint) = match encoded {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return Err(ApiError::engine(&e)),
         Err(e) => return Err(ApiError::engine(&crate::Error::Internal(e.to_string()))),
@@ -177,6 +270,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     let request = request(
         prompt,
         &params,
+        constraint,
         engine.context(),
         app.options.default_max_tokens,
     )?;
@@ -191,6 +285,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     let live = app.live.begin(prompt_tokens, generation.progress());
     let stops = params.stops.clone();
     let shared = app.clone();
+    let resolver = engine.clone();
     let accepted = Instant::now();
     tokio::spawn(async move {
         let _permit = permit;
@@ -212,7 +307,20 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
             last_token = Some(Instant::now());
             live.token();
         };
-        let driven = drive(generation, stops, on_token, |piece| {
+        let sender = tx.clone();
+        let driven = drive(generation, stops, on_token, |piece, steps| {
+            if !steps.is_empty() {
+                match token_logprobs(&resolver, steps) {
+                    Ok(l) => {
+                        if sender.send(TurnEvent::Logprobs(l)).is_err() {
+                            return false;
+                        }
+                    }
+                    // The vocabulary was read when the request was checked; a failure here
+                    // leaves the log-probabilities out rather than the reply.
+                    Err(e) => tracing::warn!("log-probabilities left out: {e}"),
+                }
+            }
             parser.push(&piece).into_iter().all(&mut send)
         });
         // A client that leaves while the request waits or prefills has been sent nothing
@@ -294,6 +402,19 @@ pub struct Params {
     /// slotstream's `slotstream_stats` (OpenAI's dialect): the request's statistics in the
     /// response.
     pub stats: bool,
+    /// Log-probabilities of each token with this many of the most probable tokens'
+    /// (`None`: none).
+    pub logprobs: Option<usize>,
+    /// The grammar the reply must match, and the request field that gave it.
+    pub grammar: Option<GrammarField>,
+}
+
+/// A request's grammar and the field that gave it (named in a 400 when llguidance
+/// refuses the grammar).
+#[derive(Clone, Debug)]
+pub struct GrammarField {
+    pub grammar: Grammar,
+    pub field: &'static str,
 }
 
 /// Checks tool definitions in OpenAI's chat shape (`{"type": "function", "function":
@@ -348,13 +469,15 @@ pub fn ended_early() -> ApiError {
     ApiError::engine(&crate::Error::Internal("generation ended early".into()))
 }
 
-/// The engine request for the `prompt` ids with checked `params`: `max_tokens`
+/// The engine request for the `prompt` ids with checked `params` and the compiled
+/// `constraint` of their grammar: `max_tokens`
 /// defaults to `default_max_tokens`, and either is capped at the room the context leaves
 /// after the prompt (the reply then ends with finish reason `length`), as llama-server
 /// caps it. Errors: a prompt that leaves no room (400 `context_length_exceeded`).
 pub fn request(
     prompt: Vec<u32>,
     params: &Params,
+    constraint: Option<Constraint>,
     context: usize,
     default_max_tokens: usize,
 ) -> Result<Request, ApiError> {
@@ -364,6 +487,8 @@ pub fn request(
         input: Input::Ids(prompt),
         max_tokens: params.max_tokens.unwrap_or(default_max_tokens).min(room),
         sampling: params.sampling.clone(),
+        logprobs: params.logprobs,
+        constraint,
     })
 }
 
@@ -388,29 +513,32 @@ fn log_generation(route: &str, status: u16, prompt_tokens: usize, outcome: &Outc
 }
 
 /// Runs `generation` through the stop sequences, telling `on_token` of each new token
-/// and handing released text to `on_text` (which returns `false` when nobody listens any
-/// more: then this returns `Ok(None)` and dropping the generation cancels it).
+/// and handing released text to `on_text` with the log-probabilities of the counted
+/// tokens since the last call (which returns `false` when nobody listens any more: then
+/// this returns `Ok(None)` and dropping the generation cancels it).
 async fn drive(
     mut generation: Generation,
     stops: Vec<String>,
     mut on_token: impl FnMut(),
-    mut on_text: impl FnMut(String) -> bool,
+    mut on_text: impl FnMut(String, Vec<(u32, TokenLogprobs)>) -> bool,
 ) -> crate::Result<Option<Outcome>> {
     let mut matcher = StopMatcher::new(stops);
+    let mut steps = Vec::new();
     let mut stopped: Option<String> = None;
     // Tokens up to the one that completed a stop sequence (later ones were already under
     // way when it was found, and are neither returned nor counted).
     let mut counted = 0;
     while let Some(event) = generation.next().await {
         match event? {
-            Event::Token { text, .. } => {
+            Event::Token { id, text, logprobs } => {
                 if stopped.is_some() {
                     continue;
                 }
                 on_token();
                 counted += 1;
+                steps.extend(logprobs.map(|l| (id, l)));
                 let (out, hit) = matcher.push(&text);
-                if !out.is_empty() && !on_text(out) {
+                if !out.is_empty() && !on_text(out, std::mem::take(&mut steps)) {
                     return Ok(None);
                 }
                 if hit.is_some() {
@@ -425,15 +553,18 @@ async fn drive(
                 stats,
                 pool,
             } => {
+                let mut out = String::new();
                 if stopped.is_none() {
-                    let (mut out, hit) = matcher.push(&tail);
+                    let hit;
+                    (out, hit) = matcher.push(&tail);
                     if hit.is_none() {
                         out.push_str(&matcher.finish());
                     }
                     stopped = hit;
-                    if !out.is_empty() && !on_text(out) {
-                        return Ok(None);
-                    }
+                }
+                let released = !out.is_empty() || !steps.is_empty();
+                if released && !on_text(out, std::mem::take(&mut steps)) {
+                    return Ok(None);
                 }
                 let finish = match stopped {
                     Some(stop) => Finish::StopSequence(stop),
@@ -464,6 +595,7 @@ async fn drive(
                     completion_tokens,
                     finish,
                     stats: request_stats,
+                    logprobs: Vec::new(),
                 }));
             }
         }

@@ -195,7 +195,7 @@ impl ApiError {
         match e {
             crate::Error::ContextFull { .. } => Self::context_length(e.to_string()),
             crate::Error::Sampling { field, message } => Self::invalid(field, message),
-            crate::Error::NoFiniteLogits { .. } => Self::new(
+            crate::Error::NoFiniteLogits { .. } | crate::Error::NothingAllowed => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "inference_error",
                 None,
@@ -203,6 +203,7 @@ impl ApiError {
             ),
             crate::Error::InvalidInput(m) => Self::malformed(m.clone()),
             crate::Error::Image(_) => Self::malformed(e.to_string()),
+            crate::Error::Grammar { field, message } => Self::invalid(field, message),
             // A template that refuses the conversation (raise_exception, tools it does not
             // render) refuses the request.
             crate::Error::Template { message, .. } => {

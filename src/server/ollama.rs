@@ -26,11 +26,12 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::conversation::{self, Conversation, Outcome, Turn, TurnEvent};
-use super::conversation::{check_tools, Params, MAX_STOPS};
+use super::conversation::{check_tools, GrammarField, Params, MAX_STOPS};
 use super::error::ApiError;
 use super::openai::{parse_object, typed, Common, Stop};
 use super::{generated_response, request_body, turn_frames, App, Logged};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
+use crate::constraint::Grammar;
 use crate::engine::Input;
 use crate::reply::{FunctionCall, Reply};
 use crate::sampling::SamplingOptions;
@@ -65,11 +66,14 @@ struct Shared {
     model: Option<String>,
     /// `true`, `false`, or a level (`"high"`, `"medium"`, `"low"`: thinking on).
     think: Option<Value>,
+    /// `"json"` (any JSON object) or a JSON schema the reply must match.
     format: Option<Value>,
     options: Option<Options>,
     /// `null` counts as absent (streaming, Ollama's default).
     stream: Option<bool>,
+    /// Each token's log-probability, with `top_logprobs` (0 to 20) of the most probable.
     logprobs: Option<bool>,
+    top_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -267,22 +271,18 @@ impl Shared {
     /// The core's parameters and the template variables (`think`), from the server's
     /// `defaults` (whose sampling a request without options keeps). Errors name the field.
     fn params(&self, defaults: &SamplingOptions) -> Result<(Params, Map<String, Value>), ApiError> {
-        if self
-            .format
-            .as_ref()
-            .is_some_and(|f| !(f.is_null() || f.as_str() == Some("")))
-        {
-            return Err(ApiError::invalid(
-                "format",
-                "constrained output is not supported yet",
-            ));
-        }
-        if self.logprobs == Some(true) {
-            return Err(ApiError::invalid(
-                "logprobs",
-                "log probabilities are not supported",
-            ));
-        }
+        let grammar = match &self.format {
+            None | Some(Value::Null) => None,
+            Some(Value::String(f)) if f.is_empty() => None,
+            Some(Value::String(f)) if f == "json" => Some(Grammar::JsonObject),
+            Some(schema @ Value::Object(_)) => Some(Grammar::JsonSchema(schema.clone())),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "format",
+                    "must be \"json\" or a JSON schema (an object)",
+                ))
+            }
+        };
         let o = self.options.as_ref();
         let get = |f: fn(&Options) -> Option<f32>| o.and_then(f);
         let max_tokens = match o.and_then(|o| o.num_predict) {
@@ -309,11 +309,22 @@ impl Shared {
             seed: o.and_then(|o| o.seed.clone()),
             stop: o.and_then(|o| o.stop.clone()).map(Stop::Many),
             stream: Some(self.stream.unwrap_or(true)),
+            // OpenAI's chat fields are Ollama's.
+            logprobs: self.logprobs.map(Value::Bool),
+            top_logprobs: self.top_logprobs.clone(),
             ..Default::default()
         };
-        let params = common
-            .params(defaults, MAX_STOPS)
-            .map_err(|e| e.under("options"))?;
+        let mut params = common.params(defaults, MAX_STOPS).map_err(|e| {
+            if matches!(e.param.as_deref(), Some("logprobs" | "top_logprobs")) {
+                e
+            } else {
+                e.under("options")
+            }
+        })?;
+        params.grammar = grammar.map(|grammar| GrammarField {
+            grammar,
+            field: "format",
+        });
         let mut kwargs = Map::new();
         match &self.think {
             None | Some(Value::Null) => {}
@@ -360,6 +371,7 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
         Err(e) => return error_response(e),
     };
     let stream = conversation.params.stream;
+    let logprobs = conversation.params.logprobs.is_some();
     let turn = match conversation::start(&app, conversation).await {
         Ok(t) => t,
         Err(e) => return error_response(e),
@@ -370,12 +382,15 @@ async fn answer(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
         start,
     };
     if stream {
-        return ndjson_response(writer, turn);
+        return ndjson_response(writer, turn, logprobs);
     }
     match turn.collect().await {
         Ok((reply, outcome)) => {
             let mut body = writer.reply(&reply);
             writer.finish(&mut body, &outcome);
+            if logprobs {
+                body["logprobs"] = json!(outcome.logprobs);
+            }
             generated_response(body)
         }
         Err(e) => error_response(e),
@@ -462,19 +477,31 @@ fn tool_call(call: &FunctionCall) -> Value {
 }
 
 /// JSON lines, one per part, then the last with `done: true`; an error after the first
-/// line is a last line `{"error": ...}`, as Ollama's stream ends on one.
-fn ndjson_response(writer: Writer, turn: Turn) -> Response {
+/// line is a last line `{"error": ...}`, as Ollama's stream ends on one. With `logprobs`,
+/// each line carries the log-probabilities of the tokens since the last line.
+fn ndjson_response(writer: Writer, turn: Turn, logprobs: bool) -> Response {
+    let mut pending = Vec::new();
     let frames = move |event: TurnEvent| -> Vec<Value> {
+        let mut with_logprobs = |mut line: Value| {
+            if logprobs {
+                line["logprobs"] = json!(std::mem::take(&mut pending));
+            }
+            line
+        };
         match event {
+            TurnEvent::Logprobs(l) => {
+                pending.extend(l);
+                Vec::new()
+            }
             TurnEvent::Part(part) => {
                 let mut reply = Reply::default();
                 reply.extend([part]);
-                vec![writer.reply(&reply)]
+                vec![with_logprobs(writer.reply(&reply))]
             }
             TurnEvent::Done(outcome) => {
                 let mut last = writer.reply(&Reply::default());
                 writer.finish(&mut last, &outcome);
-                vec![last]
+                vec![with_logprobs(last)]
             }
             TurnEvent::Failed(e) => vec![json!({ "error": e.message })],
         }

@@ -5,13 +5,21 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::conversation::{check_tools, require_tools, template_role, thinks_at, Params};
+use super::conversation::{
+    check_tools, require_tools, template_role, thinks_at, GrammarField, Params,
+};
 use super::error::ApiError;
 use crate::chat_template::{
     set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
 };
+use crate::constraint::Grammar;
 use crate::engine::Input;
 use crate::sampling::{SamplingInput, SamplingOptions};
+
+/// The most `top_logprobs` the chat endpoint takes (OpenAI's bound).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+/// The most `logprobs` the completion endpoint takes (OpenAI's bound).
+pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
 /// Stop sequences OpenAI's API accepts.
 pub const OPENAI_STOPS: usize = 4;
@@ -45,13 +53,24 @@ pub struct Common {
     pub n: Option<u64>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    /// The chat endpoint's `true`/`false`, or the completion endpoint's count of most
+    /// probable tokens (0 to 5).
     pub logprobs: Option<Value>,
+    /// The chat endpoint's count of most probable tokens (0 to 20; needs `logprobs`).
     pub top_logprobs: Option<Value>,
     /// Tool definitions: the chat endpoint renders them; a completion refuses them.
     pub tools: Option<Vec<Value>>,
-    /// Refused unless plain text: the engine does not constrain output or bias logits, and
-    /// ignoring them would answer something other than asked.
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name", "schema", "strict"}}`: the reply constrained to JSON
+    /// ([`crate::constraint`]).
     pub response_format: Option<Value>,
+    /// vLLM's names for a constraint: a JSON schema, a regular expression, a Lark grammar
+    /// (at most one of these and `response_format`).
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
+    /// Refused unless empty: the engine does not bias logits, and ignoring it would answer
+    /// something other than asked.
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// slotstream's extra: add this request's statistics to the response.
     #[serde(default)]
@@ -293,36 +312,8 @@ impl Common {
                 &format!("model names have at most {MAX_MODEL_BYTES} bytes"),
             ));
         }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !(v.is_null() || *v == Value::Bool(false)))
-        {
-            return Err(ApiError::invalid(
-                "logprobs",
-                "log probabilities are not supported",
-            ));
-        }
-        if self
-            .top_logprobs
-            .as_ref()
-            .is_some_and(|v| !(v.is_null() || v.as_u64() == Some(0)))
-        {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                "log probabilities are not supported",
-            ));
-        }
-        if self
-            .response_format
-            .as_ref()
-            .is_some_and(|f| !(f.is_null() || f["type"] == "text"))
-        {
-            return Err(ApiError::invalid(
-                "response_format",
-                "only {\"type\": \"text\"} is supported",
-            ));
-        }
+        let logprobs = self.logprobs()?;
+        let grammar = self.grammar()?;
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(ApiError::invalid("logit_bias", "not supported"));
         }
@@ -402,7 +393,111 @@ impl Common {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             stats: self.slotstream_stats,
+            logprobs,
+            grammar,
         })
+    }
+
+    /// How many of the most probable tokens each token's log-probability comes with
+    /// (`None`: no log-probabilities): the chat endpoint's `logprobs: true` with
+    /// `top_logprobs` (0 to 20), or the completion endpoint's integer `logprobs` (0 to 5).
+    fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let top = match &self.top_logprobs {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= MAX_TOP_LOGPROBS => Some(n as usize),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        &format!("must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                    ))
+                }
+            },
+        };
+        let asked = match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(top.unwrap_or(0)),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= MAX_COMPLETION_LOGPROBS && top.is_none() => Some(n as usize),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "logprobs",
+                        &format!("must be true or false (chat), or an integer from 0 to {MAX_COMPLETION_LOGPROBS} (completions)"),
+                    ))
+                }
+            },
+        };
+        if asked.is_none() && top.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
+        }
+        Ok(asked)
+    }
+
+    /// The grammar `response_format` or one of the `guided_*` fields asks for (at most
+    /// one of them). Errors: an unknown format type, a `json_schema` format without its
+    /// schema, more than one constraint.
+    fn grammar(&self) -> Result<Option<GrammarField>, ApiError> {
+        let mut found = Vec::new();
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => {}
+                Some("json_object") => found.push(GrammarField {
+                    grammar: Grammar::JsonObject,
+                    field: "response_format",
+                }),
+                Some("json_schema") => {
+                    let Some(schema) = f.pointer("/json_schema/schema") else {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema.schema",
+                            "missing",
+                        ));
+                    };
+                    found.push(GrammarField {
+                        grammar: Grammar::JsonSchema(schema.clone()),
+                        field: "response_format",
+                    });
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        "response_format.type",
+                        "must be \"text\", \"json_object\" or \"json_schema\"",
+                    ))
+                }
+            },
+        }
+        if let Some(schema) = self.guided_json.as_ref().filter(|v| !v.is_null()) {
+            // vLLM takes the schema as an object or as its JSON text.
+            let schema = match schema {
+                Value::String(text) => serde_json::from_str(text).map_err(|e| {
+                    ApiError::invalid("guided_json", &format!("not a JSON schema: {e}"))
+                })?,
+                other => other.clone(),
+            };
+            found.push(GrammarField {
+                grammar: Grammar::JsonSchema(schema),
+                field: "guided_json",
+            });
+        }
+        if let Some(rx) = &self.guided_regex {
+            found.push(GrammarField {
+                grammar: Grammar::Regex(rx.clone()),
+                field: "guided_regex",
+            });
+        }
+        if let Some(lark) = &self.guided_grammar {
+            found.push(GrammarField {
+                grammar: Grammar::Lark(lark.clone()),
+                field: "guided_grammar",
+            });
+        }
+        if found.len() > 1 {
+            return Err(ApiError::invalid(
+                found[1].field,
+                &format!("give one constraint; {} is given too", found[0].field),
+            ));
+        }
+        Ok(found.pop())
     }
 }
 

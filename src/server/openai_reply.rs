@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::conversation::{self, Conversation, Outcome, Turn, TurnEvent};
+use super::conversation::{self, Conversation, Outcome, TokenLogprob, Turn, TurnEvent};
 use super::error::ApiError;
 use super::openai::{ApiRequest, ChatRequest, CompletionRequest, Usage, OPENAI_STOPS};
 use super::{generated_response, request_body, sse_response, turn_frames, unix_now, App};
@@ -73,6 +73,7 @@ async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) ->
         Err(e) => return e.into_response(),
     };
     let (stream, include_usage, stats) = (params.stream, params.include_usage, params.stats);
+    let logprobs = params.logprobs.is_some();
     let conversation = Conversation {
         input,
         params,
@@ -92,6 +93,7 @@ async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) ->
         created: unix_now(),
         model: turn.model.clone(),
         prompt_tokens: turn.prompt_tokens,
+        logprobs,
     };
     if stream {
         return stream_response(meta, turn, include_usage, stats);
@@ -100,9 +102,12 @@ async fn handle<R: ApiRequest>(app: Arc<App>, endpoint: Endpoint, body: Body) ->
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
+    let logprobs = meta.logprobs(outcome.logprobs.clone(), &mut 0);
     let mut body = match endpoint {
-        Endpoint::Chat => meta.response(message(&reply), outcome.finish.openai()),
-        Endpoint::Completion => meta.response(json!(reply.content), outcome.finish.openai()),
+        Endpoint::Chat => meta.response(message(&reply), outcome.finish.openai(), logprobs),
+        Endpoint::Completion => {
+            meta.response(json!(reply.content), outcome.finish.openai(), logprobs)
+        }
     };
     body["usage"] = json!(Usage::new(meta.prompt_tokens, outcome.completion_tokens));
     if stats {
@@ -133,32 +138,69 @@ struct Meta {
     created: u64,
     model: String,
     prompt_tokens: usize,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Meta {
+    /// A choice's `logprobs` for `tokens` (`null` when not asked): the chat endpoint's
+    /// `{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}`, or the
+    /// completion endpoint's `{tokens, token_logprobs, top_logprobs, text_offset}`, whose
+    /// offsets (in characters of the reply) start at `offset` and advance it.
+    fn logprobs(&self, tokens: Vec<TokenLogprob>, offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Chat => json!({ "content": tokens, "refusal": null }),
+            Endpoint::Completion => {
+                let mut text_offset = Vec::with_capacity(tokens.len());
+                for t in &tokens {
+                    text_offset.push(*offset);
+                    *offset += t.token.chars().count();
+                }
+                let top: Vec<serde_json::Map<String, Value>> = tokens
+                    .iter()
+                    .map(|t| {
+                        t.top_logprobs
+                            .iter()
+                            .map(|a| (a.token.clone(), json!(a.logprob)))
+                            .collect()
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens.iter().map(|t| &t.token).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": text_offset,
+                })
+            }
+        }
+    }
+
     /// A streamed chunk: a chat `delta` (`{}` for none), or a completion's `text` (the
-    /// delta's `content`).
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+    /// delta's `content`), with its tokens' `logprobs`.
+    fn chunk(&self, delta: Value, finish: Option<&str>, logprobs: Value) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
-                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
             }
             Endpoint::Completion => {
                 json!({ "index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")),
-                                            "logprobs": null, "finish_reason": finish })
+                                            "logprobs": logprobs, "finish_reason": finish })
             }
         };
         self.envelope(choice, true)
     }
 
     /// A whole response: a chat `message`, or a completion's `text`.
-    fn response(&self, body: Value, finish: &str) -> Value {
+    fn response(&self, body: Value, finish: &str, logprobs: Value) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
-                json!({ "index": 0, "message": body, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "message": body, "logprobs": logprobs, "finish_reason": finish })
             }
             Endpoint::Completion => {
-                json!({ "index": 0, "text": body, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "text": body, "logprobs": logprobs, "finish_reason": finish })
             }
         };
         self.envelope(choice, false)
@@ -174,9 +216,16 @@ impl Meta {
     }
 
     /// The last chunks after `outcome`: the finish reason (with the statistics when
-    /// asked), then the usage when asked.
-    fn end(&self, outcome: &Outcome, include_usage: bool, stats: bool) -> Vec<Value> {
-        let mut last = self.chunk(json!({}), Some(outcome.finish.openai()));
+    /// asked, and the `logprobs` of tokens whose text no earlier chunk carried), then the
+    /// usage when asked.
+    fn end(
+        &self,
+        outcome: &Outcome,
+        include_usage: bool,
+        stats: bool,
+        logprobs: Value,
+    ) -> Vec<Value> {
+        let mut last = self.chunk(json!({}), Some(outcome.finish.openai()), logprobs);
         if stats {
             last["slotstream_stats"] = json!(outcome.stats);
         }
@@ -220,15 +269,25 @@ fn tool_call(call: &FunctionCall) -> Value {
 fn stream_response(meta: Meta, turn: Turn, include_usage: bool, stats: bool) -> Response {
     let data = |v: Value| SseEvent::default().data(v.to_string());
     let first = match meta.endpoint {
-        Endpoint::Chat => vec![data(
-            meta.chunk(json!({ "role": "assistant", "content": "" }), None),
-        )],
+        Endpoint::Chat => vec![data(meta.chunk(
+            json!({ "role": "assistant", "content": "" }),
+            None,
+            meta.logprobs(Vec::new(), &mut 0),
+        ))],
         Endpoint::Completion => Vec::new(),
     };
     let mut calls = 0usize;
+    // Log-probabilities of tokens whose text has not been sent, and the completion
+    // endpoint's text offset.
+    let mut pending = Vec::new();
+    let mut offset = 0;
     let frames = move |event: TurnEvent| -> Vec<SseEvent> {
         let done = || SseEvent::default().data("[DONE]");
         match event {
+            TurnEvent::Logprobs(l) => {
+                pending.extend(l);
+                Vec::new()
+            }
             TurnEvent::Part(part) => {
                 let delta = match part {
                     ReplyPart::Content(t) => json!({ "content": t }),
@@ -240,11 +299,13 @@ fn stream_response(meta: Meta, turn: Turn, include_usage: bool, stats: bool) -> 
                         json!({ "tool_calls": [call] })
                     }
                 };
-                vec![data(meta.chunk(delta, None))]
+                let logprobs = meta.logprobs(std::mem::take(&mut pending), &mut offset);
+                vec![data(meta.chunk(delta, None, logprobs))]
             }
             TurnEvent::Done(outcome) => {
+                let logprobs = meta.logprobs(std::mem::take(&mut pending), &mut offset);
                 let mut out: Vec<SseEvent> = meta
-                    .end(&outcome, include_usage, stats)
+                    .end(&outcome, include_usage, stats, logprobs)
                     .into_iter()
                     .map(data)
                     .collect();

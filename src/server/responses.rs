@@ -590,6 +590,8 @@ impl Items {
     fn frames(&mut self, event: TurnEvent) -> (Vec<Named>, Option<Result<Value, ApiError>>) {
         let mut out = Vec::new();
         match event {
+            // Not asked for through this dialect.
+            TurnEvent::Logprobs(_) => {}
             TurnEvent::Part(ReplyPart::Reasoning(t)) => self.text("reasoning", &t, &mut out),
             TurnEvent::Part(ReplyPart::Content(t)) => self.text("message", &t, &mut out),
             TurnEvent::Part(ReplyPart::ToolCall(c)) => self.call(&c, &mut out),
@@ -737,6 +739,7 @@ mod tests {
                 completion_tokens: 5,
                 finish: Finish::ToolCalls,
                 stats: RequestStats::default(),
+                logprobs: Vec::new(),
             }),
         ] {
             let (out, e) = items.frames(e);

@@ -148,6 +148,8 @@ fn reuse_row<B: Backend, E: ExpertSource>(
         cancel: None,
         prefilled: None,
         draft_tokens: 0,
+        logprobs: None,
+        constraint: None,
     };
     let open = || PromptCache::open(ckpt, model, backend, &PromptCacheOptions::default());
     // Seconds to the first token and prompt tokens run.
@@ -381,6 +383,8 @@ pub fn run<B: Backend>(
                 cancel: None,
                 prefilled: None,
                 draft_tokens: 0,
+                logprobs: None,
+                constraint: None,
             };
             let mut state = model.new_state(backend);
             let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;

@@ -31,6 +31,8 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
         cancel: None,
         prefilled: None,
         draft_tokens: 0,
+        logprobs: None,
+        constraint: None,
     };
     let turns = ["the cat sat on the mat", "and then what", "tell me more"];
     let snapshots = tempfile::tempdir().unwrap();

@@ -146,7 +146,7 @@ fn every_dialect_renders_one_conversation_to_the_same_ids() {
 }
 
 /// The lines of an Ollama stream.
-async fn ndjson(s: &Server, path: &str, body: &Value) -> Vec<Value> {
+pub(crate) async fn ndjson(s: &Server, path: &str, body: &Value) -> Vec<Value> {
     let (kind, raw) = s.post_text(path, body).await;
     assert_eq!(kind, "application/x-ndjson");
     raw.lines()
@@ -283,7 +283,7 @@ async fn ollama_chat_and_generate_equal_generate() {
         ),
         (
             "/api/chat",
-            json!({ "messages": [{ "role": "user", "content": "a" }], "format": "json" }),
+            json!({ "messages": [{ "role": "user", "content": "a" }], "format": 7 }),
             400,
         ),
         (

@@ -37,6 +37,8 @@ async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
         input: Input::Ids(prompt),
         max_tokens,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     while let Some(e) = events.next().await {
         if let Event::Done { output_ids, .. } = e.unwrap() {
@@ -79,6 +81,8 @@ async fn concurrent_requests_match_mlx_lm_and_cancellation_frees_the_engine() {
         input: Input::Ids(r.prompt_ids.clone()),
         max_tokens: 1000,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     assert!(matches!(events.next().await, Some(Ok(Event::Token { .. }))));
     drop(events);
@@ -117,6 +121,8 @@ async fn cancel_handles_traces_and_scoring() {
         input: Input::Ids(r.prompt_ids.clone()),
         max_tokens: 1000,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     let cancel = events.cancel_handle();
     let mut tokens = 0;
@@ -188,6 +194,8 @@ async fn an_engine_without_a_tokenizer_scores_ids() {
         input: Input::Ids(r.prompt_ids.clone()),
         max_tokens: 2,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     let err = events.next().await.unwrap().err().unwrap();
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
@@ -258,6 +266,8 @@ async fn generation_stops_at_the_context() {
         input: Input::Ids(prompt.clone()),
         max_tokens: 5000,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     let mut tokens = 0;
     let mut done = None;
@@ -279,6 +289,8 @@ async fn generation_stops_at_the_context() {
             input: Input::Ids(long),
             max_tokens: 1,
             sampling: Default::default(),
+            logprobs: None,
+            constraint: None,
         })
         .next()
         .await
@@ -312,6 +324,8 @@ fn greedy(n: usize) -> GenerateOptions {
         cancel: None,
         prefilled: None,
         draft_tokens: 0,
+        logprobs: None,
+        constraint: None,
     }
 }
 
@@ -569,6 +583,8 @@ async fn finish(engine: &Engine, prompt: &[u32]) -> (Vec<u32>, usize) {
         input: Input::Ids(prompt.to_vec()),
         max_tokens: 4,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     let mut done = None;
     while let Some(e) = events.next().await {

@@ -58,6 +58,8 @@ fn every_combination_matches_mlx_lm<B: TestBackend>(backend: &B) {
             cancel: None,
             prefilled: None,
             draft_tokens: 0,
+            logprobs: None,
+            constraint: None,
         };
         let sizes = [floor, (floor + index.records()) / 2, index.records()];
         for (n, slots) in sizes.into_iter().enumerate() {

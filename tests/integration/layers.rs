@@ -33,6 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "generation",
         &[
             "sampling",
+            "constraint",
             "generate",
             "prompt_cache",
             "chat",

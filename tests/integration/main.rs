@@ -14,6 +14,7 @@ mod bad_checkpoints;
 mod bench;
 mod chat;
 mod cli_families;
+mod constrained;
 mod cpu_kernels;
 mod demo;
 mod dialects;

@@ -1637,6 +1637,8 @@ fn bytes_read_counts_everything_the_reader_read() {
         cancel: None,
         prefilled: None,
         draft_tokens: 0,
+        logprobs: None,
+        constraint: None,
     };
     let mut state = l.model.new_state(&CpuBackend);
     generate(
