@@ -17,7 +17,7 @@ use super::error::ApiError;
 use super::stop::StopMatcher;
 use super::App;
 use crate::chat_template::{Chat, ChatPrompt, ToolChoice};
-use crate::constraint::{Constraint, Grammar};
+use crate::constraint::{tool_call_grammar, Constraint, Grammar};
 use crate::engine::{Engine, Event, Generation, Input, Request};
 use crate::reply::{Reply, ReplyOptions, ReplyParser, ReplyPart};
 use crate::sampling::{SamplingOptions, TokenLogprobs};
@@ -225,13 +225,14 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
     // before they queue.
     let reasoning = app.options.reasoning;
     let encoder = engine.clone();
-    let grammar = params.grammar.clone();
+    let mut grammar = params.grammar.clone();
     // Compiling a grammar is CPU work (milliseconds for a schema); it runs here too.
     let encoded = tokio::task::spawn_blocking(move || {
         let (ids, options, reply_prefix, thinking_open) = match input {
             Input::Chat(chat) => {
                 let prompt = encoder.encode_chat(&chat)?;
                 let options = reply_options(&chat, &prompt, reasoning);
+                grammar = tool_grammar(&encoder, &chat, grammar)?;
                 (
                     prompt.ids,
                     options,
@@ -357,6 +358,33 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
             .clone()
             .unwrap_or_else(|| app.options.model_id.clone()),
         events: rx,
+    })
+}
+
+/// The grammar of a chat's reply: its tool calls' ([`tool_call_grammar`]: a call that
+/// `tool_choice` requires, or `auto` with a `strict: true` tool) in the template's
+/// tool-call format, else the request's own (`requested`). A required call takes
+/// precedence over a `response_format`; `auto` with a strict tool does not.
+fn tool_grammar(
+    engine: &Engine,
+    chat: &Chat,
+    requested: Option<GrammarField>,
+) -> crate::Result<Option<GrammarField>> {
+    let required = matches!(
+        chat.tool_choice,
+        ToolChoice::Required | ToolChoice::Function(_)
+    );
+    if requested.is_some() && !required {
+        return Ok(requested);
+    }
+    let format = engine.template()?.and_then(|t| t.tool_call_format());
+    let calls = format.and_then(|f| tool_call_grammar(f, &chat.tools, &chat.tool_choice));
+    Ok(match calls {
+        Some(grammar) => Some(GrammarField {
+            grammar,
+            field: "tools",
+        }),
+        None => requested,
     })
 }
 

@@ -13,8 +13,9 @@
 //! other effort on. Output items are `reasoning` (`reasoning_text` content), `message`
 //! (`output_text`) and `function_call`. A response is stored unless `store: false`, in a
 //! bounded store of recent ones ([`Store`]), and `previous_response_id` continues its
-//! conversation (404 once it has left the store). Images and `text.format` other than
-//! text are refused with a 400.
+//! conversation (404 once it has left the store). `text.format` `json_object` or
+//! `json_schema` constrains the reply ([`crate::constraint`]). Images are refused with a
+//! 400.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -28,12 +29,13 @@ use serde_json::{json, Map, Value};
 
 use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
 use super::conversation::{
-    check_tools, ended_early, require_tools, template_role, thinks_at, MAX_STOPS,
+    check_tools, ended_early, require_tools, template_role, thinks_at, GrammarField, MAX_STOPS,
 };
 use super::error::ApiError;
 use super::openai::{parse_object, required, typed, Common};
 use super::{generated_response, named_events, request_body, turn_frames, unix_now, App, Named};
 use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
+use crate::constraint::Grammar;
 use crate::engine::Input;
 use crate::reply::{FunctionCall, ReplyPart};
 use crate::sampling::SamplingOptions;
@@ -333,18 +335,25 @@ pub fn translate(
     let value = parse_object(body)?;
     let b: ResponsesBody = typed(&value, "")?;
     let input: Value = required(&value, "input")?;
-    if let Some(format) = b.text.as_ref().and_then(|t| t.get("format")) {
-        if format
-            .get("type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t != "text")
-        {
+    let format = b
+        .text
+        .as_ref()
+        .and_then(|t| t.get("format"))
+        .filter(|f| !f.is_null());
+    let grammar = match format.map(|f| (f, f.get("type").and_then(Value::as_str))) {
+        None | Some((_, Some("text"))) => None,
+        Some((_, Some("json_object"))) => Some(Grammar::JsonObject),
+        Some((f, Some("json_schema"))) => match f.get("schema") {
+            Some(schema) => Some(Grammar::JsonSchema(schema.clone())),
+            None => return Err(ApiError::invalid("text.format.schema", "missing")),
+        },
+        Some(_) => {
             return Err(ApiError::invalid(
-                "text.format",
-                "constrained output is not supported yet (only {\"type\": \"text\"})",
-            ));
+                "text.format.type",
+                "must be \"text\", \"json_object\" or \"json_schema\"",
+            ))
         }
-    }
+    };
     let mut history = match &b.previous_response_id {
         Some(id) => {
             store
@@ -392,12 +401,16 @@ pub fn translate(
         stream: b.stream,
         ..Default::default()
     };
-    let params = common
+    let mut params = common
         .params(defaults, MAX_STOPS)
         .map_err(|e| match e.param.as_deref() {
             Some("max_tokens") => ApiError::invalid("max_output_tokens", "must be at least 1"),
             _ => e,
         })?;
+    params.grammar = grammar.map(|grammar| GrammarField {
+        grammar,
+        field: "text.format",
+    });
     let echo = json!({
         "instructions": b.instructions,
         "max_output_tokens": b.max_output_tokens,
@@ -407,7 +420,7 @@ pub fn translate(
         "store": b.store.unwrap_or(true),
         "temperature": b.temperature.unwrap_or(params.sampling.temperature),
         "top_p": b.top_p.unwrap_or(params.sampling.top_p),
-        "text": { "format": { "type": "text" } },
+        "text": { "format": format.cloned().unwrap_or(json!({ "type": "text" })) },
         "tool_choice": b.tool_choice.unwrap_or(json!("auto")),
         "tools": b.tools.unwrap_or_default(),
         "truncation": "disabled",

@@ -543,3 +543,100 @@ fn cli_generate_takes_a_schema_and_a_grammar() {
         "{v}"
     );
 }
+
+/// A required or named call, in Qwen3's JSON format and Qwen3-Coder's XML format, through
+/// OpenAI's chat, Anthropic's `tool_choice` any/tool and the Responses API: the random
+/// model's reply (temperature 1, fresh seed) is one whole call whose arguments validate
+/// against the tool's parameters. Responses' `text.format` json_schema validates too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_calls_parse_and_validate_in_both_formats() {
+    let parameters = json!({"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let time = json!({"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": false});
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": parameters}},
+        {"type": "function", "function": {"name": "get_time", "parameters": time}},
+    ]);
+    let coder =
+        std::fs::read_to_string(fixture_dir("qwen3-chat").join("qwen3_coder.jinja")).unwrap();
+    for template in [qwen3_template(), coder] {
+        let dir = fixture_with_template(NAME, &template);
+        let s = crate::serve::start_on(dir.path(), 4096, 4, 0, None, true).await;
+        for choice in [
+            json!("required"),
+            json!({"type": "function", "function": {"name": "get_time"}}),
+        ] {
+            let seed: u32 = rand::random();
+            let body = json!({
+                "messages": [{"role": "user", "content": "weather?"}], "tools": tools, "tool_choice": choice,
+                "max_tokens": 200, "temperature": 1.0, "seed": seed, "chat_template_kwargs": {"enable_thinking": false},
+            });
+            let (status, v) = s.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(
+                v["choices"][0]["finish_reason"], "tool_calls",
+                "seed {seed}: {v}"
+            );
+            let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+            assert_eq!(calls.len(), 1, "{v}");
+            let name = calls[0]["function"]["name"].as_str().unwrap();
+            if choice != "required" {
+                assert_eq!(name, "get_time");
+            }
+            let schema = if name == "get_weather" {
+                &parameters
+            } else {
+                &time
+            };
+            let args: Value =
+                serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(
+                jsonschema::is_valid(schema, &args),
+                "seed {seed}: {args} against {schema}"
+            );
+        }
+        // Anthropic's `any`: a tool_use block whose input validates.
+        let body = json!({
+            "model": NAME, "max_tokens": 200, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [{"name": "get_weather", "input_schema": parameters}],
+            "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"},
+        });
+        let (status, v) = s.post("/v1/messages", &body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        let block = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["type"] == "tool_use")
+            .unwrap();
+        assert!(jsonschema::is_valid(&parameters, &block["input"]), "{v}");
+    }
+    // The Responses API's text.format.
+    let s = start(4, 0, None).await;
+    let schema = json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": false});
+    let (status, v) = s
+        .post(
+            "/v1/responses",
+            &json!({"input": "x", "max_output_tokens": 100, "temperature": 1.0,
+                    "text": {"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": true}}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let text = v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["type"] == "message")
+        .unwrap()["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let instance: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(jsonschema::is_valid(&schema, &instance), "{text}");
+    assert_eq!(v["text"]["format"]["type"], "json_schema");
+}
