@@ -180,6 +180,8 @@ async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>,
         input: Input::Ids(prompt),
         max_tokens,
         sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
     });
     while let Some(e) = events.next().await {
         if let Event::Done {
