@@ -97,6 +97,8 @@ fn drafted_greedy_equals_plain<B: TestBackend>(backend: &B) {
                 cancel: None,
                 prefilled: None,
                 draft_tokens: drafts,
+                logprobs: None,
+                constraint: None,
             };
             let mut state = model.new_state(backend);
             let outs: Vec<_> = turns
