@@ -289,9 +289,9 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                 let (forward, next_mask) = std::thread::scope(|scope| {
                     let masking = scope.spawn(|| c.mask());
                     let forward = model.forward(backend, state, &[next], experts, Logits::Last);
-                    let next_mask = masking
-                        .join()
-                        .unwrap_or_else(|_| Err(Error::Internal("the mask's thread panicked".into())));
+                    let next_mask = masking.join().unwrap_or_else(|_| {
+                        Err(Error::Internal("the mask's thread panicked".into()))
+                    });
                     (forward, next_mask)
                 });
                 logits = forward?;
@@ -323,7 +323,11 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     stop = Some("eos");
                 } else {
                     out.push(t);
-                    if !on_token(&Sampled { id: t, logprobs: None })? || options.cancelled() {
+                    if !on_token(&Sampled {
+                        id: t,
+                        logprobs: None,
+                    })? || options.cancelled()
+                    {
                         stop = Some("stopped");
                     } else if out.len() >= max_tokens {
                         stop = Some("length");

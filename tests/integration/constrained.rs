@@ -379,10 +379,10 @@ async fn regexes_grammars_json_objects_and_ollama_formats() {
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(text.starts_with('{'), "{text}");
     if v["choices"][0]["finish_reason"] == "stop" {
-        assert!(
-            serde_json::from_str::<Value>(text).unwrap().is_object(),
-            "{text}"
-        );
+        // JSON's numbers have no range (RFC 8259, section 6) and a random model writes
+        // 1e999: the syntax is checked without converting them, as `Value` would.
+        let parsed = serde_json::from_str::<serde::de::IgnoredAny>(text);
+        assert!(parsed.is_ok() && text.ends_with('}'), "{text}: {parsed:?}");
     }
 
     // Out of tokens mid-object: finish reason length, the text a prefix.
