@@ -32,7 +32,8 @@ fn expected(name: &str) -> Vec<u32> {
         .collect()
 }
 
-async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
+/// The ids a greedy request for `prompt` generates (its `Done` event's).
+pub(crate) async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
     let mut events = engine.generate(Request {
         input: Input::Ids(prompt),
         max_tokens,

@@ -10,14 +10,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
+use slotstream::engine::{Engine, EngineOptions};
 use slotstream::experts::{PoolSize, SourceOptions};
 use slotstream::io::{DiskFile, IoMode, MirroredFile, ReadAt, Reader, Replica};
 use slotstream::pool::{PoolOptions, RecordFiles, SlotPool};
 
 use crate::common::{copy_fixture, fixture_dir, reference, runtime, FIXTURES};
+use crate::engine::run;
 
 /// A copy whose reads take `delay` longer, or fail with EIO from call `fail_from` on.
 struct Hooked {
@@ -197,22 +197,6 @@ fn mirrors_are_checked_at_start() {
     std::fs::write(&copy, &bytes).unwrap();
     let err = open().err().unwrap().to_string();
     assert!(err.contains("bytes") && err.contains("not a copy"), "{err}");
-}
-
-async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
-    let mut events = engine.generate(Request {
-        input: Input::Ids(prompt),
-        max_tokens,
-        sampling: Default::default(),
-        logprobs: None,
-        constraint: None,
-    });
-    while let Some(e) = events.next().await {
-        if let Event::Done { output_ids, .. } = e.unwrap() {
-            return output_ids;
-        }
-    }
-    panic!("no Done event");
 }
 
 /// A copy on tmpfs beside the disk copy: the same ids with and without it, both copies
