@@ -16,7 +16,8 @@ follow-up through `previous_response_id`, their prompt tokens against `slotstrea
 generate --think off`; a required call's opening continued by the random model, constrained
 to the tool's schema, is a valid call (or text when max_tokens cuts it). Last, constrained
 output and log-probabilities: `chat.completions.parse` with a Pydantic model (the reply
-parses into it), and `logprobs=True, top_logprobs=5`, whole and streamed. Exits non-zero
+parses into it), and `logprobs=True, top_logprobs=5`, whole and streamed (and the same values
+through `responses.create` and `responses.stream` with `include`). Exits non-zero
 on any mismatch. Pinned client version:
 tools/requirements-clients.txt.
 """
@@ -136,6 +137,22 @@ def check_constrained(binary, model):
         streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
         check("streamed logprobs", [(e.token, e.logprob) for e in streamed], [(e.token, e.logprob) for e in content])
         print("ok: logprobs=True, top_logprobs=5, whole and streamed")
+
+        # The Responses dialect: the same greedy tokens with the same values.
+        include = ["message.output_text.logprobs"]
+        r = client.responses.create(
+            model="m", input=messages, max_output_tokens=8, temperature=0, top_logprobs=5, include=include
+        )
+        part = r.output[0].content[0]
+        want = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in content]
+        got = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in part.logprobs]
+        check("responses logprobs", got, want)
+        with client.responses.stream(
+            model="m", input=messages, max_output_tokens=8, temperature=0, top_logprobs=5, include=include
+        ) as stream:
+            deltas = [(e.token, e.logprob) for ev in stream if ev.type == "response.output_text.delta" for e in ev.logprobs]
+        check("streamed responses logprobs", deltas, [w[:2] for w in want])
+        print("ok: responses include=message.output_text.logprobs, top_logprobs=5, whole and streamed")
     finally:
         stop(server)
 

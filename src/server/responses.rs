@@ -14,8 +14,10 @@
 //! (`output_text`) and `function_call`. A response is stored unless `store: false`, in a
 //! bounded store of recent ones ([`Store`]), and `previous_response_id` continues its
 //! conversation (404 once it has left the store). `text.format` `json_object` or
-//! `json_schema` constrains the reply ([`crate::constraint`]). Images are refused with a
-//! 400.
+//! `json_schema` constrains the reply ([`crate::constraint`]). `include:
+//! ["message.output_text.logprobs"]` with `top_logprobs` (0 to 20) adds the message text's
+//! log-probabilities to its `output_text` part and its delta and done events, in OpenAI's
+//! shape (as vLLM, `top_logprobs` alone asks for nothing). Images are refused with a 400.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -27,7 +29,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::conversation::{self, Conversation, Finish, Outcome, Turn, TurnEvent};
+use super::conversation::{self, Conversation, Finish, Outcome, TokenLogprob, Turn, TurnEvent};
 use super::conversation::{
     check_tools, ended_early, require_tools, template_role, thinks_at, GrammarField, MAX_STOPS,
 };
@@ -114,7 +116,12 @@ struct ResponsesBody {
     store: Option<bool>,
     previous_response_id: Option<String>,
     text: Option<Value>,
+    include: Option<Vec<String>>,
+    top_logprobs: Option<Value>,
 }
+
+/// The `include` entry that asks for the message text's log-probabilities.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
 
 /// A request, translated: the conversation, and what its response echoes and stores.
 pub struct Translated {
@@ -393,12 +400,17 @@ pub fn translate(
         set_enable_thinking(&mut chat.kwargs, thinks_at(effort))
             .map_err(|e| ApiError::invalid("reasoning.effort", &e))?;
     }
+    // As vLLM reads it: `top_logprobs` counts alternatives of the log-probabilities that
+    // `include` asks for, and is ignored without them.
+    let logprobs = b.include.iter().flatten().any(|i| i == INCLUDE_LOGPROBS);
     let common = Common {
         model: b.model.clone(),
         max_tokens: b.max_output_tokens,
         temperature: b.temperature,
         top_p: b.top_p,
         stream: b.stream,
+        logprobs: logprobs.then_some(Value::Bool(true)),
+        top_logprobs: b.top_logprobs.clone().filter(|_| logprobs),
         ..Default::default()
     };
     let mut params = common
@@ -421,6 +433,7 @@ pub fn translate(
         "temperature": b.temperature.unwrap_or(params.sampling.temperature),
         "top_p": b.top_p.unwrap_or(params.sampling.top_p),
         "text": { "format": format.cloned().unwrap_or(json!({ "type": "text" })) },
+        "top_logprobs": b.top_logprobs.as_ref().and_then(Value::as_u64).unwrap_or(0),
         "tool_choice": b.tool_choice.unwrap_or(json!("auto")),
         "tools": b.tools.unwrap_or_default(),
         "truncation": "disabled",
@@ -449,6 +462,10 @@ struct Items {
     done: Vec<Value>,
     /// The item being filled, and its text so far (message text or reasoning).
     open: Option<(Value, String)>,
+    /// Log-probabilities of tokens whose text has not arrived as a part yet.
+    pending: Vec<TokenLogprob>,
+    /// The open message's log-probabilities so far (its `output_text` part's).
+    logprobs: Vec<TokenLogprob>,
     sequence: u64,
     /// The response's fields besides its output and status.
     base: Value,
@@ -492,20 +509,23 @@ impl Items {
         };
         let index = self.done.len();
         let id = item["id"].clone();
+        let logprobs = std::mem::take(&mut self.logprobs);
+        let mut done =
+            json!({ "item_id": id, "output_index": index, "content_index": 0, "text": text });
         let (delta_done, part) = match item["type"].as_str() {
             Some("reasoning") => (
                 "response.reasoning_text.done",
                 json!({ "type": "reasoning_text", "text": text }),
             ),
-            _ => (
-                "response.output_text.done",
-                json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] }),
-            ),
+            _ => {
+                done["logprobs"] = json!(logprobs);
+                (
+                    "response.output_text.done",
+                    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": logprobs }),
+                )
+            }
         };
-        out.push(self.event(
-            delta_done,
-            json!({ "item_id": id, "output_index": index, "content_index": 0, "text": text }),
-        ));
+        out.push(self.event(delta_done, done));
         out.push(self.event(
             "response.content_part.done",
             json!({ "item_id": id, "output_index": index, "content_index": 0, "part": part }),
@@ -564,7 +584,9 @@ impl Items {
         let mut data =
             json!({ "item_id": id, "output_index": index, "content_index": 0, "delta": text });
         if kind != "reasoning" {
-            data["logprobs"] = json!([]);
+            let logprobs = std::mem::take(&mut self.pending);
+            data["logprobs"] = json!(logprobs);
+            self.logprobs.extend(logprobs);
         }
         out.push(self.event(delta, data));
     }
@@ -603,11 +625,18 @@ impl Items {
     fn frames(&mut self, event: TurnEvent) -> (Vec<Named>, Option<Result<Value, ApiError>>) {
         let mut out = Vec::new();
         match event {
-            // Not asked for through this dialect.
-            TurnEvent::Logprobs(_) => {}
-            TurnEvent::Part(ReplyPart::Reasoning(t)) => self.text("reasoning", &t, &mut out),
+            TurnEvent::Logprobs(l) => self.pending.extend(l),
+            // Only the message text has log-probabilities in this dialect: a reasoning
+            // or call token's are dropped.
+            TurnEvent::Part(ReplyPart::Reasoning(t)) => {
+                self.pending.clear();
+                self.text("reasoning", &t, &mut out)
+            }
             TurnEvent::Part(ReplyPart::Content(t)) => self.text("message", &t, &mut out),
-            TurnEvent::Part(ReplyPart::ToolCall(c)) => self.call(&c, &mut out),
+            TurnEvent::Part(ReplyPart::ToolCall(c)) => {
+                self.pending.clear();
+                self.call(&c, &mut out)
+            }
             TurnEvent::Done(outcome) => {
                 self.close(&mut out, outcome.finish == Finish::Length);
                 let (status, kind) = match outcome.finish {
@@ -667,6 +696,8 @@ pub async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
     let mut items = Items {
         done: Vec::new(),
         open: None,
+        pending: Vec::new(),
+        logprobs: Vec::new(),
         sequence: 0,
         base,
         prompt_tokens: turn.prompt_tokens,
@@ -733,6 +764,8 @@ mod tests {
         let mut items = Items {
             done: Vec::new(),
             open: None,
+            pending: Vec::new(),
+            logprobs: Vec::new(),
             sequence: 2,
             base: json!({ "id": "resp_1", "object": "response" }),
             prompt_tokens: 10,
@@ -813,6 +846,119 @@ mod tests {
             ),
             (Some("think"), "Checking.", 1)
         );
+    }
+
+    fn logprob(token: &str, logprob: f32) -> TokenLogprob {
+        TokenLogprob {
+            token: token.into(),
+            logprob,
+            bytes: token.as_bytes().to_vec(),
+            top_logprobs: Vec::new(),
+        }
+    }
+
+    /// The message text's log-probabilities go with its deltas, its done event and its
+    /// part; a reasoning token's and a call's are dropped.
+    #[test]
+    fn logprobs_follow_the_message_text() {
+        let mut items = Items {
+            done: Vec::new(),
+            open: None,
+            pending: Vec::new(),
+            logprobs: Vec::new(),
+            sequence: 0,
+            base: json!({}),
+            prompt_tokens: 1,
+        };
+        let (a, b, c) = (
+            -rand::random::<f32>(),
+            -rand::random::<f32>(),
+            -rand::random::<f32>(),
+        );
+        let mut events = Vec::new();
+        let mut end = None;
+        for e in [
+            TurnEvent::Logprobs(vec![logprob("think", -0.5)]),
+            TurnEvent::Part(ReplyPart::Reasoning("think".into())),
+            TurnEvent::Logprobs(vec![logprob("He", a), logprob("llo", b)]),
+            TurnEvent::Part(ReplyPart::Content("Hello".into())),
+            TurnEvent::Logprobs(vec![logprob("!", c)]),
+            TurnEvent::Part(ReplyPart::Content("!".into())),
+            TurnEvent::Done(Outcome {
+                completion_tokens: 4,
+                finish: Finish::EndOfTurn,
+                stats: RequestStats::default(),
+                logprobs: Vec::new(),
+            }),
+        ] {
+            let (out, e) = items.frames(e);
+            events.extend(out);
+            end = e.or(end);
+        }
+        let values = |v: &Value| -> Vec<(String, f32)> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|l| {
+                    (
+                        l["token"].as_str().unwrap().to_string(),
+                        l["logprob"].as_f64().unwrap() as f32,
+                    )
+                })
+                .collect()
+        };
+        let deltas: Vec<_> = events
+            .iter()
+            .filter(|(n, _)| n == "response.output_text.delta")
+            .map(|(_, d)| values(&d["logprobs"]))
+            .collect();
+        let all = vec![("He".to_string(), a), ("llo".into(), b), ("!".into(), c)];
+        assert_eq!(deltas, [all[..2].to_vec(), all[2..].to_vec()]);
+        let done = events
+            .iter()
+            .find(|(n, _)| n == "response.output_text.done")
+            .unwrap();
+        assert_eq!(values(&done.1["logprobs"]), all);
+        let response = end.unwrap().unwrap();
+        assert_eq!(
+            values(&response["output"][1]["content"][0]["logprobs"]),
+            all
+        );
+        assert_eq!(
+            response["output"][1]["content"][0]["logprobs"][0]["bytes"],
+            json!(b"He")
+        );
+    }
+
+    /// `include` asks for log-probabilities, `top_logprobs` for alternatives (0 to 20, as
+    /// OpenAI bounds it); `top_logprobs` alone asks for nothing.
+    #[test]
+    fn include_asks_for_logprobs() {
+        let asked = |body: Value| {
+            translate(
+                body.to_string().as_bytes(),
+                &SamplingOptions::default(),
+                &Store::default(),
+            )
+            .map(|t| t.conversation.params.logprobs)
+        };
+        let include = json!(["message.output_text.logprobs"]);
+        assert_eq!(
+            asked(json!({"input": "hi", "include": include})).unwrap(),
+            Some(0)
+        );
+        assert_eq!(
+            asked(json!({"input": "hi", "include": include, "top_logprobs": 20})).unwrap(),
+            Some(20)
+        );
+        assert_eq!(
+            asked(json!({"input": "hi", "top_logprobs": 3})).unwrap(),
+            None
+        );
+        let e = asked(json!({"input": "hi", "include": include, "top_logprobs": 21})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        let e = asked(json!({"input": "hi", "include": "x"})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("include"));
     }
 
     #[test]
