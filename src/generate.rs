@@ -77,6 +77,13 @@ pub struct GenerateStats {
     pub accepted: usize,
     /// Verify passes: forward passes of a sampled token and its drafts.
     pub verify_passes: usize,
+    /// Seconds spent computing a grammar's token masks ([`GenerateOptions::constraint`]),
+    /// on the mask's thread or not.
+    pub mask_seconds: f64,
+    /// Seconds of decode the masks were not hidden behind a forward pass: the first
+    /// mask, each step's wait for its mask after the forward pass ended, and following
+    /// the chosen tokens (the mask's overhead per token, over `generated_tokens`).
+    pub mask_wait_seconds: f64,
 }
 
 impl GenerateStats {
@@ -248,10 +255,15 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         stats.prefill_seconds = start.elapsed().as_secs_f64();
         let decode_start = Instant::now();
         let mut constraint = options.constraint.clone();
+        let first_mask = Instant::now();
         let mut mask = match &mut constraint {
             Some(c) => c.mask()?,
             None => None,
         };
+        if constraint.is_some() {
+            stats.mask_seconds += first_mask.elapsed().as_secs_f64();
+            stats.mask_wait_seconds += first_mask.elapsed().as_secs_f64();
+        }
         // A token sampled by a verify pass's walk, not yet emitted.
         let mut carried = None;
         loop {
@@ -266,7 +278,9 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
             }
             out.push(next);
             if let Some(c) = &mut constraint {
+                let commit = Instant::now();
                 c.commit(next)?;
+                stats.mask_wait_seconds += commit.elapsed().as_secs_f64();
             }
             if !on_token(&Sampled { id: next, logprobs })? || options.cancelled() {
                 stats.finish_reason = "stopped".into();
@@ -286,14 +300,25 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                     continue;
                 };
                 // The next step's mask on another thread while the model computes its logits.
-                let (forward, next_mask) = std::thread::scope(|scope| {
-                    let masking = scope.spawn(|| c.mask());
+                let (forward, next_mask, masked, waited) = std::thread::scope(|scope| {
+                    let masking = scope.spawn(|| {
+                        let start = Instant::now();
+                        c.mask().map(|m| (m, start.elapsed()))
+                    });
                     let forward = model.forward(backend, state, &[next], experts, Logits::Last);
+                    let wait = Instant::now();
                     let next_mask = masking.join().unwrap_or_else(|_| {
                         Err(Error::Internal("the mask's thread panicked".into()))
                     });
-                    (forward, next_mask)
+                    let waited = wait.elapsed();
+                    let (next_mask, masked) = match next_mask {
+                        Ok((m, t)) => (Ok(m), t),
+                        Err(e) => (Err(e), Default::default()),
+                    };
+                    (forward, next_mask, masked, waited)
                 });
+                stats.mask_seconds += masked.as_secs_f64();
+                stats.mask_wait_seconds += waited.as_secs_f64();
                 logits = forward?;
                 mask = next_mask?;
                 continue;

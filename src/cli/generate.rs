@@ -281,6 +281,14 @@ fn summary(
             stats.verify_passes
         );
     }
+    if stats.mask_seconds > 0.0 {
+        let per_token = |s: f64| 1e3 * s / stats.generated_tokens.max(1) as f64;
+        out += &format!(
+            "grammar masks: {:.2} ms a token, {:.2} ms of it not hidden behind the forward pass\n",
+            per_token(stats.mask_seconds),
+            per_token(stats.mask_wait_seconds),
+        );
+    }
     match pool {
         None => {}
         Some(p) if p.hits + p.misses == 0 => {

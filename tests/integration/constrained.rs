@@ -514,7 +514,8 @@ async fn refused_grammars_get_400_and_the_cli_exits_1() {
     );
 }
 
-/// `generate --json-schema` and `--grammar`: the output matches.
+/// `generate --json-schema` and `--grammar`: the output matches; the masks' time is in the
+/// stats.
 #[test]
 fn cli_generate_takes_a_schema_and_a_grammar() {
     let dir = tempfile::tempdir().unwrap();
@@ -535,6 +536,17 @@ fn cli_generate_takes_a_schema_and_a_grammar() {
     ]);
     let instance: Value = serde_json::from_str(v["text"].as_str().unwrap()).unwrap();
     assert!(jsonschema::is_valid(&schema, &instance), "{v}");
+    // The masks' time is counted, and what the forward pass did not hide is part of decode.
+    let stat = |v: &Value, key: &str| v["stats"][key].as_f64().unwrap();
+    assert!(stat(&v, "mask_seconds") > 0.0, "{v}");
+    assert!(stat(&v, "mask_wait_seconds") > 0.0, "{v}");
+    assert!(
+        stat(&v, "mask_wait_seconds") <= stat(&v, "decode_seconds"),
+        "{v}"
+    );
+    let plain = crate::serve::cli_generate(&["-n", "4", "hi"]);
+    assert_eq!(stat(&plain, "mask_seconds"), 0.0);
+    assert_eq!(stat(&plain, "mask_wait_seconds"), 0.0);
     let grammar = dir.path().join("g.lark");
     std::fs::write(&grammar, "start: (\"yes\" | \"no\") \"!\"\n").unwrap();
     let v = crate::serve::cli_generate(&["--grammar", grammar.to_str().unwrap(), "-n", "10", "hi"]);
