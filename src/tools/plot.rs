@@ -11,6 +11,8 @@
 use std::io::Write;
 use std::path::Path;
 
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::bench::BenchReport;
@@ -68,30 +70,38 @@ pub fn lines(path: &Path, axes: Axes, series: &[Series]) -> Result<()> {
             .margin(16)
             .x_label_area_size(44)
             .y_label_area_size(64);
+        // The two scales are two coordinate types: one generic body draws either.
+        fn fill<'a, X: Ranged<ValueType = f64> + ValueFormatter<f64>>(
+            mut chart: ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, RangedCoordf64>>,
+            axes: &Axes,
+            series: &[Series],
+        ) -> Result<()> {
+            chart
+                .configure_mesh()
+                .x_desc(axes.x)
+                .y_desc(axes.y)
+                .draw()
+                .map_err(draw_error)?;
+            draw_lines(&mut chart, series)?;
+            legend(&mut chart)
+        }
         if axes.log2_x {
-            let mut chart = builder
-                .build_cartesian_2d((x.0..x.1).log_scale().base(2.0), y.0..y.1)
-                .map_err(draw_error)?;
-            chart
-                .configure_mesh()
-                .x_desc(axes.x)
-                .y_desc(axes.y)
-                .draw()
-                .map_err(draw_error)?;
-            draw_lines(&mut chart, series)?;
-            legend(&mut chart)?;
+            let x = (x.0..x.1).log_scale().base(2.0);
+            fill(
+                builder
+                    .build_cartesian_2d(x, y.0..y.1)
+                    .map_err(draw_error)?,
+                &axes,
+                series,
+            )?;
         } else {
-            let mut chart = builder
-                .build_cartesian_2d(x.0..x.1, y.0..y.1)
-                .map_err(draw_error)?;
-            chart
-                .configure_mesh()
-                .x_desc(axes.x)
-                .y_desc(axes.y)
-                .draw()
-                .map_err(draw_error)?;
-            draw_lines(&mut chart, series)?;
-            legend(&mut chart)?;
+            fill(
+                builder
+                    .build_cartesian_2d(x.0..x.1, y.0..y.1)
+                    .map_err(draw_error)?,
+                &axes,
+                series,
+            )?;
         }
         root.present().map_err(draw_error)?;
     }

@@ -644,19 +644,9 @@ async fn metrics_count_what_was_served() {
         generated += n;
         gaps += n.saturating_sub(1);
     }
-    let r = s
-        .client
-        .get(format!("{}/no-such-route", s.base))
-        .send()
-        .await
-        .unwrap();
+    let r = s.get("/no-such-route").await;
     assert_eq!(r.status().as_u16(), 404);
-    let r = s
-        .client
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap();
+    let r = s.get("/metrics").await;
     assert!(r.headers()["content-type"]
         .to_str()
         .unwrap()

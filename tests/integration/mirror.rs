@@ -61,39 +61,6 @@ fn shard_paths(ckpt: &Checkpoint) -> Vec<PathBuf> {
     ckpt.shards().iter().map(|s| s.path.clone()).collect()
 }
 
-/// A pool over `ckpt`'s shards whose files have two copies each, `a` and `b` made from
-/// each shard's path.
-fn two_copy_pool(
-    ckpt: &Checkpoint,
-    index: &Arc<ExpertIndex>,
-    rt: &tokio::runtime::Runtime,
-    a: impl Fn(&Path) -> Arc<dyn ReadAt>,
-    b: impl Fn(&Path) -> Arc<dyn ReadAt>,
-) -> Arc<SlotPool> {
-    let (ra, rb) = (Replica::new(Path::new("a")), Replica::new(Path::new("b")));
-    let files = shard_paths(ckpt)
-        .iter()
-        .map(|p| {
-            Arc::new(MirroredFile::new(vec![
-                (ra.clone(), a(p)),
-                (rb.clone(), b(p)),
-            ])) as Arc<dyn ReadAt>
-        })
-        .collect();
-    let reader = Reader::with_replicas(files, vec![ra, rb], 8);
-    SlotPool::new(
-        index.clone(),
-        RecordFiles::Shards,
-        reader,
-        PoolOptions {
-            slots: 24,
-            speculative_cap: 8,
-        },
-        rt.handle().clone(),
-    )
-    .unwrap()
-}
-
 /// Ensures every record of every layer through `pool` and checks its bytes.
 fn read_all(
     rt: &tokio::runtime::Runtime,
@@ -114,55 +81,68 @@ fn read_all(
     }
 }
 
-/// A copy 3 ms slower a read gets the smaller share: once each copy's rate is learned,
-/// reads go to the fast one, the slow one getting only the probes.
-#[test]
-fn the_faster_copy_takes_the_larger_share() {
+/// Reads every record of the first fixture three times (checking the bytes) through a
+/// pool whose shards have two copies, each a [`Hooked`] of (`delay`, `fail_from`): the
+/// copies' counters after it, and the pool's demand bytes.
+fn three_passes_over_two_copies(
+    a: (Duration, u64),
+    b: (Duration, u64),
+) -> (Vec<slotstream::io::MirrorStats>, u64) {
     let dir = fixture_dir(FIXTURES[0]);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let index = Arc::new(ExpertIndex::build(&ckpt).unwrap());
     let rt = runtime();
-    let pool = two_copy_pool(
-        &ckpt,
-        &index,
-        &rt,
-        |p| Hooked::shared(p, Duration::from_millis(3), u64::MAX),
-        |p| Hooked::shared(p, Duration::ZERO, u64::MAX),
-    );
+    let (ra, rb) = (Replica::new(Path::new("a")), Replica::new(Path::new("b")));
+    let files = shard_paths(&ckpt)
+        .iter()
+        .map(|p| {
+            Arc::new(MirroredFile::new(vec![
+                (ra.clone(), Hooked::shared(p, a.0, a.1)),
+                (rb.clone(), Hooked::shared(p, b.0, b.1)),
+            ])) as Arc<dyn ReadAt>
+        })
+        .collect();
+    let reader = Reader::with_replicas(files, vec![ra, rb], 8);
+    let options = PoolOptions {
+        slots: 24,
+        speculative_cap: 8,
+    };
+    let pool = SlotPool::new(
+        index.clone(),
+        RecordFiles::Shards,
+        reader,
+        options,
+        rt.handle().clone(),
+    )
+    .unwrap();
     for _ in 0..3 {
         read_all(&rt, &pool, &ckpt, &index);
     }
-    let m = pool.stats().mirrors;
+    let stats = pool.stats();
+    (stats.mirrors, stats.demand_bytes)
+}
+
+/// A copy 3 ms slower a read gets the smaller share: once each copy's rate is learned,
+/// reads go to the fast one, the slow one getting only the probes.
+#[test]
+fn the_faster_copy_takes_the_larger_share() {
+    let (m, demand) = three_passes_over_two_copies(
+        (Duration::from_millis(3), u64::MAX),
+        (Duration::ZERO, u64::MAX),
+    );
     assert_eq!(m.len(), 2);
     let (slow, fast) = (m[0].bytes, m[1].bytes);
     assert!(fast > 3 * slow, "slow {slow} fast {fast}");
     assert!(!m[0].dropped && !m[1].dropped);
-    assert_eq!(
-        slow + fast,
-        pool.stats().demand_bytes,
-        "every byte read came from one copy"
-    );
+    assert_eq!(slow + fast, demand, "every byte read came from one copy");
 }
 
 /// A copy whose reads start failing is dropped (one warning) and the records read from
 /// the other are the checkpoint's.
 #[test]
 fn a_copy_that_starts_failing_is_dropped() {
-    let dir = fixture_dir(FIXTURES[0]);
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let index = Arc::new(ExpertIndex::build(&ckpt).unwrap());
-    let rt = runtime();
-    let pool = two_copy_pool(
-        &ckpt,
-        &index,
-        &rt,
-        |p| Hooked::shared(p, Duration::from_millis(1), u64::MAX),
-        |p| Hooked::shared(p, Duration::ZERO, 20),
-    );
-    for _ in 0..3 {
-        read_all(&rt, &pool, &ckpt, &index);
-    }
-    let m = pool.stats().mirrors;
+    let (m, _) =
+        three_passes_over_two_copies((Duration::from_millis(1), u64::MAX), (Duration::ZERO, 20));
     assert!(!m[0].dropped && m[1].dropped, "{m:?}");
     assert!(
         m[1].bytes > 0,

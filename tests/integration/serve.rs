@@ -124,16 +124,21 @@ impl Server {
         self.get_json("/stats").await
     }
 
+    /// `GET path`, without a key.
+    pub(crate) async fn get(&self, path: &str) -> reqwest::Response {
+        let url = format!("{}{path}", self.base);
+        self.client.get(url).send().await.unwrap()
+    }
+
+    /// `POST path` with a JSON body, without a key.
+    pub(crate) async fn send(&self, path: &str, body: &Value) -> reqwest::Response {
+        let url = format!("{}{path}", self.base);
+        self.client.post(url).json(body).send().await.unwrap()
+    }
+
     /// `GET path`'s JSON body.
     pub(crate) async fn get_json(&self, path: &str) -> Value {
-        self.client
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get(path).await.json().await.unwrap()
     }
 
     /// `/stats`' count of requests queued or running.
@@ -142,26 +147,14 @@ impl Server {
     }
 
     pub(crate) async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.send(path, body).await;
         let status = r.status().as_u16();
         (status, r.json().await.unwrap())
     }
 
     /// `POST path` answered 200: its content type and its body as text.
     pub(crate) async fn post_text(&self, path: &str, body: &Value) -> (String, String) {
-        let r = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.send(path, body).await;
         assert_eq!(r.status().as_u16(), 200);
         let kind = r.headers()["content-type"].to_str().unwrap().to_string();
         (kind, r.text().await.unwrap())
@@ -316,13 +309,7 @@ async fn a_client_that_disconnects_frees_the_engine() {
     let s = start(16, 0, None).await;
     let r = reference(NAME);
     let body = json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0, "seed": 7 });
-    let response = s
-        .client
-        .post(format!("{}/v1/completions", s.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let response = s.send("/v1/completions", &body).await;
     let mut bytes = response.bytes_stream();
     // Read until the first token's chunk, then hang up.
     let mut seen = String::new();
@@ -669,20 +656,8 @@ async fn a_stream_abandoned_while_queued_never_runs() {
     let r = reference(NAME);
     let long =
         json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
-    let running = s
-        .client
-        .post(format!("{}/v1/completions", s.base))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    let queued = s
-        .client
-        .post(format!("{}/v1/completions", s.base))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
+    let running = s.send("/v1/completions", &long).await;
+    let queued = s.send("/v1/completions", &long).await;
     assert_eq!(
         (running.status().as_u16(), queued.status().as_u16()),
         (200, 200)
@@ -719,21 +694,14 @@ async fn a_full_queue_answers_503_with_retry_after() {
     let r = reference(NAME);
     let body =
         json!({ "prompt": r.prompt_ids, "max_tokens": 3000, "stream": true, "temperature": 1.0 });
-    let busy = s
-        .client
-        .post(format!("{}/v1/completions", s.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let busy = s.send("/v1/completions", &body).await;
     assert_eq!(busy.status().as_u16(), 200);
     let r2 = s
-        .client
-        .post(format!("{}/v1/completions", s.base))
-        .json(&json!({ "prompt": "hi", "max_tokens": 1 }))
-        .send()
-        .await
-        .unwrap();
+        .send(
+            "/v1/completions",
+            &json!({ "prompt": "hi", "max_tokens": 1 }),
+        )
+        .await;
     assert_eq!(r2.status().as_u16(), 503);
     assert_eq!(r2.headers()["retry-after"], "1");
     assert_eq!(
@@ -861,12 +829,11 @@ async fn no_finite_logit_is_an_inference_error() {
     }
     // Streaming: the headers are sent, so the error comes as the last event before [DONE].
     let raw = s
-        .client
-        .post(format!("{}/v1/chat/completions", s.base))
-        .json(&json!({ "messages": [{ "role": "user", "content": "hi" }], "stream": true }))
-        .send()
+        .send(
+            "/v1/chat/completions",
+            &json!({ "messages": [{ "role": "user", "content": "hi" }], "stream": true }),
+        )
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();

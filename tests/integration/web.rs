@@ -17,12 +17,7 @@ const KEY: &str = "web-key";
 
 /// `GET path` without a key: its status, content type and body.
 async fn get(server: &Server, path: &str) -> (u16, String, String) {
-    let r = server
-        .client
-        .get(format!("{}{path}", server.base))
-        .send()
-        .await
-        .unwrap();
+    let r = server.get(path).await;
     let status = r.status().as_u16();
     let kind = r
         .headers()
