@@ -7,10 +7,9 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use slotstream::backend::cpu::CpuBackend;
 use slotstream::checkpoint::{Checkpoint, ExpertIndex};
-use slotstream::engine::{Engine, EngineOptions, Event, Input, Request};
+use slotstream::engine::{Engine, EngineOptions, Event};
 use slotstream::experts::{Elastic, PoolSize, SourceOptions};
 use slotstream::machine::{MachineMemory, MemoryProbe, MemoryReading};
 use slotstream::plan::{Bound, Footprint, Target};
@@ -175,23 +174,14 @@ fn a_scripted_squeeze_gives_exact_slot_counts_and_returns_the_pages() {
     assert_eq!(pool.stats().elastic.unwrap().grows, 2);
 }
 
+/// The ids of a greedy request and the pool's slots when it ended.
 async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, usize) {
-    let mut events = engine.generate(Request {
-        input: Input::Ids(prompt),
-        max_tokens,
-        sampling: Default::default(),
-        logprobs: None,
-        constraint: None,
-    });
-    while let Some(e) = events.next().await {
-        if let Event::Done {
+    match crate::engine::run_to_done(engine, prompt, max_tokens).await {
+        Event::Done {
             output_ids, pool, ..
-        } = e.unwrap()
-        {
-            return (output_ids, pool.unwrap().slots);
-        }
+        } => (output_ids, pool.unwrap().slots),
+        _ => unreachable!("run_to_done returns a Done event"),
     }
-    panic!("no Done event");
 }
 
 /// An engine planned within a ceiling (as `--memory-limit` plans one) whose probe swings

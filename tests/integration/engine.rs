@@ -32,8 +32,8 @@ fn expected(name: &str) -> Vec<u32> {
         .collect()
 }
 
-/// The ids a greedy request for `prompt` generates (its `Done` event's).
-pub(crate) async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
+/// The `Done` event of a greedy request for `prompt`.
+pub(crate) async fn run_to_done(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Event {
     let mut events = engine.generate(Request {
         input: Input::Ids(prompt),
         max_tokens,
@@ -42,11 +42,20 @@ pub(crate) async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) ->
         constraint: None,
     });
     while let Some(e) = events.next().await {
-        if let Event::Done { output_ids, .. } = e.unwrap() {
-            return output_ids;
+        let e = e.unwrap();
+        if matches!(e, Event::Done { .. }) {
+            return e;
         }
     }
     panic!("no Done event");
+}
+
+/// The ids a greedy request for `prompt` generates (its `Done` event's).
+pub(crate) async fn run(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> Vec<u32> {
+    match run_to_done(engine, prompt, max_tokens).await {
+        Event::Done { output_ids, .. } => output_ids,
+        _ => unreachable!("run_to_done returns a Done event"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
