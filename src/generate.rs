@@ -12,6 +12,8 @@ use crate::error::{Error, Result};
 use crate::model::{Logits, Model, SequenceState};
 use crate::records::ExpertSource;
 use crate::sampling::{token_logprobs, Sampler, SamplingOptions, TokenLogprobs};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -30,8 +32,9 @@ pub struct GenerateOptions {
     /// snapshot are not run, so not counted).
     pub prefilled: Option<Arc<AtomicUsize>>,
     /// Draft tokens per decode step from the model's MTP head (0: plain decoding), each
-    /// step's drafts verified in one forward pass ([`generate`]). Used with greedy
-    /// sampling on a model whose head is loaded ([`Model::load_mtp`]), else ignored.
+    /// step's drafts verified in one forward pass ([`generate`]). Used on a model whose
+    /// head is loaded ([`Model::load_mtp`]) without a constraint or log-probabilities,
+    /// else ignored.
     pub draft_tokens: usize,
     /// When set, each token comes with its log-probability and this many of the most
     /// probable tokens' ([`Sampled::logprobs`]).
@@ -84,6 +87,14 @@ pub struct GenerateStats {
     /// mask, each step's wait for its mask after the forward pass ended, and following
     /// the chosen tokens (the mask's overhead per token, over `generated_tokens`).
     pub mask_wait_seconds: f64,
+    /// Seconds in the MTP head making drafts (part of `decode_seconds`).
+    pub draft_seconds: f64,
+    /// Seconds in verify passes, the rewind point's copy included (part of
+    /// `decode_seconds`).
+    pub verify_seconds: f64,
+    /// Seconds putting the sequence back after rejections: the rewind and the pass that
+    /// runs the accepted prefix again (part of `decode_seconds`).
+    pub rewind_seconds: f64,
 }
 
 impl GenerateStats {
@@ -100,11 +111,16 @@ impl GenerateStats {
 /// Runs `prompt` after the tokens already in `state` and generates. `on_token` receives
 /// each new token and may return `false` to stop early (finish reason "stopped").
 ///
-/// With drafts ([`GenerateOptions::draft_tokens`] `k`, greedy sampling, the model's MTP
-/// head loaded) each decode step proposes `k` tokens with the head ([`Model::draft`]) and
-/// runs the sampled token and the drafts through the model in one pass of `k + 1`
-/// positions; the drafts that match what greedy decoding picks from that pass's logits
-/// are emitted with the token after them, as plain decoding would emit them. On a
+/// With drafts ([`GenerateOptions::draft_tokens`] `k`, the model's MTP head loaded) each
+/// decode step proposes `k` tokens with the head ([`Model::draft`]), each drawn from the
+/// head's distribution `q` after the sampler's transforms ([`Sampler::probabilities`]),
+/// and runs the sampled token and the drafts through the model in one pass of `k + 1`
+/// positions. Each draft in turn is kept or replaced by speculative sampling against the
+/// model's distribution `p` at its position ([`Sampler::speculate`]); the walk stops at
+/// the first replaced one, whose replacement is the next token, and after `k` kept ones
+/// the token after them is drawn from the pass's last `p`. So each token is distributed
+/// as plain sampling's; greedy sampling keeps exactly the drafts that greedy decoding
+/// picks, so its output is plain greedy decoding's token for token. On a
 /// rejection the sequence is put back where the pass began ([`SequenceState::rewind`]:
 /// the DeltaNet states copied before the pass, the KV caches cut back) and the accepted
 /// prefix is run again, so that the state is what plain decoding leaves (a copy of the
@@ -165,7 +181,104 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
     state: &mut SequenceState<B>,
     prompt: &[u32],
     options: &GenerateOptions,
+    stops: PrefillStops<'_, impl FnMut(&SequenceState<B>) -> Result<()>>,
+    on_token: impl FnMut(&Sampled) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    run_generation(
+        model, backend, experts, state, prompt, options, stops, None, on_token,
+    )
+}
+
+/// A benchmark's stand-in for the MTP head's proposals, which random weights almost never
+/// get right (`slotstream bench --replay`; not a user feature): draft `i` of a run is
+/// `tokens[i]` (the `i`-th token a plain greedy run of the same prompt generated) with
+/// probability `acceptance`, and another token otherwise, so that greedy verification
+/// keeps about that share. The head still runs and its drafts are replaced, so that a
+/// step costs what drafting costs.
+#[derive(Clone, Debug)]
+pub struct Replay {
+    /// The plain greedy run's generated ids, in order.
+    pub tokens: Vec<u32>,
+    /// Probability that a draft is the plain run's token, in [0, 1].
+    pub acceptance: f64,
+    /// Seed of the draws.
+    pub seed: u64,
+}
+
+/// [`generate`] with the drafts a [`Replay`] proposes in place of the MTP head's (with
+/// greedy sampling, each kept exactly when it is the plain run's token). Errors: as
+/// [`generate`], and an acceptance outside [0, 1].
+#[allow(clippy::too_many_arguments)]
+pub fn generate_replayed<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut SequenceState<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    replay: &Replay,
+    on_token: impl FnMut(&Sampled) -> Result<bool>,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    if !(0.0..=1.0).contains(&replay.acceptance) {
+        return Err(Error::InvalidInput(format!(
+            "a replay's acceptance {} is not in [0, 1]",
+            replay.acceptance
+        )));
+    }
+    let stops = PrefillStops {
+        at: &[],
+        on_stop: |_: &SequenceState<B>| Ok(()),
+        restored: false,
+    };
+    let replaying = Replaying {
+        replay,
+        rng: StdRng::seed_from_u64(replay.seed),
+        vocab: model.config.vocab_size as u32,
+    };
+    run_generation(
+        model,
+        backend,
+        experts,
+        state,
+        prompt,
+        options,
+        stops,
+        Some(replaying),
+        on_token,
+    )
+}
+
+/// A [`Replay`] being drawn from.
+struct Replaying<'a> {
+    replay: &'a Replay,
+    rng: StdRng,
+    vocab: u32,
+}
+
+impl Replaying<'_> {
+    /// The draft for generated token `at`: the plain run's with probability
+    /// `acceptance`, else another id (any other, uniformly).
+    fn propose(&mut self, at: usize) -> u32 {
+        let right = self.replay.tokens.get(at).copied();
+        match right {
+            Some(t) if self.rng.random::<f64>() < self.replay.acceptance => t,
+            Some(t) => (t + self.rng.random_range(1..self.vocab.max(2))) % self.vocab,
+            None => self.rng.random_range(0..self.vocab),
+        }
+    }
+}
+
+/// [`generate_with`], with the drafts `replay` proposes when given.
+#[allow(clippy::too_many_arguments)]
+fn run_generation<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut SequenceState<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
     mut stops: PrefillStops<'_, impl FnMut(&SequenceState<B>) -> Result<()>>,
+    mut replay: Option<Replaying<'_>>,
     mut on_token: impl FnMut(&Sampled) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let mut sampler = Sampler::new(options.sampling.clone())?;
@@ -182,9 +295,8 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
         )));
     }
     let room = crate::context::room(state.tokens.len() + prompt.len(), model.context())?;
-    // Drafts are verified against greedy picks of unmasked logits, one token at a time.
+    // Drafts are verified against unmasked distributions, without log-probabilities.
     let drafting = options.draft_tokens > 0
-        && options.sampling.temperature == 0.0
         && options.constraint.is_none()
         && options.logprobs.is_none()
         && model.drafts();
@@ -323,11 +435,33 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
                 mask = next_mask?;
                 continue;
             }
-            let drafts = model.draft(backend, state, next, k, crate::sampling::argmax)?;
+            // The head's distributions, with the history a draw at each draft's position
+            // sees (the penalty's), for speculative sampling.
+            let mut history = state.tokens.clone();
+            history.push(next);
+            let mut q = Vec::with_capacity(k);
+            let drafting_start = Instant::now();
+            let mut drafts = model.draft(backend, state, next, k, |logits| {
+                let probs = sampler.probabilities(logits, &history)?;
+                let draft = sampler.draw_from(&probs);
+                history.push(draft);
+                q.push(probs);
+                Ok(draft)
+            })?;
+            if let Some(replay) = &mut replay {
+                for (j, (draft, q)) in drafts.iter_mut().zip(&mut q).enumerate() {
+                    *draft = replay.propose(out.len() + j);
+                    q.fill(0.0);
+                    q[*draft as usize] = 1.0;
+                }
+            }
+            let verify_start = Instant::now();
+            stats.draft_seconds += (verify_start - drafting_start).as_secs_f64();
             let point = state.rewind_point(backend)?;
             let base = state.tokens.len();
             let run: Vec<u32> = [next].into_iter().chain(drafts.iter().copied()).collect();
             let rows = model.forward(backend, state, &run, experts, Logits::All)?;
+            stats.verify_seconds += verify_start.elapsed().as_secs_f64();
             let vocab = rows.len() / run.len();
             stats.drafted += k;
             stats.verify_passes += 1;
@@ -337,12 +471,13 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
             let mut stop = None;
             for (j, &draft) in drafts.iter().enumerate() {
                 let row = &rows[j * vocab..(j + 1) * vocab];
-                let t = sampler.sample(row, &state.tokens[..base + j + 1])?;
-                if t != draft {
+                let p = sampler.probabilities(row, &state.tokens[..base + j + 1])?;
+                if let Some(t) = sampler.speculate(&p, &q[j], draft) {
                     carried = Some(t);
                     fed = j + 1;
                     break;
                 }
+                let t = draft;
                 stats.accepted += 1;
                 if options.eos_ids.contains(&t) {
                     stop = Some("eos");
@@ -366,8 +501,10 @@ pub fn generate_with<B: Backend, E: ExpertSource>(
             if fed == run.len() {
                 logits = rows[k * vocab..].to_vec();
             } else {
+                let again = Instant::now();
                 state.rewind(backend, &point);
                 model.forward(backend, state, &run[..fed], experts, Logits::Last)?;
+                stats.rewind_seconds += again.elapsed().as_secs_f64();
             }
             if let Some(reason) = stop {
                 stats.finish_reason = reason.into();

@@ -184,14 +184,7 @@ impl Sampler {
         history: &[u32],
         allowed: Option<&SimpleVob>,
     ) -> Result<u32> {
-        let (mut logits, bad) = finite(logits);
-        if bad > 0 {
-            self.ignored.logits += bad as u64;
-            self.ignored.steps += 1;
-        }
-        if bad == logits.len() {
-            return Err(Error::NoFiniteLogits { vocab: bad });
-        }
+        let mut logits = self.finite_counted(logits)?;
         if let Some(allowed) = allowed {
             let masked = logits.to_mut();
             let mut left = 0usize;
@@ -209,26 +202,97 @@ impl Sampler {
         Ok(self.draw(&logits, history))
     }
 
+    /// The distribution [`Sampler::sample`] draws from given `logits` (`[vocab]`) and the
+    /// tokens so far, `[vocab]` probabilities summing to 1: after the penalty, the filters
+    /// and the temperature; greedy (temperature 0) puts all the mass on its pick.
+    /// Non-finite logits are left out and counted as [`Sampler::sample`] does. Errors:
+    /// [`Error::NoFiniteLogits`] when no logit is finite.
+    pub fn probabilities(&mut self, logits: &[f32], history: &[u32]) -> Result<Vec<f32>> {
+        let logits = self.finite_counted(logits)?;
+        if self.options.temperature == 0.0 {
+            let mut probs = vec![0.0; logits.len()];
+            probs[greedy(&self.penalized(&logits, history)) as usize] = 1.0;
+            return Ok(probs);
+        }
+        Ok(self.tempered(&logits, history))
+    }
+
+    /// A token drawn from `probs` (`[vocab]`, summing to 1: [`Sampler::probabilities`]),
+    /// with this sampler's random stream.
+    pub fn draw_from(&mut self, probs: &[f32]) -> u32 {
+        self.pick(probs, 1.0)
+    }
+
+    /// Speculative sampling's verdict on `draft`, a token drawn from `q` (the drafter's
+    /// distribution), given `p` (the model's at the same position; both `[vocab]`, from
+    /// [`Sampler::probabilities`] so that the same transforms apply): the draft is kept
+    /// with probability `min(1, p(draft) / q(draft))` (`None`), else a token is drawn
+    /// from `normalize(max(0, p - q))` (`Some`). Whatever `q` is, the token that comes
+    /// out (the draft when kept) is distributed as `p` (Leviathan et al. 2023, "Fast
+    /// Inference from Transformers via Speculative Decoding", appendix A.1; Chen et al.
+    /// 2023). Greedy's one-hot distributions make this keep exactly the drafts equal to
+    /// `p`'s pick and give that pick otherwise, with no randomness.
+    pub fn speculate(&mut self, p: &[f32], q: &[f32], draft: u32) -> Option<u32> {
+        let at = |d: &[f32]| d.get(draft as usize).copied().unwrap_or(0.0) as f64;
+        // u < p/q, written without dividing so that q(draft) = 0 cannot make a NaN.
+        if self.rng.random::<f64>() * at(q) < at(p) {
+            return None;
+        }
+        let residual: Vec<f32> = p.iter().zip(q).map(|(a, b)| (a - b).max(0.0)).collect();
+        let total: f64 = residual.iter().map(|&r| r as f64).sum();
+        // p = q up to rounding leaves no residual mass (and rejects only by rounding):
+        // p itself is then the residual's limit.
+        Some(match total > 0.0 {
+            true => self.pick(&residual, total),
+            false => self.pick(p, 1.0),
+        })
+    }
+
+    /// `logits` with the non-finite ones set to -inf, counted for [`Sampler::non_finite`].
+    /// Errors: [`Error::NoFiniteLogits`] when none is finite.
+    fn finite_counted<'l>(&mut self, logits: &'l [f32]) -> Result<Cow<'l, [f32]>> {
+        let (logits, bad) = finite(logits);
+        if bad > 0 {
+            self.ignored.logits += bad as u64;
+            self.ignored.steps += 1;
+        }
+        if bad == logits.len() {
+            return Err(Error::NoFiniteLogits { vocab: bad });
+        }
+        Ok(logits)
+    }
+
     /// [`Sampler::sample`] on logits that are finite or -inf.
     fn draw(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         if self.options.temperature == 0.0 {
             return greedy(&self.penalized(logits, history));
         }
+        let probs = self.tempered(logits, history);
+        self.pick(&probs, 1.0)
+    }
+
+    /// The probabilities of a draw at a temperature above 0, from logits that are finite
+    /// or -inf.
+    fn tempered(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
         let logprobs = self.logprobs(logits, history);
         let t = self.options.temperature;
         // Shift by the maximum before dividing, so a tiny temperature sends the others to
         // -inf instead of overflowing the largest to +inf (which would make NaNs).
         let top = logprobs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let probs = softmax(&logprobs.iter().map(|l| (l - top) / t).collect::<Vec<_>>());
-        let mut u: f64 = self.rng.random::<f64>();
-        for (i, &p) in probs.iter().enumerate() {
-            u -= p as f64;
+        softmax(&logprobs.iter().map(|l| (l - top) / t).collect::<Vec<_>>())
+    }
+
+    /// A token drawn from `weights` (`[vocab]`, non-negative, summing to `total`).
+    fn pick(&mut self, weights: &[f32], total: f64) -> u32 {
+        let mut u: f64 = self.rng.random::<f64>() * total;
+        for (i, &w) in weights.iter().enumerate() {
+            u -= w as f64;
             if u < 0.0 {
                 return i as u32;
             }
         }
         // Rounding left a sliver of mass: the last token that can be drawn.
-        probs.iter().rposition(|&p| p > 0.0).unwrap_or(0) as u32
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
     }
 
     /// The logits after the repetition penalty over the last `repetition_context` tokens

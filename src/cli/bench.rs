@@ -39,6 +39,15 @@ pub struct BenchArgs {
     /// last N tokens replaced (a shared prefix), with the tokens each runs.
     #[arg(long, value_name = "N")]
     reuse_tail: Option<usize>,
+    /// Replay drafter rows (a benchmark of the drafting mechanism, not a user feature):
+    /// for each acceptance p, comma-separated, a row drafting with the checkpoint's MTP
+    /// head whose drafts are replaced by the plain row's tokens with probability p (a wrong
+    /// token otherwise), between two plain rows. Needs a head (`synth --mtp-head`).
+    #[arg(long, value_delimiter = ',', value_name = "P")]
+    replay: Vec<f64>,
+    /// Drafts per step of the replay rows, comma-separated (1 to 4).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    draft_tokens: Vec<usize>,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -65,6 +74,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         source: args.io.source(),
         seed: args.seed,
         reuse_tail: args.reuse_tail,
+        replay: args.replay.clone(),
+        draft_tokens: args.draft_tokens.clone(),
     };
     if args.prompt_len == 0 {
         bail!("--prompt-len must be at least 1");
@@ -74,7 +85,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             .with_context(|| format!("--plot {}", path.display()))?;
     }
     let runtime = tokio::runtime::Runtime::new().context("starting the I/O runtime")?;
-    let steps = (options.budgets.len() * options.lookahead.len()) as u64 + 2;
+    let drafted = 2 * options.replay.len() * options.draft_tokens.len();
+    let steps = (options.budgets.len() * options.lookahead.len() * (1 + drafted)) as u64 + 2;
     let bar = indicatif::ProgressBar::new(steps).with_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("template"),
     );

@@ -253,8 +253,9 @@ pub struct StreamArgs {
 /// Speculative decoding with the checkpoint's MTP draft head.
 #[derive(Args, Clone, Debug, Default)]
 pub struct DraftArgs {
-    /// Draft tokens with the MTP head and verify them in one pass (greedy sampling):
-    /// `auto` when the checkpoint has a head and every expert is resident, `on`, `off`.
+    /// Draft tokens with the MTP head and verify them in one pass (speculative sampling;
+    /// greedy output unchanged): `auto` when the checkpoint has a head and every expert is
+    /// resident, `on`, `off`.
     #[arg(long, value_enum, default_value = "auto")]
     pub mtp: MtpFlag,
     /// The MTP head's weights in a safetensors file of their own (the reference system's

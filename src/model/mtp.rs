@@ -231,36 +231,41 @@ impl<B: Backend> Model<B> {
     /// each picked by `pick` from the head's logits (`[vocab]`): the head's catch-up
     /// ([`Model::mtp_catch_up`]) gives the first, each further draft runs the head on the
     /// previous draft and the head's own output. The head's cache keeps only the
-    /// sequence's positions afterwards. Errors: as [`Model::mtp_catch_up`].
+    /// sequence's positions afterwards. Errors: as [`Model::mtp_catch_up`], and `pick`'s.
     pub fn draft(
         &self,
         backend: &B,
         state: &mut SequenceState<B>,
         next: u32,
         k: usize,
-        mut pick: impl FnMut(&[f32]) -> u32,
+        mut pick: impl FnMut(&[f32]) -> Result<u32>,
     ) -> Result<Vec<u32>> {
         let mut drafts = Vec::with_capacity(k);
         if k == 0 {
             return Ok(drafts);
         }
         let (logits, mut y) = self.mtp_catch_up(backend, state, next, Logits::Last)?;
-        drafts.push(pick(&logits));
+        drafts.push(pick(&logits)?);
         let (head, mtp) = self.drafting(&mut state.mtp)?;
         let done = mtp.done;
         let rows = backend.shape(&y).0;
         if rows > 1 {
             y = backend.rows(&y, rows - 1, 1);
         }
-        while drafts.len() < k {
+        // The drafts' rows leave the head's cache however the loop ends.
+        let mut made = Ok(());
+        while drafts.len() < k && made.is_ok() {
             let prev = *drafts.last().expect("one draft made");
-            let (logits, out) =
-                head.forward(self, backend, &mut mtp.kv, &[prev], &y, Some(Logits::Last))?;
-            drafts.push(pick(&logits));
-            y = out;
+            made = head
+                .forward(self, backend, &mut mtp.kv, &[prev], &y, Some(Logits::Last))
+                .and_then(|(logits, out)| {
+                    drafts.push(pick(&logits)?);
+                    y = out;
+                    Ok(())
+                });
         }
         backend.kv_truncate(&mut mtp.kv, done);
-        Ok(drafts)
+        made.map(|()| drafts)
     }
 
     /// The head and the head state of a drafting `state`.

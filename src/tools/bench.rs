@@ -30,7 +30,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{slot_stride, Checkpoint, ExpertIndex, ALIGN};
 use crate::error::{Error, Result};
 use crate::experts::{open_source, PoolSize, SourceOptions};
-use crate::generate::{generate, GenerateOptions};
+use crate::generate::{generate, generate_replayed, GenerateOptions, Replay, Sampled};
 use crate::io::AlignedBuf;
 use crate::model::{Logits, Model};
 use crate::ngram::{self, NgramCounts};
@@ -105,6 +105,12 @@ pub struct BenchOptions {
     /// Also time prompt reuse, with this many tokens at the end of the prompt replaced
     /// for the shared-prefix prompt ([`ReuseRow`]).
     pub reuse_tail: Option<usize>,
+    /// Replay acceptances ([`Replay`]): for each, and each of `draft_tokens`, a drafted row
+    /// after the plain one, the drafts replaying the plain row's tokens, then a plain row
+    /// again. Needs the checkpoint's MTP head (`synth --mtp-head`), which runs for its cost.
+    pub replay: Vec<f64>,
+    /// Drafts per step of the replay rows (1 to 4).
+    pub draft_tokens: Vec<usize>,
 }
 
 /// Time to the first token of a prompt (from the request to its first sampled id,
@@ -214,8 +220,27 @@ pub struct BenchRow {
     pub limit_tps: Option<f64>,
     /// The n-gram table's row lookups and reads while decoding (models with a PLE layer).
     pub ngram: Option<NgramCounts>,
-    /// Prompt reuse, when asked for.
+    /// Prompt reuse, when asked for (the first plain row of a budget).
     pub reuse: Option<ReuseRow>,
+    /// Drafts per decode step (0: plain decoding).
+    pub draft_tokens: usize,
+    /// The replay's acceptance ([`Replay`]) of a drafted row.
+    pub replay_acceptance: Option<f64>,
+    /// Drafts made, drafts accepted, verify passes (the whole decode).
+    pub drafted: usize,
+    pub accepted: usize,
+    pub verify_passes: usize,
+    /// Milliseconds per generated token over the whole decode (warm-up included).
+    pub step_ms: f64,
+    /// A drafted row's milliseconds per verify pass in the MTP head making the drafts, in
+    /// the verify pass (the rewind point's copy included), and in rewinds and reruns
+    /// after rejections, over the whole decode (warm-up included).
+    pub draft_ms: Option<f64>,
+    pub verify_ms: Option<f64>,
+    pub rewind_ms: Option<f64>,
+    /// A drafted row's decode tok/s over the mean of the plain rows just before and after
+    /// it (same budget and lookahead).
+    pub speedup: Option<f64>,
 }
 
 /// The whole run: what was measured against, and the rows.
@@ -262,7 +287,28 @@ pub fn run<B: Backend>(
             options.tokens, options.warmup
         )));
     }
-    let model = Model::load(ckpt, backend)?;
+    let mut model = Model::load(ckpt, backend)?;
+    if !options.replay.is_empty() {
+        if !Model::<B>::has_mtp(ckpt) {
+            return Err(Error::InvalidInput(format!(
+                "--replay drafts with the checkpoint's MTP head, and {} has none \
+                 (write one with `slotstream synth --mtp-head`)",
+                ckpt.dir.display()
+            )));
+        }
+        if let Some(bad) = options.replay.iter().find(|p| !(0.0..=1.0).contains(*p)) {
+            return Err(Error::InvalidInput(format!(
+                "--replay {bad}: an acceptance is in [0, 1]"
+            )));
+        }
+        if let Some(bad) = options.draft_tokens.iter().find(|k| !(1..=4).contains(*k)) {
+            return Err(Error::InvalidInput(format!(
+                "--draft-tokens {bad}: from 1 to 4 drafts per step"
+            )));
+        }
+        model.load_mtp(ckpt, backend)?;
+    }
+    let model = model;
     let index = Arc::new(model.experts.clone());
     let cfg = &ckpt.config;
     let records = index.records();
@@ -318,161 +364,221 @@ pub fn run<B: Backend>(
     let mut rows = Vec::new();
     for budget in budgets {
         for &lookahead in &options.lookahead {
-            progress(&format!(
-                "budget {budget}, lookahead {}",
-                if lookahead { "on" } else { "off" }
-            ));
-            tracing::info!(%budget, lookahead, "bench row");
-            let mut source = options.source.clone();
-            source.lookahead = lookahead;
-            source.pool = Some(pool_size(budget, &index));
-            reset_peak_rss();
-            let opened = open_source(
-                backend,
-                ckpt,
-                index.clone(),
-                &source,
-                runtime.handle().clone(),
-            )
-            .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
-            let pool = opened
-                .pool
-                .clone()
-                .ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
-            if raw.is_none() {
-                progress("measuring raw direct reads");
-                raw = Some(raw_bandwidth(
+            // One row: plain decoding, or drafts from a replay (`draft`: the replay and
+            // drafts per step); its generated ids come with it.
+            let mut measure = |draft: Option<(&Replay, usize)>,
+                               with_reuse: bool|
+             -> Result<(BenchRow, Vec<u32>)> {
+                let drafts = match draft {
+                    Some((replay, k)) => format!(", {k} drafts replayed at {}", replay.acceptance),
+                    None => String::new(),
+                };
+                progress(&format!(
+                    "budget {budget}, lookahead {}{drafts}",
+                    if lookahead { "on" } else { "off" }
+                ));
+                tracing::info!(%budget, lookahead, drafts, "bench row");
+                let mut source = options.source.clone();
+                source.lookahead = lookahead;
+                source.pool = Some(pool_size(budget, &index));
+                reset_peak_rss();
+                let opened = open_source(
+                    backend,
                     ckpt,
-                    &index,
-                    pool.packed(),
-                    options.source.queue_depth,
-                    options.seed,
-                )?);
-            }
-            let raw_bps = raw.as_ref().map_or(0.0, |r| r.0);
-            let mut preload_seconds = 0.0;
-            if pool.slots() >= records {
-                let start = Instant::now();
-                for &layer in &index.moe_layers {
-                    let all: Vec<u32> = (0..index.num_experts as u32).collect();
-                    drop(opened.experts.fetch(layer, &all)?);
-                    // Where the backend computes from a copy (a GPU's device arenas), make
-                    // it now rather than on the records' first use while decoding.
-                    if let Some(held) = opened.experts.resident_layer(layer) {
-                        backend.prepare_records(&held.records())?;
-                    }
+                    index.clone(),
+                    &source,
+                    runtime.handle().clone(),
+                )
+                .map_err(|e| Error::InvalidInput(format!("budget {budget}: {e}")))?;
+                let pool = opened
+                    .pool
+                    .clone()
+                    .ok_or_else(|| Error::Pool("bench needs a pool".into()))?;
+                if raw.is_none() {
+                    progress("measuring raw direct reads");
+                    raw = Some(raw_bandwidth(
+                        ckpt,
+                        &index,
+                        pool.packed(),
+                        options.source.queue_depth,
+                        options.seed,
+                    )?);
                 }
-                preload_seconds = start.elapsed().as_secs_f64();
-            }
-            if preload_seconds > 0.0 {
-                tracing::info!(seconds = preload_seconds, "every record loaded");
-                // One untimed pass over the prompt first, as llama-bench warms up, so the
-                // timed prefill leaves out kernel compilation and first allocations. Only
-                // with every record resident: it would change a streaming row's pool.
-                let mut warm = model.new_state(backend);
-                model.forward(backend, &mut warm, &prompt, &opened.experts, Logits::Last)?;
-            }
-            pool.reset_stats();
-            for table in &tables {
-                table.clear_cache()?;
-            }
-            let generate_options = GenerateOptions {
-                max_tokens: options.tokens,
-                sampling: Default::default(),
-                eos_ids: Vec::new(),
-                cancel: None,
-                prefilled: None,
-                draft_tokens: 0,
-                logprobs: None,
-                constraint: None,
-            };
-            let mut state = model.new_state(backend);
-            let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;
-            let mut count = 0;
-            let (_, stats) = generate(
-                &model,
-                backend,
-                &opened.experts,
-                &mut state,
-                &prompt,
-                &generate_options,
-                |_| {
+                let raw_bps = raw.as_ref().map_or(0.0, |r| r.0);
+                let mut preload_seconds = 0.0;
+                if pool.slots() >= records {
+                    let start = Instant::now();
+                    for &layer in &index.moe_layers {
+                        let all: Vec<u32> = (0..index.num_experts as u32).collect();
+                        drop(opened.experts.fetch(layer, &all)?);
+                        // Where the backend computes from a copy (a GPU's device arenas), make
+                        // it now rather than on the records' first use while decoding.
+                        if let Some(held) = opened.experts.resident_layer(layer) {
+                            backend.prepare_records(&held.records())?;
+                        }
+                    }
+                    preload_seconds = start.elapsed().as_secs_f64();
+                }
+                if preload_seconds > 0.0 {
+                    tracing::info!(seconds = preload_seconds, "every record loaded");
+                    // One untimed pass over the prompt first, as llama-bench warms up, so the
+                    // timed prefill leaves out kernel compilation and first allocations. Only
+                    // with every record resident: it would change a streaming row's pool.
+                    let mut warm = model.new_state(backend);
+                    model.forward(backend, &mut warm, &prompt, &opened.experts, Logits::Last)?;
+                }
+                pool.reset_stats();
+                for table in &tables {
+                    table.clear_cache()?;
+                }
+                let generate_options = GenerateOptions {
+                    max_tokens: options.tokens,
+                    sampling: Default::default(),
+                    eos_ids: Vec::new(),
+                    cancel: None,
+                    prefilled: None,
+                    draft_tokens: draft.map_or(0, |(_, k)| k),
+                    logprobs: None,
+                    constraint: None,
+                };
+                let mut state = model.new_state(backend);
+                let mut at_warmup: Option<(Instant, PoolStats, Option<NgramCounts>)> = None;
+                let mut count = 0;
+                let on_token = |_: &Sampled| {
                     count += 1;
                     // The first token comes from prefill; decode steps follow it.
                     if count == options.warmup + 1 {
                         at_warmup = Some((Instant::now(), pool.stats(), ngram::total(&tables)));
                     }
                     Ok(true)
-                },
-            )?;
-            let end = (Instant::now(), pool.stats(), ngram::total(&tables));
-            let (t0, s0, n0) = at_warmup
-                .ok_or_else(|| Error::InvalidInput("generation ended before the warm-up".into()))?;
-            let seconds = end.0.duration_since(t0).as_secs_f64();
-            let s1 = end.1;
-            let decode_tokens = stats.generated_tokens - options.warmup - 1;
-            let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
-            let speculative_bytes = s1.speculative_bytes - s0.speculative_bytes;
-            let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
-            let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
-            let all = pool.slots() >= records;
-            let reuse = match options.reuse_tail {
-                Some(tail) => {
-                    progress("timing prompt reuse");
-                    Some(reuse_row(
-                        ckpt,
+                };
+                let (ids, stats) = match draft {
+                    Some((replay, _)) => generate_replayed(
                         &model,
                         backend,
                         &opened.experts,
+                        &mut state,
                         &prompt,
-                        tail,
-                        &mut rng,
-                    )?)
-                }
-                None => None,
+                        &generate_options,
+                        replay,
+                        on_token,
+                    )?,
+                    None => generate(
+                        &model,
+                        backend,
+                        &opened.experts,
+                        &mut state,
+                        &prompt,
+                        &generate_options,
+                        on_token,
+                    )?,
+                };
+                let end = (Instant::now(), pool.stats(), ngram::total(&tables));
+                let (t0, s0, n0) = at_warmup.ok_or_else(|| {
+                    Error::InvalidInput("generation ended before the warm-up".into())
+                })?;
+                let seconds = end.0.duration_since(t0).as_secs_f64();
+                let s1 = end.1;
+                let decode_tokens = stats.generated_tokens - options.warmup - 1;
+                let (hits, misses) = (s1.hits - s0.hits, s1.misses - s0.misses);
+                let speculative_bytes = s1.speculative_bytes - s0.speculative_bytes;
+                let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
+                let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
+                let all = pool.slots() >= records;
+                let reuse = match options.reuse_tail.filter(|_| with_reuse) {
+                    Some(tail) => {
+                        progress("timing prompt reuse");
+                        Some(reuse_row(
+                            ckpt,
+                            &model,
+                            backend,
+                            &opened.experts,
+                            &prompt,
+                            tail,
+                            &mut rng,
+                        )?)
+                    }
+                    None => None,
+                };
+                tracing::info!(
+                    prefill_tps = stats.prefill_tps,
+                    decode_tps = decode_tokens as f64 / seconds,
+                    hit_rate = hits as f64 / (hits + misses).max(1) as f64,
+                    "bench row done"
+                );
+                // Whole-decode means (warm-up included) of the drafted steps' parts.
+                let passes = stats.verify_passes.max(1) as f64;
+                let per_pass = |seconds: f64| draft.map(|_| 1e3 * seconds / passes);
+                let row = BenchRow {
+                    budget: budget.to_string(),
+                    slots: pool.slots(),
+                    pool_bytes: (pool.slots() * pool.stride()) as u64,
+                    lookahead,
+                    prefill_tokens: stats.prompt_tokens,
+                    prefill_tps: stats.prefill_tps,
+                    decode_tokens,
+                    decode_tps: decode_tokens as f64 / seconds,
+                    lookups: hits + misses,
+                    hits,
+                    misses,
+                    hit_rate: if hits + misses == 0 {
+                        1.0
+                    } else {
+                        hits as f64 / (hits + misses) as f64
+                    },
+                    bytes_read,
+                    speculative_bytes,
+                    mb_read_per_token: per_token / 1e6,
+                    wait_share: (s1.decode_wait_seconds - s0.decode_wait_seconds) / seconds,
+                    prefetches_used: s1.prefetches_used - s0.prefetches_used,
+                    prefetches_wasted: s1.prefetches_wasted - s0.prefetches_wasted,
+                    preload_seconds,
+                    peak_rss: peak_rss(),
+                    limit_kind: if all { "memory" } else { "read" },
+                    limit_tps: if all {
+                        Some(memory / active as f64)
+                    } else if per_token > 0.0 {
+                        Some(raw_bps / per_token)
+                    } else {
+                        None
+                    },
+                    ngram: end.2.zip(n0).map(|(n1, n0)| n1 - n0),
+                    reuse,
+                    draft_tokens: draft.map_or(0, |(_, k)| k),
+                    replay_acceptance: draft.map(|(r, _)| r.acceptance),
+                    drafted: stats.drafted,
+                    accepted: stats.accepted,
+                    verify_passes: stats.verify_passes,
+                    step_ms: 1e3 * stats.decode_seconds
+                        / stats.generated_tokens.saturating_sub(1).max(1) as f64,
+                    draft_ms: per_pass(stats.draft_seconds),
+                    verify_ms: per_pass(stats.verify_seconds),
+                    rewind_ms: per_pass(stats.rewind_seconds),
+                    speedup: None,
+                };
+                Ok((row, ids))
             };
-            tracing::info!(
-                prefill_tps = stats.prefill_tps,
-                decode_tps = decode_tokens as f64 / seconds,
-                hit_rate = hits as f64 / (hits + misses).max(1) as f64,
-                "bench row done"
-            );
-            rows.push(BenchRow {
-                budget: budget.to_string(),
-                slots: pool.slots(),
-                pool_bytes: (pool.slots() * pool.stride()) as u64,
-                lookahead,
-                prefill_tokens: stats.prompt_tokens,
-                prefill_tps: stats.prefill_tps,
-                decode_tokens,
-                decode_tps: decode_tokens as f64 / seconds,
-                lookups: hits + misses,
-                hits,
-                misses,
-                hit_rate: if hits + misses == 0 {
-                    1.0
-                } else {
-                    hits as f64 / (hits + misses) as f64
-                },
-                bytes_read,
-                speculative_bytes,
-                mb_read_per_token: per_token / 1e6,
-                wait_share: (s1.decode_wait_seconds - s0.decode_wait_seconds) / seconds,
-                prefetches_used: s1.prefetches_used - s0.prefetches_used,
-                prefetches_wasted: s1.prefetches_wasted - s0.prefetches_wasted,
-                preload_seconds,
-                peak_rss: peak_rss(),
-                limit_kind: if all { "memory" } else { "read" },
-                limit_tps: if all {
-                    Some(memory / active as f64)
-                } else if per_token > 0.0 {
-                    Some(raw_bps / per_token)
-                } else {
-                    None
-                },
-                ngram: end.2.zip(n0).map(|(n1, n0)| n1 - n0),
-                reuse,
-            });
+            let (plain, tokens) = measure(None, true)?;
+            rows.push(plain);
+            // Each drafted row between two plain ones, against their mean: the machine's
+            // load drifts.
+            for &acceptance in &options.replay {
+                for &k in &options.draft_tokens {
+                    let replay = Replay {
+                        tokens: tokens.clone(),
+                        acceptance,
+                        seed: options.seed,
+                    };
+                    let (mut drafted, _) = measure(Some((&replay, k)), false)?;
+                    let (plain, _) = measure(None, false)?;
+                    let before = rows
+                        .last()
+                        .map_or(plain.decode_tps, |r: &BenchRow| r.decode_tps);
+                    drafted.speedup = Some(2.0 * drafted.decode_tps / (before + plain.decode_tps));
+                    rows.push(drafted);
+                    rows.push(plain);
+                }
+            }
         }
     }
     let (raw_read_bytes_per_second, raw_read_source) = raw.unwrap_or_default();
@@ -541,9 +647,13 @@ impl BenchReport {
                 ),
                 None => (format!("- ({})", r.limit_kind), "-".into()),
             };
+            let budget = match r.replay_acceptance {
+                Some(p) => format!("{} ({} drafts, replay {p})", r.budget, r.draft_tokens),
+                None => r.budget.clone(),
+            };
             s += &format!(
                 "| {} | {} | {} | {:.1} | {:.2} | {} | {} | {:.3} | {:.2} | {:.1}% | {}/{} | {} |\n",
-                r.budget,
+                budget,
                 r.slots,
                 if r.lookahead { "on" } else { "off" },
                 r.prefill_tps,
@@ -558,6 +668,7 @@ impl BenchReport {
                 r.peak_rss.map_or("-".into(), human)
             );
         }
+        s += &self.drafted_table();
         if self.rows.iter().any(|r| r.ngram.is_some()) || !self.skipped.is_empty() {
             s += "\n";
         }
@@ -604,6 +715,50 @@ impl BenchReport {
                 u.shared_cold_seconds,
                 u.shared_seconds,
                 u.shared_run
+            );
+        }
+        s
+    }
+}
+
+impl BenchReport {
+    /// The drafted rows ([`BenchOptions::replay`]) beside the plain rows around them, as
+    /// a Markdown table (empty without drafted rows).
+    fn drafted_table(&self) -> String {
+        let mut s = String::new();
+        for (i, r) in self.rows.iter().enumerate() {
+            let (Some(p), Some(speedup)) = (r.replay_acceptance, r.speedup) else {
+                continue;
+            };
+            if s.is_empty() {
+                s += "\nDrafted rows (replay drafter), each against the mean of the plain rows before and after it; \
+                      ms per verify pass, per pass of the MTP head and per rewind, beside ms per plain step, over the whole decode:\n\n";
+                s += "| budget | lookahead | drafts | replay p | accepted | decode tok/s | plain tok/s | speedup | verify ms | head ms | rewind ms | plain step ms |\n";
+                s += "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+            }
+            let plain: Vec<&BenchRow> = [i.checked_sub(1), Some(i + 1)]
+                .into_iter()
+                .flatten()
+                .filter_map(|j| self.rows.get(j))
+                .filter(|p| p.replay_acceptance.is_none())
+                .collect();
+            let n = plain.len().max(1) as f64;
+            let plain_tps = plain.iter().map(|p| p.decode_tps).sum::<f64>() / n;
+            let plain_ms = plain.iter().map(|p| p.step_ms).sum::<f64>() / n;
+            let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+            s += &format!(
+                "| {} | {} | {} | {p} | {:.3} | {:.2} | {:.2} | {:.2}x | {} | {} | {} | {:.1} |\n",
+                r.budget,
+                if r.lookahead { "on" } else { "off" },
+                r.draft_tokens,
+                r.accepted as f64 / r.drafted.max(1) as f64,
+                r.decode_tps,
+                plain_tps,
+                speedup,
+                ms(r.verify_ms),
+                ms(r.draft_ms),
+                ms(r.rewind_ms),
+                plain_ms
             );
         }
         s

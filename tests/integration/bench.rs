@@ -310,6 +310,8 @@ fn bench_report_has_every_field_and_consistent_counts() {
         source: SourceOptions::default(),
         seed: rand::random(),
         reuse_tail: Some(10),
+        replay: vec![],
+        draft_tokens: vec![1],
     };
     let report = run(&backend, &ckpt, &options, &runtime, |_| {}).unwrap();
     let index = ExpertIndex::build(&ckpt).unwrap();
@@ -464,6 +466,8 @@ fn a_budget_below_the_floor_is_skipped_and_all_always_runs() {
         source: SourceOptions::default(),
         seed: rand::random(),
         reuse_tail: None,
+        replay: vec![],
+        draft_tokens: vec![1],
     };
     let mut steps = Vec::new();
     let err = run(
@@ -500,4 +504,62 @@ fn synth_again_removes_an_interrupted_runs_temporary_file() {
     write_checkpoint(dir.path(), &DEMO, 2, false).unwrap();
     assert!(!stale.exists(), "the stale temporary file is still there");
     Checkpoint::open(dir.path()).unwrap();
+}
+
+/// `bench --replay` on a synthetic checkpoint with an MTP head: each drafted row sits
+/// between two plain rows and is compared with their mean; a replay that is always right
+/// (p = 1) has every draft accepted, one that is never right (p = 0) none, and the
+/// drafted rows count their verify passes and time their parts. Without a head, --replay
+/// is an error that says how to get one.
+#[test]
+fn bench_replays_drafts_between_plain_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let preset = Preset { mtp: true, ..DEMO };
+    slotstream::tools::synth::write_checkpoint_with(dir.path(), &preset, 2, false, None).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(dir.path()).unwrap());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut options = BenchOptions {
+        budgets: vec![Budget::All],
+        lookahead: vec![true],
+        prompt_len: 8,
+        tokens: 12,
+        warmup: 2,
+        source: SourceOptions::default(),
+        seed: rand::random(),
+        reuse_tail: None,
+        replay: vec![0.0, 1.0],
+        draft_tokens: vec![2],
+    };
+    let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();
+    let drafts: Vec<Option<f64>> = report.rows.iter().map(|r| r.replay_acceptance).collect();
+    assert_eq!(drafts, [None, Some(0.0), None, Some(1.0), None]);
+    for r in &report.rows {
+        let what = format!("seed {}: {r:?}", options.seed);
+        if r.replay_acceptance.is_none() {
+            assert!(r.drafted == 0 && r.speedup.is_none(), "{what}");
+            continue;
+        }
+        assert_eq!(r.draft_tokens, 2, "{what}");
+        assert!(
+            r.verify_passes > 0 && r.drafted >= r.verify_passes,
+            "{what}"
+        );
+        let want = if r.replay_acceptance == Some(1.0) {
+            r.drafted
+        } else {
+            0
+        };
+        assert_eq!(r.accepted, want, "{what}");
+        assert!(r.speedup.is_some_and(|s| s > 0.0), "{what}");
+        assert!(r.verify_ms.is_some_and(|v| v > 0.0), "{what}");
+        assert!(r.draft_ms.is_some_and(|v| v > 0.0), "{what}");
+    }
+    assert!(report.table().contains("| speedup |"), "{}", report.table());
+
+    let plain = tempfile::tempdir().unwrap();
+    write_checkpoint(plain.path(), &DEMO, 2, false).unwrap();
+    let ckpt = Arc::new(Checkpoint::open(plain.path()).unwrap());
+    options.replay = vec![0.86];
+    let err = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap_err();
+    assert!(err.to_string().contains("synth --mtp-head"), "{err}");
 }

@@ -334,6 +334,8 @@ fn bench_reports_ngram_rows() {
         source: Default::default(),
         seed: rand::random(),
         reuse_tail: None,
+        replay: vec![],
+        draft_tokens: vec![1],
     };
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();
