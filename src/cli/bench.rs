@@ -48,6 +48,11 @@ pub struct BenchArgs {
     /// Drafts per step of the replay rows, comma-separated (1 to 4).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     draft_tokens: Vec<usize>,
+    /// After each budget's first plain row, time N rounds of a decode step and a verify
+    /// pass of 2 to 5 positions, alternately from the same state (the cost of drafting's
+    /// verify pass in plain steps).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    verify_cost: usize,
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -76,6 +81,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         reuse_tail: args.reuse_tail,
         replay: args.replay.clone(),
         draft_tokens: args.draft_tokens.clone(),
+        verify_cost: args.verify_cost,
     };
     if args.prompt_len == 0 {
         bail!("--prompt-len must be at least 1");

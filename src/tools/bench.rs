@@ -111,6 +111,9 @@ pub struct BenchOptions {
     pub replay: Vec<f64>,
     /// Drafts per step of the replay rows (1 to 4).
     pub draft_tokens: Vec<usize>,
+    /// Repetitions of the verify-pass timing ([`verify_cost`]) after each budget's first
+    /// plain row (0: none).
+    pub verify_cost: usize,
 }
 
 /// Time to the first token of a prompt (from the request to its first sampled id,
@@ -241,6 +244,72 @@ pub struct BenchRow {
     /// A drafted row's decode tok/s over the mean of the plain rows just before and after
     /// it (same budget and lookahead).
     pub speedup: Option<f64>,
+    /// The cost of verify passes of 2 to 5 positions against plain decode steps
+    /// ([`BenchOptions::verify_cost`]; the first plain row of a budget).
+    pub verify_cost: Vec<VerifyCost>,
+}
+
+/// Verify passes of `positions` positions (the rewind point's copy included) against
+/// one-token decode steps, timed alternately from the same state, over the same
+/// repetitions ([`verify_cost`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyCost {
+    pub positions: usize,
+    /// Mean milliseconds per verify pass.
+    pub verify_ms: f64,
+    /// Mean milliseconds per decode step, timed between the verify passes.
+    pub step_ms: f64,
+    /// `verify_ms / step_ms`: plain steps a verify pass costs.
+    pub ratio: f64,
+}
+
+/// Times `reps` rounds, each of a decode step and then a verify pass of 2, 3, 4 and 5
+/// positions (a step's token and 1 to 4 drafts) alternately, from `state` (put back after
+/// each with a rewind), every pass on fresh random ids so that each routes anew. The
+/// verify pass takes its rewind point (a copy of the DeltaNet states) and all its logits,
+/// as [`crate::generate::generate`]'s does. Errors: a forward pass's.
+fn verify_cost<B: Backend, E: ExpertSource>(
+    model: &Model<B>,
+    backend: &B,
+    experts: &E,
+    state: &mut crate::model::SequenceState<B>,
+    reps: usize,
+    rng: &mut impl Rng,
+) -> Result<Vec<VerifyCost>> {
+    let vocab = model.config.vocab_size as u32;
+    let mut seconds = [[0.0f64; 2]; 4];
+    for _ in 0..reps {
+        for (k, cost) in seconds.iter_mut().enumerate() {
+            let point = state.rewind_point(backend)?;
+            let start = Instant::now();
+            model.forward(
+                backend,
+                state,
+                &[rng.random_range(0..vocab)],
+                experts,
+                Logits::Last,
+            )?;
+            cost[0] += start.elapsed().as_secs_f64();
+            state.rewind(backend, &point);
+            let run: Vec<u32> = (0..k + 2).map(|_| rng.random_range(0..vocab)).collect();
+            let start = Instant::now();
+            let point = state.rewind_point(backend)?;
+            model.forward(backend, state, &run, experts, Logits::All)?;
+            cost[1] += start.elapsed().as_secs_f64();
+            state.rewind(backend, &point);
+        }
+    }
+    let n = reps.max(1) as f64;
+    Ok(seconds
+        .iter()
+        .enumerate()
+        .map(|(k, [step, verify])| VerifyCost {
+            positions: k + 2,
+            verify_ms: 1e3 * verify / n,
+            step_ms: 1e3 * step / n,
+            ratio: verify / step.max(f64::MIN_POSITIVE),
+        })
+        .collect())
 }
 
 /// The whole run: what was measured against, and the rows.
@@ -485,6 +554,13 @@ pub fn run<B: Backend>(
                 let bytes_read = s1.demand_bytes - s0.demand_bytes + speculative_bytes;
                 let per_token = bytes_read as f64 / decode_tokens.max(1) as f64;
                 let all = pool.slots() >= records;
+                let verify_cost = match options.verify_cost {
+                    reps if reps > 0 && with_reuse => {
+                        progress("timing verify passes");
+                        verify_cost(&model, backend, &opened.experts, &mut state, reps, &mut rng)?
+                    }
+                    _ => Vec::new(),
+                };
                 let reuse = match options.reuse_tail.filter(|_| with_reuse) {
                     Some(tail) => {
                         progress("timing prompt reuse");
@@ -555,6 +631,7 @@ pub fn run<B: Backend>(
                     verify_ms: per_pass(stats.verify_seconds),
                     rewind_ms: per_pass(stats.rewind_seconds),
                     speedup: None,
+                    verify_cost,
                 };
                 Ok((row, ids))
             };
@@ -669,6 +746,7 @@ impl BenchReport {
             );
         }
         s += &self.drafted_table();
+        s += &self.verify_table();
         if self.rows.iter().any(|r| r.ngram.is_some()) || !self.skipped.is_empty() {
             s += "\n";
         }
@@ -722,6 +800,31 @@ impl BenchReport {
 }
 
 impl BenchReport {
+    /// The verify-pass costs ([`BenchRow::verify_cost`]) as a Markdown table (empty
+    /// without them).
+    fn verify_table(&self) -> String {
+        let mut s = String::new();
+        for r in self.rows.iter().filter(|r| !r.verify_cost.is_empty()) {
+            if s.is_empty() {
+                s += "\nVerify passes against decode steps, timed alternately from the same state:\n\n";
+                s += "| budget | lookahead | positions | verify ms | step ms | steps per pass |\n";
+                s += "|---|---|---:|---:|---:|---:|\n";
+            }
+            for c in &r.verify_cost {
+                s += &format!(
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.2} |\n",
+                    r.budget,
+                    if r.lookahead { "on" } else { "off" },
+                    c.positions,
+                    c.verify_ms,
+                    c.step_ms,
+                    c.ratio
+                );
+            }
+        }
+        s
+    }
+
     /// The drafted rows ([`BenchOptions::replay`]) beside the plain rows around them, as
     /// a Markdown table (empty without drafted rows).
     fn drafted_table(&self) -> String {

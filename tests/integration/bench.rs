@@ -312,6 +312,7 @@ fn bench_report_has_every_field_and_consistent_counts() {
         reuse_tail: Some(10),
         replay: vec![],
         draft_tokens: vec![1],
+        verify_cost: 0,
     };
     let report = run(&backend, &ckpt, &options, &runtime, |_| {}).unwrap();
     let index = ExpertIndex::build(&ckpt).unwrap();
@@ -468,6 +469,7 @@ fn a_budget_below_the_floor_is_skipped_and_all_always_runs() {
         reuse_tail: None,
         replay: vec![],
         draft_tokens: vec![1],
+        verify_cost: 0,
     };
     let mut steps = Vec::new();
     let err = run(
@@ -509,8 +511,9 @@ fn synth_again_removes_an_interrupted_runs_temporary_file() {
 /// `bench --replay` on a synthetic checkpoint with an MTP head: each drafted row sits
 /// between two plain rows and is compared with their mean; a replay that is always right
 /// (p = 1) has every draft accepted, one that is never right (p = 0) none, and the
-/// drafted rows count their verify passes and time their parts. Without a head, --replay
-/// is an error that says how to get one.
+/// drafted rows count their verify passes and time their parts; the verify-pass timing
+/// follows the first plain row. Without a head, --replay is an error that says how to get
+/// one.
 #[test]
 fn bench_replays_drafts_between_plain_rows() {
     let dir = tempfile::tempdir().unwrap();
@@ -529,6 +532,7 @@ fn bench_replays_drafts_between_plain_rows() {
         reuse_tail: None,
         replay: vec![0.0, 1.0],
         draft_tokens: vec![2],
+        verify_cost: 2,
     };
     let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();
     let drafts: Vec<Option<f64>> = report.rows.iter().map(|r| r.replay_acceptance).collect();
@@ -555,6 +559,16 @@ fn bench_replays_drafts_between_plain_rows() {
         assert!(r.draft_ms.is_some_and(|v| v > 0.0), "{what}");
     }
     assert!(report.table().contains("| speedup |"), "{}", report.table());
+    // The verify-pass timing: after the first plain row only, 2 to 5 positions.
+    let costs = &report.rows[0].verify_cost;
+    let positions: Vec<usize> = costs.iter().map(|c| c.positions).collect();
+    assert_eq!(positions, [2, 3, 4, 5]);
+    for c in costs {
+        assert!(c.verify_ms > 0.0 && c.step_ms > 0.0, "{c:?}");
+        assert!((c.ratio - c.verify_ms / c.step_ms).abs() < 1e-9, "{c:?}");
+    }
+    assert!(report.rows[1..].iter().all(|r| r.verify_cost.is_empty()));
+    assert!(report.table().contains("| steps per pass |"));
 
     let plain = tempfile::tempdir().unwrap();
     write_checkpoint(plain.path(), &DEMO, 2, false).unwrap();

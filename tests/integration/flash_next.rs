@@ -336,6 +336,7 @@ fn bench_reports_ngram_rows() {
         reuse_tail: None,
         replay: vec![],
         draft_tokens: vec![1],
+        verify_cost: 0,
     };
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let report = run(&CpuBackend, &ckpt, &options, &runtime, |_| {}).unwrap();
