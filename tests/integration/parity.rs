@@ -275,3 +275,40 @@ fn longer_than_a_chunk<B: TestBackend>(b: &B) -> Result<(), String> {
     );
     Ok(())
 }
+
+/// How far the integer kernel's rounding of the activations (AVX-512 VNNI, three 8-bit
+/// digits each, src/backend/cpu/int8.rs) moves the teacher-forced logits from the f32
+/// kernel's (AVX-512) on every fixture: within 1e-4 norm-wise at each position, a tenth
+/// of the bound to mlx-lm. Prints the largest absolute difference. Runs where the CPU
+/// has AVX-512 VNNI; elsewhere the integer kernel is never picked, and this says so.
+#[test]
+fn integer_activations_move_the_logits_little() {
+    use slotstream::backend::cpu::Isa;
+    if !Isa::Avx512Vnni.is_supported() {
+        eprintln!("no AVX-512 VNNI on this CPU: the integer kernel is not used");
+        return;
+    }
+    let ints = CpuBackend::with_isa(Isa::Avx512Vnni).unwrap();
+    let floats = CpuBackend::with_isa(Isa::Avx512).unwrap();
+    for name in FIXTURES {
+        let r = reference(name);
+        let logits = |b: &CpuBackend| {
+            let (_, model, experts) = load(name, b);
+            slotstream::score::score(&model, b, &experts, &r.scored_ids)
+                .unwrap()
+                .logits
+        };
+        let (got, want) = (logits(&ints), logits(&floats));
+        let (mut worst, mut max_abs, mut max_logit) = (0.0f64, 0.0f32, 0.0f32);
+        for (g, w) in got.chunks_exact(r.vocab).zip(want.chunks_exact(r.vocab)) {
+            worst = worst.max(compare::assert_rel(&format!("{name}: logits"), g, w, 1e-4));
+            for (a, b) in g.iter().zip(w) {
+                max_abs = max_abs.max((a - b).abs());
+                max_logit = max_logit.max(b.abs());
+            }
+        }
+        eprintln!(
+            "{name}: integer against f32 activations: worst relative {worst:.2e}, max abs {max_abs:.2e} (largest logit {max_logit:.2})"
+        );
+    }
+}

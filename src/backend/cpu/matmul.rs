@@ -39,6 +39,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::int8::{self, Digits, DIGITS};
 #[cfg(target_arch = "x86_64")]
 use super::simd::{Avx2, Avx512};
 use super::simd::{Isa, Portable, Simd};
@@ -166,12 +167,14 @@ fn scale_width(q: &QuantView<'_>) -> usize {
 
 /// Activations prepared for one weight's kernel: `t` tokens of `cols` values in its lane
 /// order, and for a quantized weight each token's sums over its quantization groups,
-/// `[t, groups]` (for the `b sum(x)` terms; empty for a dense weight).
+/// `[t, groups]` (for the `b sum(x)` terms; empty for a dense weight); for a weight the
+/// integer kernel takes on `isa` ([`Isa::Avx512Vnni`], int8.rs), also their digits.
 #[derive(Clone, Debug, Default)]
 pub struct Prepared {
     pub x: Vec<f32>,
     pub sums: Vec<f32>,
     pub t: usize,
+    digits: Option<Digits>,
     cols: usize,
     groups: usize,
 }
@@ -190,11 +193,16 @@ impl Prepared {
             0 => Vec::new(),
             g => x.chunks_exact(g).map(sum).collect(),
         };
+        let digits = match w {
+            Rows::Quant(q) if takes_integers(isa, q) => Some(Digits::new(x, q.spec.group_size)),
+            _ => None,
+        };
         let x = Kind::of(isa, w).lane_order(x, isa.lanes());
         Prepared {
             x,
             sums,
             t,
+            digits,
             cols,
             groups: cols.checked_div(group).unwrap_or(0),
         }
@@ -202,21 +210,31 @@ impl Prepared {
 
     /// The prepared rows of `tokens`, in that order.
     pub fn gather(&self, tokens: impl Iterator<Item = usize> + Clone) -> Prepared {
-        let pick = |v: &[f32], width: usize| -> Vec<f32> {
+        fn rows_of<T: Copy>(v: &[T], width: usize, tokens: impl Iterator<Item = usize>) -> Vec<T> {
             tokens
-                .clone()
                 .flat_map(|i| &v[i * width..(i + 1) * width])
                 .copied()
                 .collect()
-        };
+        }
+        let pick = |v: &[f32], width: usize| rows_of(v, width, tokens.clone());
+        let pick_of = |v: &[i8], width: usize| rows_of(v, width, tokens.clone());
         Prepared {
             x: pick(&self.x, self.cols),
             sums: pick(&self.sums, self.groups),
             t: tokens.clone().count(),
+            digits: self.digits.as_ref().map(|d| Digits {
+                q: pick_of(&d.q, DIGITS * self.cols),
+                unit: pick(&d.unit, self.groups),
+            }),
             cols: self.cols,
             groups: self.groups,
         }
     }
+}
+
+/// Whether `isa` computes one token's products with `q` in integers (int8.rs).
+fn takes_integers(isa: Isa, q: &QuantView<'_>) -> bool {
+    isa == Isa::Avx512Vnni && int8::supports(q.spec.bits, q.spec.group_size)
 }
 
 /// `sum(x)` in eight lanes (vectorizes; the order differs from a sequential sum's by
@@ -355,7 +373,24 @@ pub fn rows_into(isa: Isa, w: &Rows<'_>, rows: Range<usize>, x: &Prepared, out: 
         };
         let kind = Kind::of(isa, w);
         match isa {
-            // SAFETY: `isa` runs on this CPU (asserted above).
+            // SAFETY (each arm): `isa` runs on this CPU (asserted above).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => match &x.digits {
+                Some(digits) => {
+                    let rows = int8::Rows {
+                        data: block.data,
+                        rows: block.rows,
+                        cols,
+                        group: block.group,
+                        scales: block.scales,
+                        biases: block.biases,
+                        next_scales: block.next_scales,
+                        scale_row_bytes: block.scale_row_bytes,
+                    };
+                    unsafe { int8::rows_vnni(&rows, digits, x.t, &x.sums, out) }
+                }
+                None => unsafe { block_avx512(&block, kind, x, out) },
+            },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { block_avx512(&block, kind, x, out) },
             #[cfg(target_arch = "x86_64")]
@@ -645,7 +680,7 @@ mod tests {
 
     #[test]
     fn words_are_used_where_a_group_holds_whole_chunks() {
-        for isa in [Isa::Avx512, Isa::Avx2, Isa::Portable] {
+        for isa in [Isa::Avx512Vnni, Isa::Avx512, Isa::Avx2, Isa::Portable] {
             let words = |g| Kind::of(isa, &quant(4, g)) == Kind::Q4Words;
             assert!(!words(32), "{isa}");
             assert_eq!(words(64), isa.lanes() == 8, "{isa}");

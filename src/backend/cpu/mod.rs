@@ -1,12 +1,14 @@
 //! The CPU backend: Rust in f32, parallel over output rows, heads and experts with rayon.
 //! Matmuls (resident projections, head, routed experts) run on SIMD kernels for the CPU's
-//! instruction set, picked at run time (simd.rs, matmul.rs, experts.rs);
+//! instruction set, picked at run time (simd.rs, matmul.rs, experts.rs; 4-bit weights in
+//! integers on AVX-512 VNNI, int8.rs);
 //! [`CpuBackend::scalar`] keeps the plain kernels (scalar.rs), the reference the SIMD and
 //! GPU kernels are tested against.
 
 mod attention;
 mod experts;
 mod gated_delta;
+mod int8;
 mod lanes;
 mod matmul;
 mod memory;

@@ -17,6 +17,9 @@ use std::fmt;
 /// A vector instruction set of the SIMD kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// [`Isa::Avx512`] with AVX-512BW and VNNI: its kernels, but one token's products with
+    /// 4-bit weights in integers (int8.rs).
+    Avx512Vnni,
     /// x86-64 AVX-512F (with AVX2 and FMA): 16 f32 lanes.
     Avx512,
     /// x86-64 AVX2 with FMA: 8 f32 lanes.
@@ -29,7 +32,7 @@ impl Isa {
     /// Every instruction set this CPU runs, fastest first (always ending with
     /// [`Isa::Portable`]). Detection is std's, cached after the first call.
     pub fn available() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Portable]
+        [Isa::Avx512Vnni, Isa::Avx512, Isa::Avx2, Isa::Portable]
             .into_iter()
             .filter(|isa| isa.is_supported())
             .collect()
@@ -37,7 +40,9 @@ impl Isa {
 
     /// The fastest instruction set this CPU runs.
     pub fn detect() -> Isa {
-        if Isa::Avx512.is_supported() {
+        if Isa::Avx512Vnni.is_supported() {
+            Isa::Avx512Vnni
+        } else if Isa::Avx512.is_supported() {
             Isa::Avx512
         } else if Isa::Avx2.is_supported() {
             Isa::Avx2
@@ -49,6 +54,12 @@ impl Isa {
     /// Whether this CPU runs `self`.
     pub fn is_supported(self) -> bool {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+                    && Isa::Avx512.is_supported()
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 std::arch::is_x86_feature_detected!("avx512f") && Isa::Avx2.is_supported()
@@ -67,7 +78,7 @@ impl Isa {
     /// f32 lanes of one vector.
     pub fn lanes(self) -> usize {
         match self {
-            Isa::Avx512 => 16,
+            Isa::Avx512Vnni | Isa::Avx512 => 16,
             Isa::Avx2 | Isa::Portable => 8,
         }
     }
@@ -76,6 +87,7 @@ impl Isa {
 impl fmt::Display for Isa {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Isa::Avx512Vnni => "AVX-512 VNNI",
             Isa::Avx512 => "AVX-512",
             Isa::Avx2 => "AVX2",
             Isa::Portable => "portable",
