@@ -962,6 +962,9 @@ fn load_on<B: Backend + 'static>(
             )))
         }
         MtpMode::On => model.load_mtp(ckpt, &backend)?,
+        MtpMode::Auto if has_head && !backend.multi_position_passes_pay() => tracing::info!(
+            "MTP head not used: on this backend a verify pass costs about as many decode steps as it has positions, so drafts slow decoding (BENCHMARKS.md; --mtp on uses it)"
+        ),
         MtpMode::Auto if has_head && resident => model.load_mtp(ckpt, &backend)?,
         MtpMode::Auto if has_head => tracing::info!(
             "MTP head not used: experts are streamed, and the memory plan does not count the head's (--mtp on uses it)"

@@ -293,6 +293,15 @@ pub trait Backend: Send + Sync {
     /// A human-readable name ("cpu", or the GPU adapter's name).
     fn name(&self) -> String;
 
+    /// Whether a forward pass of a few positions costs clearly less than as many one-token
+    /// steps, so that verifying drafts in one pass can pay (`--mtp auto` drafts only
+    /// then). The default says yes: a GPU reads each weight once per pass. The CPU
+    /// backend says no: its kernels are bound by their instructions, and a verify pass of
+    /// 2 positions costs about 2.5 one-token steps (BENCHMARKS.md, issue 37).
+    fn multi_position_passes_pay(&self) -> bool {
+        true
+    }
+
     /// Tells the backend the memory of the slot pool its expert records will come from,
     /// and where the device should read the slots (`None`: the backend's choice for its
     /// adapter). The CPU reads slots in place (it asks the kernel to back them with huge

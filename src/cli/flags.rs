@@ -254,8 +254,8 @@ pub struct StreamArgs {
 #[derive(Args, Clone, Debug, Default)]
 pub struct DraftArgs {
     /// Draft tokens with the MTP head and verify them in one pass (speculative sampling;
-    /// greedy output unchanged): `auto` when the checkpoint has a head and every expert is
-    /// resident, `on`, `off`.
+    /// greedy output unchanged): `auto` when the checkpoint has a head, every expert is
+    /// resident and the device is a GPU (on the CPU drafts slow decoding), `on`, `off`.
     #[arg(long, value_enum, default_value = "auto")]
     pub mtp: MtpFlag,
     /// The MTP head's weights in a safetensors file of their own (the reference system's

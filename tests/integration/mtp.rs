@@ -156,8 +156,10 @@ fn generate_json(args: &[&str]) -> serde_json::Value {
 }
 
 /// The CLI drafts with a head from `--mtp-weights` (mlx-lm's ids, drafts counted), and
-/// with a synthetic checkpoint's own head (`synth --mtp-head`) under `--mtp auto`, giving
-/// `--mtp off`'s ids; `--mtp on` without a head is an error that names the way out.
+/// with a synthetic checkpoint's own head (`synth --mtp-head`) under `--mtp on`, giving
+/// `--mtp off`'s ids; `--mtp auto` does not draft on the CPU (its verify passes cost as
+/// many steps as they have positions); `--mtp on` without a head is an error that names
+/// the way out.
 #[test]
 fn the_cli_drafts_with_a_head_from_either_place() {
     let name = "qwen3-next-bf16";
@@ -175,6 +177,8 @@ fn the_cli_drafts_with_a_head_from_either_place() {
         "16",
         "--mtp-weights",
         head.to_str().unwrap(),
+        "--mtp",
+        "on",
         "--draft-tokens",
         "2",
     ]);
@@ -220,9 +224,11 @@ fn the_cli_drafts_with_a_head_from_either_place() {
             mtp,
         ])
     };
-    let (auto, off) = (run("auto"), run("off"));
+    let (on, auto, off) = (run("on"), run("auto"), run("off"));
+    assert_eq!(on["output_ids"], off["output_ids"]);
     assert_eq!(auto["output_ids"], off["output_ids"]);
-    assert!(auto["stats"]["drafted"].as_u64().unwrap() > 0, "{auto}");
+    assert!(on["stats"]["drafted"].as_u64().unwrap() > 0, "{on}");
+    assert_eq!(auto["stats"]["drafted"].as_u64(), Some(0), "{auto}");
     assert_eq!(off["stats"]["drafted"].as_u64(), Some(0), "{off}");
 }
 

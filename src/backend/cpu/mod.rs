@@ -249,6 +249,10 @@ impl Backend for CpuBackend {
     type Index = Vec<u32>;
     type KvCache = CpuKvCache;
 
+    fn multi_position_passes_pay(&self) -> bool {
+        false
+    }
+
     fn name(&self) -> String {
         let threads = rayon::current_num_threads();
         match self.isa() {
