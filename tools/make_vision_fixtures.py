@@ -22,6 +22,20 @@ What it makes, in <out>/qwen3_5-moe-vision/:
   vision_cases.safetensors  f32 `pixels.N` (the processor's pixel_values) and `tower.N`
                          (Qwen3_5MoeVisionModel's merged output, `pooler_output`), run in
                          f32 on the stored bf16 values
+  image_prompt.json, image_logits.npy
+                         a prompt with two images (cases 1 and 0: 10 tokens on a 2 x 5
+                         grid, then 1) and text after each, its `input_ids`, the M-RoPE
+                         positions `get_rope_index` gives it (3 rows: t, h, w) and
+                         the next text position, and its teacher-forced logits
+                         `[tokens, vocab]` f32 from transformers'
+                         `Qwen3_5MoeForConditionalGeneration` run in f32 on the text
+                         fixture's weights (dequantized from its MLX layout: norms
+                         `w - 1`, the conv weight `[C, 1, K]`, the experts' gate and up
+                         stacked) and the tower above
+
+The placeholder ids live inside the small vocabulary: the last four BPE tokens (505-508)
+become `<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>` and `<|video_pad|>` (added
+tokens of tokenizer.json; their merges removed), and config.json's `*_token_id` name them.
 
 The tower: depth 2, hidden 64, 4 heads, MLP 128 (gelu_pytorch_tanh), patch 16, temporal
 patch 2, merge 2, 64 position embeddings (an 8 x 8 grid, interpolated to each image),
@@ -113,9 +127,7 @@ def tower(out, text_dir, seed):
     cfg = dict(text_cfg)
     stored_vcfg = dict(vcfg, model_type="qwen3_5_moe_vision")
     cfg["vision_config"] = stored_vcfg
-    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
-        cfg.setdefault(k, {"image_token_id": 248056, "video_token_id": 248057,
-                           "vision_start_token_id": 248053, "vision_end_token_id": 248054}[k])
+    cfg.update(PLACEHOLDERS_CONFIG)
     (out / "config.json").write_text(json.dumps(cfg, indent=4))
 
     tensors = dict(load_t(str(text_dir / "model.safetensors")))
@@ -128,8 +140,9 @@ def tower(out, text_dir, seed):
     index = json.loads((text_dir / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: "model.safetensors" for k in sorted(tensors)}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for f in ("tokenizer_config.json", "generation_config.json"):
         shutil.copy(text_dir / f, out / f)
+    write_tokenizer(text_dir / "tokenizer.json", out / "tokenizer.json")
 
     # The cases: (height, width) of the image, and the processor's pixel bounds.
     specs = [
@@ -163,6 +176,121 @@ def tower(out, text_dir, seed):
         print(f"case {i} {what}: {h}x{w} -> grid {grid[0].tolist()}, {merged.shape[0]} tokens")
     save_file(arrays, str(out / "vision_cases.safetensors"))
     (out / "vision_cases.json").write_text(json.dumps({"seed": seed, "cases": cases}, indent=1))
+    return model, cfg, [(out / c["image"], c["processor"]) for c in cases]
+
+
+# The placeholder tokens: the last four ids of the small vocabulary.
+PLACEHOLDERS = {505: "<|vision_start|>", 506: "<|vision_end|>", 507: "<|image_pad|>", 508: "<|video_pad|>"}
+PLACEHOLDERS_CONFIG = {"vision_start_token_id": 505, "vision_end_token_id": 506,
+                       "image_token_id": 507, "video_token_id": 508}
+
+
+def write_tokenizer(src, dst):
+    """The text fixture's tokenizer with ids 505-508 turned into the placeholder tokens."""
+    tok = json.loads(src.read_text())
+    vocab = tok["model"]["vocab"]
+    gone = {k for k, v in vocab.items() if v in PLACEHOLDERS}
+    tok["model"]["vocab"] = {k: v for k, v in vocab.items() if k not in gone}
+    merge = lambda m: "".join(m) if isinstance(m, list) else m.replace(" ", "")
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if merge(m) not in gone]
+    for i, content in PLACEHOLDERS.items():
+        tok["added_tokens"].append({"id": i, "content": content, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    tok["added_tokens"].sort(key=lambda t: t["id"])
+    dst.write_text(json.dumps(tok, ensure_ascii=False))
+
+
+def dequantize(tensors, name, spec):
+    """An MLX affine-quantized weight (`name.weight` packed in u32, `.scales`, `.biases`) in f32."""
+    q = tensors[f"{name}.weight"].numpy().astype(np.uint64)
+    scales = tensors[f"{name}.scales"].float().numpy()
+    biases = tensors[f"{name}.biases"].float().numpy()
+    bits, group = spec["bits"], spec["group_size"]
+    per = 32 // bits
+    shifts = (np.arange(per, dtype=np.uint64) * bits)
+    vals = ((q[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*q.shape[:-1], q.shape[-1] * per)
+    vals = vals.astype(np.float32).reshape(*vals.shape[:-1], -1, group)
+    w = vals * scales[..., None] + biases[..., None]
+    return torch.from_numpy(w.reshape(*w.shape[:-2], -1).astype(np.float32))
+
+
+def hf_text_weights(text_dir, cfg):
+    """The text fixture's MLX tensors as transformers' qwen3_5_moe names them, in f32."""
+    tensors = dict(load_t(str(text_dir / "model.safetensors")))
+    quant = cfg["quantization"]
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith(".scales")})
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith((".scales", ".biases")) or k.rsplit(".", 1)[0] in names:
+            continue
+        out[k] = v.float()
+    for n in names:
+        spec = quant.get(n, {"bits": quant["bits"], "group_size": quant["group_size"]})
+        out[n + ".weight"] = dequantize(tensors, n, spec)
+    hf = {}
+    for k, v in out.items():
+        k2 = k.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")
+        if k2.endswith(("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+                        "k_norm.weight")) or k2 == "model.language_model.norm.weight":
+            v = v - 1.0  # mlx-lm stores `1 + w` where transformers adds the 1
+        if k2.endswith("conv1d.weight"):
+            v = v.permute(0, 2, 1)  # MLX [C, K, 1] -> torch [C, 1, K]
+        hf[k2] = v
+    for k in [k for k in hf if ".switch_mlp.gate_proj." in k]:
+        prefix = k.split(".switch_mlp.")[0]
+        gate = hf.pop(k)
+        up = hf.pop(f"{prefix}.switch_mlp.up_proj.weight")
+        hf[f"{prefix}.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        hf[f"{prefix}.experts.down_proj"] = hf.pop(f"{prefix}.switch_mlp.down_proj.weight")
+    return hf
+
+
+def image_logits(out, text_dir, tower_model, cfg, images):
+    """Teacher-forced logits of a prompt with two images, from the whole transformers model."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+    hf_cfg = Qwen3_5MoeConfig(text_config=cfg["text_config"], vision_config=cfg["vision_config"],
+                              **PLACEHOLDERS_CONFIG)
+    model = Qwen3_5MoeForConditionalGeneration(hf_cfg).float().eval()
+    state = hf_text_weights(text_dir, cfg)
+    for name, p in tower_model.state_dict().items():
+        state[f"model.visual.{name}"] = p
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+
+    # transformers on the text fixture's own prompt: within reach of mlx-lm's logits.
+    ref = json.loads((text_dir / "reference.json").read_text())
+    ids = torch.tensor([ref["scored_ids"]])
+    with torch.no_grad():
+        text_logits = model(input_ids=ids).logits[0].float().numpy()
+    mlx = np.load(text_dir / "logits.npy")[: ids.shape[1]]
+    print(f"text-only: transformers vs mlx-lm logits, max |diff| {np.abs(text_logits - mlx).max():.2e}")
+
+    pixel_values, grids, pads = [], [], []
+    for png, proc in images:
+        feats = processor(**{k: v for k, v in proc.items() if k in ("size",)})(images=Image.open(png),
+                                                                               return_tensors="pt")
+        pixel_values.append(feats["pixel_values"].float())
+        grids.append(feats["image_grid_thw"])
+        pads.append(int(feats["image_grid_thw"][0].prod()) // 4)
+    # text, image, text, image, text: ids from the fixture's vocabulary.
+    s, e, pad = 505, 506, 507
+    text = [[510, 474, 364, 411, 269], [336, 370, 457, 258], [274, 368, 278]]
+    prompt = text[0] + [s] + [pad] * pads[0] + [e] + text[1] + [s] + [pad] * pads[1] + [e] + text[2]
+    ids = torch.tensor([prompt])
+    mm = (ids == pad).int()
+    grid = torch.cat(grids)
+    with torch.no_grad():
+        positions, delta = model.model.get_rope_index(ids, mm_token_type_ids=mm, image_grid_thw=grid)
+        logits = model(input_ids=ids, pixel_values=torch.cat(pixel_values), image_grid_thw=grid,
+                       mm_token_type_ids=mm).logits[0].float().numpy()
+    np.save(out / "image_logits.npy", logits.astype(np.float32))
+    doc = {"images": [str(png.name) for png, _ in images], "grids": grid.tolist(),
+           "input_ids": prompt, "positions": positions[:, 0].tolist(),
+           "next_position": int(positions.max()) + 1, "rope_delta": int(delta[0, 0]),
+           "logits_file": "image_logits.npy", "logits_shape": list(logits.shape)}
+    (out / "image_prompt.json").write_text(json.dumps(doc, indent=1))
+    print(f"image prompt: {len(prompt)} tokens, positions t {positions[0, 0].tolist()}")
 
 
 def main():
@@ -174,7 +302,9 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     processor_sizes(out, rng)
-    tower(out, args.out / "qwen3_5-moe-bf16", args.seed)
+    text_dir = args.out / "qwen3_5-moe-bf16"
+    model, cfg, images = tower(out, text_dir, args.seed)
+    image_logits(out, text_dir, model, cfg, [images[1], images[0]])
 
 
 if __name__ == "__main__":

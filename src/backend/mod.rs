@@ -15,7 +15,7 @@ pub use in_flight::InFlight;
 pub use crate::checkpoint::{dequantize_row, Floats, QuantView};
 
 use crate::checkpoint::{LinearWeight, RecordLayout};
-use crate::config::{GateActivation, ModelConfig};
+use crate::config::{GateActivation, MRope, ModelConfig};
 use crate::error::{Error, Result};
 use crate::records::{ExpertRecord, PoolMemory};
 
@@ -70,18 +70,48 @@ pub fn open_compute(device: Option<&str>, gpu: &gpu::GpuOptions) -> Result<Compu
 /// backend so they rotate by exactly the same angles.
 pub fn rope_table(start: usize, rows: usize, rotary_dim: usize, theta: f64) -> Vec<(f32, f32)> {
     let half = rotary_dim / 2;
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64))
-        .collect();
+    let inv_freq = rope_inv_freq(rotary_dim, theta);
     let mut table = Vec::with_capacity(rows * half);
     for t in 0..rows {
         let pos = (start + t) as f64;
-        table.extend(inv_freq.iter().map(|f| {
-            let (sin, cos) = (pos * f).sin_cos();
-            (cos as f32, sin as f32)
-        }));
+        table.extend(inv_freq.iter().map(|f| rope_angle(pos * f)));
     }
     table
+}
+
+/// [`rope_table`] for rows at multimodal positions (M-RoPE, transformers 5.24
+/// `Qwen3_5MoeTextRotaryEmbedding`): row `t`'s frequency `j` turns by
+/// `positions[t][mrope.axis(j)]`, its (t, h, w) position's axis for that frequency. A text
+/// row (three equal positions) gets exactly [`rope_table`]'s pairs.
+pub fn mrope_table(
+    positions: &[[usize; 3]],
+    rotary_dim: usize,
+    theta: f64,
+    mrope: &MRope,
+) -> Vec<(f32, f32)> {
+    let inv_freq = rope_inv_freq(rotary_dim, theta);
+    positions
+        .iter()
+        .flat_map(|p| {
+            inv_freq
+                .iter()
+                .enumerate()
+                .map(|(j, f)| rope_angle(p[mrope.axis(j)] as f64 * f))
+        })
+        .collect()
+}
+
+/// `theta^(-2j / rotary_dim)` for `j < rotary_dim / 2`, in f64.
+fn rope_inv_freq(rotary_dim: usize, theta: f64) -> Vec<f64> {
+    (0..rotary_dim / 2)
+        .map(|j| theta.powf(-((2 * j) as f64) / rotary_dim as f64))
+        .collect()
+}
+
+/// `(cos, sin)` of an angle, rounded to f32.
+fn rope_angle(angle: f64) -> (f32, f32) {
+    let (sin, cos) = angle.sin_cos();
+    (cos as f32, sin as f32)
 }
 
 /// Rotates one head by RoPE's `(cos, sin)` pairs (one row of [`rope_table`]): values `j`
@@ -481,14 +511,15 @@ pub trait Backend: Send + Sync {
         dims: DeltaDims,
     ) -> Self::Tensor;
     /// Non-traditional (half-split) RoPE on the first `rotary_dim` columns of each head
-    /// of width `head_dim`; row `t` is at position `start + t`. `inv_freq_j = theta^(-2j/rotary_dim)`.
+    /// of width `head_dim`; row `t` turns by `angles[t * rotary_dim / 2 ..][..rotary_dim / 2]`
+    /// (`(cos, sin)` pairs: [`rope_table`] for consecutive positions, [`mrope_table`] for
+    /// an image's). Panics unless `angles` has `rows * rotary_dim / 2` pairs.
     fn rope(
         &self,
         x: &Self::Tensor,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f64,
-        start: usize,
+        angles: &[(f32, f32)],
     ) -> Self::Tensor;
     /// An empty KV cache for `kv_dim = kv_heads * head_dim` columns.
     fn new_kv_cache(&self, kv_dim: usize) -> Self::KvCache;

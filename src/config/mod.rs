@@ -11,8 +11,9 @@
 //!   `eos_token_id` when `text_config` has none);
 //! - RoPE comes from `rope_parameters` (theta default 1e5, partial factor default 0.25);
 //!   a top-level `rope_theta` / `partial_rotary_factor` counts only when `rope_parameters`
-//!   is `null`. `mrope_section` / `mrope_interleaved` are ignored: mlx-lm builds a plain
-//!   `nn.RoPE` for rope type `default`, which is what M-RoPE reduces to for text positions;
+//!   is `null`. `mrope_section` / `mrope_interleaved` become [`MRope`], used only by a
+//!   sequence with images: for text positions M-RoPE reduces to the plain `nn.RoPE`
+//!   mlx-lm builds for rope type `default`;
 //! - the layer pattern follows `full_attention_interval` (mlx-lm ignores `layer_types`);
 //! - every layer is MoE when `num_experts > 0` (`mlp_only_layers` and
 //!   `decoder_sparse_step` are ignored), and `norm_topk_prob` defaults to true.
@@ -140,6 +141,10 @@ pub struct ModelConfig {
     /// Leading dimensions of each head that RoPE rotates (`head_dim * partial_rotary_factor`).
     pub rotary_dim: usize,
     pub rope_theta: f64,
+    /// The multimodal rotary sections (`rope_parameters.mrope_section`), where the config
+    /// has them: how the rotary frequencies split over an image token's (t, h, w)
+    /// positions. Text-only sequences never use it.
+    pub mrope: Option<MRope>,
     // Gated DeltaNet.
     pub linear_num_key_heads: usize,
     pub linear_num_value_heads: usize,
@@ -263,6 +268,7 @@ impl ModelConfig {
             }
             Family::Qwen35Moe | Family::Qwen4Exp => qwen35_rope(&f, &merged)?,
         };
+        let mrope = parse_mrope(&f, &merged)?;
 
         let hidden_size = f.usize("hidden_size")?;
         let num_attention_heads = f.usize("num_attention_heads")?;
@@ -273,6 +279,18 @@ impl ModelConfig {
                 "partial_rotary_factor",
                 format!("gives {rotary_dim} rotary dims of {head_dim}"),
             ));
+        }
+        if let Some(m) = &mrope {
+            if m.section.iter().sum::<usize>() != rotary_dim / 2 {
+                return Err(f.err(
+                    "rope_parameters",
+                    format!(
+                        "mrope_section {:?} does not cover the {} rotary frequencies",
+                        m.section,
+                        rotary_dim / 2
+                    ),
+                ));
+            }
         }
         let num_hidden_layers = f.usize("num_hidden_layers")?;
         let interval_kinds = |f: &Fields<'_>| -> Result<Vec<LayerKind>> {
@@ -391,6 +409,7 @@ impl ModelConfig {
             head_dim,
             rotary_dim,
             rope_theta,
+            mrope,
             linear_num_key_heads: f.usize("linear_num_key_heads")?,
             linear_num_value_heads: f.usize("linear_num_value_heads")?,
             linear_key_head_dim: f.usize("linear_key_head_dim")?,
@@ -650,6 +669,74 @@ impl ModelConfig {
     pub fn residual_width(&self) -> usize {
         self.hidden_size * self.flash_next.as_ref().map_or(1, |x| x.hc_count)
     }
+}
+
+/// Multimodal RoPE (M-RoPE) as transformers 5.24 `Qwen3_5MoeTextRotaryEmbedding` applies
+/// it: each of the `rotary_dim / 2` frequencies rotates by one axis of a token's
+/// (t, h, w) position; a text token has all three equal, so its rotation is plain RoPE's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MRope {
+    /// Frequencies per axis (t, h, w), summing to `rotary_dim / 2` (`[11, 11, 10]`
+    /// released).
+    pub section: [usize; 3],
+    /// Interleaved (`mrope_interleaved`: frequency `j` is h's when `j % 3 == 1` and
+    /// `j < 3 * section[1]`, w's when `j % 3 == 2` and `j < 3 * section[2]`, else t's, as
+    /// `recomposition_frequencies`), or in consecutive blocks t, h, w (Qwen2-VL's layout).
+    pub interleaved: bool,
+}
+
+impl MRope {
+    /// The axis (0 = t, 1 = h, 2 = w) whose position rotates frequency `j`.
+    pub fn axis(&self, j: usize) -> usize {
+        let s = self.section;
+        if self.interleaved {
+            match j % 3 {
+                1 if j < 3 * s[1] => 1,
+                2 if j < 3 * s[2] => 2,
+                _ => 0,
+            }
+        } else if j < s[0] {
+            0
+        } else if j < s[0] + s[1] {
+            1
+        } else {
+            2
+        }
+    }
+}
+
+/// `rope_parameters.mrope_section` (three counts) and `mrope_interleaved` (default
+/// false), when the config has a section. Errors: a section that is not three counts.
+fn parse_mrope(f: &Fields<'_>, obj: &Map<String, Value>) -> Result<Option<MRope>> {
+    let Some(Value::Object(rope)) = obj.get("rope_parameters") else {
+        return Ok(None);
+    };
+    let section = match rope.get("mrope_section") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(v)) if v.len() == 3 && v.iter().all(|n| n.as_u64().is_some()) => {
+            [0, 1, 2].map(|i| v[i].as_u64().unwrap_or(0) as usize)
+        }
+        Some(v) => {
+            return Err(f.err(
+                "rope_parameters",
+                format!("mrope_section must be three counts, found {v}"),
+            ))
+        }
+    };
+    let interleaved = match rope.get("mrope_interleaved") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(f.err(
+                "rope_parameters",
+                format!("mrope_interleaved must be a boolean, found {v}"),
+            ))
+        }
+    };
+    Ok(Some(MRope {
+        section,
+        interleaved,
+    }))
 }
 
 /// RoPE `(theta, partial_rotary_factor)` as mlx-lm qwen3_5 `TextModelArgs.__post_init__`

@@ -4,9 +4,9 @@
 use super::load::Loader;
 use super::projections::Projections;
 use crate::backend::cpu::{dot, CpuBackend, CpuTensor};
-use crate::backend::{rope_table, rotate_half, AttnDims, Backend, KeyMask};
+use crate::backend::{mrope_table, rope_table, rotate_half, AttnDims, Backend, KeyMask};
 use crate::config::{IndexerConfig, ModelConfig};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A full attention layer with its output gate (mlx-lm `Qwen3NextAttention`).
 pub(super) struct Attention<B: Backend> {
@@ -79,8 +79,10 @@ impl<B: Backend> Attention<B> {
     }
 
     /// The layer on its input `x`, appending to the sequence's `kv` cache and, with an
-    /// indexer, to its `index` keys. Errors: a failed read-back of the indexer's keys or
-    /// queries.
+    /// indexer, to its `index` keys. The rows rotate by their cache positions, or by
+    /// `positions` (one (t, h, w) position a row, M-RoPE with the config's `mrope`) in a
+    /// sequence with images. (The QSA indexer's keys keep cache positions.) Errors: a
+    /// failed read-back of the indexer's keys or queries, `positions` without `mrope`.
     pub(super) fn forward(
         &self,
         backend: &B,
@@ -88,14 +90,25 @@ impl<B: Backend> Attention<B> {
         x: &B::Tensor,
         kv: &mut B::KvCache,
         index: Option<&mut IndexKeys<B>>,
+        positions: Option<&[[usize; 3]]>,
     ) -> Result<B::Tensor> {
         let hd = cfg.head_dim;
         let [q, gate, k, v] = self.qkv.apply(backend, x);
         let q = backend.rms_norm(&q, Some(&self.q_norm), hd, cfg.rms_norm_eps, 1.0);
         let k = backend.rms_norm(&k, Some(&self.k_norm), hd, cfg.rms_norm_eps, 1.0);
         let pos = backend.kv_len(kv);
-        let q = backend.rope(&q, hd, cfg.rotary_dim, cfg.rope_theta, pos);
-        let k = backend.rope(&k, hd, cfg.rotary_dim, cfg.rope_theta, pos);
+        let (rd, theta) = (cfg.rotary_dim, cfg.rope_theta);
+        let angles = match (positions, &cfg.mrope) {
+            (None, _) => rope_table(pos, backend.shape(x).0, rd, theta),
+            (Some(p), Some(mrope)) => mrope_table(p, rd, theta, mrope),
+            (Some(_), None) => {
+                return Err(Error::InvalidInput(
+                    "multimodal positions for a model without mrope_section".into(),
+                ))
+            }
+        };
+        let q = backend.rope(&q, hd, rd, &angles);
+        let k = backend.rope(&k, hd, rd, &angles);
         let dims = AttnDims {
             q_heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
@@ -209,7 +222,8 @@ impl<B: Backend> Indexer<B> {
             cfg.rms_norm_eps,
             1.0,
         );
-        let q = backend.download(&backend.rope(&q, d, cfg.rotary_dim, cfg.rope_theta, past))?;
+        let angles = rope_table(past, backend.shape(&q).0, cfg.rotary_dim, cfg.rope_theta);
+        let q = backend.download(&backend.rope(&q, d, cfg.rotary_dim, &angles))?;
         let scale = 1.0 / (d as f32).sqrt();
         let mut mask = KeyMask::new(t, total);
         for row in 0..t {

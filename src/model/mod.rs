@@ -24,11 +24,13 @@
 //! indexer), [`moe`] (and the dense MLP), [`residual`] (pre-norms or hyper-connections),
 //! [`ple`] and [`head`]; [`projections`] stacks a block's input projections and [`load`]
 //! reads the checkpoint for them all. This file strings them together: [`Model::load`]
-//! and the forward pass, layer by layer.
+//! and the forward pass, layer by layer. A sequence may hold images ([`images`]: the
+//! vision tower's rows over their placeholder tokens, and multimodal positions).
 
 mod attention;
 mod delta_net;
 mod head;
+mod images;
 mod load;
 mod moe;
 mod mtp;
@@ -44,6 +46,8 @@ use std::sync::{Arc, Mutex};
 use attention::{Attention, IndexKeys};
 use delta_net::{DeltaNet, FusedRows};
 use head::Head;
+pub use images::ImageEmbedding;
+use images::PlacedImage;
 use load::Loader;
 pub use load::NormConvention;
 pub use moe::SWEEP_MIN_TOKENS;
@@ -143,6 +147,9 @@ pub struct SequenceState<B: Backend> {
     layers: Vec<LayerState<B>>,
     /// Tokens already processed, in order.
     pub tokens: Vec<u32>,
+    /// The images placed in the sequence ([`Model::place_images`]), in order: those run
+    /// give later tokens their positions, those not yet run their rows too.
+    images: Vec<PlacedImage>,
     /// The route source's state ([`RouteSource::new_state`]): the synthetic routing
     /// model's, when the model has one.
     routing: Option<RoutingState>,
@@ -157,6 +164,18 @@ pub struct SequenceState<B: Backend> {
 }
 
 impl<B: Backend> SequenceState<B> {
+    /// The rotary position the next text token takes: the token count, plus what each
+    /// image run so far adds (`max(h, w)` positions for its `t h w` tokens, as
+    /// transformers' `get_rope_index`).
+    pub fn next_position(&self) -> usize {
+        images::next_position(&self.images, self.tokens.len())
+    }
+
+    /// Whether the sequence has images placed (run or about to be).
+    pub fn has_images(&self) -> bool {
+        !self.images.is_empty()
+    }
+
     /// Keeps the QSA indexer's key selection of every later forward call, for
     /// inspection (see [`SequenceState::qsa_selections`]). Costs a bit per query and key.
     pub fn keep_qsa_selections(&mut self) {
@@ -337,11 +356,43 @@ impl<B: Backend> Model<B> {
         SequenceState {
             layers,
             tokens: Vec::new(),
+            images: Vec::new(),
             routing: self.routes.new_state(),
             broken: false,
             writer: Writer::new_line(),
             mtp: None,
         }
+    }
+
+    /// Places `images` in `state` over the image placeholder tokens (`image_token_id`) of
+    /// `ids`, the tokens the next [`Model::forward`] calls run, in order: those calls
+    /// then take each image's rows in place of its placeholders' embeddings, and give its
+    /// tokens and every later one their multimodal positions ([`images`]).
+    ///
+    /// Errors ([`Error::InvalidInput`]): a model without a vision tower or without
+    /// `mrope_section`, placeholder runs that do not hold the images' token counts, an
+    /// image whose rows are not `tokens x hidden_size`.
+    pub fn place_images(
+        &self,
+        state: &mut SequenceState<B>,
+        ids: &[u32],
+        images: &[ImageEmbedding],
+    ) -> Result<()> {
+        if images.is_empty() {
+            return Ok(());
+        }
+        let cfg = &self.config;
+        let (Some(vision), Some(_)) = (&cfg.vision, &cfg.mrope) else {
+            return Err(Error::InvalidInput(
+                "this model takes no images: its config has no vision_config (or no mrope_section)"
+                    .into(),
+            ));
+        };
+        let len = state.tokens.len();
+        let placed = images::place(ids, len, vision.image_token_id, cfg.hidden_size, images)?;
+        state.images.retain(|img| img.at < len);
+        state.images.extend(placed);
+        Ok(())
     }
 
     /// Runs `ids` through the model after the tokens already in `state`, updating it.
@@ -458,6 +509,8 @@ impl<B: Backend> Model<B> {
         experts.begin_step();
         // Where this chunk starts in its sequence (synthetic routing is per position).
         let start = state.tokens.len() as u64;
+        let positions = images::positions(&state.images, start as usize, ids.len());
+        let mut pass = self.embed_pass(backend, ids, &state.images, start as usize)?;
         let history = &state.tokens;
         let layer_states = &mut state.layers;
         let routing_state = state.routing.as_mut();
@@ -473,9 +526,10 @@ impl<B: Backend> Model<B> {
                 (start, ids),
                 lookahead,
             )?;
-            let mut pass = self.embed_pass(backend, ids)?;
             for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
-                let (x, inject) = self.mixer_block(backend, i, st, &mut pass, rows[i].take())?;
+                let at = positions.as_deref();
+                let (x, inject) =
+                    self.mixer_block(backend, i, st, &mut pass, rows[i].take(), at)?;
                 if lookahead {
                     self.lookahead(backend, i + 2, &pass.h, experts, &mut routes)?;
                 }
@@ -526,6 +580,20 @@ impl<B: Backend> Model<B> {
                 history.extend_from_slice(chunk);
             }
         }
+        // Each chunk's first sequence index, its embeddings and positions.
+        let firsts: Vec<usize> = chunks
+            .iter()
+            .scan(start as usize, |at, c| {
+                *at += c.len();
+                Some(*at - c.len())
+            })
+            .collect();
+        let positions: Vec<_> = (chunks.iter().zip(&firsts))
+            .map(|(c, &at)| images::positions(&state.images, at, c.len()))
+            .collect();
+        let mut passes = (chunks.iter().zip(&firsts))
+            .map(|(chunk, &at)| self.embed_pass(backend, chunk, &state.images, at))
+            .collect::<Result<Vec<_>>>()?;
         let layer_states = &mut state.layers;
         let routing_state = state.routing.as_mut();
         let mut hold = StepHold::new(backend);
@@ -543,14 +611,11 @@ impl<B: Backend> Model<B> {
             let mut routes =
                 self.routes
                     .step(scope, routing_state, moe_layers, (start, &ids), false)?;
-            let mut passes = chunks
-                .iter()
-                .map(|chunk| self.embed_pass(backend, chunk))
-                .collect::<Result<Vec<_>>>()?;
             for (i, (layer, st)) in self.layers.iter().zip(layer_states.iter_mut()).enumerate() {
                 let mut inputs = Vec::with_capacity(passes.len());
-                for (pass, rows) in passes.iter_mut().zip(&mut rows) {
-                    inputs.push(self.mixer_block(backend, i, st, pass, rows[i].take())?);
+                for ((pass, rows), at) in passes.iter_mut().zip(&mut rows).zip(&positions) {
+                    let at = at.as_deref();
+                    inputs.push(self.mixer_block(backend, i, st, pass, rows[i].take(), at)?);
                 }
                 // Each chunk's input is dropped once its block is done, and its output
                 // replaces its residual at once: the pass holds about two hidden states a
@@ -621,10 +686,25 @@ impl<B: Backend> Model<B> {
             .collect()
     }
 
-    /// The embedding of `ids`, the start of their pass (copied into every residual stream
-    /// with hyper-connections).
-    fn embed_pass(&self, backend: &B, ids: &[u32]) -> Result<Pass<B>> {
-        let embedded = backend.embed(&self.embed, ids)?;
+    /// The embedding of `ids`, the sequence's tokens from index `first`, the start of their
+    /// pass (copied into every residual stream with hyper-connections); the rows of
+    /// `images`' tokens among them are the images'. Errors: a failed read-back.
+    fn embed_pass(
+        &self,
+        backend: &B,
+        ids: &[u32],
+        images: &[PlacedImage],
+        first: usize,
+    ) -> Result<Pass<B>> {
+        let mut embedded = backend.embed(&self.embed, ids)?;
+        if images::overlaps(images, first, ids.len()) {
+            // Rare (a chunk holding image tokens) and small beside the tower's own work:
+            // the rows are replaced on the host.
+            let width = self.config.hidden_size;
+            let mut rows = backend.download(&embedded)?;
+            images::splice(images, first, width, &mut rows);
+            embedded = backend.upload(&rows, ids.len(), width);
+        }
         let h = match &self.tile {
             Some(tile) => backend.gather_columns(&embedded, tile),
             None => embedded,
@@ -633,9 +713,10 @@ impl<B: Backend> Model<B> {
     }
 
     /// Layer `i`'s PLE block (on its n-gram `rows`), token mixer (advancing its state
-    /// `st`) and the residual add after it, on `pass`; returns the MLP block's input and,
-    /// with hyper-connections, its inject logits. Errors: the mixer's, or a failed n-gram
-    /// read.
+    /// `st`; an attention layer rotates by `positions`, the pass's multimodal positions,
+    /// when the sequence has images) and the residual add after it, on `pass`; returns the
+    /// MLP block's input and, with hyper-connections, its inject logits. Errors: the
+    /// mixer's, or a failed n-gram read.
     fn mixer_block(
         &self,
         backend: &B,
@@ -643,6 +724,7 @@ impl<B: Backend> Model<B> {
         st: &mut LayerState<B>,
         pass: &mut Pass<B>,
         rows: Option<RowsRead<'_>>,
+        positions: Option<&[[usize; 3]]>,
     ) -> Result<(B::Tensor, Option<B::Tensor>)> {
         let (cfg, layer) = (&self.config, &self.layers[i]);
         if let (Some(ple), Some(job)) = (&layer.ple, rows) {
@@ -669,9 +751,14 @@ impl<B: Backend> Model<B> {
                     conv, recurrent, ..
                 },
             ) => w.forward(backend, cfg, &x, conv, recurrent),
-            (Mixer::Attention(w), LayerState::Attention { kv, index }) => {
-                w.forward(backend, cfg, &x, &mut lock_kv(kv), index.as_mut())?
-            }
+            (Mixer::Attention(w), LayerState::Attention { kv, index }) => w.forward(
+                backend,
+                cfg,
+                &x,
+                &mut lock_kv(kv),
+                index.as_mut(),
+                positions,
+            )?,
             _ => unreachable!("state layout follows the model's layer kinds"),
         };
         let post = layer.residual.pre_norm(Block::Mlp);

@@ -309,7 +309,9 @@ impl<B: Backend> MtpHead<B> {
         let Mixer::Attention(attention) = &layer.mixer else {
             unreachable!("the MTP head's layer is a full-attention layer")
         };
-        let r = attention.forward(backend, cfg, &input, kv, None)?;
+        // The head's own cache positions: with images a draft's rotation differs from the
+        // model's, which costs acceptance, never correctness (the model verifies).
+        let r = attention.forward(backend, cfg, &input, kv, None, None)?;
         let post = layer.residual.pre_norm(Block::Mlp);
         let (h, normed) = residual::add(backend, eps, &x, &r, None, post);
         let input = match normed {

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{IndexKeys, LayerState, Model, SequenceState};
+use super::{IndexKeys, LayerState, Model, PlacedImage, SequenceState};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::routing_model::RoutingState;
@@ -112,6 +112,8 @@ impl Drop for Keep {
 /// [`SequenceState::into_snapshot`].
 pub struct Snapshot<B: Backend> {
     tokens: Vec<u32>,
+    /// The images among `tokens` (they give later tokens their positions).
+    images: Vec<PlacedImage>,
     /// As in a [`SequenceState`]; the indexer keys have none pending and keep no
     /// selections.
     layers: Vec<LayerState<B>>,
@@ -159,6 +161,7 @@ impl<B: Backend> Snapshot<B> {
         Ok(SequenceState {
             layers,
             tokens: self.tokens.clone(),
+            images: self.images.clone(),
             routing: self.routing.clone(),
             broken: false,
             writer: writer.unwrap_or_else(Writer::new_line),
@@ -277,6 +280,12 @@ fn settled_keys<B: Backend>(backend: &B, keys: &IndexKeys<B>) -> Result<IndexKey
     })
 }
 
+/// The images of `images` that the first `len` tokens reach into (an image not yet run
+/// is the caller's to place again).
+fn run_images(images: &[PlacedImage], len: usize) -> Vec<PlacedImage> {
+    images.iter().filter(|img| img.at < len).cloned().collect()
+}
+
 impl<B: Backend> SequenceState<B> {
     /// A snapshot of this state (which goes on as it is): the conv and recurrent states
     /// copied, the KV caches shared. Errors: a state left inconsistent by a failed
@@ -290,6 +299,7 @@ impl<B: Backend> SequenceState<B> {
             .collect::<Result<_>>()?;
         Ok(Snapshot {
             tokens: self.tokens.clone(),
+            images: run_images(&self.images, self.tokens.len()),
             layers,
             routing: self.routing.clone(),
             keep: Keep::new(&self.writer.0, self.tokens.len()),
@@ -318,6 +328,7 @@ impl<B: Backend> SequenceState<B> {
             })
             .collect::<Result<_>>()?;
         Ok(Snapshot {
+            images: run_images(&self.images, self.tokens.len()),
             tokens: self.tokens,
             layers,
             routing: self.routing,
@@ -398,6 +409,7 @@ impl<B: Backend> SequenceState<B> {
             }
         }
         self.tokens.truncate(point.len);
+        self.images.retain(|img| img.at < point.len);
         self.routing.clone_from(&point.routing);
         if let Some(mtp) = &mut self.mtp {
             mtp.truncate(backend, point.len);
@@ -440,6 +452,11 @@ impl<B: Backend> Model<B> {
     /// `snapshot`'s values read back to the host (one wait on a GPU). Errors: a failed
     /// read-back.
     pub fn snapshot_image(&self, backend: &B, snapshot: &Snapshot<B>) -> Result<StateImage> {
+        if !snapshot.images.is_empty() {
+            return Err(Error::InvalidInput(
+                "a snapshot of a sequence with images is not written to disk".into(),
+            ));
+        }
         let len = snapshot.tokens.len();
         let kv_dim = self.config.num_key_value_heads * self.config.head_dim;
         let index_dim = self.index_dim();

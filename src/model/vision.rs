@@ -26,6 +26,7 @@
 
 use rayon::prelude::*;
 
+use super::ImageEmbedding;
 use crate::backend::cpu::{CpuBackend, CpuTensor};
 use crate::backend::{rotate_half, Backend};
 use crate::checkpoint::{Checkpoint, LinearWeight};
@@ -227,6 +228,18 @@ impl VisionTower {
         let mut h = self.apply(&self.merger_fc1, &folded);
         h.data.par_iter_mut().for_each(|v| *v = gelu(*v));
         Ok(self.apply(&self.merger_fc2, &h).data)
+    }
+
+    /// [`VisionTower::forward`] as the language model takes it: the rows with the merged
+    /// grid they lie on (`[t, h / merge, w / merge]`), for [`super::Model::place_images`].
+    /// Errors: as [`VisionTower::forward`].
+    pub fn embed(&self, patches: &Patches) -> Result<ImageEmbedding> {
+        let m = self.cfg.spatial_merge_size;
+        let g = patches.grid;
+        Ok(ImageEmbedding {
+            rows: self.forward(patches)?.into(),
+            grid: [g.t, g.h / m, g.w / m],
+        })
     }
 
     /// `x W^T + b` on the CPU backend's kernels.

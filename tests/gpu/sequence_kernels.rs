@@ -12,7 +12,7 @@ use crate::common::{gpu, random};
 
 use slotstream::backend::cpu::{CpuBackend, CpuTensor};
 use slotstream::backend::gpu::{GpuBackend, GpuTensor};
-use slotstream::backend::{AttnDims, Backend, DeltaDims, KeyMask};
+use slotstream::backend::{rope_table, AttnDims, Backend, DeltaDims, KeyMask};
 
 const TOL: f64 = 1e-5;
 
@@ -249,8 +249,9 @@ fn rope_matches_cpu() {
     ];
     for (t, heads, hd, rd, theta, start) in cases {
         let x = pair(&g, &random(t * heads * hd, -2.0, 2.0), t, heads * hd);
-        let want = CpuBackend.rope(&x.cpu, hd, rd, theta, start);
-        let got = g.rope(&x.gpu, hd, rd, theta, start);
+        let angles = rope_table(start, t, rd, theta);
+        let want = CpuBackend.rope(&x.cpu, hd, rd, &angles);
+        let got = g.rope(&x.gpu, hd, rd, &angles);
         let what =
             format!("rope T={t} heads={heads} hd={hd} rotary={rd} theta={theta} start={start}");
         let e = assert_rel(&what, &values(&what, &g, &got, &want), &want.data, TOL);

@@ -1,15 +1,17 @@
 //! Images: the image processor against transformers 5.24.0's `Qwen2VLImageProcessor`
-//! (tests/fixtures/qwen3_5-moe-vision, made by tools/make_vision_fixtures.py), and
-//! decoding's refusals.
+//! (tests/fixtures/qwen3_5-moe-vision, made by tools/make_vision_fixtures.py),
+//! decoding's refusals, the tower against transformers' `Qwen3_5MoeVisionModel`, and a
+//! prompt with images against the whole transformers model on every backend.
 
 use std::io::Cursor;
 
 use serde_json::Value;
 use slotstream::config::ModelConfig;
 use slotstream::image_processor::{decode, ImageProcessor};
+use slotstream::model::Logits;
 use slotstream::Error;
 
-use crate::common::{compare, fixture_dir, read_json};
+use crate::common::{backend_tests, compare, fixture_dir, load, read_json, TestBackend};
 
 const FIXTURE: &str = "qwen3_5-moe-vision";
 
@@ -440,4 +442,75 @@ fn tower_time_per_image() {
             (blocks + ends) / per / 1e9
         );
     }
+}
+
+backend_tests!(logits_with_images_match_transformers);
+
+/// The fixture's prompt with two images (a 2 x 5 grid of tokens, then one token) and text
+/// after each: the images through our processor and tower, their rows over the
+/// placeholders, and the M-RoPE positions; the teacher-forced logits of every position
+/// within 1e-3 of transformers' `Qwen3_5MoeForConditionalGeneration` (f32, the text
+/// fixture's weights dequantized, tools/make_vision_fixtures.py), the sequence's next
+/// position `get_rope_index`'s, and the same logits when the prompt is cut inside the
+/// first image and when its last token is decoded after the rest.
+fn logits_with_images_match_transformers<B: TestBackend>(b: &B) {
+    let dir = fixture_dir(FIXTURE);
+    let doc = read_json(&dir.join("image_prompt.json"));
+    let cases = read_json(&dir.join("vision_cases.json"));
+    let (ckpt, model, experts) = load(FIXTURE, b);
+    let tower = slotstream::model::VisionTower::load(&ckpt).unwrap();
+    let images: Vec<_> = (doc["images"].as_array().unwrap().iter())
+        .zip(doc["grids"].as_array().unwrap())
+        .map(|(name, grid)| {
+            let case = (cases["cases"].as_array().unwrap().iter())
+                .find(|c| c["image"] == *name)
+                .unwrap();
+            let png = std::fs::read(dir.join(name.as_str().unwrap())).unwrap();
+            let patches = processor_from(&case["processor"])
+                .preprocess(&decode(&png, 1 << 20).unwrap())
+                .unwrap();
+            let g = patches.grid;
+            assert_eq!(serde_json::json!([g.t, g.h, g.w]), *grid, "{name}");
+            tower.embed(&patches).unwrap()
+        })
+        .collect();
+    let ids: Vec<u32> = (doc["input_ids"].as_array().unwrap().iter())
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let npy =
+        npyz::NpyFile::new(std::fs::File::open(dir.join("image_logits.npy")).unwrap()).unwrap();
+    let vocab = npy.shape()[1] as usize;
+    let want: Vec<f32> = npy.into_vec().unwrap();
+    assert_eq!(want.len(), ids.len() * vocab);
+    let bound = b.pick(1e-3, 1e-3);
+
+    let mut state = model.new_state(b);
+    model.place_images(&mut state, &ids, &images).unwrap();
+    let got = model
+        .forward(b, &mut state, &ids, &experts, Logits::All)
+        .unwrap();
+    let mut worst = 0.0f64;
+    for (t, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let e = compare::assert_rel(&format!("{}: position {t}", b.name()), g, w, bound);
+        worst = worst.max(e);
+    }
+    eprintln!("{}: worst relative logit error {worst:.2e}", b.name());
+    let next = doc["next_position"].as_u64().unwrap() as usize;
+    assert_eq!(state.next_position(), next);
+    assert_ne!(next, ids.len(), "the images move the positions");
+
+    // Cut inside the first image (its tokens are 6..16), then the last token decoded.
+    let n = ids.len();
+    let mut state = model.new_state(b);
+    model.place_images(&mut state, &ids, &images).unwrap();
+    for piece in [&ids[..10], &ids[10..n - 1]] {
+        model
+            .forward(b, &mut state, piece, &experts, Logits::Last)
+            .unwrap();
+    }
+    let last = model
+        .forward(b, &mut state, &ids[n - 1..], &experts, Logits::Last)
+        .unwrap();
+    compare::assert_rel("decoded last token", &last, &want[(n - 1) * vocab..], bound);
+    assert_eq!(state.next_position(), next);
 }

@@ -506,11 +506,11 @@ impl Backend for CpuBackend {
         x: &CpuTensor,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f64,
-        start: usize,
+        angles: &[(f32, f32)],
     ) -> CpuTensor {
         let half = rotary_dim / 2;
-        let table = super::rope_table(start, x.rows, rotary_dim, theta);
+        assert_eq!(angles.len(), x.rows * half, "rope: one angle row per row");
+        let table = angles;
         let mut data = x.data.clone();
         for (t, row) in data.chunks_exact_mut(x.cols).enumerate() {
             let angles = &table[t * half..(t + 1) * half];

@@ -85,8 +85,7 @@ pub(super) fn rope(
     x: &GpuTensor,
     head_dim: usize,
     rotary_dim: usize,
-    theta: f64,
-    start: usize,
+    angles: &[(f32, f32)],
 ) -> GpuTensor {
     assert!(
         head_dim > 0 && x.cols.is_multiple_of(head_dim),
@@ -102,10 +101,12 @@ pub(super) fn rope(
     if n == 0 {
         return out;
     }
-    let table: Vec<f32> = crate::backend::rope_table(start, x.rows, rotary_dim, theta)
-        .into_iter()
-        .flat_map(|(cos, sin)| [cos, sin])
-        .collect();
+    assert_eq!(
+        angles.len(),
+        x.rows * (rotary_dim / 2),
+        "rope: one angle row per row"
+    );
+    let table: Vec<f32> = angles.iter().flat_map(|&(cos, sin)| [cos, sin]).collect();
     // The whole `Params` block of the shader, of which rope reads the first 4 fields.
     let params = AttnParams {
         n: n as u32,

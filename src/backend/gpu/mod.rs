@@ -617,10 +617,9 @@ impl Backend for GpuBackend {
         x: &GpuTensor,
         head_dim: usize,
         rotary_dim: usize,
-        theta: f64,
-        start: usize,
+        angles: &[(f32, f32)],
     ) -> GpuTensor {
-        attention::rope(self, x, head_dim, rotary_dim, theta, start)
+        attention::rope(self, x, head_dim, rotary_dim, angles)
     }
 
     fn new_kv_cache(&self, kv_dim: usize) -> GpuKvCache {

@@ -64,7 +64,7 @@ impl Preset {
                 fields.insert(
                     "rope_parameters".into(),
                     json!({"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": 0.25,
-                           "mrope_section": [11, 11, 10], "mrope_interleaved": true}),
+                           "mrope_section": mrope_section(self.head_dim), "mrope_interleaved": true}),
                 );
                 let mut top = json!({
                     "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
@@ -109,10 +109,6 @@ impl Preset {
                 }
             })
             .collect();
-        // M-RoPE sections over the 64 rotary dims' 32 frequencies: [11, 11, 10] (text
-        // positions use them all alike).
-        let half = self.head_dim / 8;
-        let section = (half * 11).div_ceil(32);
         // The release writes the base as an integer.
         let theta = self.rope_theta as u64;
         let mut text = serde_json::Map::new();
@@ -142,7 +138,7 @@ impl Preset {
                 "rope_parameters",
                 json!({"rope_type": "default", "rope_theta": theta,
                        "partial_rotary_factor": 0.25, "mrope_interleaved": true,
-                       "mrope_section": [section, section, half - 2 * section]}),
+                       "mrope_section": mrope_section(self.head_dim)}),
             ),
             ("linear_num_key_heads", json!(self.linear_key_heads)),
             ("linear_num_value_heads", json!(self.linear_value_heads)),
@@ -227,4 +223,12 @@ impl Preset {
             top[k] = value;
         }
     }
+}
+
+/// M-RoPE sections of a head of `head_dim` with a partial rotary factor of 0.25: the
+/// released `[11, 11, 10]` of 32 frequencies, scaled to `head_dim / 8` (they must sum to it).
+fn mrope_section(head_dim: usize) -> [usize; 3] {
+    let half = head_dim / 8;
+    let section = (half * 11).div_ceil(32).min(half / 2);
+    [section, section, half - 2 * section]
 }
