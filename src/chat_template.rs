@@ -12,6 +12,7 @@
 //! whole, so there the user's text would open a turn of its own).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -46,6 +47,23 @@ pub struct Message {
     /// The name of the tool or participant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The message's images (OpenAI's `image_url` parts, Anthropic's image blocks,
+    /// Ollama's `images`, the CLI's `--image`), in order. The template then gets the
+    /// content as parts, as transformers passes them: `{"type": "image"}` for each image
+    /// and `{"type": "text", "text": ...}` between (a Qwen3.5 template renders an image
+    /// as `<|vision_start|><|image_pad|><|vision_end|>`).
+    #[serde(skip)]
+    pub images: Vec<ChatImage>,
+}
+
+/// An image in a message: its encoded bytes (PNG, JPEG, WebP, GIF; decoded by the engine)
+/// and where it goes in the message's text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatImage {
+    /// Byte offset in `content` the image comes before (a char boundary; `content.len()`
+    /// puts it after the text).
+    pub at: usize,
+    pub bytes: Arc<[u8]>,
 }
 
 impl Message {
@@ -172,6 +190,11 @@ pub struct Chat {
 pub const RESERVED_KWARGS: [&str; 3] = ["messages", "tools", "add_generation_prompt"];
 
 impl Chat {
+    /// Every message's images, in the order the prompt places them.
+    pub fn images(&self) -> impl Iterator<Item = &ChatImage> {
+        self.messages.iter().flat_map(|m| &m.images)
+    }
+
     /// A conversation without tools or variables.
     pub fn new(messages: Vec<Message>) -> Self {
         Chat {
@@ -419,8 +442,25 @@ impl ChatTemplate {
         for (k, v) in &chat.kwargs {
             context.insert(k.clone(), mark(v.clone()));
         }
-        let messages = serde_json::to_value(&chat.messages)
+        let mut messages = serde_json::to_value(&chat.messages)
             .map_err(|e| Error::Internal(format!("messages: {e}")))?;
+        if chat.images().next().is_some() {
+            if !self.source.contains("image") {
+                return Err(err(
+                    "this model's chat template does not render images, so it cannot be given any"
+                        .into(),
+                ));
+            }
+            for (m, v) in chat
+                .messages
+                .iter()
+                .zip(messages.as_array_mut().into_iter().flatten())
+            {
+                if !m.images.is_empty() {
+                    v["content"] = content_parts(m)?;
+                }
+            }
+        }
         context.insert("messages".into(), mark(messages));
         context.insert(
             "tools".into(),
@@ -486,6 +526,33 @@ pub fn tool_name(tool: &Value) -> Option<&str> {
 }
 
 /// `value` with every string (keys included) marked as data.
+/// A message's content as transformers passes parts to a template: its text cut at its
+/// images' offsets, `{"type": "text", "text": ...}` and `{"type": "image"}` in order.
+/// Errors: an offset beyond the text or inside a character.
+fn content_parts(m: &Message) -> Result<Value> {
+    let mut parts = Vec::new();
+    let mut done = 0;
+    let text = |s: &str| serde_json::json!({"type": "text", "text": s});
+    for image in &m.images {
+        if image.at < done || !m.content.is_char_boundary(image.at) {
+            return Err(Error::InvalidInput(format!(
+                "an image at byte {} of a message of {} bytes",
+                image.at,
+                m.content.len()
+            )));
+        }
+        if image.at > done {
+            parts.push(text(&m.content[done..image.at]));
+        }
+        parts.push(serde_json::json!({"type": "image"}));
+        done = image.at;
+    }
+    if done < m.content.len() {
+        parts.push(text(&m.content[done..]));
+    }
+    Ok(Value::Array(parts))
+}
+
 fn mark_strings(tokenizer: &Tokenizer, value: Value) -> Value {
     match value {
         Value::String(s) => Value::String(tokenizer.mark_data(&s)),

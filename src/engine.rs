@@ -49,7 +49,8 @@ use crate::constraint::{Constraint, Grammar, Vocabulary};
 use crate::error::{Error, Result};
 use crate::experts::{open_source, AnyExperts, SourceOptions};
 use crate::generate::{GenerateOptions, GenerateStats};
-use crate::model::{Logits, Model};
+use crate::image_processor::{decode as decode_image, ImageProcessor};
+use crate::model::{ImageEmbedding, Logits, Model, VisionTower};
 use crate::ngram::{NgramCounts, NgramTable};
 use crate::plan::{ContextCost, Plan};
 use crate::pool::{PoolStats, ResidentSet, SlotPool, TraceEvent};
@@ -76,7 +77,26 @@ pub struct EngineOptions {
     pub prompt_cache: PromptCacheOptions,
     /// The MTP draft head: whether it is loaded, from where, and drafts per step.
     pub mtp: MtpOptions,
+    /// Whether images are taken (the CLI's `--vision`): the vision tower is loaded on
+    /// the first image, never by a text-only run.
+    pub vision: VisionMode,
 }
+
+/// Whether the engine takes images (the CLI's `--vision`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VisionMode {
+    /// The vision tower is loaded on the first image of a model that has one; a model
+    /// without one refuses images with a clear error.
+    #[default]
+    Auto,
+    /// Images are refused (the tower is never loaded).
+    Off,
+}
+
+/// The most pixels an image may have before it is resized (50 megapixels: a decoded
+/// image then takes at most about 800 MB while it is read); larger ones are refused
+/// from their header.
+pub const MAX_IMAGE_PIXELS: u64 = 50_000_000;
 
 /// Whether the engine loads the checkpoint's MTP head and drafts with it (the CLI's
 /// `--mtp`).
@@ -123,6 +143,7 @@ impl Default for EngineOptions {
             source: SourceOptions::default(),
             prompt_cache: PromptCacheOptions::default(),
             mtp: MtpOptions::default(),
+            vision: VisionMode::default(),
         }
     }
 }
@@ -156,6 +177,10 @@ pub enum Input {
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
+    /// Token ids whose image placeholders (`<|image_pad|>`, one an image, as a chat
+    /// template renders them: [`Engine::encode_chat`]) stand for these encoded images, in
+    /// order (the server's and the CLI's chats with images).
+    IdsWithImages(Vec<u32>, Vec<Arc<[u8]>>),
 }
 
 impl Request {
@@ -299,9 +324,12 @@ struct Shared {
 /// Runs one request to completion, sending events; object-safe so the engine can hold
 /// either backend.
 trait Runner: Send + Sync {
+    /// Generates from `prompt`, whose image placeholders (one each, as the template
+    /// renders them) stand for `images` (encoded), in order.
     fn run(
         &self,
         prompt: &[u32],
+        images: &[Arc<[u8]>],
         options: &GenerateOptions,
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
@@ -328,6 +356,108 @@ struct Loaded<B: Backend> {
     model: Model<B>,
     experts: AnyExperts,
     cache: Mutex<PromptCache<B>>,
+    vision: Vision,
+}
+
+/// The vision tower and its image processor, loaded on the first image
+/// ([`EngineOptions::vision`]).
+struct Vision {
+    ckpt: Arc<Checkpoint>,
+    mode: VisionMode,
+    tower: OnceLock<std::result::Result<Arc<(VisionTower, ImageProcessor)>, String>>,
+    /// The last images' rows (by [`ImageEmbedding::key`]): a conversation sends its
+    /// images again every turn, and the tower need not run on them again.
+    recent: Mutex<Vec<ImageEmbedding>>,
+}
+
+impl Vision {
+    /// Whether images can be taken. Errors: images are off, the model has no tower.
+    fn available(&self) -> Result<()> {
+        if self.mode == VisionMode::Off {
+            return Err(Error::InvalidInput(
+                "images are turned off (--vision off)".into(),
+            ));
+        }
+        if self.ckpt.config.vision.is_none() {
+            return Err(Error::InvalidInput(
+                "this model has no vision tower (no vision_config): it takes no images".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Images' rows [`Vision`] keeps for later turns.
+const RECENT_IMAGES: usize = 8;
+
+impl Vision {
+    /// The tower's rows of each encoded image: decoded (at most [`MAX_IMAGE_PIXELS`]),
+    /// resized and cut into patches as the model's processor does, through the tower
+    /// (loaded now if it is not yet). Errors: [`Error::Image`] for an image that cannot be
+    /// used, [`Error::InvalidInput`] when images are off or the model has no tower.
+    fn embed(&self, images: &[Arc<[u8]>]) -> Result<Vec<ImageEmbedding>> {
+        self.available()?;
+        let loaded = self.tower.get_or_init(|| {
+            let start = std::time::Instant::now();
+            let tower = VisionTower::load(&self.ckpt).map_err(|e| e.to_string())?;
+            let processor = ImageProcessor::from_dir(&self.ckpt.dir, tower.config())
+                .map_err(|e| e.to_string())?;
+            tracing::info!(
+                seconds = start.elapsed().as_secs_f64(),
+                "vision tower loaded (first image)"
+            );
+            Ok(Arc::new((tower, processor)))
+        });
+        let (tower, processor) = &**loaded
+            .as_ref()
+            .map_err(|e| Error::InvalidInput(e.clone()))?;
+        images
+            .iter()
+            .map(|bytes| {
+                let patches = processor.preprocess(&decode_image(bytes, MAX_IMAGE_PIXELS)?)?;
+                let key = patches.key();
+                let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(i) = recent.iter().position(|e| e.key == key) {
+                    let e = recent.remove(i);
+                    recent.push(e.clone());
+                    return Ok(e);
+                }
+                let e = tower.embed(&patches)?;
+                if recent.len() == RECENT_IMAGES {
+                    recent.remove(0);
+                }
+                recent.push(e.clone());
+                Ok(e)
+            })
+            .collect()
+    }
+}
+
+/// `prompt` with each image placeholder (`image_token`) repeated for its image's tokens
+/// (transformers' processor expands `<|image_pad|>` so). Errors: as many placeholders as
+/// images are needed.
+fn expand_placeholders(
+    prompt: &[u32],
+    image_token: u32,
+    images: &[ImageEmbedding],
+) -> Result<Vec<u32>> {
+    let found = prompt.iter().filter(|&&t| t == image_token).count();
+    if found != images.len() {
+        return Err(Error::InvalidInput(format!(
+            "the prompt has {found} image placeholders for {} images",
+            images.len()
+        )));
+    }
+    let extra: usize = images.iter().map(|i| i.tokens() - 1).sum();
+    let mut out = Vec::with_capacity(prompt.len() + extra);
+    let mut next = images.iter();
+    for &t in prompt {
+        match (t == image_token).then(|| next.next()).flatten() {
+            Some(image) => out.extend(std::iter::repeat_n(t, image.tokens())),
+            None => out.push(t),
+        }
+    }
+    Ok(out)
 }
 
 /// What prompts need, read before the weights ([`Engine::open`]): the tokenizer, the chat
@@ -402,7 +532,7 @@ impl Front {
 
     fn encode(&self, input: &Input) -> Result<Vec<u32>> {
         let ids = match input {
-            Input::Ids(ids) => {
+            Input::Ids(ids) | Input::IdsWithImages(ids, _) => {
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.vocab) {
                     return Err(Error::InvalidInput(format!(
                         "token id {bad} is out of range for a vocabulary of {} tokens",
@@ -794,6 +924,11 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let prefilled = Arc::new(AtomicUsize::new(0));
+        let images: Vec<Arc<[u8]>> = match &request.input {
+            Input::Chat(chat) => chat.images().map(|i| i.bytes.clone()).collect(),
+            Input::IdsWithImages(_, images) => images.clone(),
+            Input::Text(_) | Input::Ids(_) => Vec::new(),
+        };
         let prepared = self.encode(&request.input).and_then(|prompt| {
             request.sampling.validate()?;
             // The tokens are decoded as they come.
@@ -832,7 +967,7 @@ impl Engine {
                     }
                     let tx2 = tx.clone();
                     let outcome = tokio::task::spawn_blocking(move || {
-                        guard.run(&prompt, &options, &shared, &tx2)
+                        guard.run(&prompt, &images, &options, &shared, &tx2)
                     })
                     .await;
                     let err = match outcome {
@@ -983,6 +1118,12 @@ fn load_on<B: Backend + 'static>(
         model,
         experts: source.experts,
         cache: Mutex::new(cache),
+        vision: Vision {
+            ckpt: ckpt.clone(),
+            mode: options.vision,
+            tower: OnceLock::new(),
+            recent: Mutex::new(Vec::new()),
+        },
     };
     Ok(Opened {
         loaded,
@@ -1016,10 +1157,35 @@ impl<B: Backend> Runner for Loaded<B> {
     fn run(
         &self,
         prompt: &[u32],
+        images: &[Arc<[u8]>],
         options: &GenerateOptions,
         shared: &Shared,
         events: &mpsc::UnboundedSender<Result<Event>>,
     ) -> Result<()> {
+        let image_token = (self.model.config.vision.as_ref()).map(|v| v.image_token_id);
+        let placeholders = image_token.map_or(0, |t| prompt.iter().filter(|&&p| p == t).count());
+        let (expanded, images) = match (images, placeholders) {
+            ([], 0) => (None, Vec::new()),
+            // Checked before the tower runs (or loads): a placeholder without its image
+            // would run as the plain token embedding, a silent wrong answer.
+            (images, found) if images.len() != found => {
+                if !images.is_empty() {
+                    self.vision.available()?;
+                }
+                return Err(Error::InvalidInput(format!(
+                    "the prompt has {found} image placeholders for {} images",
+                    images.len()
+                )));
+            }
+            (images, _) => {
+                let images = self.vision.embed(images)?;
+                let image_token = image_token.unwrap_or(u32::MAX);
+                let expanded = expand_placeholders(prompt, image_token, &images)?;
+                crate::context::room(expanded.len(), shared.front.context)?;
+                (Some(expanded), images)
+            }
+        };
+        let prompt = expanded.as_deref().unwrap_or(prompt);
         // Requests run one at a time (the engine's runner lock): this never waits.
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(pool) = &shared.pool {
@@ -1027,11 +1193,12 @@ impl<B: Backend> Runner for Loaded<B> {
         }
         let tokenizer = shared.front.tokenizer()?;
         let mut decoder = StreamDecoder::new();
-        let generated = cache.generate(
+        let generated = cache.generate_with_images(
             &self.model,
             &self.backend,
             &self.experts,
             prompt,
+            &images,
             options,
             |sampled| {
                 let text = decoder.push(tokenizer, sampled.id)?;

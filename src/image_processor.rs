@@ -21,6 +21,7 @@ use std::path::Path;
 
 use image::{ImageFormat, ImageReader, Limits, RgbImage};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 use crate::config::VisionConfig;
 use crate::error::{Error, Result};
@@ -74,6 +75,21 @@ pub struct Patches {
     pub values: Vec<f32>,
     /// The image's tokens after the merger (`patches / merge_size²`).
     pub tokens: usize,
+}
+
+impl Patches {
+    /// The image's identity for prompt reuse: the first 8 bytes of the SHA-256 of its grid
+    /// and patch values (its pixels as the tower sees them), so the same picture gives the
+    /// same key and a different one with the same token count another.
+    pub fn key(&self) -> u64 {
+        let mut h = Sha256::new();
+        for side in [self.grid.t, self.grid.h, self.grid.w] {
+            h.update((side as u64).to_le_bytes());
+        }
+        h.update(bytemuck::cast_slice::<f32, u8>(&self.values));
+        let digest = h.finalize();
+        u64::from_le_bytes(digest[..8].try_into().unwrap_or_default())
+    }
 }
 
 impl ImageProcessor {

@@ -9,7 +9,8 @@ Qwen3's template, a tool round trip (tools, a tool_use turn and its tool_result)
 the prompt; on a copy whose template opens a `<think>` block, a thinking block comes back
 with a signature that is accepted when sent back and refused when its text is edited; on
 a copy with no end of sequence and a queue of one, a second request while a stream runs
-raises OverloadedError (529). Exits non-zero on any mismatch. Pinned client version:
+raises OverloadedError (529); on the vision fixture, a base64 image block gives `slotstream
+generate --image`'s text. Exits non-zero on any mismatch. Pinned client version:
 tools/requirements-clients.txt.
 """
 
@@ -18,7 +19,18 @@ import tempfile
 
 import anthropic
 
-from client_common import check, generate, model_copy, qwen3_template, start, stop
+from client_common import (
+    IMAGE,
+    IMAGE_QUESTION,
+    check,
+    generate,
+    image_base64,
+    model_copy,
+    qwen3_template,
+    start,
+    stop,
+    vision_model,
+)
 
 KEY = "ci-key"
 WEATHER = {
@@ -125,6 +137,24 @@ def main():
                     raise SystemExit("a request beyond the queue was accepted")
                 except anthropic.OverloadedError as e:
                     check("full queue", e.status_code, 529)
+        finally:
+            stop(server)
+    check_images(binary)
+
+
+def check_images(binary):
+    """A base64 image block before the question gives `slotstream generate --image`'s text."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = vision_model(tmp)
+        want = generate(binary, model, "--image", IMAGE, "--prompt", IMAGE_QUESTION, "--max-tokens", "8")
+        server, base = start(binary, model, "--api-key", KEY)
+        try:
+            source = {"type": "base64", "media_type": "image/png", "data": image_base64()}
+            content = [{"type": "image", "source": source}, {"type": "text", "text": IMAGE_QUESTION}]
+            r = client_for(base).messages.create(
+                model="m", max_tokens=8, messages=[{"role": "user", "content": content}]
+            )
+            check("image: text", r.content[0].text if r.content else "", want["text"])
         finally:
             stop(server)
 

@@ -29,6 +29,34 @@ def qwen3_template():
         return json.load(f)["chat_template"]
 
 
+# A chat template that renders images as Qwen3.5's does (tests/integration/vision.rs).
+IMAGE_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for item in message.content %}"
+    "{%- if item.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+VISION_FIXTURE = os.path.join(HERE, "..", "tests", "fixtures", "qwen3_5-moe-vision")
+# A picture of the vision fixture: 64 x 160 pixels, 10 tokens at the processor's bounds.
+IMAGE = os.path.join(VISION_FIXTURE, "image1.png")
+IMAGE_QUESTION = "What is in the picture?"
+
+
+def vision_model(tmp):
+    """A copy of the vision fixture (a small random tower on the Qwen3.5-MoE text fixture)
+    with a template that renders images, and the reference `slotstream generate --image`
+    gives for IMAGE before IMAGE_QUESTION (8 tokens)."""
+    return model_copy(VISION_FIXTURE, tmp, IMAGE_TEMPLATE)
+
+
+def image_base64():
+    import base64
+
+    with open(IMAGE, "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
 def model_copy(model, tmp, template=None, no_eos=False):
     """A copy of `model` in `tmp` with `template` as its chat template and, with `no_eos`,
     no end of sequence (its streams run to their token limit)."""

@@ -4,11 +4,12 @@ Usage: python tools/ollama_client_test.py SLOTSTREAM_BINARY MODEL_DIR
 
 Checks that chat and generate, streamed and not, give exactly the text `slotstream
 generate` gives (greedy), with Ollama's counts; that list, show and ps describe the
-model and /api/version answers; that an image is refused with the client's
-ResponseError (400); on a copy of the model with Qwen3's template, that tools and a
+model and /api/version answers; that an image the model's template cannot render is
+refused with the client's ResponseError (400); on a copy of the model with Qwen3's template, that tools and a
 tool-call history (arguments as objects, `tool_name` on the result) reach the prompt and
 that `think=False` renders as `slotstream generate --think off`; and that
-`ollama.Client()` with no host finds a server started without `--port`. Exits non-zero
+`ollama.Client()` with no host finds a server started without `--port`; on the vision
+fixture, `images` on chat and generate give `slotstream generate --image`'s text. Exits non-zero
 on any mismatch. Pinned client version: tools/requirements-clients.txt.
 """
 
@@ -22,7 +23,18 @@ import urllib.request
 
 import ollama
 
-from client_common import WEATHER, check, generate, model_copy, qwen3_template, start, stop
+from client_common import (
+    IMAGE,
+    IMAGE_QUESTION,
+    WEATHER,
+    check,
+    generate,
+    model_copy,
+    qwen3_template,
+    start,
+    stop,
+    vision_model,
+)
 
 
 
@@ -67,6 +79,27 @@ def main():
         stop(server)
     check_tools(binary, model)
     check_default_port(binary, model)
+    check_images(binary)
+
+
+def check_images(binary):
+    """`images` (the client sends the file base64) before the text give `slotstream
+    generate --image`'s text, on /api/chat and /api/generate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = vision_model(tmp)
+        want = generate(binary, model, "--image", IMAGE, "--prompt", IMAGE_QUESTION, "--max-tokens", "8")
+        server, base = start(binary, model)
+        try:
+            client = ollama.Client(host=base)
+            options = {"num_predict": 8, "temperature": 0}
+            r = client.chat(
+                model="m", messages=[{"role": "user", "content": IMAGE_QUESTION, "images": [IMAGE]}], options=options
+            )
+            check("image: chat text", r.message.content, want["text"])
+            r = client.generate(model="m", prompt=IMAGE_QUESTION, images=[IMAGE], options=options)
+            check("image: generate text", r.response, want["text"])
+        finally:
+            stop(server)
 
 
 def check_tools(binary, model):

@@ -17,7 +17,9 @@ generate --think off`; a required call's opening continued by the random model, 
 to the tool's schema, is a valid call (or text when max_tokens cuts it). Last, constrained
 output and log-probabilities: `chat.completions.parse` with a Pydantic model (the reply
 parses into it), and `logprobs=True, top_logprobs=5`, whole and streamed (and the same values
-through `responses.create` and `responses.stream` with `include`). Exits non-zero
+through `responses.create` and `responses.stream` with `include`). Then images, on the
+vision fixture: an `image_url` data URL and a Responses `input_image` give `slotstream
+generate --image`'s text, and an http URL is a 400. Exits non-zero
 on any mismatch. Pinned client version:
 tools/requirements-clients.txt.
 """
@@ -30,7 +32,19 @@ import openai
 from pydantic import BaseModel, Field
 from typing import Literal
 
-from client_common import WEATHER, check, generate, model_copy, qwen3_template, start, stop
+from client_common import (
+    IMAGE,
+    IMAGE_QUESTION,
+    WEATHER,
+    check,
+    generate,
+    image_base64,
+    model_copy,
+    qwen3_template,
+    start,
+    stop,
+    vision_model,
+)
 
 KEY = "ci-key"
 
@@ -96,6 +110,41 @@ def main():
         stop(server)
     check_tools(binary, model)
     check_constrained(binary, model)
+    check_images(binary)
+
+
+def check_images(binary):
+    """An image as a data URL in a chat `image_url` part and a Responses `input_image`
+    gives `slotstream generate --image`'s text; an http(s) URL is a 400."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = vision_model(tmp)
+        want = generate(binary, model, "--image", IMAGE, "--prompt", IMAGE_QUESTION, "--max-tokens", "8")
+        server, base = start(binary, model)
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+            url = "data:image/png;base64," + image_base64()
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": IMAGE_QUESTION}]
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+            )
+            check("image: chat text", r.choices[0].message.content, want["text"])
+            check("image: chat prompt tokens", r.usage.prompt_tokens, len(want["prompt_ids"]))
+            r = client.responses.create(
+                model="m",
+                input=[{"role": "user", "content": [
+                    {"type": "input_image", "image_url": url}, {"type": "input_text", "text": IMAGE_QUESTION}]}],
+                max_output_tokens=8,
+                temperature=0,
+            )
+            check("image: responses text", r.output_text, want["text"])
+            try:
+                web = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": web}], max_tokens=2)
+                raise SystemExit("an http image URL was accepted")
+            except openai.BadRequestError as e:
+                check("image: an http URL is a 400 naming data URLs", "data: URL" in str(e), True)
+        finally:
+            stop(server)
 
 
 class City(BaseModel):

@@ -9,7 +9,7 @@ use slotstream::io::IoMode;
 
 use super::flags::{
     BudgetArgs, ContextSize, DraftArgs, IoArgs, OnOff, PrefillArgs, PromptCacheArgs, SamplingArgs,
-    StreamArgs, TemplateArgs, TraceArgs,
+    StreamArgs, TemplateArgs, TraceArgs, VisionFlag,
 };
 use super::generate::{run_generate, GenerateArgs};
 
@@ -69,6 +69,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
         prompt_file: None,
         prompt_ids: None,
         raw: false,
+        images: Vec::new(),
         template: TemplateArgs::default(),
         max_tokens: args.max_tokens,
         sampling: SamplingArgs::default(),
@@ -95,6 +96,7 @@ pub fn demo(args: DemoArgs) -> Result<()> {
                 draft_tokens: 1,
                 ..DraftArgs::default()
             },
+            vision: VisionFlag::Off,
         },
         trace: TraceArgs::default(),
         visible_controls: true,

@@ -248,6 +248,28 @@ pub struct StreamArgs {
     pub lookahead: OnOff,
     #[command(flatten)]
     pub draft: DraftArgs,
+    /// Images: `auto` takes them (the model's vision tower is loaded on the first one),
+    /// `off` refuses them.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub vision: VisionFlag,
+}
+
+/// `--vision`'s values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum VisionFlag {
+    #[default]
+    Auto,
+    Off,
+}
+
+impl VisionFlag {
+    /// The engine's mode for this flag.
+    pub fn mode(self) -> slotstream::engine::VisionMode {
+        match self {
+            VisionFlag::Auto => slotstream::engine::VisionMode::Auto,
+            VisionFlag::Off => slotstream::engine::VisionMode::Off,
+        }
+    }
 }
 
 /// Speculative decoding with the checkpoint's MTP draft head.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use slotstream::chat_template::{Chat, Message};
+use slotstream::chat_template::{Chat, ChatImage, Message};
 use slotstream::constraint::Grammar;
 use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
@@ -38,6 +38,11 @@ pub struct GenerateArgs {
     /// count as those tokens).
     #[arg(long)]
     pub raw: bool,
+    /// An image for the prompt, before its text (repeatable: in order): PNG, JPEG, WebP
+    /// or a GIF's first frame, through the model's vision tower (loaded now; see
+    /// `--vision`). Needs the chat template (not `--raw` or `--prompt-ids`).
+    #[arg(long = "image", value_name = "PATH")]
+    pub images: Vec<PathBuf>,
     #[command(flatten)]
     pub template: TemplateArgs,
     /// Stop after this many new tokens.
@@ -170,12 +175,28 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     if args.template.is_set() && !template {
         bail!(TEMPLATE_VARIABLES);
     }
+    let images = (args.images.iter())
+        .map(|path| {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            Ok(ChatImage {
+                at: 0,
+                bytes: bytes.into(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     // A text is wrapped in the chat template unless --raw (or the model has none).
     let input = match input {
         Input::Text(text) if !args.raw && template => Input::Chat(Chat {
             kwargs,
-            ..Chat::new(vec![Message::new("user", &text)])
+            ..Chat::new(vec![Message {
+                images,
+                ..Message::new("user", &text)
+            }])
         }),
+        _ if !images.is_empty() => {
+            bail!("--image needs the chat template: a prompt text without --raw, and a model with a template")
+        }
         input => input,
     };
     let (prompt, thinking_open) = match &input {
@@ -193,7 +214,14 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     let engine = &loaded.engine;
     loaded.announce_prefill(prompt.len(), args.prefill.max_prefill_wait)?;
     let generation = loaded.generate(Request {
-        input: Input::Ids(prompt.clone()),
+        // The engine puts the images' tokens in.
+        input: match &input {
+            Input::Chat(chat) if chat.images().next().is_some() => Input::IdsWithImages(
+                prompt.clone(),
+                chat.images().map(|i| i.bytes.clone()).collect(),
+            ),
+            _ => Input::Ids(prompt.clone()),
+        },
         max_tokens: args.max_tokens,
         sampling,
         logprobs: None,

@@ -64,6 +64,7 @@ pub fn engine_options(
         source,
         prompt_cache,
         mtp: stream.draft.options(),
+        vision: stream.vision.mode(),
     })
 }
 

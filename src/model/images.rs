@@ -22,6 +22,22 @@ pub struct ImageEmbedding {
     pub grid: [usize; 3],
     /// `[t * h * w, hidden_size]` f32, row-major: one row per placeholder token.
     pub rows: Arc<[f32]>,
+    /// The image's identity: a hash of its pixels as the tower saw them
+    /// (`Patches::key`). Prompt reuse compares it, since every image's placeholders are
+    /// the same token.
+    pub key: u64,
+}
+
+/// Where an image lies in a sequence and which it is, for prompt reuse: a snapshot
+/// continues a prompt only where their images are the same ones at the same places.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageSpan {
+    /// Sequence index of the image's first token.
+    pub at: usize,
+    /// Its tokens.
+    pub tokens: usize,
+    /// [`ImageEmbedding::key`].
+    pub key: u64,
 }
 
 impl ImageEmbedding {
@@ -47,6 +63,14 @@ pub(super) struct PlacedImage {
 impl PlacedImage {
     fn end(&self) -> usize {
         self.at + self.image.tokens()
+    }
+
+    pub(super) fn span(&self) -> ImageSpan {
+        ImageSpan {
+            at: self.at,
+            tokens: self.image.tokens(),
+            key: self.image.key,
+        }
     }
 }
 
@@ -185,6 +209,7 @@ mod tests {
         ImageEmbedding {
             grid,
             rows: (0..n * 2).map(|v| v as f32).collect(),
+            key: n as u64,
         }
     }
 

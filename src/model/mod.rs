@@ -46,8 +46,8 @@ use std::sync::{Arc, Mutex};
 use attention::{Attention, IndexKeys};
 use delta_net::{DeltaNet, FusedRows};
 use head::Head;
-pub use images::ImageEmbedding;
 use images::PlacedImage;
+pub use images::{ImageEmbedding, ImageSpan};
 use load::Loader;
 pub use load::NormConvention;
 pub use moe::SWEEP_MIN_TOKENS;
@@ -393,6 +393,22 @@ impl<B: Backend> Model<B> {
         state.images.retain(|img| img.at < len);
         state.images.extend(placed);
         Ok(())
+    }
+
+    /// Where `images` lie among `ids` (a sequence's first tokens), as
+    /// [`Model::place_images`] would place them. Errors: as [`Model::place_images`].
+    pub fn image_spans(&self, ids: &[u32], images: &[ImageEmbedding]) -> Result<Vec<ImageSpan>> {
+        let mut state = SequenceState::<B> {
+            layers: Vec::new(),
+            tokens: Vec::new(),
+            images: Vec::new(),
+            routing: None,
+            broken: false,
+            writer: Writer::new_line(),
+            mtp: None,
+        };
+        self.place_images(&mut state, ids, images)?;
+        Ok(state.images.iter().map(PlacedImage::span).collect())
     }
 
     /// Runs `ids` through the model after the tokens already in `state`, updating it.

@@ -127,6 +127,11 @@ impl<B: Backend> Snapshot<B> {
         &self.tokens
     }
 
+    /// The images among [`Snapshot::tokens`] (the last may reach beyond them).
+    pub fn image_spans(&self) -> Vec<super::ImageSpan> {
+        self.images.iter().map(PlacedImage::span).collect()
+    }
+
     /// A sequence continuing from this snapshot (which stays as it is): the conv and
     /// recurrent states copied; the KV caches taken over in place or copied, as the
     /// module documentation explains. Errors: a lost device.

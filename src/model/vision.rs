@@ -239,6 +239,7 @@ impl VisionTower {
         Ok(ImageEmbedding {
             rows: self.forward(patches)?.into(),
             grid: [g.t, g.h / m, g.w / m],
+            key: patches.key(),
         })
     }
 

@@ -27,6 +27,11 @@
 //! against [`PromptCacheOptions::memory`]; the least recently used snapshot goes first
 //! when a new one would exceed it.
 //!
+//! Images ([`PromptCache::generate_with_images`]): every image's placeholders are the same
+//! token, so a snapshot continues a prompt only where it holds the same images (by
+//! [`ImageEmbedding::key`], a hash of their pixels) at the same places, and never from
+//! inside an image. Snapshots with images stay in memory.
+//!
 //! Disk ([`PromptCacheOptions::dir`]): [`PromptCache::save`] writes the snapshots the
 //! last requests made (with their KV rows), to be found again after a restart
 //! (`disk.rs`). Nothing read back is trusted: a file is used only when its tokens are the
@@ -43,7 +48,7 @@ use crate::backend::Backend;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::generate::{generate_with, GenerateOptions, GenerateStats, PrefillStops, Sampled};
-use crate::model::{Model, SequenceState, Snapshot};
+use crate::model::{ImageEmbedding, ImageSpan, Model, SequenceState, Snapshot};
 use crate::records::ExpertSource;
 
 use disk::DiskCache;
@@ -204,6 +209,23 @@ impl<B: Backend> PromptCache<B> {
         experts: &E,
         prompt: &[u32],
         options: &GenerateOptions,
+        on_token: impl FnMut(&Sampled) -> Result<bool>,
+    ) -> Result<Generated> {
+        self.generate_with_images(model, backend, experts, prompt, &[], options, on_token)
+    }
+
+    /// [`PromptCache::generate`] of a prompt with `images` over its image placeholders
+    /// ([`Model::place_images`]). Errors: as [`PromptCache::generate`], and placeholders
+    /// that do not hold the images.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_with_images<E: ExpertSource>(
+        &mut self,
+        model: &Model<B>,
+        backend: &B,
+        experts: &E,
+        prompt: &[u32],
+        images: &[ImageEmbedding],
+        options: &GenerateOptions,
         mut on_token: impl FnMut(&Sampled) -> Result<bool>,
     ) -> Result<Generated> {
         if prompt.is_empty() {
@@ -211,7 +233,15 @@ impl<B: Backend> PromptCache<B> {
                 "the prompt is empty (nothing to continue from)".into(),
             ));
         }
-        let (mut state, mut from) = self.start(model, backend, prompt);
+        let spans = model.image_spans(prompt, images)?;
+        // The images the state has not run go in (a snapshot never ends inside one).
+        let place = |state: &mut SequenceState<B>, from: Option<Reuse>| -> Result<()> {
+            let reused = from.map_or(0, |s| s.reused);
+            let run = spans.iter().take_while(|s| s.at < reused).count();
+            model.place_images(state, &prompt[reused..], &images[run..])
+        };
+        let (mut state, mut from) = self.start(model, backend, prompt, &spans);
+        place(&mut state, from)?;
         let run = loop {
             let run = self.run(
                 model,
@@ -233,6 +263,7 @@ impl<B: Backend> PromptCache<B> {
             );
             self.drop_snapshot(backend, &prompt[..start.reused]);
             (state, from) = (model.new_state(backend), None);
+            place(&mut state, from)?;
         };
         match from {
             Some(start) => {
@@ -308,25 +339,36 @@ impl<B: Backend> PromptCache<B> {
         model: &Model<B>,
         backend: &B,
         prompt: &[u32],
+        spans: &[ImageSpan],
     ) -> (SequenceState<B>, Option<Reuse>) {
         if !self.enabled() {
             return (model.new_state(backend), None);
         }
         self.clock += 1;
         let fits = |tokens: &[u32]| tokens.len() < prompt.len() && prompt.starts_with(tokens);
+        // The prompt's images a snapshot of `len` tokens must hold, unless one is cut.
+        let same_images = |len: usize, held: Vec<ImageSpan>| {
+            let within: Vec<ImageSpan> = spans.iter().filter(|s| s.at < len).copied().collect();
+            within.iter().all(|s| s.at + s.tokens <= len) && held == within
+        };
+        // Snapshots on disk have no images: none may reach the prompt's first.
+        let disk_prompt = &prompt[..spans.first().map_or(prompt.len(), |s| s.at + 1)];
         loop {
             let best = self
                 .entries
                 .iter()
                 .enumerate()
-                .filter(|(_, e)| fits(e.snapshot.tokens()))
+                .filter(|(_, e)| {
+                    let tokens = e.snapshot.tokens();
+                    fits(tokens) && same_images(tokens.len(), e.snapshot.image_spans())
+                })
                 .max_by_key(|(_, e)| (e.snapshot.tokens().len(), e.used))
                 .map(|(i, e)| (i, e.snapshot.tokens().len()));
             let in_memory = best.map_or(0, |(_, len)| len);
             let on_disk = self
                 .disk
                 .as_ref()
-                .and_then(|d| d.longest(prompt, in_memory + 1));
+                .and_then(|d| d.longest(disk_prompt, in_memory + 1));
             if let Some(file) = on_disk {
                 let disk = self
                     .disk
@@ -508,6 +550,9 @@ impl<B: Backend> PromptCache<B> {
         };
         for e in self.entries.iter_mut().filter(|e| !e.stored) {
             e.stored = true;
+            if !e.snapshot.image_spans().is_empty() {
+                continue; // kept in memory only
+            }
             let written = model
                 .snapshot_image(backend, &e.snapshot)
                 .and_then(|image| disk.write(&image));

@@ -34,7 +34,7 @@ use super::conversation::{check_tools, require_tools, MAX_STOPS};
 use super::error::ApiError;
 use super::openai::{parse_object, required, typed, Common, Stop};
 use super::{generated_response, named_events, request_body, turn_frames, App, Named};
-use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
+use crate::chat_template::{set_enable_thinking, Chat, ChatImage, Message, ToolCall, ToolChoice};
 use crate::engine::Input;
 use crate::reply::{FunctionCall, ReplyPart};
 use crate::sampling::SamplingOptions;
@@ -247,13 +247,22 @@ fn user_messages(content: &Content, path: &str, out: &mut Vec<Message>) -> Resul
         Content::Blocks(b) => b,
     };
     let mut text = String::new();
+    let mut images = Vec::new();
+    let user = |text: &mut String, images: &mut Vec<ChatImage>| Message {
+        images: std::mem::take(images),
+        ..Message::new("user", &std::mem::take(text))
+    };
     for (j, block) in blocks.iter().enumerate() {
         let at = format!("{path}.content[{j}]");
         match block.get("type").and_then(Value::as_str) {
             Some("text") => text.push_str(block_text(block, "text", &at)?),
+            Some("image") => images.push(ChatImage {
+                at: text.len(),
+                bytes: image_block(block, &at)?,
+            }),
             Some("tool_result") => {
-                if !text.is_empty() {
-                    out.push(Message::new("user", &std::mem::take(&mut text)));
+                if !text.is_empty() || !images.is_empty() {
+                    out.push(user(&mut text, &mut images));
                 }
                 let id = block_text(block, "tool_use_id", &at)?;
                 let mut result = match block.get("content") {
@@ -290,10 +299,33 @@ fn user_messages(content: &Content, path: &str, out: &mut Vec<Message>) -> Resul
             other => return Err(unsupported_block(&at, other)),
         }
     }
-    if !text.is_empty() || blocks.is_empty() {
-        out.push(Message::new("user", &text));
+    if !text.is_empty() || !images.is_empty() || blocks.is_empty() {
+        out.push(user(&mut text, &mut images));
     }
     Ok(())
+}
+
+/// An image block's bytes: its `source` must be `{"type": "base64", "data": ...}` (the
+/// server fetches no URL). Errors: 400 naming the field.
+fn image_block(block: &Value, at: &str) -> Result<Arc<[u8]>, ApiError> {
+    let source = block.get("source");
+    match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
+        Some("base64") => {
+            let data = source.and_then(|s| s.get("data")).and_then(Value::as_str);
+            let data =
+                data.ok_or_else(|| ApiError::invalid(&format!("{at}.source.data"), "missing"))?;
+            conversation::image_base64(&format!("{at}.source.data"), data)
+        }
+        Some("url") => Err(ApiError::invalid(
+            &format!("{at}.source"),
+            "image URLs are not fetched: send the image as base64",
+        )),
+        Some(other) => Err(ApiError::invalid(
+            &format!("{at}.source.type"),
+            &format!("`{other}` image sources are not supported (base64)"),
+        )),
+        None => Err(ApiError::invalid(&format!("{at}.source.type"), "missing")),
+    }
 }
 
 /// An assistant turn: text, reasoning from `thinking` blocks (checked against their
@@ -358,7 +390,7 @@ fn assistant_message(content: &Content, path: &str) -> Result<Message, ApiError>
 
 fn unsupported_block(at: &str, kind: Option<&str>) -> ApiError {
     match kind {
-        Some("image") => ApiError::invalid(at, "images are not supported yet (text only)"),
+        Some("image") => ApiError::invalid(at, "images go in user messages"),
         Some(kind) => ApiError::invalid(
             &format!("{at}.type"),
             &format!("`{kind}` blocks are not supported here"),

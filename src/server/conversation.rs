@@ -233,8 +233,12 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
                 let prompt = encoder.encode_chat(&chat)?;
                 let options = reply_options(&chat, &prompt, reasoning);
                 grammar = tool_grammar(&encoder, &chat, grammar)?;
+                let images: Vec<_> = chat.images().map(|i| i.bytes.clone()).collect();
                 (
-                    prompt.ids,
+                    match images.is_empty() {
+                        true => Input::Ids(prompt.ids),
+                        false => Input::IdsWithImages(prompt.ids, images),
+                    },
                     options,
                     prompt.reply_prefix,
                     prompt.thinking_open,
@@ -242,7 +246,7 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
             }
             // Raw text and ids: the reply is all text.
             other => (
-                encoder.encode(&other)?,
+                Input::Ids(encoder.encode(&other)?),
                 ReplyOptions::default(),
                 String::new(),
                 false,
@@ -259,7 +263,10 @@ pub async fn start(app: &Arc<App>, conversation: Conversation) -> Result<Turn, A
         Ok(Err(e)) => return Err(ApiError::engine(&e)),
         Err(e) => return Err(ApiError::engine(&crate::Error::Internal(e.to_string()))),
     };
-    let prompt_tokens = prompt.len();
+    let prompt_tokens = match &prompt {
+        Input::Ids(ids) | Input::IdsWithImages(ids, _) => ids.len(),
+        _ => 0,
+    };
     if let Some(max) = app.options.max_prefill_wait {
         if let Some(why) = engine
             .prefill_estimate(prompt_tokens)
@@ -477,6 +484,45 @@ pub fn require_tools(choice: &ToolChoice, tools: &[Value]) -> Result<(), ApiErro
     Ok(())
 }
 
+/// The most bytes one image of a request may take once its base64 is decoded (20 MiB).
+pub const MAX_IMAGE_BYTES: usize = 20 << 20;
+
+/// An image sent as base64 text (Anthropic's and Ollama's images, a `data:` URL's
+/// payload): its bytes, which the engine decodes. Errors (400 naming `field`): not
+/// base64, over [`MAX_IMAGE_BYTES`].
+pub fn image_base64(field: &str, data: &str) -> Result<Arc<[u8]>, ApiError> {
+    use base64::Engine as _;
+    let data = data.trim();
+    if data.len() / 4 * 3 > MAX_IMAGE_BYTES + 3 {
+        return Err(ApiError::invalid(
+            field,
+            &format!("the image is over {} MiB", MAX_IMAGE_BYTES >> 20),
+        ));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .map_err(|e| ApiError::invalid(field, &format!("not base64: {e}")))?;
+    Ok(bytes.into())
+}
+
+/// An image given by URL (OpenAI's `image_url`): a `data:` URL's bytes
+/// (`data:image/png;base64,...`). Errors (400 naming `field`): an http(s) URL (the server
+/// fetches nothing), another scheme, a data URL that is not base64.
+pub fn image_url(field: &str, url: &str) -> Result<Arc<[u8]>, ApiError> {
+    match url.strip_prefix("data:").and_then(|rest| rest.split_once(',')) {
+        Some((meta, data)) if meta.ends_with(";base64") => image_base64(field, data),
+        Some(_) => Err(ApiError::invalid(field, "a data: URL must be base64")),
+        None if url.starts_with("http://") || url.starts_with("https://") => Err(ApiError::invalid(
+            field,
+            "image URLs are not fetched: send the image in a data: URL (data:image/png;base64,...)",
+        )),
+        None => Err(ApiError::invalid(
+            field,
+            "expected a data: URL (data:image/png;base64,...)",
+        )),
+    }
+}
+
 /// The role a chat template knows for a message's `role`: OpenAI's `developer` is the
 /// system prompt (as OpenAI treats it for models without a developer role).
 pub fn template_role(role: &str) -> &str {
@@ -501,18 +547,24 @@ pub fn ended_early() -> ApiError {
 /// `constraint` of their grammar: `max_tokens`
 /// defaults to `default_max_tokens`, and either is capped at the room the context leaves
 /// after the prompt (the reply then ends with finish reason `length`), as llama-server
-/// caps it. Errors: a prompt that leaves no room (400 `context_length_exceeded`).
+/// caps it; `prompt` is ids, with the images their placeholders stand for or without
+/// (an image's tokens are counted by the engine, which refuses a prompt they overfill).
+/// Errors: a prompt that leaves no room (400 `context_length_exceeded`).
 pub fn request(
-    prompt: Vec<u32>,
+    prompt: Input,
     params: &Params,
     constraint: Option<Constraint>,
     context: usize,
     default_max_tokens: usize,
 ) -> Result<Request, ApiError> {
-    let room = crate::context::room(prompt.len(), context)
-        .map_err(|e| ApiError::context_length(e.to_string()))?;
+    let held = match &prompt {
+        Input::Ids(ids) | Input::IdsWithImages(ids, _) => ids.len(),
+        _ => 0,
+    };
+    let room =
+        crate::context::room(held, context).map_err(|e| ApiError::context_length(e.to_string()))?;
     Ok(Request {
-        input: Input::Ids(prompt),
+        input: prompt,
         max_tokens: params.max_tokens.unwrap_or(default_max_tokens).min(room),
         sampling: params.sampling.clone(),
         logprobs: params.logprobs,

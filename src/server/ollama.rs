@@ -8,8 +8,8 @@
 //! limits; `think` sets the template's thinking switch and the reasoning comes back as
 //! `thinking`; `tools` and an assistant's `tool_calls` (arguments as objects) render with
 //! the chat template, and a `tool` message's `tool_name` is its name. Left out, with a
-//! clear 400: `images`, `format`, `logprobs`, and `/api/generate`'s `suffix`, `template`
-//! and `context`. `keep_alive` and `num_ctx` are accepted and change nothing (the model
+//! clear 400: `format`, `logprobs`, and `/api/generate`'s `suffix`, `template` and
+//! `context`. `images` (base64) go before their message's text. `keep_alive` and `num_ctx` are accepted and change nothing (the model
 //! stays loaded; the context is the server's). An empty `messages` or `prompt` answers
 //! the load acknowledgement (`done_reason: "load"`).
 
@@ -30,7 +30,7 @@ use super::conversation::{check_tools, GrammarField, Params, MAX_STOPS};
 use super::error::ApiError;
 use super::openai::{parse_object, typed, Common, Stop};
 use super::{generated_response, request_body, turn_frames, App, Logged};
-use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
+use crate::chat_template::{set_enable_thinking, Chat, ChatImage, Message, ToolCall, ToolChoice};
 use crate::constraint::Grammar;
 use crate::engine::Input;
 use crate::reply::{FunctionCall, Reply};
@@ -170,9 +170,7 @@ pub fn chat_conversation(
                 &format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
             ));
         }
-        if m.images.as_ref().is_some_and(|v| !v.is_empty()) {
-            return Err(no_images(&format!("messages[{i}].images")));
-        }
+        let images = images_before_text(m.images.as_deref(), &format!("messages[{i}].images"))?;
         let tool_calls = m
             .tool_calls
             .unwrap_or_default()
@@ -194,6 +192,7 @@ pub fn chat_conversation(
             tool_calls,
             tool_call_id: None,
             name: m.tool_name,
+            images,
         });
     }
     let (params, kwargs) = shared.params(defaults)?;
@@ -220,8 +219,12 @@ pub fn generate_conversation(
     let value = parse_object(body)?;
     let shared: Shared = typed(&value, "")?;
     let g: GenerateBody = typed(&value, "")?;
-    if g.images.as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(no_images("images"));
+    let images = images_before_text(g.images.as_deref(), "images")?;
+    if g.raw && !images.is_empty() {
+        return Err(ApiError::invalid(
+            "images",
+            "need the chat template: not with `raw`",
+        ));
     }
     for (field, given) in [
         ("suffix", g.suffix.as_ref().is_some_and(|s| !s.is_empty())),
@@ -249,7 +252,10 @@ pub fn generate_conversation(
         if let Some(system) = g.system.filter(|s| !s.is_empty()) {
             messages.push(Message::new("system", &system));
         }
-        messages.push(Message::new("user", &g.prompt));
+        messages.push(Message {
+            images,
+            ..Message::new("user", &g.prompt)
+        });
         Input::Chat(Chat {
             messages,
             kwargs,
@@ -263,8 +269,21 @@ pub fn generate_conversation(
     }))
 }
 
-fn no_images(field: &str) -> ApiError {
-    ApiError::invalid(field, "images are not supported yet (text only)")
+/// A message's `images` (base64 each), placed before its text as Ollama places them.
+/// Errors: 400 naming the image.
+fn images_before_text(images: Option<&[Value]>, field: &str) -> Result<Vec<ChatImage>, ApiError> {
+    (images.into_iter().flatten().enumerate())
+        .map(|(k, v)| {
+            let at = format!("{field}[{k}]");
+            let data = v
+                .as_str()
+                .ok_or_else(|| ApiError::invalid(&at, "must be base64 text"))?;
+            Ok(ChatImage {
+                at: 0,
+                bytes: conversation::image_base64(&at, data)?,
+            })
+        })
+        .collect()
 }
 
 impl Shared {

@@ -6,11 +6,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::conversation::{
-    check_tools, require_tools, template_role, thinks_at, GrammarField, Params,
+    check_tools, image_url, require_tools, template_role, thinks_at, GrammarField, Params,
 };
 use super::error::ApiError;
 use crate::chat_template::{
-    set_enable_thinking, Chat, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
+    set_enable_thinking, Chat, ChatImage, Message, ToolCall, ToolChoice, RESERVED_KWARGS,
 };
 use crate::constraint::Grammar;
 use crate::engine::Input;
@@ -142,6 +142,8 @@ pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    /// An `image_url` part's `{"url": ...}` (or the URL alone).
+    pub image_url: Option<Value>,
 }
 
 /// `POST /v1/completions`.
@@ -531,6 +533,7 @@ impl ApiRequest for ChatRequest {
                     &format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
                 ));
             }
+            let mut images = Vec::new();
             let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(t)) => t.clone(),
@@ -539,6 +542,22 @@ impl ApiRequest for ChatRequest {
                     for (j, p) in parts.iter().enumerate() {
                         match (p.kind.as_str(), &p.text) {
                             ("text", Some(t)) => text.push_str(t),
+                            ("image_url", _) => {
+                                let at = format!("messages[{i}].content[{j}].image_url");
+                                let url = match &p.image_url {
+                                    Some(Value::String(url)) => url.as_str(),
+                                    Some(v) => {
+                                        v.get("url").and_then(Value::as_str).ok_or_else(|| {
+                                            ApiError::invalid(&format!("{at}.url"), "missing")
+                                        })?
+                                    }
+                                    None => return Err(ApiError::invalid(&at, "missing")),
+                                };
+                                images.push(ChatImage {
+                                    at: text.len(),
+                                    bytes: image_url(&at, url)?,
+                                });
+                            }
                             ("text", None) => {
                                 return Err(ApiError::invalid(
                                     &format!("messages[{i}].content[{j}].text"),
@@ -548,7 +567,9 @@ impl ApiRequest for ChatRequest {
                             (kind, _) => {
                                 return Err(ApiError::invalid(
                                     &format!("messages[{i}].content[{j}].type"),
-                                    &format!("`{kind}` parts are not supported (text only)"),
+                                    &format!(
+                                        "`{kind}` parts are not supported (text and image_url)"
+                                    ),
                                 ))
                             }
                         }
@@ -563,6 +584,7 @@ impl ApiRequest for ChatRequest {
                 tool_calls: m.tool_calls.clone().unwrap_or_default(),
                 tool_call_id: m.tool_call_id.clone(),
                 name: m.name.clone(),
+                images,
             });
         }
         Ok(Input::Chat(chat))

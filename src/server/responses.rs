@@ -31,12 +31,13 @@ use serde_json::{json, Map, Value};
 
 use super::conversation::{self, Conversation, Finish, Outcome, TokenLogprob, Turn, TurnEvent};
 use super::conversation::{
-    check_tools, ended_early, require_tools, template_role, thinks_at, GrammarField, MAX_STOPS,
+    check_tools, ended_early, image_url, require_tools, template_role, thinks_at, GrammarField,
+    MAX_STOPS,
 };
 use super::error::ApiError;
 use super::openai::{parse_object, required, typed, Common};
 use super::{generated_response, named_events, request_body, turn_frames, unix_now, App, Named};
-use crate::chat_template::{set_enable_thinking, Chat, Message, ToolCall, ToolChoice};
+use crate::chat_template::{set_enable_thinking, Chat, ChatImage, Message, ToolCall, ToolChoice};
 use crate::constraint::Grammar;
 use crate::engine::Input;
 use crate::reply::{FunctionCall, ReplyPart};
@@ -145,7 +146,11 @@ fn rank(kind: &str) -> u8 {
 
 /// The text of a message item's `content`: a string, or `input_text` / `output_text` /
 /// `text` parts (concatenated, as the chat endpoint joins text parts).
-fn content_text(content: Option<&Value>, at: &str) -> Result<String, ApiError> {
+fn content_text(
+    content: Option<&Value>,
+    at: &str,
+    mut images: Option<&mut Vec<ChatImage>>,
+) -> Result<String, ApiError> {
     match content {
         None | Some(Value::Null) => Ok(String::new()),
         Some(Value::String(s)) => Ok(s.clone()),
@@ -159,10 +164,26 @@ fn content_text(content: Option<&Value>, at: &str) -> Result<String, ApiError> {
                             .and_then(Value::as_str)
                             .ok_or_else(|| ApiError::invalid(&format!("{at}.text"), "missing"))?,
                     ),
-                    Some("input_image" | "input_file") => {
+                    Some("input_image") => {
+                        let Some(images) = images.as_deref_mut() else {
+                            return Err(ApiError::invalid(&at, "images go in user messages"));
+                        };
+                        let url =
+                            (part.get("image_url").and_then(Value::as_str)).ok_or_else(|| {
+                                ApiError::invalid(
+                                    &format!("{at}.image_url"),
+                                    "missing (file ids are not supported)",
+                                )
+                            })?;
+                        images.push(ChatImage {
+                            at: text.len(),
+                            bytes: image_url(&format!("{at}.image_url"), url)?,
+                        });
+                    }
+                    Some("input_file") => {
                         return Err(ApiError::invalid(
                             &at,
-                            "images and files are not supported yet (text only)",
+                            "files are not supported (text and images)",
                         ))
                     }
                     Some(other) => {
@@ -220,13 +241,17 @@ fn push_items(items: &[Value], messages: &mut Vec<Message>) -> Result<(), ApiErr
                         }
                         None => return Err(ApiError::invalid(&format!("{at}.role"), "missing")),
                     };
-                    let text = content_text(item.get("content"), &at)?;
-                    messages.push(Message::new(role, &text));
+                    let mut images = Vec::new();
+                    let text = content_text(item.get("content"), &at, Some(&mut images))?;
+                    messages.push(Message {
+                        images,
+                        ..Message::new(role, &text)
+                    });
                 }
                 "function_call_output" => {
                     let output = match item.get("output") {
                         Some(Value::String(s)) => s.clone(),
-                        other => content_text(other, &format!("{at}.output"))?,
+                        other => content_text(other, &format!("{at}.output"), None)?,
                     };
                     messages.push(Message {
                         role: "tool".into(),
@@ -255,7 +280,7 @@ fn push_items(items: &[Value], messages: &mut Vec<Message>) -> Result<(), ApiErr
             .last_mut()
             .expect("an assistant message was pushed");
         match kind {
-            "message" => message.content = content_text(item.get("content"), &at)?,
+            "message" => message.content = content_text(item.get("content"), &at, None)?,
             "reasoning" => {
                 let mut text = String::new();
                 for key in ["content", "summary"] {

@@ -680,3 +680,77 @@ async fn metrics_count_what_was_served() {
     assert_eq!(value("slotstream_pool_bytes_returned_total"), 0.0);
     assert!(text.trim_end().ends_with("# EOF"));
 }
+
+/// An image and a question sent in each dialect's shape (OpenAI's `image_url` data URL,
+/// Anthropic's base64 image block, Ollama's `images`, the Responses API's `input_image`)
+/// reach the same conversation: the same image bytes and the same ids (the image's
+/// placeholder before the text); an http(s) URL and text that is not base64 are 400s.
+#[test]
+fn every_dialect_takes_an_image_to_the_same_ids() {
+    use base64::Engine as _;
+    let dir = fixture_with_template("qwen3_5-moe-vision", crate::vision::IMAGE_TEMPLATE);
+    let engine = Engine::open(dir.path(), EngineOptions::default()).unwrap();
+    let png = std::fs::read(fixture_dir("qwen3_5-moe-vision").join("image1.png")).unwrap();
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+    let url = format!("data:image/png;base64,{b64}");
+    let question = word();
+    let defaults = Default::default();
+    let openai = |url: &str| {
+        let body = json!({ "messages": [{ "role": "user", "content": [
+            { "type": "image_url", "image_url": { "url": url } }, { "type": "text", "text": question }] }] });
+        ChatRequest::parse(body.to_string().as_bytes())
+            .unwrap()
+            .input()
+    };
+    let anthropic = |data: &str| {
+        let body = json!({ "model": "m", "max_tokens": 4, "messages": [{ "role": "user", "content": [
+            { "type": "image", "source": { "type": "base64", "media_type": "image/png", "data": data } },
+            { "type": "text", "text": question }] }] });
+        anthropic::conversation(body.to_string().as_bytes(), &defaults, false).map(|c| c.input)
+    };
+    let ollama = json!({ "model": "m", "messages": [{ "role": "user", "content": question, "images": [b64] }] });
+    let ollama = ollama::chat_conversation(ollama.to_string().as_bytes(), &defaults)
+        .unwrap()
+        .unwrap()
+        .input;
+    let responses = json!({ "input": [{ "role": "user", "content": [
+        { "type": "input_image", "image_url": url }, { "type": "input_text", "text": question }] }] });
+    let responses = responses::translate(
+        responses.to_string().as_bytes(),
+        &defaults,
+        &responses::Store::default(),
+    )
+    .unwrap()
+    .conversation
+    .input;
+    let openai_input = openai(&url).unwrap();
+    let want = ids(&engine, &openai_input);
+    assert_eq!(
+        want.iter().filter(|&&t| t == 507).count(),
+        1,
+        "one placeholder"
+    );
+    for (dialect, input) in [
+        ("openai", &openai_input),
+        ("anthropic", &anthropic(&b64).unwrap()),
+        ("ollama", &ollama),
+        ("responses", &responses),
+    ] {
+        assert_eq!(ids(&engine, input), want, "{dialect}");
+        let Input::Chat(chat) = input else {
+            panic!("{dialect}: not a chat")
+        };
+        let images: Vec<&[u8]> = chat.images().map(|i| &*i.bytes).collect();
+        assert_eq!(images, [&png[..]], "{dialect}");
+    }
+    for bad in [
+        "https://example.com/a.png",
+        "data:image/png,abc",
+        "file:///a.png",
+    ] {
+        let e = openai(bad).unwrap_err();
+        assert_eq!(e.status.as_u16(), 400, "{bad}");
+    }
+    let e = anthropic("not base64!").unwrap_err();
+    assert_eq!(e.status.as_u16(), 400);
+}

@@ -428,7 +428,7 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
             "/v1/chat/completions",
             json!({ "messages": [{ "role": "user", "content": [{ "type": "image_url" }] }] }).to_string(),
             400,
-            "messages[0].content[0].type",
+            "messages[0].content[0].image_url",
         ),
     ];
     for (path, body, status, param) in cases {

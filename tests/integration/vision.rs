@@ -514,3 +514,229 @@ fn logits_with_images_match_transformers<B: TestBackend>(b: &B) {
     compare::assert_rel("decoded last token", &last, &want[(n - 1) * vocab..], bound);
     assert_eq!(state.next_position(), next);
 }
+
+/// A chat template that renders images as Qwen3.5's does (`{"type": "image"}` parts as
+/// `<|vision_start|><|image_pad|><|vision_end|>`, text parts as their text).
+pub(crate) const IMAGE_TEMPLATE: &str = "{%- for message in messages %}<|im_start|>{{ message.role }}\n\
+{%- if message.content is string %}{{ message.content }}{%- else %}{%- for item in message.content %}\
+{%- if item.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>\
+{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}<|im_end|>\n\
+{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}";
+
+/// A user message with `png` before its text.
+fn image_chat(png: &[u8]) -> slotstream::chat_template::Chat {
+    use slotstream::chat_template::{Chat, ChatImage, Message};
+    Chat::new(vec![Message {
+        images: vec![ChatImage {
+            at: 0,
+            bytes: png.into(),
+        }],
+        ..Message::new("user", "What is in the picture?")
+    }])
+}
+
+/// One greedy request of `chat` through `engine`: (output ids, reused prompt tokens), or
+/// the error.
+async fn ask(
+    engine: &slotstream::engine::Engine,
+    chat: slotstream::chat_template::Chat,
+    n: usize,
+) -> Result<(Vec<u32>, usize), Error> {
+    ask_text(engine, chat, n)
+        .await
+        .map(|(ids, reused, _)| (ids, reused))
+}
+
+/// [`ask`] with the reply's text.
+async fn ask_text(
+    engine: &slotstream::engine::Engine,
+    chat: slotstream::chat_template::Chat,
+    n: usize,
+) -> Result<(Vec<u32>, usize, String), Error> {
+    use futures::StreamExt;
+    use slotstream::engine::{Event, Input, Request};
+    let mut events = engine.generate(Request {
+        input: Input::Chat(chat),
+        max_tokens: n,
+        sampling: Default::default(),
+        logprobs: None,
+        constraint: None,
+    });
+    let mut text = String::new();
+    while let Some(e) = events.next().await {
+        match e? {
+            Event::Token { text: t, .. } => text.push_str(&t),
+            Event::Done {
+                output_ids,
+                reused_tokens,
+                tail,
+                ..
+            } => return Ok((output_ids, reused_tokens, text + &tail)),
+        }
+    }
+    panic!("no Done event");
+}
+
+/// The same greedy tokens from the model directly: the template's ids with the image's
+/// placeholder expanded, the tower's rows placed ([`Model::place_images`]).
+fn direct_greedy(
+    dir: &std::path::Path,
+    chat: &slotstream::chat_template::Chat,
+    n: usize,
+) -> Vec<u32> {
+    use slotstream::backend::cpu::CpuBackend;
+    let engine = slotstream::engine::Engine::open(dir, Default::default()).unwrap();
+    let ids = engine.encode_chat(chat).unwrap().ids;
+    let l = crate::common::load_cpu(FIXTURE);
+    let tower = slotstream::model::VisionTower::load(&l.ckpt).unwrap();
+    let processor = ImageProcessor::from_dir(dir, tower.config()).unwrap();
+    let images: Vec<_> = chat
+        .images()
+        .map(|i| {
+            let p = processor
+                .preprocess(&decode(&i.bytes, 1 << 24).unwrap())
+                .unwrap();
+            tower.embed(&p).unwrap()
+        })
+        .collect();
+    let pad = tower.config().image_token_id;
+    let mut next = images.iter();
+    let ids: Vec<u32> = ids
+        .iter()
+        .flat_map(|&t| match (t == pad).then(|| next.next()).flatten() {
+            Some(img) => vec![t; img.tokens()],
+            None => vec![t],
+        })
+        .collect();
+    let mut state = l.model.new_state(&CpuBackend);
+    l.model.place_images(&mut state, &ids, &images).unwrap();
+    let mut logits = l
+        .model
+        .forward(&CpuBackend, &mut state, &ids, &l.experts, Logits::Last)
+        .unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = crate::common::argmax(&logits);
+        out.push(t);
+        logits = l
+            .model
+            .forward(&CpuBackend, &mut state, &[t], &l.experts, Logits::Last)
+            .unwrap();
+    }
+    out
+}
+
+/// An image through the engine, from a chat message: the tower is loaded on it, the
+/// greedy tokens are the model's own with the image placed; the same image again
+/// continues from the prompt cache (its whole prompt but the last token), a different
+/// image of the same size (so of as many tokens) does not reuse the first one's state
+/// past its placeholders and gets its own tokens; `--vision off`, a model without a tower
+/// and a truncated image are refused with clear errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_takes_images_from_chat_messages_and_keys_their_reuse_by_pixels() {
+    use slotstream::engine::{Engine, EngineOptions, VisionMode};
+    let dir = crate::common::fixture_with_template(FIXTURE, IMAGE_TEMPLATE);
+    let options = EngineOptions {
+        device: Some("cpu".into()),
+        ..Default::default()
+    };
+    let engine = Engine::load(dir.path(), options.clone()).await.unwrap();
+    let png = std::fs::read(fixture_dir(FIXTURE).join("image1.png")).unwrap();
+    let n = 6;
+    let first = ask(&engine, image_chat(&png), n).await.unwrap();
+    assert_eq!(first.0, direct_greedy(dir.path(), &image_chat(&png), n));
+    assert_eq!(first.1, 0);
+    let again = ask(&engine, image_chat(&png), n).await.unwrap();
+    let prompt = engine.encode_chat(&image_chat(&png)).unwrap().ids;
+    let pad_at = prompt.iter().position(|&t| t == 507).unwrap();
+    assert_eq!(again.0, first.0);
+    assert!(
+        again.1 > pad_at,
+        "the same image reuses the state past it: {}",
+        again.1
+    );
+
+    // Another picture of the image's size: as many tokens, other pixels.
+    let other = encode(
+        &image::DynamicImage::ImageRgb8(random_rgb(160, 64)),
+        image::ImageFormat::Png,
+    );
+    let got = ask(&engine, image_chat(&other), n).await.unwrap();
+    assert!(
+        got.1 <= pad_at,
+        "reused {} tokens past the image at {pad_at}",
+        got.1
+    );
+    assert_eq!(got.0, direct_greedy(dir.path(), &image_chat(&other), n));
+
+    let off = Engine::load(
+        dir.path(),
+        EngineOptions {
+            vision: VisionMode::Off,
+            ..options.clone()
+        },
+    )
+    .await
+    .unwrap();
+    let e = ask(&off, image_chat(&png), n)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--vision off"), "{e}");
+    let text_only = crate::common::fixture_with_template("qwen3_5-moe-bf16", IMAGE_TEMPLATE);
+    let none = Engine::load(text_only.path(), options).await.unwrap();
+    let e = ask(&none, image_chat(&png), n)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no vision tower"), "{e}");
+    let e = ask(&engine, image_chat(&png[..png.len() / 2]), n)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Image(_)), "{e}");
+}
+
+/// An image through the server (OpenAI's chat endpoint, a data URL) gives the engine's own
+/// reply for the same chat; a truncated image and an http URL are 400s with their reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_images_give_the_engines_reply() {
+    use base64::Engine as _;
+    let dir = crate::common::fixture_with_template(FIXTURE, IMAGE_TEMPLATE);
+    let png = std::fs::read(fixture_dir(FIXTURE).join("image1.png")).unwrap();
+    let engine = slotstream::engine::Engine::load(
+        dir.path(),
+        slotstream::engine::EngineOptions {
+            device: Some("cpu".into()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_, _, want) = ask_text(&engine, image_chat(&png), 6).await.unwrap();
+    let s = crate::serve::start_on(dir.path(), 4096, 4, 0, None, false).await;
+    let body = |url: String| {
+        serde_json::json!({ "max_tokens": 6, "messages": [{ "role": "user", "content": [
+            { "type": "image_url", "image_url": { "url": url } },
+            { "type": "text", "text": "What is in the picture?" }] }] })
+    };
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let (status, v) = s
+        .post(
+            "/v1/chat/completions",
+            &body(format!("data:image/png;base64,{}", b64(&png))),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    let cut = format!("data:image/png;base64,{}", b64(&png[..png.len() / 2]));
+    let (status, v) = s.post("/v1/chat/completions", &body(cut)).await;
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = s
+        .post(
+            "/v1/chat/completions",
+            &body("https://example.com/a.png".into()),
+        )
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v.to_string().contains("data: URL"), "{v}");
+}
