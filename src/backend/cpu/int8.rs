@@ -110,7 +110,8 @@ fn split(a: i32) -> [i8; DIGITS] {
     [d0 as i8, d1 as i8, d2 as i8]
 }
 
-/// One block of rows of 4-bit weights as [`rows`] reads it.
+/// One block of rows of 4-bit weights as [`rows_vnni`] reads it.
+#[cfg(target_arch = "x86_64")]
 pub struct Rows<'a> {
     /// `rows` rows of `cols / 2` bytes, MLX's packing (byte `i`: columns `2i`, `2i + 1`).
     pub data: &'a [u8],
