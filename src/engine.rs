@@ -370,6 +370,9 @@ struct Vision {
     recent: Mutex<Vec<ImageEmbedding>>,
 }
 
+/// Images' rows [`Vision`] keeps for later turns.
+const RECENT_IMAGES: usize = 8;
+
 impl Vision {
     /// Whether images can be taken. Errors: images are off, the model has no tower.
     fn available(&self) -> Result<()> {
@@ -385,12 +388,7 @@ impl Vision {
         }
         Ok(())
     }
-}
 
-/// Images' rows [`Vision`] keeps for later turns.
-const RECENT_IMAGES: usize = 8;
-
-impl Vision {
     /// The tower's rows of each encoded image: decoded (at most [`MAX_IMAGE_PIXELS`]),
     /// resized and cut into patches as the model's processor does, through the tower
     /// (loaded now if it is not yet). Errors: [`Error::Image`] for an image that cannot be
@@ -1078,6 +1076,7 @@ fn load_on<B: Backend + 'static>(
         Arc::new(model.experts.clone()),
         &SourceOptions {
             prompt_cache: options.prompt_cache.memory,
+            vision: options.vision == VisionMode::Auto,
             ..options.source.clone()
         },
         runtime,

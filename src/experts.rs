@@ -207,6 +207,9 @@ pub struct SourceOptions {
     /// Resize a pool planned from the machine ([`PoolSize::Auto`]) as its memory comes and
     /// goes ([`crate::pool::Watcher`]); `None`: the pool keeps its plan's size.
     pub elastic: Option<Elastic>,
+    /// A memory budget sets aside the vision tower's bytes, for when an image loads it
+    /// ([`crate::plan::Footprint::vision`]); false when images are off.
+    pub vision: bool,
 }
 
 /// The elastic pool's watcher: where it reads the machine's memory, and when it resizes.
@@ -253,6 +256,7 @@ impl Default for SourceOptions {
             prompt_cache_share: None,
             mirrors: Vec::new(),
             elastic: None,
+            vision: true,
         }
     }
 }
@@ -279,7 +283,10 @@ fn auto_plan<B: Backend>(
     options: &SourceOptions,
 ) -> Result<AutoPlan> {
     let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
-    let fp = Footprint::new(ckpt, index, options.queue_depth, chunk);
+    let mut fp = Footprint::new(ckpt, index, options.queue_depth, chunk);
+    if !options.vision {
+        fp.vision = 0;
+    }
     let cache = options
         .prompt_cache_share
         .map_or(CacheTerm::Bytes(options.prompt_cache), CacheTerm::Share);

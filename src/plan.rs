@@ -46,6 +46,9 @@ pub struct Plan {
     pub runtime: u64,
     /// Snapshots of the prompt cache (its memory bound, `prompt_cache`).
     pub prompt_cache: u64,
+    /// The vision tower once an image loads it ([`Footprint::vision`]; 0 without a tower
+    /// or with images off).
+    pub vision: u64,
     /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
     /// What the budget leaves beyond the pool (slots cannot outnumber records).
@@ -81,6 +84,10 @@ pub struct Footprint {
     pub records: usize,
     /// The pool's floor in slots ([`floor_slots`]).
     pub floor: usize,
+    /// The vision tower as the CPU holds it once the first image loads it: its weights
+    /// (unquantized tensors widened to f32) and the activations of the largest image
+    /// ([`vision_bytes`]); 0 without a tower (the engine sets it to 0 with images off).
+    pub vision: u64,
 }
 
 /// What a model's context costs in memory: read from its config alone, so the context
@@ -129,6 +136,7 @@ impl Footprint {
             record_bytes: index.records() as u64 * index.layout.record_bytes as u64,
             records: index.records(),
             floor: floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP),
+            vision: vision_bytes(ckpt),
         }
     }
 
@@ -140,7 +148,8 @@ impl Footprint {
             + self.workspaces
             + self.staging
             + RUNTIME_BYTES
-            + prompt_cache)
+            + prompt_cache
+            + self.vision)
     }
 
     /// Every term of a streamed plan but the pool: [`Footprint::fixed`]'s and the
@@ -304,6 +313,7 @@ impl Plan {
             staging: fp.staging,
             runtime: RUNTIME_BYTES,
             prompt_cache,
+            vision: fp.vision,
             pool,
             unused,
             slot_bytes,
@@ -328,7 +338,7 @@ impl Plan {
 
     fn terms(&self) -> String {
         format!(
-            "resident weights {}, context state for {} tokens {}, prompt states {}, workspaces {}, staging {}, runtime {}, prompt cache {}",
+            "resident weights {}, context state for {} tokens {}, prompt states {}, workspaces {}, staging {}, runtime {}, prompt cache {}, vision tower {}",
             human(self.resident_weights),
             self.context,
             human(self.context_state),
@@ -336,7 +346,8 @@ impl Plan {
             human(self.workspaces),
             human(self.staging),
             human(self.runtime),
-            human(self.prompt_cache)
+            human(self.prompt_cache),
+            human(self.vision)
         )
     }
 
@@ -350,6 +361,7 @@ impl Plan {
             ("read staging", self.staging),
             ("runtime", self.runtime),
             ("prompt cache", self.prompt_cache),
+            ("vision tower", self.vision),
             ("slot pool", self.pool),
             ("unused", self.unused),
         ];
@@ -600,6 +612,32 @@ pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&Tens
         })
 }
 
+/// [`Footprint::vision`] of `ckpt`: the tower's tensors as the CPU backend holds them
+/// (bf16 and f16 widened to f32, quantized ones as stored), plus the activations of an
+/// image at the processor's bound (2,304 tokens, `4 x 2,304` patch rows): about nine
+/// rows of the tower's width alive at once (the residual, q, k and v, their per-head
+/// copies, the attention's output), one of its MLP's and the patch values, f32. 0 when
+/// the config has no `vision_config` or the checkpoint no tower.
+pub fn vision_bytes(ckpt: &Checkpoint) -> u64 {
+    let Some(v) = &ckpt.config.vision else {
+        return 0;
+    };
+    let weights: u64 = ckpt
+        .tensors()
+        .filter(|t| ckpt.config.is_vision_tensor(&t.name))
+        .map(|t| match t.dtype {
+            safetensors::Dtype::BF16 | safetensors::Dtype::F16 => t.len * 2,
+            _ => t.len,
+        })
+        .sum();
+    if weights == 0 {
+        return 0;
+    }
+    let rows = (2_304 * v.merge_unit()) as u64;
+    let width = (9 * v.hidden_size + v.intermediate_size + v.patch_values()) as u64;
+    weights + rows * width * 4
+}
+
 fn scales_of(weight: &str) -> String {
     weight
         .strip_suffix(".weight")
@@ -752,6 +790,8 @@ mod tests {
             record_bytes: records as u64 * (slot_bytes - 512),
             records,
             floor: floor_slots(experts, DEFAULT_SPECULATIVE_CAP),
+            // A tower of an eighth of the other weights: a term like the rest.
+            vision: resident_weights / 8,
         }
     }
 
@@ -837,7 +877,7 @@ mod tests {
                     prop_assert_eq!(plan.streamed.is_none(), fixed.is_none() && need <= target.bytes);
                     if let Some(p) = &plan.streamed {
                         let spent = p.resident_weights + p.context_state + p.prompt_states + p.workspaces
-                            + p.staging + p.runtime + p.prompt_cache + p.pool;
+                            + p.staging + p.runtime + p.prompt_cache + p.vision + p.pool;
                         prop_assert!(spent <= p.budget, "{} > {}", spent, p.budget);
                         prop_assert_eq!(spent + p.unused, p.budget);
                         prop_assert!(p.slots >= p.floor);

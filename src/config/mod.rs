@@ -43,7 +43,7 @@ pub use flash_next::{FlashNext, IndexerConfig, PleConfig};
 use quantization::parse_quantization;
 pub use quantization::{QuantSpec, Quantization};
 use vision::parse_vision;
-pub use vision::VisionConfig;
+pub use vision::{VisionConfig, VISION_PREFIXES};
 
 /// Model families this build implements, by `model_type`.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3_next", "qwen3_5_moe", "qwen4_exp"];
@@ -614,6 +614,11 @@ impl ModelConfig {
         (rest.starts_with("model.") || rest.starts_with("lm_head.")) && !rest.contains("mtp.")
     }
 
+    /// Whether tensor `name` belongs to a vision tower (under [`VISION_PREFIXES`]).
+    pub fn is_vision_tensor(&self, name: &str) -> bool {
+        is_vision_tensor(name)
+    }
+
     /// The name mlx-lm's `sanitize` gives a stored tensor. Qwen3.5-MoE (`qwen3_5_moe.py`):
     /// `model.language_model.*` becomes `language_model.model.*`, `language_model.*` stays,
     /// vision tensors (`vision_tower*`, `model.visual*`) keep their names (and are unused),
@@ -622,7 +627,7 @@ impl ModelConfig {
         match self.family {
             Family::Qwen3Next => Cow::Borrowed(stored),
             Family::Qwen35Moe | Family::Qwen4Exp => {
-                if stored.starts_with("vision_tower") || stored.starts_with("model.visual") {
+                if is_vision_tensor(stored) {
                     Cow::Borrowed(stored)
                 } else if let Some(rest) = stored.strip_prefix("model.language_model") {
                     Cow::Owned(format!("language_model.model{rest}"))
@@ -669,6 +674,10 @@ impl ModelConfig {
     pub fn residual_width(&self) -> usize {
         self.hidden_size * self.flash_next.as_ref().map_or(1, |x| x.hc_count)
     }
+}
+
+fn is_vision_tensor(name: &str) -> bool {
+    VISION_PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
 /// Multimodal RoPE (M-RoPE) as transformers 5.24 `Qwen3_5MoeTextRotaryEmbedding` applies

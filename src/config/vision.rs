@@ -7,6 +7,9 @@ use serde_json::Value;
 use super::fields::Fields;
 use crate::error::Result;
 
+/// The tensor-name prefixes a tower is stored under, in the order they are looked for.
+pub const VISION_PREFIXES: [&str; 2] = ["vision_tower", "model.visual"];
+
 /// Geometry of the vision tower (all sizes in elements, the patch sizes in pixels).
 #[derive(Clone, Debug, PartialEq)]
 pub struct VisionConfig {

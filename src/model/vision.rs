@@ -37,8 +37,7 @@ use crate::image_processor::Patches;
 /// LayerNorm eps of every norm of the tower (transformers hard-codes 1e-6).
 const LN_EPS: f32 = 1e-6;
 
-/// The tensor-name prefixes a tower is stored under, in the order they are looked for.
-pub const VISION_PREFIXES: [&str; 2] = ["vision_tower", "model.visual"];
+pub use crate::config::VISION_PREFIXES;
 
 /// A LayerNorm's weight and bias.
 struct LayerNorm {

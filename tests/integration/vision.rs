@@ -740,3 +740,20 @@ async fn served_images_give_the_engines_reply() {
     assert_eq!(status, 400, "{v}");
     assert!(v.to_string().contains("data: URL"), "{v}");
 }
+
+/// The memory plan sets the tower aside (`Footprint::vision`): its weights widened to f32
+/// (the fixture's are bf16) and more for an image's activations; nothing for a text-only
+/// checkpoint.
+#[test]
+fn the_memory_plan_charges_the_tower() {
+    use slotstream::checkpoint::Checkpoint;
+    let ckpt = Checkpoint::open(&fixture_dir(FIXTURE)).unwrap();
+    let weights: u64 = (ckpt.tensors())
+        .filter(|t| t.name.starts_with("vision_tower."))
+        .map(|t| t.len * 2)
+        .sum();
+    let charged = slotstream::plan::vision_bytes(&ckpt);
+    assert!(weights > 0 && charged > weights, "{charged} for {weights}");
+    let text = Checkpoint::open(&fixture_dir("qwen3_5-moe-bf16")).unwrap();
+    assert_eq!(slotstream::plan::vision_bytes(&text), 0);
+}
