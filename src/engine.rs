@@ -1070,6 +1070,13 @@ fn load_on<B: Backend + 'static>(
     runtime: tokio::runtime::Handle,
 ) -> Result<Opened<B>> {
     let mut model = Model::load(ckpt, &backend)?;
+    let has_head = Model::<B>::has_mtp(ckpt);
+    // Whether the head will draft, so that a memory plan counts it.
+    let drafting = match options.mtp.mode {
+        MtpMode::On => true,
+        MtpMode::Auto => has_head && backend.multi_position_passes_pay(),
+        MtpMode::Off => false,
+    };
     let source = open_source(
         &backend,
         ckpt,
@@ -1077,16 +1084,12 @@ fn load_on<B: Backend + 'static>(
         &SourceOptions {
             prompt_cache: options.prompt_cache.memory,
             vision: options.vision == VisionMode::Auto,
+            mtp: drafting,
             ..options.source.clone()
         },
         runtime,
     )?;
     let context = model.set_context(source.context);
-    let has_head = Model::<B>::has_mtp(ckpt);
-    let resident = source
-        .pool
-        .as_ref()
-        .is_none_or(|p| p.slots() >= model.experts.records());
     match options.mtp.mode {
         MtpMode::On if !has_head => {
             return Err(Error::InvalidInput(format!(
@@ -1099,10 +1102,8 @@ fn load_on<B: Backend + 'static>(
         MtpMode::Auto if has_head && !backend.multi_position_passes_pay() => tracing::info!(
             "MTP head not used: on this backend a verify pass costs about as many decode steps as it has positions, so drafts slow decoding (BENCHMARKS.md; --mtp on uses it)"
         ),
-        MtpMode::Auto if has_head && resident => model.load_mtp(ckpt, &backend)?,
-        MtpMode::Auto if has_head => tracing::info!(
-            "MTP head not used: experts are streamed, and the memory plan does not count the head's (--mtp on uses it)"
-        ),
+        // The plan, when there is one, has counted the head.
+        MtpMode::Auto if has_head => model.load_mtp(ckpt, &backend)?,
         MtpMode::Auto | MtpMode::Off => {}
     }
     if model.drafts() {

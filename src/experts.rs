@@ -210,6 +210,9 @@ pub struct SourceOptions {
     /// A memory budget sets aside the vision tower's bytes, for when an image loads it
     /// ([`crate::plan::Footprint::vision`]); false when images are off.
     pub vision: bool,
+    /// A memory budget counts the MTP draft head's weights and KV cache
+    /// ([`crate::plan::Footprint::mtp`]): the engine sets it when it will load the head.
+    pub mtp: bool,
 }
 
 /// The elastic pool's watcher: where it reads the machine's memory, and when it resizes.
@@ -257,6 +260,7 @@ impl Default for SourceOptions {
             mirrors: Vec::new(),
             elastic: None,
             vision: true,
+            mtp: false,
         }
     }
 }
@@ -283,7 +287,8 @@ fn auto_plan<B: Backend>(
     options: &SourceOptions,
 ) -> Result<AutoPlan> {
     let chunk = crate::backend::prefill_chunk(backend, &ckpt.config, false);
-    let mut fp = Footprint::new(ckpt, index, options.queue_depth, chunk);
+    let mut fp =
+        Footprint::new(ckpt, index, options.queue_depth, chunk).drafting(options.mtp, &ckpt.config);
     if !options.vision {
         fp.vision = 0;
     }

@@ -49,6 +49,9 @@ pub struct Plan {
     /// The vision tower once an image loads it ([`Footprint::vision`]; 0 without a tower
     /// or with images off).
     pub vision: u64,
+    /// The MTP draft head's weights ([`Footprint::mtp`]; 0 without a head or with drafts
+    /// off); its KV cache is in `context_state`.
+    pub mtp: u64,
     /// Bytes of the slot pool (`slots * slot_bytes`).
     pub pool: u64,
     /// What the budget leaves beyond the pool (slots cannot outnumber records).
@@ -88,6 +91,9 @@ pub struct Footprint {
     /// (unquantized tensors widened to f32) and the activations of the largest image
     /// ([`vision_bytes`]); 0 without a tower (the engine sets it to 0 with images off).
     pub vision: u64,
+    /// The MTP draft head's weights as they are held once it loads ([`mtp_bytes`]); 0
+    /// without a head (the engine sets it to 0 when it will not draft).
+    pub mtp: u64,
 }
 
 /// What a model's context costs in memory: read from its config alone, so the context
@@ -137,7 +143,21 @@ impl Footprint {
             records: index.records(),
             floor: floor_slots(index.num_experts, DEFAULT_SPECULATIVE_CAP),
             vision: vision_bytes(ckpt),
+            mtp: mtp_bytes(ckpt),
         }
+    }
+
+    /// This footprint for a run whose MTP head drafts (`drafting`: its weights, and its KV
+    /// cache, one more full-attention layer of `cfg`'s shape, vLLM's predictor, in the
+    /// context's cost) or does not (no head term). A checkpoint without a head has none
+    /// either way.
+    pub fn drafting(mut self, drafting: bool, cfg: &ModelConfig) -> Self {
+        if drafting && self.mtp > 0 {
+            self.context.kv_per_token += (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
+        } else {
+            self.mtp = 0;
+        }
+        self
     }
 
     /// Every term but the pool, for `context` tokens and `prompt_cache` bytes of
@@ -149,7 +169,8 @@ impl Footprint {
             + self.staging
             + RUNTIME_BYTES
             + prompt_cache
-            + self.vision)
+            + self.vision
+            + self.mtp)
     }
 
     /// Every term of a streamed plan but the pool: [`Footprint::fixed`]'s and the
@@ -314,6 +335,7 @@ impl Plan {
             runtime: RUNTIME_BYTES,
             prompt_cache,
             vision: fp.vision,
+            mtp: fp.mtp,
             pool,
             unused,
             slot_bytes,
@@ -338,7 +360,7 @@ impl Plan {
 
     fn terms(&self) -> String {
         format!(
-            "resident weights {}, context state for {} tokens {}, prompt states {}, workspaces {}, staging {}, runtime {}, prompt cache {}, vision tower {}",
+            "resident weights {}, context state for {} tokens {}, prompt states {}, workspaces {}, staging {}, runtime {}, prompt cache {}, vision tower {}, MTP head {}",
             human(self.resident_weights),
             self.context,
             human(self.context_state),
@@ -347,7 +369,8 @@ impl Plan {
             human(self.staging),
             human(self.runtime),
             human(self.prompt_cache),
-            human(self.vision)
+            human(self.vision),
+            human(self.mtp)
         )
     }
 
@@ -362,6 +385,7 @@ impl Plan {
             ("runtime", self.runtime),
             ("prompt cache", self.prompt_cache),
             ("vision tower", self.vision),
+            ("MTP head", self.mtp),
             ("slot pool", self.pool),
             ("unused", self.unused),
         ];
@@ -612,6 +636,28 @@ pub(crate) fn resident_tensors(ckpt: &Checkpoint) -> impl Iterator<Item = (&Tens
         })
 }
 
+/// [`Footprint::mtp`] of `ckpt`: the head's `mtp.*` tensors (those
+/// [`crate::checkpoint::Checkpoint::add_file`] added from a file of their own included) as
+/// they are held once it loads: dense ones as [`resident_tensors`] holds the text model's
+/// (bf16 and f16 without scales widened to f32), its routed experts as stored (read from
+/// the mapped file, so their pages are in memory once drafting has touched them). 0 without
+/// a head. Its KV cache, one attention layer's, is a context term
+/// ([`Footprint::drafting`]).
+pub fn mtp_bytes(ckpt: &Checkpoint) -> u64 {
+    let prefix = ckpt.config.name("mtp.");
+    ckpt.tensors()
+        .filter(|t| t.name.starts_with(&prefix))
+        .map(|t| match t.dtype {
+            safetensors::Dtype::BF16 | safetensors::Dtype::F16
+                if !t.name.contains(".switch_mlp.") && !ckpt.contains(&scales_of(&t.name)) =>
+            {
+                t.len * 2
+            }
+            _ => t.len,
+        })
+        .sum()
+}
+
 /// [`Footprint::vision`] of `ckpt`: the tower's tensors as the CPU backend holds them
 /// (bf16 and f16 widened to f32, quantized ones as stored), plus the activations of an
 /// image at the processor's bound (2,304 tokens, `4 x 2,304` patch rows): about nine
@@ -792,6 +838,8 @@ mod tests {
             floor: floor_slots(experts, DEFAULT_SPECULATIVE_CAP),
             // A tower of an eighth of the other weights: a term like the rest.
             vision: resident_weights / 8,
+            // A head of a sixteenth: a term like the rest.
+            mtp: resident_weights / 16,
         }
     }
 
@@ -877,7 +925,7 @@ mod tests {
                     prop_assert_eq!(plan.streamed.is_none(), fixed.is_none() && need <= target.bytes);
                     if let Some(p) = &plan.streamed {
                         let spent = p.resident_weights + p.context_state + p.prompt_states + p.workspaces
-                            + p.staging + p.runtime + p.prompt_cache + p.vision + p.pool;
+                            + p.staging + p.runtime + p.prompt_cache + p.vision + p.mtp + p.pool;
                         prop_assert!(spent <= p.budget, "{} > {}", spent, p.budget);
                         prop_assert_eq!(spent + p.unused, p.budget);
                         prop_assert!(p.slots >= p.floor);

@@ -40,12 +40,14 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     let Some(target) = args.budget.target() else {
         bail!("the machine's memory could not be read: give --memory-budget or --memory-limit");
     };
+    // As a run that drafts with the checkpoint's MTP head, when it has one.
     let fp = Footprint::new(
         &ckpt,
         &index,
         args.queue_depth,
         slotstream::backend::PREFILL_CHUNK,
-    );
+    )
+    .drafting(true, &ckpt.config);
     let context = match ContextSize::tokens(args.context) {
         Some(c) => slotstream::context::limit(c, &ckpt.config),
         None => ContextCost::of(&ckpt.config).auto_context(target.bytes),

@@ -564,3 +564,80 @@ fn drafting_leaves_the_pool_alone() {
         next = r.greedy_ids[k];
     }
 }
+
+/// A memory plan counts a drafting head (`Footprint::mtp`): with `--mtp on` and a budget,
+/// the plan's head term is the head's tensors as held (more than stored, its bf16 dense
+/// weights widened) and the context state holds one more attention layer's KV cache, and
+/// the pool is smaller by what both take; `--mtp off` counts neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_plan_counts_a_drafting_head() {
+    use slotstream::engine::{Engine, EngineOptions, MtpMode, MtpOptions};
+    use slotstream::experts::{PoolSize, SourceOptions};
+    use slotstream::prompt_cache::PromptCacheOptions;
+    let name = "qwen3-next-bf16";
+    let dir = fixture_dir(name);
+    let ckpt = checkpoint_with_head(name);
+    let stored: u64 = (ckpt.tensors())
+        .filter(|t| t.name.starts_with("mtp."))
+        .map(|t| t.len)
+        .sum();
+    assert_eq!(
+        slotstream::plan::mtp_bytes(&Checkpoint::open(&dir).unwrap()),
+        0
+    );
+    let charged = slotstream::plan::mtp_bytes(&ckpt);
+    assert!(
+        stored > 0 && charged > stored && charged <= 2 * stored,
+        "{charged} for {stored}"
+    );
+    let plan = |mode: MtpMode, budget: u64| {
+        let dir = dir.clone();
+        async move {
+            let engine = Engine::load(
+                &dir,
+                EngineOptions {
+                    source: SourceOptions {
+                        pool: Some(PoolSize::Budget(budget)),
+                        context: 64,
+                        ..Default::default()
+                    },
+                    device: Some("cpu".into()),
+                    mtp: MtpOptions {
+                        mode,
+                        weights: Some(dir.join("mtp.safetensors")),
+                        draft_tokens: 1,
+                    },
+                    prompt_cache: PromptCacheOptions {
+                        memory: 0,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            engine.plan().unwrap().clone()
+        }
+    };
+    // A budget of 60 slots beyond the other terms without the head (fewer than the
+    // fixture's records, so the head's bytes come out of the pool).
+    let roomy = plan(MtpMode::Off, 64 << 20).await;
+    let budget = roomy.budget - roomy.pool - roomy.unused + 60 * roomy.slot_bytes;
+    let (on, off) = (
+        plan(MtpMode::On, budget).await,
+        plan(MtpMode::Off, budget).await,
+    );
+    assert_eq!(off.slots, 60);
+    assert_eq!((on.mtp, off.mtp), (charged, 0));
+    let cfg = &ckpt.config;
+    let head_kv = 64 * (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64;
+    assert_eq!(on.context_state, off.context_state + head_kv);
+    let taken = charged + head_kv;
+    assert_eq!(on.pool + on.unused + taken, off.pool + off.unused);
+    assert!(
+        on.slots < off.slots,
+        "{} slots with the head, {} without",
+        on.slots,
+        off.slots
+    );
+}
