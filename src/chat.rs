@@ -11,7 +11,7 @@
 //! longest snapshot of the [`crate::prompt_cache::PromptCache`] that starts its ids: the
 //! end of the last reply, or an earlier turn's prompt.
 
-use crate::chat_template::{Chat, ChatTemplate, Message, Rendered};
+use crate::chat_template::{Chat, ChatImage, ChatTemplate, Message, Rendered};
 use crate::error::Result;
 use crate::tokenizer::Tokenizer;
 
@@ -45,6 +45,13 @@ pub struct NextTurn {
     rendered: Rendered,
 }
 
+impl NextTurn {
+    /// The conversation's images, in the order of their placeholders in [`NextTurn::ids`].
+    pub fn images(&self) -> impl Iterator<Item = &ChatImage> {
+        self.chat.images()
+    }
+}
+
 impl Conversation {
     /// A conversation starting from `chat` (usually no messages, or a system prompt, and
     /// the template's variables such as `enable_thinking`).
@@ -65,16 +72,21 @@ impl Conversation {
         self.history.clear();
     }
 
-    /// The prompt of the turn that adds the user's `text`; the conversation is unchanged
-    /// until [`Conversation::commit`]. Errors: a template or tokenizer error.
+    /// The prompt of the turn that adds the user's `text`, with `images` before it; the
+    /// conversation is unchanged until [`Conversation::commit`]. Errors: a template or
+    /// tokenizer error (a template that renders no images refuses them).
     pub fn next(
         &self,
         tokenizer: &Tokenizer,
         template: &ChatTemplate,
         text: &str,
+        images: Vec<ChatImage>,
     ) -> Result<NextTurn> {
         let mut chat = self.chat.clone();
-        chat.messages.push(Message::new("user", text));
+        chat.messages.push(Message {
+            images,
+            ..Message::new("user", text)
+        });
         let rendered = template.render(tokenizer, &chat)?;
         let ids = match rendered.strip_prefix(&self.text) {
             Some(new_text) if !self.text.is_empty() => {

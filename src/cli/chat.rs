@@ -38,6 +38,11 @@ pub struct ChatArgs {
     prompt_cache: PromptCacheArgs,
     #[command(flatten)]
     trace: TraceArgs,
+    /// An image for the conversation's first message, before its text (repeatable: in
+    /// order; again after /reset): PNG, JPEG, WebP or a GIF's first frame, for a model with
+    /// a vision tower.
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
 }
 
 pub fn chat(args: ChatArgs) -> Result<()> {
@@ -50,6 +55,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     if let Some(system) = &args.system {
         start.messages.push(Message::new("system", system));
     }
+    let images = super::load::read_images(&args.images)?;
     let options = engine_options(
         args.device.clone(),
         &args.stream,
@@ -71,6 +77,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let tokenizer = engine.tokenizer()?;
     let template = engine.template()?.with_context(no_template)?;
     let mut conversation = Conversation::new(start);
+    // Whether the conversation's first message, which takes the images, is done.
+    let mut started = false;
     // The pool's counters over the whole chat: the engine counts each turn apart.
     let mut session: Option<PoolStats> = None;
     let prompts = Prompts::start();
@@ -80,6 +88,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             ChatInput::Exit => break,
             ChatInput::Reset => {
                 conversation.reset();
+                started = false;
                 eprintln!("(conversation reset)");
                 continue;
             }
@@ -93,10 +102,17 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             }
             ChatInput::Message(text) => text,
         };
-        let turn = conversation.next(tokenizer, template, &text);
+        let first_images = if started { Vec::new() } else { images.clone() };
+        let turn = conversation.next(tokenizer, template, &text, first_images);
         let reply = turn.map_err(anyhow::Error::from).and_then(|turn| {
+            // The engine puts the images' tokens in.
+            let images: Vec<_> = turn.images().map(|i| i.bytes.clone()).collect();
+            let input = match images.is_empty() {
+                true => Input::Ids(turn.ids.clone()),
+                false => Input::IdsWithImages(turn.ids.clone(), images),
+            };
             let generation = loaded.generate(Request {
-                input: Input::Ids(turn.ids.clone()),
+                input,
                 max_tokens: args.max_tokens,
                 sampling: sampling.clone(),
                 logprobs: None,
@@ -114,6 +130,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             // A reply stopped by Ctrl-C is kept as far as it came, as it was shown.
             Ok((turn, reply)) => {
                 conversation.commit(tokenizer, turn, &reply.text, &reply.output_ids);
+                started = true;
                 if let Some(pool) = &reply.pool {
                     session.get_or_insert_with(PoolStats::default).add(pool);
                 }

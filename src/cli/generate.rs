@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use slotstream::chat_template::{Chat, ChatImage, Message};
+use slotstream::chat_template::{Chat, Message};
 use slotstream::constraint::Grammar;
 use slotstream::engine::{Input, Request};
 use slotstream::pool::PoolStats;
@@ -175,16 +175,7 @@ pub fn run_generate(args: GenerateArgs, pool_json: bool) -> Result<()> {
     if args.template.is_set() && !template {
         bail!(TEMPLATE_VARIABLES);
     }
-    let images = (args.images.iter())
-        .map(|path| {
-            let bytes =
-                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            Ok(ChatImage {
-                at: 0,
-                bytes: bytes.into(),
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let images = super::load::read_images(&args.images)?;
     // A text is wrapped in the chat template unless --raw (or the model has none).
     let input = match input {
         Input::Text(text) if !args.raw && template => Input::Chat(Chat {

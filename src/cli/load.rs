@@ -265,3 +265,20 @@ pub struct Reply {
     /// The pool's counters for the request, with a pool.
     pub pool: Option<PoolStats>,
 }
+
+/// `--image` files as images before a message's text, in order (decoded later, by the
+/// engine). Errors: a file that cannot be read, named.
+pub fn read_images(
+    paths: &[std::path::PathBuf],
+) -> Result<Vec<slotstream::chat_template::ChatImage>> {
+    (paths.iter())
+        .map(|path| {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            Ok(slotstream::chat_template::ChatImage {
+                at: 0,
+                bytes: bytes.into(),
+            })
+        })
+        .collect()
+}

@@ -45,7 +45,7 @@ fn chat_state_reuse_matches_re_reading_the_conversation() {
     // generated through the prompt cache, its snapshots saved; (the turn's ids, what the
     // cache generated).
     let turn = |c: &mut Conversation, cache: &mut PromptCache<CpuBackend>, text: &str| {
-        let next = c.next(&tok, &template, text).unwrap();
+        let next = c.next(&tok, &template, text, Vec::new()).unwrap();
         let generated = cache
             .generate(
                 &l.model,

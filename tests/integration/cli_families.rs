@@ -269,7 +269,7 @@ fn bench_cli_runs_on_every_family() {
 }
 
 /// `slotstream ARGS` with `stdin` as its input; (success, stdout, stderr).
-fn with_stdin(args: &[&str], stdin: &str) -> (bool, String, String) {
+pub(crate) fn with_stdin(args: &[&str], stdin: &str) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_slotstream"))
         .args(args)
         .stdin(Stdio::piped())

@@ -757,3 +757,66 @@ fn the_memory_plan_charges_the_tower() {
     let text = Checkpoint::open(&fixture_dir("qwen3_5-moe-bf16")).unwrap();
     assert_eq!(slotstream::plan::vision_bytes(&text), 0);
 }
+
+/// `chat --image`: the first turn's reply is `generate --image`'s for the same message
+/// (greedy), the image's tokens counted in its prompt; a second turn keeps the image in
+/// the conversation and reuses the state past it.
+#[test]
+fn chat_takes_images_for_its_first_message() {
+    let dir = crate::common::fixture_with_template(FIXTURE, IMAGE_TEMPLATE);
+    let image = fixture_dir(FIXTURE).join("image1.png");
+    let (model, image) = (dir.path().to_str().unwrap(), image.to_str().unwrap());
+    let common = [
+        "--model", model, "--device", "cpu", "--temp", "0", "-n", "6",
+    ];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
+        .arg("generate")
+        .args(common)
+        .args(["--image", image, "--prompt", "Describe it.", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let args: Vec<&str> = ["chat"]
+        .into_iter()
+        .chain(common)
+        .chain(["--image", image, "--stats"])
+        .collect();
+    let (ok, stdout, stderr) =
+        crate::cli_families::with_stdin(&args, "Describe it.\nAnd again?\n/exit\n");
+    assert!(ok, "{stderr}");
+    let text = want["text"].as_str().unwrap();
+    assert!(
+        stdout.contains(text),
+        "chat printed {stdout:?}, generate {text:?}"
+    );
+    let turns: Vec<(usize, usize)> = stderr
+        .lines()
+        .filter_map(|l| {
+            let l = &l[l.find('[')? + 1..];
+            let (new, rest) = l.split_once(" new prompt tokens, ")?;
+            Some((
+                new.parse().ok()?,
+                rest.split_once(" reused")?.0.parse().ok()?,
+            ))
+        })
+        .collect();
+    assert_eq!(turns.len(), 2, "{stderr}");
+    // The placeholder stands for the image's tokens, as the model's processor counts them.
+    let processor = ImageProcessor::from_dir(dir.path(), &vision_config()).unwrap();
+    let png = std::fs::read(fixture_dir(FIXTURE).join("image1.png")).unwrap();
+    let tokens = (processor
+        .preprocess(&decode(&png, 1 << 24).unwrap())
+        .unwrap())
+    .tokens;
+    let placeholders = want["prompt_ids"].as_array().unwrap().len();
+    assert_eq!(turns[0].0, placeholders - 1 + tokens, "{stderr}");
+    assert!(
+        turns[1].1 > turns[0].0,
+        "the second turn reuses the first's state: {stderr}"
+    );
+}
