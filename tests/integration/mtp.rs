@@ -143,17 +143,7 @@ fn drafted_greedy_equals_plain<B: TestBackend>(backend: &B) {
     }
 }
 
-/// `slotstream generate` on `args` (CPU), its JSON reply.
-fn generate_json(args: &[&str]) -> serde_json::Value {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
-        .args(["generate", "--device", "cpu", "--json"])
-        .args(args)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{args:?}: {err}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
+use crate::serve::generate_json;
 
 /// The CLI drafts with a head from `--mtp-weights` (mlx-lm's ids, drafts counted), and
 /// with a synthetic checkpoint's own head (`synth --mtp-head`) under `--mtp on`, giving

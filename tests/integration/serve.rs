@@ -203,23 +203,21 @@ fn expected_ids() -> Vec<u32> {
 
 /// `slotstream generate --json` on the fixture.
 pub(crate) fn cli_generate(args: &[&str]) -> Value {
+    let model = fixture_dir(NAME);
+    let model_args = ["--model", model.to_str().unwrap()];
+    generate_json(&[&model_args[..], args].concat())
+}
+
+/// `slotstream generate --device cpu --json ARGS` (which name the model), its JSON reply;
+/// panics with its stderr when it fails.
+pub(crate) fn generate_json(args: &[&str]) -> Value {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
-        .args([
-            "generate",
-            "--model",
-            fixture_dir(NAME).to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--json",
-        ])
+        .args(["generate", "--device", "cpu", "--json"])
         .args(args)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {err}");
     serde_json::from_slice(&out.stdout).unwrap()
 }
 

@@ -766,26 +766,18 @@ fn chat_takes_images_for_its_first_message() {
     let dir = crate::common::fixture_with_template(FIXTURE, IMAGE_TEMPLATE);
     let image = fixture_dir(FIXTURE).join("image1.png");
     let (model, image) = (dir.path().to_str().unwrap(), image.to_str().unwrap());
-    let common = [
-        "--model", model, "--device", "cpu", "--temp", "0", "-n", "6",
-    ];
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_slotstream"))
-        .arg("generate")
-        .args(common)
-        .args(["--image", image, "--prompt", "Describe it.", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let common = ["--model", model, "--temp", "0", "-n", "6"];
+    let image_args = ["--image", image];
+    let want = crate::serve::generate_json(
+        &[&common[..], &image_args, &["--prompt", "Describe it."]].concat(),
     );
-    let want: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let args: Vec<&str> = ["chat"]
-        .into_iter()
-        .chain(common)
-        .chain(["--image", image, "--stats"])
-        .collect();
+    let args = [
+        &["chat", "--device", "cpu"][..],
+        &common,
+        &image_args,
+        &["--stats"],
+    ]
+    .concat();
     let (ok, stdout, stderr) =
         crate::cli_families::with_stdin(&args, "Describe it.\nAnd again?\n/exit\n");
     assert!(ok, "{stderr}");
