@@ -147,13 +147,15 @@ pub fn generate<B: Backend, E: ExpertSource>(
     options: &GenerateOptions,
     on_token: impl FnMut(&Sampled) -> Result<bool>,
 ) -> Result<(Vec<u32>, GenerateStats)> {
-    let stops = PrefillStops {
-        at: &[],
-        on_stop: |_: &SequenceState<B>| Ok(()),
-        restored: false,
-    };
     generate_with(
-        model, backend, experts, state, prompt, options, stops, on_token,
+        model,
+        backend,
+        experts,
+        state,
+        prompt,
+        options,
+        no_stops(),
+        on_token,
     )
 }
 
@@ -167,6 +169,15 @@ pub struct PrefillStops<'a, F> {
     /// be finite, else the run ends with [`Error::BrokenSnapshot`] before any stop or
     /// token (a snapshot with a NaN in it gives no finite logit from then on).
     pub restored: bool,
+}
+
+/// A prefill that runs through: no stops, the state not restored.
+fn no_stops<B: Backend>() -> PrefillStops<'static, impl FnMut(&SequenceState<B>) -> Result<()>> {
+    PrefillStops {
+        at: &[],
+        on_stop: |_: &SequenceState<B>| Ok(()),
+        restored: false,
+    }
 }
 
 /// [`generate`], pausing the prefill at `stops`. The prompt runs in pieces of
@@ -225,11 +236,6 @@ pub fn generate_replayed<B: Backend, E: ExpertSource>(
             replay.acceptance
         )));
     }
-    let stops = PrefillStops {
-        at: &[],
-        on_stop: |_: &SequenceState<B>| Ok(()),
-        restored: false,
-    };
     let replaying = Replaying {
         replay,
         rng: StdRng::seed_from_u64(replay.seed),
@@ -242,7 +248,7 @@ pub fn generate_replayed<B: Backend, E: ExpertSource>(
         state,
         prompt,
         options,
-        stops,
+        no_stops(),
         Some(replaying),
         on_token,
     )

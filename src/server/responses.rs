@@ -498,6 +498,19 @@ struct Items {
 }
 
 impl Items {
+    /// No item yet; events numbered from `sequence`.
+    fn new(base: Value, prompt_tokens: usize, sequence: u64) -> Self {
+        Items {
+            done: Vec::new(),
+            open: None,
+            pending: Vec::new(),
+            logprobs: Vec::new(),
+            sequence,
+            base,
+            prompt_tokens,
+        }
+    }
+
     fn event(&mut self, kind: &str, mut data: Value) -> Named {
         data["type"] = json!(kind);
         data["sequence_number"] = json!(self.sequence);
@@ -718,15 +731,7 @@ pub async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
     base["error"] = Value::Null;
     base["incomplete_details"] = Value::Null;
     base["usage"] = Value::Null;
-    let mut items = Items {
-        done: Vec::new(),
-        open: None,
-        pending: Vec::new(),
-        logprobs: Vec::new(),
-        sequence: 0,
-        base,
-        prompt_tokens: turn.prompt_tokens,
-    };
+    let mut items = Items::new(base, turn.prompt_tokens, 0);
     let keep = move |app: &App, response: &Value| {
         if store {
             let mut messages = history.clone();
@@ -784,39 +789,42 @@ mod tests {
     /// Reasoning, text and a call stream as three output items, each added, filled and
     /// done before the next; sequence numbers count up from where they started; the final
     /// response lists the items as they were done (same ids).
+    /// Each of `events` through `items`: the stream events, and the end's response.
+    fn play(
+        items: &mut Items,
+        events: impl IntoIterator<Item = TurnEvent>,
+    ) -> (Vec<Named>, Option<Result<Value, ApiError>>) {
+        let (mut out, mut end) = (Vec::new(), None);
+        for e in events {
+            let (frames, e) = items.frames(e);
+            out.extend(frames);
+            end = e.or(end);
+        }
+        (out, end)
+    }
+
     #[test]
     fn a_reply_streams_as_output_items() {
-        let mut items = Items {
-            done: Vec::new(),
-            open: None,
-            pending: Vec::new(),
-            logprobs: Vec::new(),
-            sequence: 2,
-            base: json!({ "id": "resp_1", "object": "response" }),
-            prompt_tokens: 10,
-        };
+        let mut items = Items::new(json!({ "id": "resp_1", "object": "response" }), 10, 2);
         let call = FunctionCall {
             name: "get_weather".into(),
             arguments: r#"{"city":"Paris"}"#.into(),
         };
-        let mut events = Vec::new();
-        let mut end = None;
-        for e in [
-            TurnEvent::Part(ReplyPart::Reasoning("think".into())),
-            TurnEvent::Part(ReplyPart::Content("Check".into())),
-            TurnEvent::Part(ReplyPart::Content("ing.".into())),
-            TurnEvent::Part(ReplyPart::ToolCall(call)),
-            TurnEvent::Done(Outcome {
-                completion_tokens: 5,
-                finish: Finish::ToolCalls,
-                stats: RequestStats::default(),
-                logprobs: Vec::new(),
-            }),
-        ] {
-            let (out, e) = items.frames(e);
-            events.extend(out);
-            end = e.or(end);
-        }
+        let (events, end) = play(
+            &mut items,
+            [
+                TurnEvent::Part(ReplyPart::Reasoning("think".into())),
+                TurnEvent::Part(ReplyPart::Content("Check".into())),
+                TurnEvent::Part(ReplyPart::Content("ing.".into())),
+                TurnEvent::Part(ReplyPart::ToolCall(call)),
+                TurnEvent::Done(Outcome {
+                    completion_tokens: 5,
+                    finish: Finish::ToolCalls,
+                    stats: RequestStats::default(),
+                    logprobs: Vec::new(),
+                }),
+            ],
+        );
         let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(
             names,
@@ -886,40 +894,29 @@ mod tests {
     /// part; a reasoning token's and a call's are dropped.
     #[test]
     fn logprobs_follow_the_message_text() {
-        let mut items = Items {
-            done: Vec::new(),
-            open: None,
-            pending: Vec::new(),
-            logprobs: Vec::new(),
-            sequence: 0,
-            base: json!({}),
-            prompt_tokens: 1,
-        };
+        let mut items = Items::new(json!({}), 1, 0);
         let (a, b, c) = (
             -rand::random::<f32>(),
             -rand::random::<f32>(),
             -rand::random::<f32>(),
         );
-        let mut events = Vec::new();
-        let mut end = None;
-        for e in [
-            TurnEvent::Logprobs(vec![logprob("think", -0.5)]),
-            TurnEvent::Part(ReplyPart::Reasoning("think".into())),
-            TurnEvent::Logprobs(vec![logprob("He", a), logprob("llo", b)]),
-            TurnEvent::Part(ReplyPart::Content("Hello".into())),
-            TurnEvent::Logprobs(vec![logprob("!", c)]),
-            TurnEvent::Part(ReplyPart::Content("!".into())),
-            TurnEvent::Done(Outcome {
-                completion_tokens: 4,
-                finish: Finish::EndOfTurn,
-                stats: RequestStats::default(),
-                logprobs: Vec::new(),
-            }),
-        ] {
-            let (out, e) = items.frames(e);
-            events.extend(out);
-            end = e.or(end);
-        }
+        let (events, end) = play(
+            &mut items,
+            [
+                TurnEvent::Logprobs(vec![logprob("think", -0.5)]),
+                TurnEvent::Part(ReplyPart::Reasoning("think".into())),
+                TurnEvent::Logprobs(vec![logprob("He", a), logprob("llo", b)]),
+                TurnEvent::Part(ReplyPart::Content("Hello".into())),
+                TurnEvent::Logprobs(vec![logprob("!", c)]),
+                TurnEvent::Part(ReplyPart::Content("!".into())),
+                TurnEvent::Done(Outcome {
+                    completion_tokens: 4,
+                    finish: Finish::EndOfTurn,
+                    stats: RequestStats::default(),
+                    logprobs: Vec::new(),
+                }),
+            ],
+        );
         let values = |v: &Value| -> Vec<(String, f32)> {
             v.as_array()
                 .unwrap()
