@@ -123,9 +123,19 @@ impl Loaded {
                     estimate.describe()
                 );
             }
-            None => eprintln!(
-                "prompt: {prompt_tokens} tokens (no prefill estimate before a prompt is measured: every record is resident)"
-            ),
+            // The estimate comes from a memory plan's reads: none when every record is
+            // resident, or when the pool was sized in slots rather than planned.
+            None => {
+                let why = match self.engine.plan() {
+                    Some(_) => "every record is resident",
+                    None => {
+                        "no memory plan: the pool's size was given, or every record is resident"
+                    }
+                };
+                eprintln!(
+                    "prompt: {prompt_tokens} tokens (no prefill estimate before a prompt is measured: {why})"
+                )
+            }
         }
         Ok(())
     }
